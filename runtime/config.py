@@ -1,0 +1,43 @@
+"""The engine's configuration: one frozen object, built in one place (the CLI or
+`rl.Engine`) and passed explicitly to every process that needs it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything `radixlm serve` can be told. msgspec so it crosses process boundaries."""
+
+    model: str = "default"  # HF directory, GGUF file, or "default" (SmolLM2-135M-Instruct)
+    endpoint: str = ""  # client endpoint; "" = ipc:// in a private 0700 runtime dir
+    device: str = "auto"  # "auto" (cuda if present), "cpu", "cuda", "cuda:N"
+    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16"
+    attention: str = "auto"  # "auto", "torch", "flashinfer"
+    page_size: int = 1
+    kv_tokens: int = 0  # KV pool capacity in tokens; 0 = derive from kv_memory_fraction
+    kv_memory_fraction: float = 0.5  # of free device memory (CUDA) or of RAM (CPU), capped
+    schedule_policy: str = "lpm"  # fcfs | lpm | dfs-weight | shortest-prefill-first
+    max_running: int = 64  # running-request cap
+    chunked_prefill: int = 2048  # prefill token budget per step
+    context_length: int = 0  # 0 = the model's max_position_embeddings
+    retained_cap: int = 0  # cap on retained (pinned + session) tokens; 0 = half the pool
+    default_session_ttl_s: float = 0.0  # 0 = no idle TTL unless a session asks for one
+    host_kv_tokens: int = 0  # host-memory KV tier capacity (tokens); 0 = off
+    threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    log_level: str = "info"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """Addresses one running server uses: the public client socket and the two internal
+    PUSH/PULL sockets between frontend and engine, all in the same private directory."""
+
+    client: str
+    to_engine: str
+    to_frontend: str
+    runtime_dir: str = ""
+    extra: dict[str, str] = field(default_factory=dict)

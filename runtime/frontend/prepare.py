@@ -1,0 +1,111 @@
+"""Turning a request's `Input` into token ids: chat-template rendering and tokenization.
+
+These functions are pure (they read the tokenizer and an immutable `SessionView`) so the
+frontend may run them in worker threads. Text goes through `Tokenizer.encode_batch`, the
+`tokenizers` call that releases the GIL while it runs (plain ``encode`` holds it), so a
+100k-character prompt does not stall the streams of other requests.
+
+Rules (docs/protocol.md states them for clients):
+- ``input_ids`` are used as given.
+- ``text`` is tokenized; at the start of a sequence (no session, or an empty one) with the
+  tokenizer's special tokens (a BOS for Llama-style tokenizers, as ``tokenizer(text)``
+  does), appended to a history without.
+- ``messages`` at the start of a sequence: the full chat-template render. Appended to a
+  session: only their delta markup (`ChatTemplate.render_delta`), preceded, if the
+  session's last turn left an assistant reply open, by the template's end-of-turn markup
+  minus the end token the model already emitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixlm.runtime.frontend.session_state import EMPTY_HISTORY, SessionView
+from radixlm.runtime.frontend.validate import RequestError, check_prompt_length
+from radixlm.runtime.protocol import ErrorCode, Generate, Input, OpenSession, Pin
+from radixlm.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer
+
+
+@dataclass(frozen=True)
+class TextModel:
+    """The model's text side, as the frontend sees it."""
+
+    tokenizer: Tokenizer
+    context_length: int
+    vocab_size: int  # input ids must be below this (the model's embedding rows)
+
+    @property
+    def template(self) -> ChatTemplate | None:
+        return self.tokenizer.chat_template
+
+
+def input_ids(model: TextModel, inp: Input, history: SessionView) -> list[int]:
+    """The tokens `inp` adds to a history (`EMPTY_HISTORY` for a fresh prompt)."""
+    if inp.input_ids is not None:
+        return list(inp.input_ids)
+    tokenizer = model.tokenizer
+    if inp.text is not None:
+        return _encode(tokenizer, inp.text, add_special_tokens=history.empty)
+    assert inp.messages is not None  # check_input ran on the main thread
+    template = model.template
+    if template is None:
+        raise RequestError(
+            ErrorCode.NO_TEMPLATE, "this model has no chat template: send text or input_ids"
+        )
+    try:
+        if history.empty:
+            text = template.render(inp.messages, inp.add_generation_prompt)
+        else:
+            text = template.render_delta(inp.messages, inp.add_generation_prompt)
+            if history.open_assistant:
+                text = _close_assistant_turn(tokenizer, template, history) + text
+    except ChatTemplateError as e:
+        raise RequestError(ErrorCode.INVALID_PARAMS, f"chat template: {e}") from None
+    return _encode(tokenizer, text, add_special_tokens=False)
+
+
+def _encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:
+    return tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+
+def _close_assistant_turn(tokenizer: Tokenizer, template: ChatTemplate, history: SessionView) -> str:
+    last = history.last_token
+    emitted = ""
+    if last is not None and last in tokenizer.eos_token_ids:
+        emitted = tokenizer.decode([last])  # special tokens kept: "<|im_end|>"
+    return template.assistant_end(emitted)
+
+
+def generate_ids(model: TextModel, msg: Generate, history: SessionView | None) -> list[int]:
+    """The ids an `EngineGenerate` carries: the whole prompt, or the append to a session."""
+    ids = input_ids(model, msg.input, history if history is not None else EMPTY_HISTORY)
+    check_prompt_length(
+        len(ids), msg.sampling, model.context_length, in_session=history is not None,
+        prompt_logprobs_start=msg.prompt_logprobs_start,
+    )
+    return ids
+
+
+def open_session_ids(model: TextModel, msg: OpenSession, pin_history: SessionView) -> list[int]:
+    """The ids a new session starts with (after the pin's tokens, if from a pin)."""
+    if msg.input is None:
+        return []
+    ids = input_ids(model, msg.input, pin_history)
+    _check_fits(model, len(ids))
+    return ids
+
+
+def pin_ids(model: TextModel, msg: Pin) -> list[int]:
+    ids = input_ids(model, msg.input, EMPTY_HISTORY)
+    if not ids:
+        raise RequestError(ErrorCode.EMPTY_PROMPT, f"pin {msg.name!r} has an empty input")
+    _check_fits(model, len(ids))
+    return ids
+
+
+def _check_fits(model: TextModel, n: int) -> None:
+    if n > model.context_length:
+        raise RequestError(
+            ErrorCode.TOO_LONG,
+            f"input ({n} tokens) exceeds the context length ({model.context_length})",
+        )

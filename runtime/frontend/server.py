@@ -1,0 +1,623 @@
+"""The frontend's message loop: clients on a ROUTER, the engine on two PUSH/PULL pipes.
+
+One thread owns every socket and all state; tokenization of large inputs runs in a small
+thread pool and comes back through a wake-up pipe, so forwarding the engine's outputs to
+clients never waits for it. The engine never waits on the frontend (its PUSH pipe is
+unbounded) and the frontend never waits on a client (sends are non-blocking; a client's
+ROUTER queue is unbounded, so a client that stops reading costs frontend memory, not
+other clients' latency).
+
+Message handling, in order of arrival per client (see clients.py for the queue):
+- decode (frames.py): not msgpack / not a valid message -> bad_message, an unknown
+  ``"type"`` -> unknown_type; anything but Hello before the handshake ->
+  handshake_required; Hello with another version -> unsupported_version, else Welcome;
+- requests are validated (validate.py), tokenized (prepare.py), then forwarded as
+  `EngineGenerate` / `EngineOpenSession` / `EnginePin` / `EngineAbort` / `EngineCommand`;
+  `Tokenize` is answered here;
+- `StepOutputs` become Chunks and Dones (streams.py); `ToClient` replies are forwarded
+  as they are, after the frontend has looked at them for its own bookkeeping (session
+  views, engine-side errors ending a Generate).
+
+Client disconnects are seen two ways: a send to a vanished client fails
+(``ROUTER_MANDATORY`` -> EHOSTUNREACH), and the socket monitor reports a closed
+connection even for an idle client (clients.py). Either way the frontend forgets the
+client and sends `ClientGone` so the engine aborts its requests, frees their private KV
+and closes its sessions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import queue
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any
+
+import msgspec
+import zmq
+from radixlm.runtime import channel
+from radixlm.runtime.engine.messages import (
+    ClientGone,
+    EngineAbort,
+    EngineCommand,
+    EngineGenerate,
+    EngineOpenSession,
+    EnginePin,
+    EngineReady,
+    StepOutputs,
+    ToClient,
+    ToEngine,
+    TokenOutput,
+    to_frontend_decoder,
+)
+from radixlm.runtime.frontend.clients import ClientRegistry, ClientState, Pending
+from radixlm.runtime.frontend.frames import FrameError, decode_frame
+from radixlm.runtime.frontend.prepare import (
+    TextModel,
+    generate_ids,
+    input_ids,
+    open_session_ids,
+    pin_ids,
+)
+from radixlm.runtime.frontend.session_state import (
+    EMPTY_HISTORY,
+    UNKNOWN_HISTORY,
+    SessionTracker,
+    SessionView,
+    after_append,
+)
+from radixlm.runtime.frontend.streams import RequestStream
+from radixlm.runtime.frontend.validate import (
+    RequestError,
+    check_count,
+    check_generate,
+    check_input,
+)
+from radixlm.runtime.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    CloseSession,
+    Done,
+    Error,
+    ErrorCode,
+    FlushCache,
+    ForkSession,
+    Generate,
+    GetStats,
+    Hello,
+    Input,
+    ListSessions,
+    Ok,
+    OpenSession,
+    Pin,
+    ServerMessage,
+    SessionOpened,
+    SessionsForked,
+    Tokenize,
+    Tokens,
+    TruncateSession,
+    Unpin,
+    Welcome,
+    decode_server,
+    encode,
+)
+from zmq.utils.monitor import parse_monitor_message
+
+log = logging.getLogger("radixlm.frontend")
+
+# Inputs up to this many characters are tokenized on the main thread (a thread hop costs
+# more than encoding them: well under a millisecond); larger ones go to the worker pool.
+INLINE_PREPARE_CHARS = 1024
+# Messages taken from one socket per loop turn, so no source starves the others.
+BATCH = 256
+
+# Looks at an engine reply to a watched rid; True: the reply was the frontend's own and
+# is not forwarded.
+Reply = Callable[[ServerMessage], bool]
+
+
+def welcome_from(ready: EngineReady, server_version: str) -> Welcome:
+    return Welcome(
+        protocol_version=PROTOCOL_VERSION, server_version=server_version, model=ready.model,
+        context_length=ready.context_length, page_size=ready.page_size,
+        kv_capacity=ready.kv_capacity,
+    )
+
+
+def _input_chars(inp: Input | None) -> int:
+    if inp is None:
+        return 0
+    if inp.text is not None:
+        return len(inp.text)
+    if inp.messages is not None:
+        return sum(len(m.content) for m in inp.messages)
+    return 0
+
+
+def _done_future(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
+def _run_job(job: Callable[[], Any]) -> Any:
+    """A preparation job's result, or the RequestError it raised (never raises)."""
+    try:
+        return job()
+    except RequestError as e:
+        return e
+    except Exception as e:  # a bug or a tokenizer failure: an error reply, not a dead loop
+        log.exception("preparing a request failed")
+        return RequestError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+
+class Frontend:
+    """All frontend state and handlers; `serve` runs the loop. Main thread only, except
+    the jobs handed to `executor`."""
+
+    def __init__(self, *, model: TextModel, welcome: Welcome, clients: zmq.Socket[Any],
+                 monitor: zmq.Socket[Any], from_engine: zmq.Socket[Any],
+                 to_engine: zmq.Socket[Any], executor: Executor) -> None:
+        self.model = model
+        self._welcome = encode(welcome)
+        self._sock = clients
+        self._monitor = monitor
+        self._from_engine = from_engine
+        self._to_engine_sock = to_engine
+        self._executor = executor
+        self._keys = itertools.count(1)
+        self._streams: dict[int, RequestStream] = {}
+        self._clients = ClientRegistry()
+        self._sessions = SessionTracker()
+        self._replies: dict[tuple[bytes, str], Reply] = {}  # engine replies the frontend watches
+        self._woken: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._handlers: dict[type, Callable[[ClientState, Any], None]] = {
+            Generate: self._generate,
+            Abort: self._abort,
+            Tokenize: self._tokenize,
+            OpenSession: self._open_session,
+            Pin: self._pin,
+            ForkSession: self._fork_session,
+            TruncateSession: self._truncate_session,
+            CloseSession: self._close_session,
+            Unpin: self._command,
+            ListSessions: self._command,
+            GetStats: self._command,
+            FlushCache: self._command,
+        }
+
+    # -- loop ------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        """Run until interrupted (SIGTERM / KeyboardInterrupt propagate)."""
+        poller = zmq.Poller()
+        poller.register(self._from_engine, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._sock, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self._from_engine in ready:
+                self._drain_engine()
+            if self._monitor in ready:
+                self._drain_monitor()
+            if self._wake_r in ready:
+                self._drain_wakes()
+            if self._sock in ready:
+                self._drain_clients()
+
+    @property
+    def wakeup_fd(self) -> int:
+        """Writing a byte here wakes the loop (worker threads do; signal.set_wakeup_fd may)."""
+        return self._wake_w
+
+    def close(self) -> None:
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def _drain_engine(self) -> None:
+        for _ in range(BATCH):
+            try:
+                data = self._from_engine.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = to_frontend_decoder.decode(data)
+            except msgspec.DecodeError as e:
+                log.error("undecodable message from the engine dropped: %s", e)
+                continue
+            self.on_engine_message(msg)
+
+    def _drain_clients(self) -> None:
+        for _ in range(BATCH):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.on_client_frames(frames)
+
+    def _drain_monitor(self) -> None:
+        while True:
+            try:
+                event = parse_monitor_message(self._monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                identity = self._clients.on_fd(event["value"])
+                if identity is not None:
+                    self._client_gone(identity, "disconnected")
+
+    def _drain_wakes(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_r, 65536)
+        while True:
+            try:
+                identity = self._woken.get_nowait()
+            except queue.Empty:
+                return
+            client = self._clients.get(identity)
+            if client is not None:
+                self._run_pending(client)
+
+    # -- sending ---------------------------------------------------------------------------
+
+    def _send(self, identity: bytes, data: bytes) -> bool:
+        """Send an encoded reply; False (and the client is forgotten) if it is gone."""
+        try:
+            channel.send(self._sock, data, to=identity, flags=zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno != errno.EHOSTUNREACH:
+                raise
+            self._client_gone(identity, "unreachable")
+            return False
+
+    def _reply(self, client: ClientState, msg: msgspec.Struct) -> bool:
+        return self._send(client.identity, encode(msg))
+
+    def _error(self, client: ClientState, rid: str | None, code: str, message: str) -> None:
+        log.debug("error %s for %r: %s", code, rid, message)
+        self._reply(client, Error(rid=rid, code=code, message=message))
+
+    def _to_engine(self, client: ClientState | None, msg: ToEngine) -> None:
+        if client is not None:
+            client.touched_engine = True
+        channel.send(self._to_engine_sock, msg)
+
+    # -- ordered preparation -------------------------------------------------------------
+
+    def _enqueue(self, client: ClientState, job: Callable[[], Any] | None,
+                 then: Callable[[Any], None], *, heavy: bool = False) -> None:
+        """Run `job` (inline, or in the pool if `heavy`), then `then(result)` on this
+        thread once every earlier item of this client has gone."""
+        if heavy and job is not None:
+            future = self._executor.submit(_run_job, job)
+            identity = client.identity
+            future.add_done_callback(lambda _f: self._wake(identity))
+        else:
+            future = _done_future(_run_job(job) if job is not None else None)
+        client.pending.append(Pending(future, then))
+        self._run_pending(client)
+
+    def _wake(self, identity: bytes) -> None:  # worker thread
+        self._woken.put(identity)
+        with contextlib.suppress(BlockingIOError):  # full: wake-ups are pending already
+            os.write(self._wake_w, b"\0")
+
+    def _run_pending(self, client: ClientState) -> None:
+        pending = client.pending
+        while pending and pending[0].future.done():
+            item = pending.popleft()
+            item.then(item.future.result())
+            if self._clients.get(client.identity) is not client:
+                return  # it vanished while replying
+
+    def _forward(self, client: ClientState, msg: ToEngine) -> None:
+        """Send to the engine in the client's order."""
+        self._enqueue(client, None, lambda _r: self._to_engine(client, msg))
+
+    def _watch_reply(self, client: ClientState, rid: str, on_reply: Reply) -> None:
+        self._replies[(client.identity, rid)] = on_reply
+
+    # -- client messages -------------------------------------------------------------------
+
+    def on_client_frames(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        client = self._clients.get(identity) or self._register(identity, frames[0])
+        if len(frames) != 2:
+            self._error(client, None, ErrorCode.BAD_MESSAGE,
+                        f"a message is one frame, got {len(frames) - 1}")
+            return
+        msg = decode_frame(frames[1].bytes)
+        if isinstance(msg, FrameError):
+            self._error(client, msg.rid, msg.code, msg.message)
+            return
+        if isinstance(msg, Hello):
+            self._hello(client, msg)
+            return
+        if not client.welcomed:
+            self._error(client, msg.rid, ErrorCode.HANDSHAKE_REQUIRED,
+                        f"send hello (protocol_version={PROTOCOL_VERSION}) first")
+            return
+        try:
+            self._handlers[type(msg)](client, msg)
+        except RequestError as e:
+            self._error(client, msg.rid, e.code, e.message)
+        except Exception as e:  # a bug: answer it and keep serving everyone else
+            log.exception("handling %s failed", type(msg).__name__)
+            self._error(client, msg.rid, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _register(self, identity: bytes, frame: zmq.Frame) -> ClientState:
+        try:
+            fd = frame.get(zmq.SRCFD)
+        except zmq.ZMQError:
+            fd = -1
+        if fd >= 0 and self._clients.on_fd(fd) is not None:
+            self._drain_monitor()  # the previous owner's disconnect is queued there
+            stale = self._clients.on_fd(fd)
+            if stale is not None:
+                self._client_gone(stale, "its connection was replaced")
+        return self._clients.add(identity, fd)
+
+    def _hello(self, client: ClientState, msg: Hello) -> None:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            self._error(client, None, ErrorCode.UNSUPPORTED_VERSION,
+                        f"this server speaks protocol version {PROTOCOL_VERSION}, "
+                        f"the client {msg.protocol_version}")
+            return
+        client.welcomed = True
+        log.debug("client %s (%r) connected", client.identity.hex(), msg.client_name)
+        self._send(client.identity, self._welcome)
+
+    def _generate(self, client: ClientState, msg: Generate) -> None:
+        if msg.rid in client.inflight:
+            raise RequestError(ErrorCode.DUPLICATE_ID, f"request {msg.rid!r} is already in flight")
+        check_generate(msg, self.model.vocab_size)
+        key = next(self._keys)
+        history = self._sessions.view(msg.session) if msg.session is not None else None
+        stream = RequestStream(key, client.identity, msg.rid, stream=msg.stream, n=msg.n,
+                               sampling=msg.sampling, session=msg.session, inp=msg.input,
+                               tokenizer=self.model.tokenizer, history=history)
+        self._streams[key] = stream
+        client.inflight[msg.rid] = key
+
+        def then(ids: list[int] | RequestError) -> None:
+            if isinstance(ids, RequestError):
+                self._end_request(stream)
+                self._error(client, msg.rid, ids.code, ids.message)
+                return
+            stream.prepared(ids)
+            self._to_engine(client, EngineGenerate(
+                key=key, client=client.identity, rid=msg.rid, input_ids=ids,
+                sampling=msg.sampling, prompt_logprobs_start=msg.prompt_logprobs_start,
+                priority=msg.priority, namespace=msg.namespace, session=msg.session, n=msg.n,
+            ))
+
+        model = self.model
+        self._enqueue(client, lambda: generate_ids(model, msg, history), then,
+                      heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
+
+    def _abort(self, client: ClientState, msg: Abort) -> None:
+        key = client.inflight.get(msg.rid)
+        if key is None:
+            raise RequestError(ErrorCode.NOT_FOUND, f"no request {msg.rid!r} in flight")
+        self._forward(client, EngineAbort(key=key))
+
+    def _tokenize(self, client: ClientState, msg: Tokenize) -> None:
+        check_input(msg.input, self.model.vocab_size)
+
+        def then(ids: list[int] | RequestError) -> None:
+            if isinstance(ids, RequestError):
+                self._error(client, msg.rid, ids.code, ids.message)
+            else:
+                self._reply(client, Tokens(rid=msg.rid, input_ids=ids))
+
+        model = self.model
+        self._enqueue(client, lambda: input_ids(model, msg.input, EMPTY_HISTORY), then,
+                      heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
+
+    def _open_session(self, client: ClientState, msg: OpenSession) -> None:
+        if msg.input is not None:
+            check_input(msg.input, self.model.vocab_size)
+        start = UNKNOWN_HISTORY if msg.pinned is not None else EMPTY_HISTORY
+
+        def then(ids: list[int] | RequestError) -> None:
+            if isinstance(ids, RequestError):
+                self._error(client, msg.rid, ids.code, ids.message)
+                return
+
+            def opened(reply: ServerMessage) -> bool:
+                if isinstance(reply, SessionOpened):
+                    view = after_append(start, msg.input, ids)
+                    if msg.input is None and reply.length == 0:
+                        view = EMPTY_HISTORY
+                    self._sessions.set(reply.session, client.identity, view)
+                return False
+
+            self._watch_reply(client, msg.rid, opened)
+            self._to_engine(client, EngineOpenSession(
+                client=client.identity, rid=msg.rid, input_ids=ids, pinned=msg.pinned,
+                retention=msg.retention, ttl_s=msg.ttl_s, namespace=msg.namespace,
+            ))
+
+        model = self.model
+        self._enqueue(client, lambda: open_session_ids(model, msg, start), then,
+                      heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
+
+    def _pin(self, client: ClientState, msg: Pin) -> None:
+        check_input(msg.input, self.model.vocab_size)
+
+        def then(ids: list[int] | RequestError) -> None:
+            if isinstance(ids, RequestError):
+                self._error(client, msg.rid, ids.code, ids.message)
+                return
+            self._to_engine(client, EnginePin(client=client.identity, rid=msg.rid, name=msg.name,
+                                              input_ids=ids, namespace=msg.namespace))
+
+        model = self.model
+        self._enqueue(client, lambda: pin_ids(model, msg), then,
+                      heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
+
+    def _fork_session(self, client: ClientState, msg: ForkSession) -> None:
+        check_count("n", msg.n)
+
+        def forked(reply: ServerMessage) -> bool:
+            if isinstance(reply, SessionsForked):
+                view = self._sessions.view(msg.session)
+                for session in reply.sessions:
+                    self._sessions.set(session, client.identity, view)
+            return False
+
+        self._watch_reply(client, msg.rid, forked)
+        self._command(client, msg)
+
+    def _truncate_session(self, client: ClientState, msg: TruncateSession) -> None:
+        if msg.length < 0:
+            raise RequestError(ErrorCode.INVALID_PARAMS, f"length must be >= 0, got {msg.length}")
+
+        def truncated(reply: ServerMessage) -> bool:
+            if isinstance(reply, Ok):  # we cannot know where the cut falls: assume a closed turn
+                self._sessions.set(msg.session, client.identity, SessionView(empty=msg.length == 0))
+            return False
+
+        self._watch_reply(client, msg.rid, truncated)
+        self._command(client, msg)
+
+    def _close_session(self, client: ClientState, msg: CloseSession) -> None:
+        def closed(reply: ServerMessage) -> bool:
+            if isinstance(reply, Ok):
+                self._sessions.forget(msg.session)
+            return False
+
+        self._watch_reply(client, msg.rid, closed)
+        self._command(client, msg)
+
+    def _command(self, client: ClientState, msg: Any) -> None:
+        self._forward(client, EngineCommand(client=client.identity, msg=msg))
+
+    # -- engine messages -------------------------------------------------------------------
+
+    def on_engine_message(self, msg: StepOutputs | ToClient | EngineReady) -> None:
+        if isinstance(msg, StepOutputs):
+            for out in msg.outputs:
+                try:
+                    self._on_token_output(out)
+                except Exception as e:  # a bug: fail this request, keep serving the rest
+                    log.exception("output of request key %d failed", out.key)
+                    self._fail_request(out.key, f"{type(e).__name__}: {e}")
+        elif isinstance(msg, ToClient):
+            self._on_reply(msg)
+        else:
+            log.warning("unexpected EngineReady while serving (engine restarted?)")
+
+    def _on_token_output(self, out: TokenOutput) -> None:
+        stream = self._streams.get(out.key)
+        if stream is None:
+            return  # its client is gone (or an error already ended it)
+        if out.finish_reason == "error":  # the engine sent the client an Error for it
+            self._end_request(stream)
+            return
+        chunk, finish_at, done = stream.on_output(out)
+        if chunk is not None and not self._send(stream.client, encode(chunk)):
+            return
+        if finish_at is not None:
+            self._to_engine(None, finish_at)
+        if done is not None:
+            if done.session is not None and done.session_length != out.session_length:
+                self._trim_session(stream.client, done.session, done.session_length, out.key)
+            if not self._send(stream.client, encode(done)):
+                return
+            self._session_after_done(stream, done)
+            if stream.remaining == 0:
+                self._end_request(stream)
+
+    def _session_after_done(self, stream: RequestStream, done: Done) -> None:
+        if stream.session is None:
+            return
+        before = stream.history or UNKNOWN_HISTORY
+        if done.session is not None:  # the branch's history: input + its output
+            view = after_append(before, stream.input, stream.appended, stream.output_ids(done.index))
+            self._sessions.set(done.session, stream.client, view)
+        if done.session != stream.session and stream.remaining == 0:
+            # n > 1: the original session grew by the input only.
+            self._sessions.set(stream.session, stream.client,
+                               after_append(before, stream.input, stream.appended))
+
+    def _trim_session(self, identity: bytes, session: str, length: int | None, key: int) -> None:
+        """Cut a session back to what its Done reports (a stop string matched after the
+        engine had already finished the turn). Sent before the Done, so the client's next
+        turn finds it done; the reply is the frontend's own."""
+        client = self._clients.get(identity)
+        if client is None or length is None:
+            return
+        rid = f"radixlm-internal:trim:{key}"
+
+        def trimmed(reply: ServerMessage) -> bool:
+            if isinstance(reply, Error):
+                log.warning("could not trim session %s after a stop string: %s", session,
+                            reply.message)
+            return True  # not forwarded: the client did not ask
+
+        self._watch_reply(client, rid, trimmed)
+        self._to_engine(client, EngineCommand(
+            client=identity, msg=TruncateSession(rid=rid, session=session, length=length)))
+
+    def _fail_request(self, key: int, message: str) -> None:
+        stream = self._streams.get(key)
+        if stream is None:
+            return
+        self._end_request(stream)
+        self._to_engine(None, EngineAbort(key=key))
+        client = self._clients.get(stream.client)
+        if client is not None:
+            self._error(client, stream.rid, ErrorCode.INTERNAL, message)
+
+    def _end_request(self, stream: RequestStream) -> None:
+        self._streams.pop(stream.key, None)
+        client = self._clients.get(stream.client)
+        if client is not None and client.inflight.get(stream.rid) == stream.key:
+            del client.inflight[stream.rid]
+
+    def _on_reply(self, msg: ToClient) -> None:
+        client = self._clients.get(msg.client)
+        if client is None:
+            return  # gone; the engine has been told
+        try:
+            reply = decode_server(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            log.error("engine sent an undecodable reply: %r", msg.data[:200])
+            return
+        rid = getattr(reply, "rid", None)
+        if rid is not None:
+            on_reply = self._replies.pop((msg.client, rid), None)
+            if on_reply is not None and on_reply(reply):
+                return
+            if isinstance(reply, Error) and rid in client.inflight:
+                stream = self._streams.get(client.inflight[rid])
+                if stream is not None:  # the engine refused a Generate (session busy, ...)
+                    self._end_request(stream)
+        self._send(msg.client, msg.data)
+
+    # -- disconnects -----------------------------------------------------------------------
+
+    def _client_gone(self, identity: bytes, why: str) -> None:
+        client = self._clients.remove(identity)
+        if client is None:
+            return
+        for key in client.inflight.values():
+            self._streams.pop(key, None)
+        client.pending.clear()  # queued work of a gone client never runs
+        self._sessions.forget_client(identity)
+        for watched in [k for k in self._replies if k[0] == identity]:
+            del self._replies[watched]
+        log.log(logging.INFO if client.inflight else logging.DEBUG,
+                "client %s %s: %d request(s) aborted", identity.hex(), why, len(client.inflight))
+        if client.touched_engine:
+            self._to_engine(None, ClientGone(client=identity))

@@ -1,0 +1,85 @@
+"""Checks on client requests that need no tokenizer: they run on the frontend's main
+thread as a message arrives, before anything is queued for the engine.
+
+Each check raises `RequestError` with a stable `ErrorCode`; the frontend turns it into an
+`Error` reply for the request's rid.
+"""
+
+from __future__ import annotations
+
+from radixlm.runtime.protocol import ErrorCode, Generate, Input, SamplingParams
+from radixlm.runtime.sampling import validate_sampling
+
+MAX_N = 64  # branches per request (Generate.n) and sessions per fork
+
+
+class RequestError(Exception):
+    """A request the frontend refuses (or could not prepare): `code` is an `ErrorCode`."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def check_input(inp: Input, vocab_size: int) -> None:
+    """Exactly one of text / input_ids / messages, and ids inside the vocabulary."""
+    given = [name for name in ("text", "input_ids", "messages") if getattr(inp, name) is not None]
+    if len(given) != 1:
+        raise RequestError(
+            ErrorCode.INVALID_PARAMS,
+            f"input needs exactly one of text, input_ids, messages (got {given or 'none'})",
+        )
+    ids = inp.input_ids
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise RequestError(
+            ErrorCode.INVALID_PARAMS, f"input_ids must be in [0, {vocab_size}), got {bad}"
+        )
+
+
+def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
+    problem = validate_sampling(sampling, vocab_size)
+    if problem is not None:
+        raise RequestError(ErrorCode.INVALID_PARAMS, problem)
+
+
+def check_count(name: str, n: int) -> None:
+    if not 1 <= n <= MAX_N:
+        raise RequestError(ErrorCode.INVALID_PARAMS, f"{name} must be in [1, {MAX_N}], got {n}")
+
+
+def check_generate(msg: Generate, vocab_size: int) -> None:
+    """Everything about a Generate that can be judged before tokenization."""
+    check_count("n", msg.n)
+    check_sampling(msg.sampling, vocab_size)
+    check_input(msg.input, vocab_size)
+    start = msg.prompt_logprobs_start
+    if start is not None and start < 0:
+        raise RequestError(
+            ErrorCode.INVALID_PARAMS, f"prompt_logprobs_start must be >= 0, got {start}"
+        )
+
+
+def check_prompt_length(
+    n_prompt: int, sampling: SamplingParams, context_length: int, *, in_session: bool,
+    prompt_logprobs_start: int | None = None,
+) -> None:
+    """After tokenization. A session turn's prompt is history + input, which only the
+    engine knows: it checks those (and the pool size) itself."""
+    if in_session:
+        return
+    if n_prompt == 0:
+        raise RequestError(ErrorCode.EMPTY_PROMPT, "the prompt is empty")
+    if n_prompt + sampling.max_tokens > context_length:
+        raise RequestError(
+            ErrorCode.TOO_LONG,
+            f"prompt ({n_prompt} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "
+            f"context length ({context_length})",
+        )
+    if prompt_logprobs_start is not None and prompt_logprobs_start >= n_prompt:
+        raise RequestError(
+            ErrorCode.INVALID_PARAMS,
+            f"prompt_logprobs_start ({prompt_logprobs_start}) must be below the prompt "
+            f"length ({n_prompt})",
+        )

@@ -1,0 +1,123 @@
+"""Starting and stopping servers: the `radixlm` CLI end to end, SIGTERM, orphans, start-up
+failures, and the CLI's client commands against the shared server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import assert_pool_clean, start_test_server
+from radixlm.runtime.protocol import Done, ListSessions, OpenSession, SessionOpened
+
+CLI = [sys.executable, "-m", "radixlm.runtime.cli"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _runtime_dir_of(pid: int) -> Path:
+    """The launcher passes each child its spec file, inside the runtime directory."""
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    spec = next(a for a in args if a.endswith(b"spec.json"))
+    return Path(os.fsdecode(spec)).parent
+
+
+def test_sigterm_stops_every_process_and_removes_sockets(tmp_path: Path, tiny_model_dir: Path) -> None:
+    socket_path = tmp_path / "radixlm.sock"
+    with start_test_server(tmp_path / "srv", tiny_model_dir, "--endpoint",
+                           f"ipc://{socket_path}") as srv:
+        assert srv.endpoint == f"ipc://{socket_path}" and socket_path.exists()
+        assert len(srv.child_pids) == 2, srv.child_pids  # engine + frontend
+        runtime_dir = _runtime_dir_of(srv.child_pids[0])
+        assert runtime_dir.stat().st_mode & 0o777 == 0o700
+        assert socket_path.stat().st_mode & 0o777 == 0o600
+        with srv.client() as c:
+            assert isinstance(c.generate("Hi", max_tokens=2, temperature=0), Done)
+            assert_pool_clean(c)
+        code = srv.stop()
+        assert code == 0, srv.log()
+        assert not srv.survivors(), "children outlived the server"
+        assert not socket_path.exists(), "client socket left behind"
+        assert not runtime_dir.exists(), "runtime directory left behind"
+        assert not srv.endpoint_file.exists()
+
+
+def test_children_die_with_their_parent(tmp_path: Path) -> None:
+    """PR_SET_PDEATHSIG: a SIGKILLed launcher takes its children with it."""
+    pid_file = tmp_path / "child.pid"
+    child = (
+        "import os, sys, time; from radixlm.runtime.launcher import die_with_parent; "
+        f"die_with_parent(int(sys.argv[1])); open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+        "time.sleep(60)"
+    )
+    parent = (
+        "import os, subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}, str(os.getpid())]); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.05)
+        child_pid = int(pid_file.read_text())
+        assert _alive(child_pid)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child_pid):
+        assert time.monotonic() < deadline, f"child {child_pid} outlived its parent"
+        time.sleep(0.05)
+
+
+def test_engine_start_failure_is_reported(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    proc = subprocess.run([*CLI, "generate", "hi", "--model", str(missing), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc
+    assert "engine process exited with code 1 during start-up" in proc.stderr, proc.stderr
+    assert str(missing) in proc.stderr, proc.stderr  # the engine's own error, not a timeout
+
+
+@pytest.mark.usefixtures("pool_integrity")
+def test_cli_generate_and_sessions_against_a_running_server(server: Any) -> None:
+    with server.client() as c:
+        reference = c.generate("Once upon a time", max_tokens=6, temperature=0, ignore_eos=True)
+    out = subprocess.run(
+        [*CLI, "generate", "Once upon a time", "--endpoint", server.endpoint, "--max-tokens", "6",
+         "--temperature", "0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    if 2 not in reference.token_ids:  # EOS would end the CLI's run (it does not ignore EOS)
+        assert out.stdout == reference.text + "\n"
+
+    with server.client() as owner:
+        opened = owner.call(OpenSession(rid="s"))
+        assert isinstance(opened, SessionOpened)
+        listed = subprocess.run([*CLI, "sessions", "--endpoint", server.endpoint],
+                                capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    header, *rows = listed.stdout.splitlines()
+    assert header.split() == ["SESSION", "LENGTH", "IDLE", "RETENTION", "BUSY", "NAMESPACE"]
+    if "all" in ListSessions.__struct_fields__:  # sessions are listed per client otherwise
+        assert any(row.startswith(opened.session[:12]) for row in rows), listed.stdout
+
+
+def test_serve_refuses_a_public_wildcard_endpoint() -> None:
+    """(The endpoint rules themselves: test_frontend_channel.py.)"""
+    proc = subprocess.run([*CLI, "serve", "--endpoint", "tcp://*:5555"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1 and "tcp://*:5555" in proc.stderr, proc

@@ -1,0 +1,200 @@
+"""The engine process: model, KV pool, prefix cache, sessions and the scheduler loop.
+
+`run_engine(config, endpoints)` binds the PULL socket it reads (`endpoints.to_engine`),
+connects the PUSH socket it writes (`endpoints.to_frontend`), sends `EngineReady`, then
+loops: drain every pending message without blocking, run one scheduler step if there is
+work, send what the step produced (one `StepOutputs` per step), and block on the socket
+for a short while only when idle. It never waits on a client or on tokenization.
+`Shutdown` or SIGTERM stops it at the next iteration.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+from radixlm.cache import KVPool, PrefixCache
+from radixlm.runtime.channel import open_socket
+from radixlm.runtime.config import Endpoints, EngineConfig
+from radixlm.runtime.engine.messages import EngineReady, Shutdown, encode, to_engine_decoder
+from radixlm.runtime.engine.options import SchedulerOptions
+from radixlm.runtime.engine.pool_size import kv_capacity
+from radixlm.runtime.engine.scheduler import Scheduler
+from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.model import ModelConfig, ModelRunner, resolve_device, resolve_dtype
+from radixlm.runtime.model import resolve_model as _resolve_model
+from radixlm.runtime.sampling import Sampler
+from radixlm.tokenizer import Tokenizer
+
+log = logging.getLogger("radixlm.engine")
+
+IDLE_POLL_MS = 100  # nothing to do: wait this long for a message (then tick sessions)
+STALLED_POLL_MS = 5  # work queued but nothing schedulable this step
+STATS_EVERY_S = 10.0
+
+
+@dataclass
+class Engine:
+    """Everything `build_engine` made; `ready` is what the frontend is told."""
+
+    scheduler: Scheduler
+    runner: ModelRunner
+    ready: EngineReady
+
+
+def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> Engine:
+    """Resolve and load the model, size the pool, and wire cache, sessions and scheduler."""
+    t0 = time.perf_counter()
+    if config.threads > 0:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    model_dir = Path(model_dir) if model_dir is not None else _resolve_model(config.model)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    mcfg = ModelConfig.from_dir(model_dir)
+    context = config.context_length or mcfg.max_position_embeddings
+    capacity = kv_capacity(
+        config.kv_tokens, config.kv_memory_fraction, mcfg, device, dtype, config.page_size
+    )
+    pool = KVPool(
+        mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, capacity, config.page_size, dtype, device
+    )
+    runner = ModelRunner(model_dir, device, dtype, pool, config.attention)
+    # "priority": demoted session histories are evicted after plain cache (sessions.py).
+    cache = PrefixCache(capacity, config.page_size, policy="priority")
+    sessions = SessionManager(cache, config, kv_pool=pool)
+    eos = set(mcfg.eos_token_ids)
+    try:
+        eos |= Tokenizer.load(model_dir).eos_token_ids
+    except Exception as e:  # noqa: BLE001 - a checkpoint without tokenizer files still serves ids
+        log.warning("no tokenizer in %s (%s): EOS ids from config.json only", model_dir, e)
+    options = SchedulerOptions.from_config(config, context)
+    sched = Scheduler(
+        cache,
+        runner,
+        Sampler(mcfg.vocab_size, device),
+        options,
+        eos_token_ids=eos,
+        sessions=sessions,
+    )
+    log.info(
+        "loaded %s (%s, %d layers, vocab %d) on %s as %s with %s attention in %.1fs",
+        model_dir.name, mcfg.model_type, mcfg.num_layers, mcfg.vocab_size, device,
+        str(dtype).removeprefix("torch."), runner.attention, time.perf_counter() - t0,
+    )  # fmt: skip
+    log.info(
+        "KV pool: %d tokens (page %d, %.1f MiB), context %d, policy %s, max_running %d, "
+        "chunked prefill %d, EOS %s",
+        capacity, config.page_size, pool.nbytes / 2**20, context, options.policy,
+        options.max_running, options.chunked_prefill, sorted(eos),
+    )  # fmt: skip
+    ready = EngineReady(
+        model=config.model or "default", context_length=context, page_size=config.page_size,
+        kv_capacity=capacity, model_dir=str(model_dir), vocab_size=mcfg.vocab_size,
+    )  # fmt: skip
+    return Engine(sched, runner, ready)
+
+
+class _StopFlag:
+    def __init__(self) -> None:
+        self.set = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        log.info("engine: signal %d, stopping", signum)
+        self.set = True
+
+
+def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
+    """The engine process's main: serve until Shutdown or SIGTERM."""
+    engine = build_engine(config)
+    sched = engine.scheduler
+    stop = _StopFlag()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    ctx: zmq.Context[Any] = zmq.Context()
+    inbox = open_socket(ctx, zmq.PULL, endpoints.to_engine, bind=True)
+    outbox = open_socket(ctx, zmq.PUSH, endpoints.to_frontend, bind=False)
+    try:
+        outbox.send(encode(engine.ready))
+        log.info("engine ready")
+        _serve(sched, inbox, outbox, stop)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        inbox.close(linger=0)
+        outbox.close(linger=0)
+        ctx.term()
+        log.info("engine stopped")
+
+
+def _serve(
+    sched: Scheduler, inbox: zmq.Socket[Any], outbox: zmq.Socket[Any], stop: _StopFlag
+) -> None:
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    report = _ThroughputLog(sched)
+    while not stop.set:
+        while True:  # drain everything pending, never blocking
+            try:
+                data = inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                msg = to_engine_decoder.decode(data)
+            except msgspec.MsgspecError as e:
+                log.error("engine: undecodable message from the frontend dropped: %s", e)
+                continue
+            if isinstance(msg, Shutdown):
+                log.info("engine: shutdown requested")
+                stop.set = True
+                break
+            sched.handle(msg)
+        if stop.set:
+            break
+        sched.maybe_tick()
+        ran = sched.step() if sched.has_work() else False
+        for out in sched.take_outbox():
+            outbox.send(encode(out))
+        report.maybe_log()
+        if not ran:
+            poller.poll(STALLED_POLL_MS if sched.has_work() else IDLE_POLL_MS)
+
+
+class _ThroughputLog:
+    """A line every STATS_EVERY_S while busy: throughput, cache hits, pool use."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.t = time.monotonic()
+        c = sched.counters
+        self.last = (c.generated_tokens, c.computed_tokens, c.prompt_tokens, c.cached_tokens)
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self.t < STATS_EVERY_S:
+            return
+        s, c = self.sched, self.sched.counters
+        cur = (c.generated_tokens, c.computed_tokens, c.prompt_tokens, c.cached_tokens)
+        gen, comp, prompt, cached = (a - b for a, b in zip(cur, self.last, strict=True))
+        dt = now - self.t
+        self.t, self.last = now, cur
+        if not (gen or comp or s.has_work()):
+            return
+        sizes = s.cache.sizes()
+        log.info(
+            "engine: %d running, %d waiting | decode %.1f tok/s, prefill %.1f tok/s | "
+            "cache hit %.1f%% (%d/%d prompt tokens) | pool free %d, evictable %d, "
+            "protected %d, private %d | %d retractions",
+            len(s.running), len(s.waiting), gen / dt, comp / dt,
+            100.0 * cached / prompt if prompt else 0.0, cached, prompt,
+            sizes.free, sizes.evictable, sizes.protected, s.private_tokens(),
+            c.retractions,
+        )  # fmt: skip

@@ -1,0 +1,138 @@
+"""Which waiting requests to admit first, and which to hold back (in-batch dedup).
+
+Policies (SGLang's names):
+- ``fcfs``: arrival order; no prefix matching needed to order.
+- ``lpm``: longest cached prefix first, so requests that hit the tree run while their
+  prefix is still there.
+- ``dfs-weight``: walk the tree depth-first, heaviest subtree (most waiting requests)
+  first, so requests sharing a prefix run back to back.
+- ``shortest-prefill-first``: least uncached work first.
+
+All orders put higher `priority` first and break ties by arrival. Prefix-aware orders
+match every waiting request each step; above `max_matched` waiting requests they fall
+back to FCFS (matching a long queue every step would cost more than it saves).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from radixlm.cache import TreeNode
+from radixlm.runtime.engine.request import Request
+from radixlm.runtime.engine.state import TERMINAL
+
+POLICIES = ("fcfs", "lpm", "dfs-weight", "shortest-prefill-first")
+PREFIX_AWARE = frozenset({"lpm", "dfs-weight", "shortest-prefill-first"})
+
+MatchFn = Callable[[Request], tuple[TreeNode, int]]  # -> (node, cached length)
+
+
+def check_policy(name: str) -> str:
+    if name not in POLICIES:
+        raise ValueError(f"unknown schedule policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return name
+
+
+def order_waiting(
+    policy: str, waiting: Sequence[Request], match: MatchFn, max_matched: int = 128
+) -> list[Request]:
+    """`waiting` in the order admission should try them."""
+    if policy == "fcfs" or len(waiting) > max_matched or len(waiting) <= 1:
+        return sorted(waiting, key=_fcfs_key)
+    matched = {id(r): match(r) for r in waiting}
+    if policy == "lpm":
+        return sorted(waiting, key=lambda r: (-r.group.priority, -matched[id(r)][1], r.arrival))
+    if policy == "shortest-prefill-first":
+        return sorted(
+            waiting,
+            key=lambda r: (-r.group.priority, r.num_tokens - matched[id(r)][1], r.arrival),
+        )
+    if policy == "dfs-weight":
+        order = _dfs_weight(waiting, {k: v[0] for k, v in matched.items()})
+        return sorted(order, key=lambda r: -r.group.priority)  # stable: keeps DFS order
+    raise ValueError(f"unknown schedule policy {policy!r}")
+
+
+def _fcfs_key(r: Request) -> tuple[int, int]:
+    return (-r.group.priority, r.arrival)
+
+
+def _dfs_weight(waiting: Sequence[Request], nodes: dict[int, TreeNode]) -> list[Request]:
+    """SGLang's dfs-weight: a node's weight is the number of waiting requests whose match
+    ends in its subtree; walk the tree depth-first, heaviest child first, emitting each
+    node's requests (in arrival order) after those of its subtree."""
+    at: dict[int, list[Request]] = defaultdict(list)
+    node_of: dict[int, TreeNode] = {}
+    for r in sorted(waiting, key=lambda r: r.arrival):
+        node = nodes[id(r)]
+        at[id(node)].append(r)
+        node_of[id(node)] = node
+    weight: dict[int, int] = defaultdict(int)
+    children: dict[int, list[TreeNode]] = defaultdict(list)
+    roots: list[TreeNode] = []
+    for nid, reqs in at.items():
+        node: TreeNode | None = node_of[nid]
+        while node is not None:  # every ancestor's subtree holds these requests
+            key = id(node)
+            if key not in weight:
+                node_of[key] = node
+                parent = node.parent
+                (roots if parent is None else children[id(parent)]).append(node)
+            weight[key] += len(reqs)
+            node = node.parent
+    out: list[Request] = []
+    # Post-order, heaviest child first: a node's own requests go after its subtree's, so
+    # requests with the longest cached prefix in the heaviest subtree run first.
+    stack: list[tuple[TreeNode, bool]] = [(n, False) for n in sorted(roots, key=_by(weight))]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            out.extend(at.get(id(node), ()))
+            continue
+        stack.append((node, True))
+        # Pushed lightest first, so the heaviest child is popped (visited) next.
+        stack.extend((c, False) for c in sorted(children.get(id(node), ()), key=_by(weight)))
+    return out
+
+
+def _by(weight: dict[int, int]) -> Callable[[TreeNode], int]:
+    return lambda n: weight[id(n)]
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    neq = a[:n] != b[:n]
+    i = int(neq.argmax())
+    return i if neq[i] else n
+
+
+def held_back(
+    cand: Request, cached_len: int, inflight: Sequence[Request], min_shared: int, page_size: int
+) -> bool:
+    """In-batch prefix dedup (SGLang's in-batch prefix caching check): hold `cand` while a
+    request still prefilling shares with it at least `min_shared` tokens that were not
+    cached when that request started, until it has inserted them; `cand` then hits them
+    instead of computing them a second time. A branch of an n > 1 request waits for
+    branch 0's prefill."""
+    dep = cand.after
+    if dep is not None and not dep.group.prefilled and dep.state not in TERMINAL:
+        return True
+    ns = cand.group.namespace
+    limit = cand.num_tokens - 1
+    for f in inflight:
+        if f is cand or f.group.namespace != ns or f.tree_len >= limit:
+            continue
+        n = min(limit, f.num_tokens)
+        if n <= cached_len or f.tokens[cached_len] != cand.tokens[cached_len]:
+            continue  # nothing beyond what `cand` already hits
+        shared = common_prefix_len(cand.tokens[:n], f.tokens[:n])
+        shared -= shared % page_size
+        # `f` found max(f.cached_tokens, 0) cached when admitted: the rest of the shared
+        # prefix is new work it is doing, worth waiting for once it is long enough.
+        if shared - max(f.cached_tokens, 0) >= min_shared and f.tree_len < shared:
+            return True
+    return False

@@ -1,0 +1,71 @@
+"""How many tokens the KV pool holds: `kv_tokens` if given, else a fraction of the memory
+left once the weights are in (device memory on CUDA, available RAM on CPU, capped)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from radixlm.runtime.model import ModelConfig, ModelRunner
+
+log = logging.getLogger(__name__)
+
+CPU_MAX_TOKENS = 262_144  # a CPU pool beyond this only wastes RAM: CPU decode is the limit
+MIN_TOKENS = 256
+
+
+def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """The decoder's parameter bytes in `dtype` (projections, MLP, embeddings)."""
+    h, i = config.hidden_size, config.intermediate_size
+    per_layer = h * config.q_size * 2 + h * config.kv_size * 2 + 3 * h * i + 2 * h
+    embed = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    item = torch.empty((), dtype=dtype).element_size()
+    return (config.num_layers * per_layer + embed) * item
+
+
+def available_ram() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else physical pages available."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_capacity(
+    kv_tokens: int,
+    fraction: float,
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    page_size: int,
+) -> int:
+    """Pool capacity in tokens, a multiple of `page_size`. Call before the weights load:
+    their size is taken out of the free memory measured now."""
+    if kv_tokens > 0:
+        tokens = kv_tokens
+    else:
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {fraction}")
+        per_token = ModelRunner.kv_bytes_per_token(config, dtype)
+        weights = weight_bytes(config, dtype)
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            tokens = int(fraction * max(0, free - weights) // per_token)
+        else:
+            budget = fraction * max(0, available_ram() - weights)
+            tokens = min(int(budget // per_token), CPU_MAX_TOKENS)
+        log.info(
+            "KV pool sized from memory: %.1f MiB per 1k tokens, weights ~%.0f MiB",
+            per_token * 1000 / 2**20, weights / 2**20,
+        )  # fmt: skip
+    tokens -= tokens % page_size
+    if tokens < MIN_TOKENS:
+        raise ValueError(
+            f"the KV pool would hold only {tokens} tokens; give --kv-tokens or free memory"
+        )
+    return tokens

@@ -1,0 +1,153 @@
+"""Requests as the scheduler sees them: a group per client request, a branch per sequence.
+
+A `RequestGroup` is what one `EngineGenerate` / `EngineOpenSession` / `EnginePin` asked
+for; its `n` branches (`Request`) are the sequences that own KV and are scheduled. The
+KV bookkeeping of a branch is four lengths over its own slot table (`slots[i]` is the
+pool slot of position i):
+
+    0 ........ tree_len ........ kv_len ..... alloc_len
+    |  in the tree |  private, computed | private, allocated, not yet written |
+
+`slots[:tree_len]` belong to the radix tree (the path `locked` protects, or pages the
+request handed to the tree at finish); `slots[tree_len:alloc_len]` are the request's
+private slots, so `alloc_len - tree_len` is its share of the pool's `private` count.
+`tree_len` and `alloc_len` are page-aligned, so private pages start page-aligned.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from radixlm.cache import TreeNode
+from radixlm.runtime.engine.state import ReqState
+from radixlm.runtime.protocol import SamplingParams, TopLogprob
+
+__all__ = ["ReqState", "Request", "RequestGroup", "RequestKind"]
+
+
+class RequestKind(enum.Enum):
+    GENERATE = "generate"  # answered with TokenOutputs
+    OPEN_SESSION = "open_session"  # prefill only, then end_turn; answered SessionOpened
+    PIN = "pin"  # prefill only, then SessionManager.pin; answered Pinned
+
+
+@dataclass(eq=False)
+class RequestGroup:
+    """One client request: its prompt, parameters and what its branches share."""
+
+    key: int  # the frontend's key (negative: an engine-internal prefill-only request)
+    kind: RequestKind
+    client: bytes
+    rid: str
+    prompt: np.ndarray  # int64, the full prompt (session history included)
+    sampling: SamplingParams
+    n: int = 1
+    namespace: str | None = None
+    session: str | None = None  # the session this turn appends to
+    prompt_logprobs_start: int | None = None
+    priority: int = 0
+    pin_name: str | None = None
+    appended_len: int = 0  # tokens the client sent (the rest is session history)
+    branches: list[Request] = field(default_factory=list)
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
+    token_limit: int = 0  # prompt + output stops at this many tokens (max_tokens, context)
+    # Filled in as the request runs.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[TopLogprob]] | None = None
+    fork_sessions: list[str] | None = None  # n > 1 with a session: branch i's session
+    session_turn_open: bool = False  # begin_turn done, end_turn/abort_turn still owed
+    prefilled: bool = False  # branch 0 has computed the whole prompt once
+    recomputed_tokens: int = 0
+    restored_tokens: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling.max_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs_start is not None
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One sequence (branch `index` of `group`) and its KV state; see the module doc."""
+
+    group: RequestGroup
+    index: int
+    arrival: int  # global sequence number: FCFS order, and "newest" for retraction
+    tokens: np.ndarray  # int64 buffer: prompt, then output; valid up to num_tokens
+    slots: np.ndarray  # int64 buffer: slot of each position; valid up to alloc_len
+    num_tokens: int
+    state: ReqState = ReqState.WAITING
+    output: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    alloc_len: int = 0
+    tree_len: int = 0
+    locked: TreeNode | None = None  # the node this request holds a lock on
+    cached_tokens: int = -1  # prefix-cache hit at first admission (-1: not admitted yet)
+    generator: torch.Generator | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[TopLogprob]] | None = None
+    plp_next: int = 0  # next prompt position whose logprob is still owed
+    after: Request | None = None  # hold in the queue until this one has prefilled
+    session: str | None = None  # the session this branch's history ends up in
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+
+    @classmethod
+    def new(cls, group: RequestGroup, index: int, arrival: int, page_size: int) -> Request:
+        prompt = group.prompt
+        cap = len(prompt) + group.max_tokens
+        tokens = np.empty(max(cap, 1), dtype=np.int64)
+        tokens[: len(prompt)] = prompt
+        slot_cap = -(-cap // page_size) * page_size
+        req = cls(
+            group=group,
+            index=index,
+            arrival=arrival,
+            tokens=tokens,
+            slots=np.empty(max(slot_cap, page_size), dtype=np.int64),
+            num_tokens=len(prompt),
+        )
+        if group.wants_prompt_logprobs and index == 0:
+            # Position 0 has no prediction: logprobs start at token 1 at the earliest.
+            req.plp_next = max(int(group.prompt_logprobs_start or 0), 1)
+        else:
+            req.plp_next = len(prompt)
+        return req
+
+    @property
+    def key(self) -> int:
+        return self.group.key
+
+    @property
+    def private(self) -> int:
+        """Slots this request holds outside the tree."""
+        return self.alloc_len - self.tree_len
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        return self.plp_next < self.group.prompt_len
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return self.group.max_tokens - len(self.output)
+
+    @property
+    def is_prefill_only(self) -> bool:
+        return self.group.kind is not RequestKind.GENERATE or self.group.max_tokens == 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(key={self.key}, index={self.index}, state={self.state.name}, "
+            f"tokens={self.num_tokens}, kv={self.kv_len}, tree={self.tree_len}, "
+            f"alloc={self.alloc_len})"
+        )

@@ -1,0 +1,197 @@
+"""The scheduler's session and pin glue: turns hit their history, n > 1 turns branch into
+new sessions, pins are prefilled once, and retained KV never deadlocks the pool."""
+
+from __future__ import annotations
+
+import numpy as np
+import test_scheduler_harness as harness
+from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.engine.messages import (
+    ClientGone,
+    EngineAbort,
+    EngineCommand,
+    EngineOpenSession,
+    EnginePin,
+)
+from radixlm.runtime.protocol import (
+    CloseSession,
+    Error,
+    ErrorCode,
+    FlushCache,
+    ForkSession,
+    GetStats,
+    ListSessions,
+    Ok,
+    Pinned,
+    SamplingParams,
+    SessionList,
+    SessionOpened,
+    SessionsForked,
+    StatsReply,
+    TruncateSession,
+)
+from test_scheduler_harness import hf_greedy, random_prompt
+
+# Fixtures shared with the other scheduler test modules.
+hf = harness.hf
+make_harness = harness.make_harness
+one_thread = harness.one_thread
+scheduler_pool_integrity = harness.scheduler_pool_integrity
+tiny_dir = harness.tiny_dir
+
+C = b"client-1"
+
+
+def open_session(h, input_ids, **kw) -> SessionOpened:
+    h.send(EngineOpenSession(client=C, rid="open", input_ids=list(input_ids), **kw))
+    h.run()
+    reply = h.replies.pop()
+    assert isinstance(reply, SessionOpened), reply
+    return reply
+
+
+def command(h, msg, client=C):
+    h.send(EngineCommand(client=client, msg=msg))
+    return h.replies.pop()
+
+
+def sessions_by_id(h) -> dict:
+    reply = command(h, ListSessions(rid="ls"))
+    assert isinstance(reply, SessionList)
+    return {s.session: s for s in reply.sessions}
+
+
+def test_turns_hit_their_history_and_match_hf(make_harness, hf):
+    rng = np.random.default_rng(20)
+    h = make_harness(sessions=True)
+    first = random_prompt(rng, 30)
+    opened = open_session(h, first)
+    assert opened.length == 30
+    sid = opened.session
+
+    history = list(first)
+    for turn in range(2):
+        appended = random_prompt(rng, 6)
+        key = h.generate(appended, max_tokens=5, client=C, session=sid)
+        h.run()
+        out = h.output(key)
+        assert out == hf_greedy(hf, history + appended, 5)
+        final = h.final[(key, 0)]
+        assert final.session == sid
+        # Turn 0 hits the prefilled input; later turns also the previous output (all of
+        # it but the last token, which was sampled and never run through the model).
+        hit = len(history) if turn == 0 else len(history) - 1
+        assert final.usage.cached_tokens == hit
+        assert final.usage.prompt_tokens == len(history) + len(appended)
+        history += appended + out
+        assert final.session_length == len(history)
+    assert sessions_by_id(h)[sid].length == len(history)
+
+
+def test_busy_abort_and_unknown_sessions(make_harness):
+    rng = np.random.default_rng(21)
+    h = make_harness(sessions=True)
+    sid = open_session(h, random_prompt(rng, 10)).session
+    running = h.generate(random_prompt(rng, 4), max_tokens=20, client=C, session=sid)
+    h.step()
+    h.generate(random_prompt(rng, 4), client=C, session=sid)
+    h.generate(random_prompt(rng, 4), client=b"someone-else", session=sid)
+    codes = [r.code for r in h.replies if isinstance(r, Error)]
+    assert codes == [ErrorCode.BUSY, ErrorCode.NOT_FOUND]
+    h.send(EngineAbort(key=running))
+    assert h.final[(running, 0)].finish_reason == "abort"
+    assert sessions_by_id(h)[sid].length == 10  # an aborted turn leaves the history as it was
+    assert not sessions_by_id(h)[sid].busy
+
+
+def test_n_branches_continue_in_new_sessions(make_harness, hf):
+    rng = np.random.default_rng(22)
+    h = make_harness(sessions=True)
+    base = random_prompt(rng, 20)
+    sid = open_session(h, base).session
+    appended = random_prompt(rng, 5)
+    key = h.generate(appended, n=2, client=C, session=sid,
+                     sampling=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    h.run()
+    prompt = base + appended
+    branches = [h.final[(key, i)] for i in range(2)]
+    listed = sessions_by_id(h)
+    assert listed[sid].length == len(prompt)  # the turn's own session grows by the input
+    for i, b in enumerate(branches):
+        assert h.output(key, i) == hf_greedy(hf, prompt, 4)
+        assert b.session not in (None, sid)
+        assert b.session_length == len(prompt) + 4
+        assert listed[b.session].length == len(prompt) + 4
+    assert branches[0].session != branches[1].session
+
+
+def test_pin_then_open_from_it(make_harness, hf):
+    rng = np.random.default_rng(23)
+    h = make_harness(sessions=True, page_size=4)
+    system = random_prompt(rng, 26)
+    h.send(EnginePin(client=C, rid="pin", name="sys", input_ids=system))
+    h.run()
+    reply = h.replies.pop()
+    assert isinstance(reply, Pinned) and reply.length == 26
+    h.send(EnginePin(client=C, rid="pin2", name="sys", input_ids=system))
+    assert h.replies.pop().code == ErrorCode.DUPLICATE_ID
+    opened = open_session(h, [], pinned="sys")
+    assert opened.length == 26
+    appended = random_prompt(rng, 5)
+    key = h.generate(appended, max_tokens=3, client=C, session=opened.session)
+    h.run()
+    assert h.output(key) == hf_greedy(hf, system + appended, 3)
+    assert h.final[(key, 0)].usage.cached_tokens == 24  # the pin's whole pages
+    stats = command(h, GetStats(rid="s"))
+    assert isinstance(stats, StatsReply) and stats.invariant_ok
+    assert (stats.pins, stats.sessions, stats.running) == (1, 1, 0)
+    assert stats.retained_tokens["pinned"] == 24
+
+
+def test_commands_fork_truncate_close_flush(make_harness):
+    rng = np.random.default_rng(24)
+    h = make_harness(sessions=True)
+    sid = open_session(h, random_prompt(rng, 12)).session
+    forked = command(h, ForkSession(rid="f", session=sid, n=2))
+    assert isinstance(forked, SessionsForked) and len(forked.sessions) == 2
+    assert isinstance(command(h, TruncateSession(rid="t", session=forked.sessions[0], length=5)),
+                      Ok)
+    assert sessions_by_id(h)[forked.sessions[0]].length == 5
+    assert command(h, CloseSession(rid="c", session="missing")).code == ErrorCode.NOT_FOUND
+    for s in [sid, *forked.sessions]:
+        assert isinstance(command(h, CloseSession(rid="c", session=s)), Ok)
+    assert isinstance(command(h, FlushCache(rid="x")), Ok)
+    assert h.cache.sizes().evictable == 0 and h.cache.sizes().protected == 0
+
+
+def test_retained_sessions_never_deadlock_the_pool(make_harness, hf):
+    rng = np.random.default_rng(25)
+    cfg = EngineConfig(retained_cap=200)
+    h = make_harness(sessions=True, capacity=256, engine_config=cfg)
+    hard = open_session(h, random_prompt(rng, 100), retention="hard").session
+    soft = open_session(h, random_prompt(rng, 90), retention="soft").session
+    # Cannot fit beside the hard session's 100 tokens: refused up front.
+    h.generate(random_prompt(rng, 120), max_tokens=60)
+    assert h.replies.pop().code == ErrorCode.CAPACITY
+    # Fits only once the idle soft session is demoted (make_room) and its KV evicted.
+    p = random_prompt(rng, 100)
+    key = h.generate(p, max_tokens=40)
+    h.run()
+    assert h.output(key) == hf_greedy(hf, p, 40)
+    listed = sessions_by_id(h)
+    assert listed[soft].retention == "demoted" and listed[hard].retention == "hard"
+
+
+def test_client_gone_aborts_requests_and_closes_sessions(make_harness):
+    rng = np.random.default_rng(26)
+    h = make_harness(sessions=True)
+    sid = open_session(h, random_prompt(rng, 10)).session
+    key = h.generate(random_prompt(rng, 5), max_tokens=30, client=C, session=sid)
+    other = h.generate(random_prompt(rng, 5), max_tokens=3, client=b"other")
+    h.step()
+    h.send(ClientGone(client=C))
+    assert h.final[(key, 0)].finish_reason == "abort"
+    h.run()
+    assert len(h.output(other)) == 3
+    assert sessions_by_id(h) == {}
+    assert h.cache.sizes().protected == 0

@@ -33,9 +33,8 @@ pytestmark = [
 
 
 def history_in_cache(turn: dict, page_size: int) -> int:
-    """A turn's history as the next turn finds it cached: all but the last generated token
-    (sampled, not yet run through the model), in whole pages."""
-    n_tokens = turn["session_length"] - 1
+    """A turn's history as the next turn finds it cached: all of it, in whole pages."""
+    n_tokens = turn["session_length"]
     return n_tokens - n_tokens % page_size
 
 

@@ -78,10 +78,9 @@ def test_turns_hit_their_history_and_match_hf(make_harness, hf):
         assert out == hf_greedy(hf, history + appended, 5)
         final = h.final[(key, 0)]
         assert final.session == sid
-        # Turn 0 hits the prefilled input; later turns also the previous output (all of
-        # it but the last token, which was sampled and never run through the model).
-        hit = len(history) if turn == 0 else len(history) - 1
-        assert final.usage.cached_tokens == hit
+        # Every turn hits the whole previous history, the previous output included (its
+        # last sampled token was run through the model before that turn ended).
+        assert final.usage.cached_tokens == len(history)
         assert final.usage.prompt_tokens == len(history) + len(appended)
         history += appended + out
         assert final.session_length == len(history)

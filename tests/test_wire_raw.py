@@ -176,10 +176,9 @@ def test_streamed_generation(ready: RawClient) -> None:
 
 
 def history_in_cache(done: dict[str, Any], page_size: int) -> int:
-    """How much of a turn's history the next turn finds cached: all of it but the last
-    generated token, which has been sampled but not yet run through the model (its KV is
-    computed with the next turn's input), in whole pages."""
-    n_tokens = done["session_length"] - 1
+    """How much of a turn's history the next turn finds cached: all of it (the engine runs
+    a turn's last sampled token through the model before the turn ends), in whole pages."""
+    n_tokens = done["session_length"]
     return n_tokens - n_tokens % page_size
 
 

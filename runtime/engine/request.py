@@ -99,6 +99,9 @@ class Request:
     plp_next: int = 0  # next prompt position whose logprob is still owed
     after: Request | None = None  # hold in the queue until this one has prefilled
     session: str | None = None  # the session this branch's history ends up in
+    # A session turn that has sampled its last token: one more forward computes that
+    # token's KV before the turn ends, so the next turn hits the whole history.
+    pending_end: tuple[str, int | str | None] | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 

@@ -358,6 +358,9 @@ class Scheduler:
             del r.logprobs[keep:]
         if r.top_logprobs is not None:
             del r.top_logprobs[keep:]
+        if g.session is not None and r.state is ReqState.DECODING and r.kv_len < r.num_tokens:
+            r.pending_end = ("stop", msg.matched_stop)  # kept tokens' KV first (see _sample)
+            return
         self._end(r, ReqState.FINISHED, "stop", msg.matched_stop)
 
     def _on_client_gone(self, client: bytes) -> None:
@@ -450,7 +453,7 @@ class Scheduler:
                 # Alone and still no room: pins and hard sessions hold the rest of the pool.
                 log.warning("request %s stopped at %d tokens: the KV pool is full of "
                             "retained sessions/pins", victim.group.rid, len(victim.output))
-                self._end(victim, ReqState.FINISHED, "length")
+                self._end(victim, ReqState.FINISHED, *(victim.pending_end or ("length", None)))
             else:
                 self._retract(victim)
             if victim in decoding:
@@ -649,6 +652,9 @@ class Scheduler:
             if r.state is decoding:  # the hot path: one token in, one token out
                 r.kv_len += ext
                 row += ext - s.logits_from
+                if r.pending_end is not None:  # its last token's KV is now computed
+                    self._end(r, ReqState.FINISHED, *r.pending_end)
+                    continue
                 to_sample.append(r)
                 rows.append(row - 1)
                 continue
@@ -723,9 +729,20 @@ class Scheduler:
             outputs.append(out)
             g = r.group
             if tok in g.stop_ids:
-                self._end(r, ReqState.FINISHED, "stop", tok, out=out)
+                self._finish_sampled(r, "stop", tok, out)
             elif n + 1 >= g.token_limit:
-                self._end(r, ReqState.FINISHED, "length", out=out)
+                self._finish_sampled(r, "length", None, out)
+
+    def _finish_sampled(
+        self, r: Request, reason: str, matched: int | None, out: TokenOutput
+    ) -> None:
+        """A session turn ends one step later: its last sampled token still needs its KV
+        (one more decode row, no sampling), or the next turn would miss that token.
+        Plain requests end at once; their last token joins no history."""
+        if r.group.session is not None:
+            r.pending_end = (reason, matched)
+            return
+        self._end(r, ReqState.FINISHED, reason, matched, out=out)
 
     # ============================================================ ending requests
     def _cache_kv(self, r: Request) -> TreeNode:
@@ -739,7 +756,11 @@ class Scheduler:
 
     def _retract(self, r: Request) -> None:
         """Give the pool back: computed KV → cache, private slots → free; requeue with the
-        output kept (it resumes as prompt + output so far)."""
+        output kept (it resumes as prompt + output so far). A turn that only waits for its
+        last token's KV ends now instead (that token is recomputed by the next turn)."""
+        if r.pending_end is not None:
+            self._end(r, ReqState.FINISHED, *r.pending_end)
+            return
         self._cache_kv(r)
         kv.detach(self.cache, r)
         self.running.remove(r)

@@ -30,20 +30,30 @@ token's) and ``top_logprobs`` (that many alternatives, most likely first).
 
 Parameters are read by attribute from any object shaped like `radixlm.runtime.protocol.
 SamplingParams` (this module does not import the protocol). `validate_sampling` checks
-them before a request is admitted.
+them before a request is admitted; it and the constants live in the torch-free
+`radixlm.runtime.sampling_params` (the frontend imports that) and are re-exported here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+from radixlm.runtime.sampling_params import (
+    GREEDY_EPS,
+    MAX_TOP_LOGPROBS,
+    PENALTY_RANGE,
+    SamplingParamsLike,
+    validate_sampling,
+)
 
 __all__ = [
+    "GREEDY_EPS",
     "MAX_TOP_LOGPROBS",
+    "PENALTY_RANGE",
     "PromptLogprobs",
     "SampleOutput",
     "Sampler",
@@ -53,30 +63,8 @@ __all__ = [
     "validate_sampling",
 ]
 
-GREEDY_EPS = 1e-5  # temperatures at or below this are greedy
-MAX_TOP_LOGPROBS = 20
-PENALTY_RANGE = (-2.0, 2.0)  # frequency / presence penalties (OpenAI's range)
 _PROMPT_LOGPROB_CHUNK = 1024  # rows per log_softmax in prompt_logprobs (bounds memory)
 _TOP_P_CANDIDATES = 1024  # logits sorted per row for top-p before falling back to all
-
-
-class SamplingParamsLike(Protocol):
-    """The attributes read here (``radixlm.runtime.protocol.SamplingParams`` has them)."""
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    frequency_penalty: float
-    presence_penalty: float
-    repetition_penalty: float
-    seed: int | None
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: bool
-    top_logprobs: int
 
 
 class SampleOutput(NamedTuple):
@@ -373,70 +361,3 @@ def prompt_logprobs(
         if top is not None:
             top.extend(_top_pairs(chunk, [top_n] * chunk.shape[0], top_n))
     return PromptLogprobs(values, top)
-
-
-# -- validation -------------------------------------------------------------------------
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _integer(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def validate_sampling(params: SamplingParamsLike, vocab_size: int | None = None) -> str | None:
-    """A clear message for the first invalid field of `params`, or None if all are valid.
-
-    ``max_tokens == 0`` is allowed (a prompt-only request, e.g. prompt logprobs).
-    `vocab_size`, if given, bounds ``stop_token_ids``.
-    """
-    floats = (
-        "temperature",
-        "top_p",
-        "min_p",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-    )
-    for name in floats:
-        value = getattr(params, name)
-        if not _number(value) or not math.isfinite(value):
-            return f"{name} must be a finite number, got {value!r}"
-    for name in ("max_tokens", "top_k", "top_logprobs"):
-        value = getattr(params, name)
-        if not _integer(value):
-            return f"{name} must be an integer, got {value!r}"
-
-    if params.max_tokens < 0:
-        return f"max_tokens must be >= 0 (0: score the prompt only), got {params.max_tokens}"
-    if params.temperature < 0:
-        return f"temperature must be >= 0 (0 means greedy), got {params.temperature}"
-    if not 0.0 < params.top_p <= 1.0:
-        return f"top_p must be in (0, 1], got {params.top_p}"
-    if params.top_k < -1:
-        return f"top_k must be -1 or 0 (off) or a positive integer, got {params.top_k}"
-    if not 0.0 <= params.min_p <= 1.0:
-        return f"min_p must be in [0, 1], got {params.min_p}"
-    lo, hi = PENALTY_RANGE
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(params, name)
-        if not lo <= value <= hi:
-            return f"{name} must be in [{lo:g}, {hi:g}], got {value}"
-    if params.repetition_penalty <= 0:
-        return f"repetition_penalty must be > 0 (1 = off), got {params.repetition_penalty}"
-    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
-        return f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs}"
-
-    seed = params.seed
-    if seed is not None and (not _integer(seed) or not -(1 << 63) <= seed < (1 << 64)):
-        return f"seed must be an integer in [-2**63, 2**64), got {seed!r}"
-    for s in params.stop:
-        if not isinstance(s, str) or not s:
-            return f"stop strings must be non-empty strings, got {s!r}"
-    for t in params.stop_token_ids:
-        if not _integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-            bound = f" and < vocab size {vocab_size}" if vocab_size is not None else ""
-            return f"stop_token_ids must be integers >= 0{bound}, got {t!r}"
-    return None

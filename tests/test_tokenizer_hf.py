@@ -13,6 +13,8 @@ import importlib.util
 import json
 import random
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -150,6 +152,33 @@ def test_encode_decode_match_transformers(tok, hf_tok, text):
 def test_encode_batch_and_add_special_tokens(tok, hf_tok):
     assert tok.encode_batch(TEXTS) == [tok.encode(t) for t in TEXTS]
     assert tok.encode("hi", add_special_tokens=True) == hf_tok.encode("hi", add_special_tokens=True)
+
+
+def test_long_encode_matches_transformers_and_lets_other_threads_run(tok, hf_tok):
+    text = "".join(TEXTS) * (120_000 // len("".join(TEXTS)) + 1)
+    ticks: list[float] = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        start = time.perf_counter()
+        ids = tok.encode(text)
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join()
+    during = [start, *[t for t in ticks if start < t < end], end]
+    longest_stall = max(b - a for a, b in zip(during, during[1:], strict=False))
+    # Holding the GIL would stall the ticker for the whole encode.
+    assert longest_stall < 0.5 * (end - start), (longest_stall, end - start)
+    assert ids == hf_tok.encode(text, add_special_tokens=False)
 
 
 @settings(
@@ -307,6 +336,9 @@ _DETOK_TEXT = st.lists(
 ).map("".join)
 
 
+_REPLACEMENT = "\ufffd"
+
+
 def _chunked(ids: list[int], cuts: list[int]) -> list[list[int]]:
     points = sorted({c % (len(ids) + 1) for c in cuts})
     out, last = [], 0
@@ -342,14 +374,61 @@ def test_incremental_detok_equals_full_decode(tok, hf_tok, text, noise, cuts, sk
 def test_incremental_detok_never_emits_broken_utf8(tok, text, cuts):
     ids = tok.encode(text)
     assume(tok.decode(ids) == text)  # SmolLM2's byte alphabet lacks a few rare UTF-8 lead bytes
+    assume(_REPLACEMENT not in text)  # a text may hold U+FFFD itself, which is then emitted
     detok = IncrementalDetokenizer(tok)
     out = ""
     for chunk in _chunked(ids, cuts):
         delta = detok.feed(chunk)
-        assert "\ufffd" not in delta  # valid input text: no replacement char ever escapes
+        assert _REPLACEMENT not in delta  # valid input text: no replacement char ever escapes
         out += delta
     out += detok.flush()
     assert out == tok.decode(ids, skip_special_tokens=True)
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(text=_DETOK_TEXT, noise=st.lists(st.integers(0, 49151), max_size=6), skip=st.booleans())
+def test_incremental_detok_token_by_token_equals_full_decode(tok, hf_tok, text, noise, skip):
+    # One token per step, as the engine streams: the memoised one-token path.
+    ids = tok.encode(text) + noise
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    out = "".join(detok.feed([t]) for t in ids) + detok.flush()
+    assert out == hf_tok.decode(ids, skip_special_tokens=skip)
+
+
+class _CountingDecoder:
+    """A tokenizer seen through its decode and token_text, counting window decodes."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok = tok
+        self.calls = 0
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        self.calls += 1
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int, skip_special_tokens: bool = False) -> str:
+        return self.tok.token_text(token_id, skip_special_tokens)
+
+
+def test_incremental_detok_decodes_once_per_streamed_token(tok):
+    text = "Streaming text, one token per step: plain words and punctuation only. " * 4
+    ids = tok.encode(text)
+    counting = _CountingDecoder(tok)
+    detok = IncrementalDetokenizer(counting)
+    out = "".join(detok.feed([t]) for t in ids) + detok.flush()
+    assert out == text
+    assert counting.calls == len(ids)
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_token_text_is_the_one_token_decode(tok, hf_tok, skip):
+    ids = [*range(0, 49152, 997), *sorted(tok.all_special_ids), 49151]
+    for _ in range(2):  # the second pass reads the memo
+        assert [tok.token_text(t, skip) for t in ids] == [
+            hf_tok.decode([t], skip_special_tokens=skip) for t in ids
+        ]
 
 
 def test_incremental_detok_one_token_at_a_time_multibyte(tok):

@@ -30,6 +30,11 @@ class StopStringMatcher:
                 unique.append(s)
         self.stops: tuple[str, ...] = tuple(unique)
         self._max_len = max((len(s) for s in self.stops), default=0)
+        # A suffix that may still grow into a stop string is a proper prefix of one: it
+        # starts with a stop's first character and ends with a character of a stop's
+        # proper prefix. Most streamed text ends otherwise and is released without a scan.
+        self._first_chars = frozenset(s[0] for s in self.stops)
+        self._inner_chars = frozenset(c for s in self.stops for c in s[:-1])
         self._held = ""
         self.hit: str | None = None  # the stop string found, once found
 
@@ -77,8 +82,14 @@ class StopStringMatcher:
 
     def _partial_suffix_len(self, buf: str) -> int:
         """Length of the longest suffix of `buf` that is a proper prefix of a stop string."""
-        for k in range(min(len(buf), self._max_len - 1), 0, -1):
-            tail = buf[len(buf) - k :]
-            if any(len(s) > k and s.startswith(tail) for s in self.stops):
-                return k
+        if not buf or buf[-1] not in self._inner_chars:
+            return 0
+        first_chars = self._first_chars
+        n = len(buf)
+        for i in range(max(0, n - self._max_len + 1), n):  # longest suffix first
+            if buf[i] in first_chars:
+                k = n - i
+                tail = buf[i:]
+                if any(len(s) > k and s.startswith(tail) for s in self.stops):
+                    return k
         return 0

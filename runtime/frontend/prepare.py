@@ -2,8 +2,9 @@
 
 These functions are pure (they read the tokenizer and an immutable `SessionView`) so the
 frontend may run them in worker threads. Text goes through `Tokenizer.encode_batch`, the
-`tokenizers` call that releases the GIL while it runs (plain ``encode`` holds it), so a
-100k-character prompt does not stall the streams of other requests.
+`tokenizers` call that releases the GIL while it runs at any length (``encode`` does only
+above `GIL_FREE_ENCODE_CHARS`), so a 100k-character prompt does not stall the streams of
+other requests.
 
 Rules (docs/protocol.md states them for clients):
 - ``input_ids`` are used as given.

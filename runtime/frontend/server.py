@@ -70,7 +70,7 @@ from radixlm.runtime.frontend.session_state import (
     SessionView,
     after_append,
 )
-from radixlm.runtime.frontend.streams import RequestStream
+from radixlm.runtime.frontend.streams import Outcome, RequestStream
 from radixlm.runtime.frontend.validate import (
     RequestError,
     check_count,
@@ -114,6 +114,8 @@ log = logging.getLogger("radixlm.frontend")
 INLINE_PREPARE_CHARS = 1024
 # Messages taken from one socket per loop turn, so no source starves the others.
 BATCH = 256
+
+_SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 # Looks at an engine reply to a watched rid; True: the reply was the frontend's own and
 # is not forwarded.
@@ -164,6 +166,7 @@ class Frontend:
                  to_engine: zmq.Socket[Any], executor: Executor) -> None:
         self.model = model
         self._welcome = encode(welcome)
+        self._encode_reply = msgspec.msgpack.Encoder().encode  # the chunk path's own encoder
         self._sock = clients
         self._monitor = monitor
         self._from_engine = from_engine
@@ -269,9 +272,16 @@ class Frontend:
     # -- sending ---------------------------------------------------------------------------
 
     def _send(self, identity: bytes, data: bytes) -> bool:
-        """Send an encoded reply; False (and the client is forgotten) if it is gone."""
+        """Send an encoded reply; False (and the client is forgotten) if it is gone.
+
+        Two `send` calls rather than `send_multipart` (channel.send): this runs once per
+        streamed chunk, and pyzmq's send_multipart costs several microseconds more in
+        Python. A vanished client fails on the identity frame, before anything is queued.
+        """
+        sock = self._sock
         try:
-            channel.send(self._sock, data, to=identity, flags=zmq.NOBLOCK)
+            sock.send(identity, _SEND_MORE)
+            sock.send(data, zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             if e.errno != errno.EHOSTUNREACH:
@@ -506,25 +516,44 @@ class Frontend:
 
     def on_engine_message(self, msg: StepOutputs | ToClient | EngineReady) -> None:
         if isinstance(msg, StepOutputs):
-            for out in msg.outputs:
-                try:
-                    self._on_token_output(out)
-                except Exception as e:  # a bug: fail this request, keep serving the rest
-                    log.exception("output of request key %d failed", out.key)
-                    self._fail_request(out.key, f"{type(e).__name__}: {e}")
+            self._on_step(msg.outputs)
         elif isinstance(msg, ToClient):
             self._on_reply(msg)
         else:
             log.warning("unexpected EngineReady while serving (engine restarted?)")
 
-    def _on_token_output(self, out: TokenOutput) -> None:
-        stream = self._streams.get(out.key)
-        if stream is None:
-            return  # its client is gone (or an error already ended it)
+    def _on_step(self, outputs: list[TokenOutput]) -> None:
+        """One scheduler step's outputs. The common case (a streamed token of a running
+        request) is handled inline: this loop runs once per token of every request."""
+        streams = self._streams
+        encode_reply = self._encode_reply
+        send = self._send
+        for out in outputs:
+            stream = streams.get(out.key)
+            if stream is None:
+                continue  # its client is gone (or an error already ended it)
+            try:
+                if out.finish_reason is None:
+                    chunk, finish_at, done = stream.on_output(out)
+                    if finish_at is None and done is None:
+                        if chunk is not None:
+                            send(stream.client, encode_reply(chunk))
+                        continue
+                    self._on_token_output(stream, out, (chunk, finish_at, done))
+                else:
+                    self._on_token_output(stream, out, None)
+            except Exception as e:  # a bug: fail this request, keep serving the rest
+                log.exception("output of request key %d failed", out.key)
+                self._fail_request(out.key, f"{type(e).__name__}: {e}")
+
+    def _on_token_output(self, stream: RequestStream, out: TokenOutput,
+                         outcome: Outcome | None) -> None:
+        """An output that ends a branch or stops at a stop string (`outcome`: what
+        `stream.on_output(out)` returned, None if not called yet)."""
         if out.finish_reason == "error":  # the engine sent the client an Error for it
             self._end_request(stream)
             return
-        chunk, finish_at, done = stream.on_output(out)
+        chunk, finish_at, done = outcome if outcome is not None else stream.on_output(out)
         if chunk is not None and not self._send(stream.client, encode(chunk)):
             return
         if finish_at is not None:

@@ -90,16 +90,17 @@ class RequestStream:
         """The request's ids are known: the detokenizers take the prompt's tail as context."""
         self.appended = ids
 
-    def _branch(self, index: int) -> _Branch:
-        branch = self._branches[index]
-        if branch is None:
-            branch = self._branches[index] = _Branch(self._tokenizer, self.appended, self._sampling)
+    def _new_branch(self, index: int) -> _Branch:
+        branch = self._branches[index] = _Branch(self._tokenizer, self.appended, self._sampling)
         return branch
 
     def on_output(self, out: TokenOutput) -> Outcome:
-        if not 0 <= out.index < len(self._branches):
+        # Runs once per streamed token of every request: attribute reads are kept few.
+        index = out.index
+        branches = self._branches
+        if not 0 <= index < len(branches):
             return _NOTHING
-        b = self._branch(out.index)
+        b = branches[index] or self._new_branch(index)
         if b.done:
             return _NOTHING
         final = out.finish_reason is not None
@@ -107,29 +108,37 @@ class RequestStream:
             return Outcome(done=self._finish(b, out)) if final else _NOTHING
 
         start = b.sent
+        ids = out.token_ids
         if b.stop is None:
-            text = b.detok.feed(out.token_ids) if out.token_ids else ""
+            text = b.detok.feed(ids) if ids else ""
             if final:
                 text += b.detok.flush()
-            b.token_ids.extend(out.token_ids)
-            b.sent = len(b.token_ids)
+            token_ids = b.token_ids
+            token_ids += ids
+            sent = b.sent = len(token_ids)
         else:
-            text = self._feed_with_stops(b, out.token_ids, final)
-        self._add_logprobs(b, out)
+            text = self._feed_with_stops(b, ids, final)
+            sent = b.sent
+        if out.logprobs or out.top_logprobs:
+            self._add_logprobs(b, out)
         b.texts.append(text)
 
         chunk = None
-        if self.stream and (text or b.sent > start):
+        if self.stream and (text or sent > start):
+            logprobs, top_logprobs = b.logprobs, b.top_logprobs
             chunk = Chunk(
-                rid=self.rid, text=text, token_ids=b.token_ids[start:b.sent],
-                logprobs=b.logprobs[start:b.sent] if b.logprobs is not None else None,
-                top_logprobs=b.top_logprobs[start:b.sent] if b.top_logprobs is not None else None,
-                index=out.index,
+                rid=self.rid, text=text, token_ids=b.token_ids[start:sent],
+                logprobs=logprobs[start:sent] if logprobs is not None else None,
+                top_logprobs=top_logprobs[start:sent] if top_logprobs is not None else None,
+                index=index,
             )
+        if not final and b.hit is None:
+            # NamedTuple's own __new__ is Python code; this is its C equivalent.
+            return tuple.__new__(Outcome, (chunk, None, None))
         finish_at = None
         if b.hit is not None and not final:
             finish_at = EngineFinishAt(key=self.key, keep_tokens=b.kept or 0, matched_stop=b.hit,
-                                       index=out.index)
+                                       index=index)
         return Outcome(chunk, finish_at, self._finish(b, out) if final else None)
 
     @staticmethod

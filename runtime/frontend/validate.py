@@ -8,7 +8,7 @@ Each check raises `RequestError` with a stable `ErrorCode`; the frontend turns i
 from __future__ import annotations
 
 from radixlm.runtime.protocol import ErrorCode, Generate, Input, SamplingParams
-from radixlm.runtime.sampling import validate_sampling
+from radixlm.runtime.sampling_params import validate_sampling
 
 MAX_N = 64  # branches per request (Generate.n) and sessions per fork
 

@@ -1,0 +1,165 @@
+"""Reference attention in plain PyTorch (CPU and CUDA), reading K/V through slot indices.
+
+- Requests with one new token (decode) are attended together: their K/V are gathered
+  into a padded `[B, Hkv, Lmax, D]` batch and the query heads of each KV head ride in the
+  query-length dimension (`[B, Hkv, G, D]`), so GQA needs no repeat; padding is masked.
+- Requests with several new tokens (prefill, with or without a cached prefix) get one SDPA
+  call each, causal with an offset (new token i sees the prefix and new tokens <= i). With
+  no prefix the new K/V are used directly, not re-read from the pool.
+- A single request whose slots are consecutive reads the pool through a view (no gather).
+Everything that depends only on the batch is computed once in `plan`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .base import AttentionBackend
+
+
+@dataclass
+class _Prefill:
+    q_start: int
+    q_end: int
+    kv: torch.Tensor | slice | None  # pool rows to read; None: use the new k/v directly
+    mask: torch.Tensor | None  # [1, 1, n, L] bool (True = attend); None with kv None: causal
+
+
+@dataclass
+class _Decode:
+    rows: torch.Tensor | None  # token rows of the decode requests; None: all rows, in order
+    kv: torch.Tensor | slice  # [B, Lmax] pool rows, or a slice for one contiguous request
+    mask: torch.Tensor | None  # [B, 1, 1, Lmax] bool, None when no padding
+
+
+def _contiguous_run(slots: np.ndarray) -> slice | None:
+    """A slice if `slots` is a run of consecutive integers."""
+    n = slots.shape[0]
+    if (
+        n
+        and int(slots[-1]) - int(slots[0]) == n - 1
+        and (n < 3 or bool(np.all(np.diff(slots) == 1)))
+    ):
+        return slice(int(slots[0]), int(slots[-1]) + 1)
+    return None
+
+
+class TorchAttention(AttentionBackend):
+    name = "torch"
+
+    def plan(self, batch) -> None:
+        dev = self.device
+        self.out_slots = batch.out_slots
+        self.num_tokens = batch.num_tokens
+        kv_cpu = batch.kv_indices_cpu
+        if kv_cpu is None:
+            kv_cpu = batch.kv_indices.cpu()
+        kv_np = kv_cpu.numpy()
+        ext, seq = batch.extend_lens, batch.seq_lens
+        starts = np.zeros(len(seq) + 1, dtype=np.int64)
+        np.cumsum(seq, out=starts[1:])
+        q_starts = np.zeros(len(ext) + 1, dtype=np.int64)
+        np.cumsum(ext, out=q_starts[1:])
+
+        dec = [r for r, e in enumerate(ext) if e == 1]
+        self.decode: _Decode | None = None
+        if dec:
+            self.decode = self._plan_decode(dec, seq, starts, q_starts, kv_np, len(dec) == len(ext))
+
+        self.prefills: list[_Prefill] = []
+        for r, n in enumerate(ext):
+            if n == 1:
+                continue
+            s = seq[r]
+            prefix = s - n
+            qs, qe = int(q_starts[r]), int(q_starts[r + 1])
+            if prefix == 0:
+                self.prefills.append(_Prefill(qs, qe, None, None))
+                continue
+            slots = kv_np[starts[r] : starts[r + 1]]
+            run = _contiguous_run(slots)
+            kv = run if run is not None else torch.from_numpy(slots).to(dev)
+            i = torch.arange(n, device=dev)[:, None]
+            j = torch.arange(s, device=dev)[None, :]
+            self.prefills.append(_Prefill(qs, qe, kv, (j <= i + prefix)[None, None]))
+
+    def _plan_decode(self, dec, seq, starts, q_starts, kv_np, all_decode) -> _Decode:
+        dev = self.device
+        lens = np.asarray([seq[r] for r in dec], dtype=np.int64)
+        rows = None if all_decode else torch.as_tensor(q_starts[dec], device=dev)
+        if len(dec) == 1:
+            r = dec[0]
+            slots = kv_np[starts[r] : starts[r + 1]]
+            run = _contiguous_run(slots)
+            kv = run if run is not None else torch.from_numpy(slots[None, :].copy()).to(dev)
+            return _Decode(rows, kv, None)
+        lmax = int(lens.max())
+        offs = np.arange(lmax, dtype=np.int64)[None, :]
+        valid = offs < lens[:, None]
+        pos = np.asarray(starts[dec], dtype=np.int64)[:, None] + np.minimum(offs, lens[:, None] - 1)
+        kv = torch.from_numpy(kv_np[pos]).to(dev)
+        mask = None
+        if not bool(valid.all()):
+            mask = torch.from_numpy(valid).to(dev).view(len(dec), 1, 1, lmax)
+        return _Decode(rows, kv, mask)
+
+    def forward(self, layer_id, q, k, v):
+        kc, vc = self.pool.k[layer_id], self.pool.v[layer_id]
+        kc.index_copy_(0, self.out_slots, k)
+        vc.index_copy_(0, self.out_slots, v)
+        hd = self.num_heads * self.head_dim
+        if not self.prefills:
+            return self._decode(self.decode, q, kc, vc)
+        if self.decode is None and len(self.prefills) == 1:
+            return self._prefill(self.prefills[0], q, k, v, kc, vc)
+        out = q.new_empty(self.num_tokens, hd)
+        if self.decode is not None:
+            d = self.decode
+            out.index_copy_(0, d.rows, self._decode(d, q.index_select(0, d.rows), kc, vc))
+        for p in self.prefills:
+            out[p.q_start : p.q_end] = self._prefill(p, q, k, v, kc, vc)
+        return out
+
+    def _decode(self, d: _Decode, q, kc, vc):
+        b = q.shape[0]
+        hkv, g, hd = self.num_kv_heads, self.group, self.head_dim
+        qg = q.reshape(b, hkv, g, hd)
+        if isinstance(d.kv, slice):
+            keys = kc[d.kv].unsqueeze(0).transpose(1, 2)
+            vals = vc[d.kv].unsqueeze(0).transpose(1, 2)
+        else:
+            keys = _gather(kc, d.kv).transpose(1, 2)
+            vals = _gather(vc, d.kv).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=d.mask, scale=self.scale)
+        return o.reshape(b, hkv * g * hd)
+
+    def _prefill(self, p: _Prefill, q, k, v, kc, vc):
+        # 4-D [1, heads, len, D] with enable_gqa: on CPU that is what reaches the fused
+        # (flash) SDPA kernel; 3-D inputs or repeated K/V fall back to the slow math path.
+        qs, qe = p.q_start, p.q_end
+        qr = q[qs:qe].transpose(0, 1).unsqueeze(0)
+        if p.kv is None:
+            keys = k[qs:qe].transpose(0, 1).unsqueeze(0)
+            vals = v[qs:qe].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qr, keys, vals, is_causal=True, scale=self.scale, enable_gqa=True
+            )
+        else:
+            keys = _gather(kc, p.kv).transpose(0, 1).unsqueeze(0)
+            vals = _gather(vc, p.kv).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                qr, keys, vals, attn_mask=p.mask, scale=self.scale, enable_gqa=True
+            )
+        return o[0].transpose(0, 1).reshape(qe - qs, self.num_heads * self.head_dim)
+
+
+def _gather(cache: torch.Tensor, idx: torch.Tensor | slice) -> torch.Tensor:
+    """`cache[idx]` for a `[capacity, H, D]` pool tensor: a row gather (embedding), several
+    times faster on CPU than advanced indexing; a slice stays a view."""
+    if isinstance(idx, slice):
+        return cache[idx]
+    return F.embedding(idx, cache.view(cache.shape[0], -1)).view(*idx.shape, *cache.shape[1:])

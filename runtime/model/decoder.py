@@ -1,0 +1,174 @@
+"""The one decoder: Llama family, Qwen2 and Qwen3 from the same code, driven by `ModelConfig`.
+
+Weights are held fused and pre-transposed where that saves ops: one QKV matmul, one
+gate+up matmul, residual adds folded into `addmm`, and RoPE applied to all q and k heads
+in one go. The per-layer path has no per-request Python loops (those live in the attention
+backend's `plan`, once per forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .rope import Rotary
+
+
+class DecoderLayer:
+    __slots__ = (
+        "in_norm", "w_qkv_t", "b_qkv", "qk_norm", "w_o_t", "b_o",
+        "post_norm", "w_gu_t", "b_gu", "w_down_t", "b_down",
+    )  # fmt: skip
+
+    def __init__(self, **tensors: torch.Tensor | None):
+        for name in self.__slots__:
+            setattr(self, name, tensors.get(name))
+
+
+def transposed(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`w` ([out, in]) as the `[in, out]` right operand of `x @ w_t`, in the memory layout
+    that streams fastest. On CPU a batch-1 step is a GEMV bound by memory bandwidth, and
+    MKL reads a matrix faster along long contiguous rows: wide matrices (out > in: QKV,
+    gate/up, LM head) are stored `[in, out]`-contiguous, the others stay `[out, in]` (a
+    transposed view). On GPUs the standard layout is kept."""
+    if device.type == "cpu" and w.shape[0] > w.shape[1]:
+        return w.t().contiguous()
+    return w.t()
+
+
+class DecoderModel:
+    """Decoder-only transformer over a KV pool; see `forward`."""
+
+    def __init__(self, config: ModelConfig, state: Mapping[str, torch.Tensor], device, dtype):
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        c = config
+        self._used: set[str] = set()
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            t = state.get(name)
+            if t is None:
+                if required:
+                    raise KeyError(f"checkpoint lacks tensor {name!r}")
+                return None
+            self._used.add(name)
+            return t
+
+        def put(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t.to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = put(take("model.embed_tokens.weight"))
+        if c.tie_word_embeddings:
+            head = self.embed
+            take("lm_head.weight", required=False)
+        else:
+            head = put(take("lm_head.weight", required=False))
+            if head is None:
+                raise KeyError("checkpoint lacks lm_head.weight and tie_word_embeddings is false")
+        self.lm_head_t = transposed(head, self.device)  # [hidden, vocab]
+        del head
+        self.norm = put(take("model.norm.weight"))
+        self.layers: list[DecoderLayer] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            m = p + "mlp."
+            w_qkv = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"], 0)
+            b_qkv = None
+            if c.qkv_bias:
+                b_qkv = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"], 0)
+            qk_norm = None
+            if c.qk_norm:
+                qn = take(a + "q_norm.weight").reshape(1, c.head_dim)
+                kn = take(a + "k_norm.weight").reshape(1, c.head_dim)
+                qk_norm = torch.cat([qn.expand(c.num_heads, -1), kn.expand(c.num_kv_heads, -1)], 0)
+            w_gu = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")], 0)
+            b_gu = b_down = None
+            if c.mlp_bias:
+                b_gu = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")], 0)
+                b_down = take(m + "down_proj.bias")
+            w_o = put(take(a + "o_proj.weight"))
+            w_down = put(take(m + "down_proj.weight"))
+            self.layers.append(
+                DecoderLayer(
+                    in_norm=put(take(p + "input_layernorm.weight")),
+                    w_qkv_t=transposed(put(w_qkv), self.device),
+                    b_qkv=put(b_qkv),
+                    qk_norm=put(qk_norm),
+                    w_o_t=transposed(w_o, self.device),
+                    b_o=put(take(a + "o_proj.bias")) if c.o_bias else None,
+                    post_norm=put(take(p + "post_attention_layernorm.weight")),
+                    w_gu_t=transposed(put(w_gu), self.device),
+                    b_gu=put(b_gu),
+                    w_down_t=transposed(w_down, self.device),
+                    b_down=put(b_down),
+                )
+            )
+        unused = sorted(
+            n for n in state if n not in self._used and not n.endswith("rotary_emb.inv_freq")
+        )
+        if unused:
+            raise KeyError(f"checkpoint has tensors this decoder does not use: {unused[:8]}")
+        self.rotary = Rotary(c.rope, c.head_dim, self.device, dtype)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights read by one decode step (embedding row reads not counted)."""
+        total = self.lm_head_t.numel() + self.norm.numel()
+        for layer in self.layers:
+            for name in DecoderLayer.__slots__:
+                t = getattr(layer, name)
+                if t is not None:
+                    total += t.numel()
+        return total * self.lm_head_t.element_size()
+
+    def forward(self, batch, attn) -> torch.Tensor:
+        """Run `batch` (a planned `ForwardBatch`) through the decoder; float32 logits `[L, V]`."""
+        return self.compute_logits(self.forward_hidden(batch, attn))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head over `[L, hidden]` rows → float32 `[L, vocab]`."""
+        x = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
+        return torch.mm(x, self.lm_head_t).float()
+
+    def forward_hidden(self, batch, attn) -> torch.Tensor:
+        """The last layer's hidden states of the `batch.logits_indices` rows (pre final norm)."""
+        c = self.config
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        hq = H + Hkv
+        eps = c.rms_norm_eps
+        hidden = (c.hidden_size,)
+        inter = c.intermediate_size
+        T = batch.input_ids.shape[0]
+        x = F.embedding(batch.input_ids, self.embed)
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        half = D // 2
+        for i, layer in enumerate(self.layers):
+            h = F.rms_norm(x, hidden, layer.in_norm, eps)
+            qkv = _mm(h, layer.w_qkv_t, layer.b_qkv).view(T, hq + Hkv, D)
+            qk = qkv[:, :hq]
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
+            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
+            o = attn.forward(i, qk[:, :H], qk[:, H:], qkv[:, hq:])
+            x = torch.addmm(x, o, layer.w_o_t)
+            if layer.b_o is not None:
+                x = x + layer.b_o
+            h = F.rms_norm(x, hidden, layer.post_norm, eps)
+            gu = _mm(h, layer.w_gu_t, layer.b_gu)
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+            x = torch.addmm(x, act, layer.w_down_t)
+            if layer.b_down is not None:
+                x = x + layer.b_down
+        if batch.logits_indices.shape[0] != T:
+            x = x.index_select(0, batch.logits_indices)
+        return x
+
+
+def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)

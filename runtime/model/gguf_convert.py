@@ -1,0 +1,447 @@
+"""GGUF → HF-style directory (config.json, safetensors, tokenizer, generation config).
+
+The GGUF is dequantized once (gguf's `dequantize`, float32 for models up to 2B parameters,
+bfloat16 above) into a cached directory, so later starts only map safetensors. Conversion
+writes into a temporary directory beside the target and renames it into place, under a
+file lock: two processes starting together convert once and never see a half-written
+directory.
+
+Architectures: llama (Llama/Mistral/SmolLM2; llama.cpp's Q/K row permutation is undone),
+qwen2, qwen3. Tokenizer: gpt2-style byte-level BPE, rebuilt from the GGUF's tokens, merges,
+token types and special ids the same way transformers' own GGUF loader does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .config import UnsupportedModelError
+
+log = logging.getLogger(__name__)
+
+CONVERTER_VERSION = 1
+SHARD_BYTES = 2 * 1024**3
+F32_MAX_PARAMS = 2_000_000_000
+
+_ARCHS = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_SKIP = {"rope_freqs.weight"}
+
+# Pre-tokenizer splits by `tokenizer.ggml.pre` (as transformers' GGUF loader uses them);
+# other values keep the plain GPT-2 byte-level pre-tokenizer.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_SPLITS = {
+    "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT, "dbrx": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT, "megrez": _QWEN2_SPLIT,
+}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- metadata
+
+
+def _field_value(field) -> Any:
+    """A GGUF metadata value as Python (str, int, float, bool or list of them)."""
+    import gguf
+
+    if hasattr(field, "contents"):
+        return field.contents()
+    types = list(field.types)  # pragma: no cover - old gguf versions only
+    if types[0] == gguf.GGUFValueType.ARRAY:  # pragma: no cover
+        if types[-1] == gguf.GGUFValueType.STRING:
+            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if types[0] == gguf.GGUFValueType.STRING:  # pragma: no cover
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    return field.parts[field.data[0]].tolist()[0]  # pragma: no cover
+
+
+def read_metadata(reader) -> dict[str, Any]:
+    return {name: _field_value(f) for name, f in reader.fields.items()}
+
+
+def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+    arch = meta.get("general.architecture")
+    if arch not in _ARCHS:
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(_ARCHS)})"
+        )
+    hf_arch, model_type = _ARCHS[arch]
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):
+        raise UnsupportedModelError("per-layer KV head counts are not supported")
+    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
+    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    cfg: dict[str, Any] = {
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": model_type != "llama" and "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    if model_type == "qwen3":
+        cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if model_type == "llama" and "blk.0.attn_q.bias" in tensor_names:
+        raise UnsupportedModelError("llama GGUFs with attention biases are not supported")
+    scaling = get("rope.scaling.type")
+    if scaling and scaling != "none":
+        factor = float(get("rope.scaling.factor", 1.0))
+        rs: dict[str, Any] = {"rope_type": scaling, "factor": factor}
+        orig = get("rope.scaling.original_context_length")
+        if orig:
+            rs["original_max_position_embeddings"] = int(orig)
+        if scaling not in ("linear", "yarn"):
+            raise UnsupportedModelError(f"GGUF rope scaling {scaling!r} is not supported")
+        cfg["rope_scaling"] = rs
+    if "rope_freqs.weight" in tensor_names:
+        log.warning(
+            "GGUF carries rope_freqs (llama3-style RoPE scaling) whose parameters it does not "
+            "store; they are ignored, so contexts beyond the original length may degrade"
+        )
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("padding_token_id", "pad_token_id")):  # fmt: skip
+        if f"tokenizer.ggml.{key}" in meta:
+            cfg[name] = int(meta[f"tokenizer.ggml.{key}"])
+    return cfg
+
+
+# ---------------------------------------------------------------------------- tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+def build_tokenizer(meta: dict[str, Any]):
+    """A `tokenizers.Tokenizer` from GGUF tokenizer metadata (gpt2-style BPE only)."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise UnsupportedModelError(
+            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')"
+        )
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    spelling = _bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        if not set(tok) <= alphabet:
+            tok = "".join(spelling[b] for b in tok.encode("utf-8"))
+        vocab.setdefault(tok, i)
+    merges = [tuple(m.split(" ")) for m in meta.get("tokenizer.ggml.merges", [])]
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+    tok = Tokenizer(bpe)
+    split = _PRE_SPLITS.get(meta.get("tokenizer.ggml.pre"))
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(
+            add_prefix_space=False, trim_offsets=True, use_regex=True
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    tok.decoder = decoders.ByteLevel()
+    control = [
+        AddedToken(t, special=True, normalized=False)
+        for t, ty in zip(tokens, types, strict=True)
+        if ty == 3 and set(t) <= alphabet
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, ty in zip(tokens, types, strict=True)
+        if ty == 4 and t in vocab
+    ]
+    if control:
+        tok.add_special_tokens(control)
+    if user:
+        tok.add_tokens(user)
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
+        bos = tokens[int(bos_id)]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
+        )
+    return tok
+
+
+def tokenizer_config_from_gguf(meta: dict[str, Any]) -> dict[str, Any]:
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def tok(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    cfg: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tok("bos_token_id"),
+        "eos_token": tok("eos_token_id"),
+        "unk_token": tok("unknown_token_id"),
+        "pad_token": tok("padding_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get(f"{meta['general.architecture']}.context_length", 2048)),
+    }
+    if "tokenizer.chat_template" in meta:
+        cfg["chat_template"] = meta["tokenizer.chat_template"]
+    return cfg
+
+
+def generation_config_from_gguf(meta: dict[str, Any]) -> dict[str, Any]:
+    gen: dict[str, Any] = {}
+    if "tokenizer.ggml.bos_token_id" in meta:
+        gen["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
+    eos = []
+    for key in ("eos_token_id", "eot_token_id"):
+        v = meta.get(f"tokenizer.ggml.{key}")
+        if v is not None and int(v) not in eos:
+            eos.append(int(v))
+    if eos:
+        gen["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    if "tokenizer.ggml.padding_token_id" in meta:
+        gen["pad_token_id"] = int(meta["tokenizer.ggml.padding_token_id"])
+    return gen
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's `permute` of Llama Q/K rows (interleaved → HF rotate-half order)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def hf_tensor_name(name: str) -> str | None:
+    if name in _SKIP:
+        return None
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    raise UnsupportedModelError(f"GGUF tensor {name!r} has no place in the decoder")
+
+
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
+    """Dequantize `gguf_path` into an HF-style directory `out_dir` (created; should be new)."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(str(gguf_path))
+    meta = read_metadata(reader)
+    names = {t.name for t in reader.tensors}
+    config = hf_config_from_gguf(meta, names)
+    n_params = sum(int(t.n_elements) for t in reader.tensors)
+    dtype = torch.float32 if n_params <= F32_MAX_PARAMS else torch.bfloat16
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    permute = config["model_type"] == "llama"
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+
+    # Tokenizer first: it fails fast on unsupported files, before minutes of dequantizing.
+    build_tokenizer(meta).save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config_from_gguf(meta))
+    _write_json(out_dir / "generation_config.json", generation_config_from_gguf(meta))
+
+    weight_map: dict[str, str] = {}
+    shard: dict[str, torch.Tensor] = {}
+    shard_bytes, shard_files = 0, []
+
+    def flush() -> None:
+        nonlocal shard, shard_bytes
+        if not shard:
+            return
+        fname = f"model-{len(shard_files) + 1:05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        shard_files.append(fname)
+        weight_map.update(dict.fromkeys(shard, fname))
+        shard, shard_bytes = {}, 0
+
+    bar = tqdm(reader.tensors, desc=f"Dequantizing {gguf_path.name}", unit="tensor",
+               disable=not progress)  # fmt: skip
+    for t in bar:
+        hf_name = hf_tensor_name(t.name)
+        if hf_name is None:
+            continue
+        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if permute and t.name.endswith("attn_q.weight"):
+            w = unpermute_qk(w, heads)
+        elif permute and t.name.endswith("attn_k.weight"):
+            w = unpermute_qk(w, kv_heads)
+        if not (w.flags.writeable and w.flags.c_contiguous):
+            w = np.array(w, copy=True, order="C")  # gguf hands out read-only mmap views
+        tensor = torch.from_numpy(w).to(dtype)
+        shard[hf_name] = tensor
+        shard_bytes += tensor.numel() * tensor.element_size()
+        if shard_bytes >= SHARD_BYTES:
+            flush()
+    flush()
+    if len(shard_files) == 1:
+        os.replace(out_dir / shard_files[0], out_dir / "model.safetensors")
+    else:
+        total = sum((out_dir / f).stat().st_size for f in shard_files)
+        _write_json(
+            out_dir / "model.safetensors.index.json",
+            {"metadata": {"total_size": total}, "weight_map": weight_map},
+        )
+    _write_json(out_dir / "config.json", config)
+    return out_dir
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+def cache_root() -> Path:
+    """`$RADIXLM_CACHE_DIR`, else `$XDG_CACHE_HOME/radixlm`, else `~/.cache/radixlm`."""
+    env = os.environ.get("RADIXLM_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "radixlm"
+
+
+def converted_dir_for(gguf_path: str | Path) -> Path:
+    """Where the conversion of `gguf_path` lives (keyed by path, size, mtime, converter)."""
+    p = Path(gguf_path).resolve()
+    st = p.stat()
+    key = f"{p}|{st.st_size}|{st.st_mtime_ns}|{CONVERTER_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{p.stem}-{digest}"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX: rely on the atomic rename alone
+        yield
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def ensure_converted(gguf_path: str | Path, progress: bool = True) -> Path:
+    """The cached HF directory for `gguf_path`, converting it first if needed (atomically)."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    final = converted_dir_for(gguf_path)
+    if (final / "config.json").exists():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(final.parent / f".{final.name}.lock"):
+        if (final / "config.json").exists():  # another process finished while we waited
+            return final
+        tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            convert_gguf(gguf_path, tmp, progress=progress)
+            _write_json(
+                tmp / "radixlm_source.json",
+                {"gguf": str(gguf_path.resolve()), "converter_version": CONVERTER_VERSION},
+            )
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / "config.json").exists():
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final

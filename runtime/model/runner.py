@@ -1,0 +1,105 @@
+"""`ModelRunner`: a loaded decoder + an attention backend over a KV pool; `forward(batch)`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from radixlm.runtime.attention import KVPoolLike, create_backend
+
+from .batch import ForwardBatch
+from .config import ModelConfig
+from .decoder import DecoderModel
+from .loader import load_model, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Runs forward passes of one model over a `radixlm.cache.KVPool`.
+
+    The pool must match the model: `len(pool.k) == num_layers`, each `pool.k[i]` of shape
+    `[capacity, num_kv_heads, head_dim]` in the runner's dtype on its device.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        pool: KVPoolLike | None = None,
+        attention: str = "auto",
+        **backend_kwargs,
+    ):
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+        if pool is None:
+            raise ValueError("ModelRunner needs a KV pool (radixlm.cache.KVPool)")
+        self._setup(load_model(model_dir, device, dtype), pool, attention, **backend_kwargs)
+        self.model_dir = Path(model_dir)
+
+    @classmethod
+    def from_model(
+        cls, model: DecoderModel, pool: KVPoolLike, attention: str = "auto", **backend_kwargs
+    ) -> ModelRunner:
+        """A runner over an already built `DecoderModel` (e.g. random weights in benchmarks)."""
+        self = cls.__new__(cls)
+        self._setup(model, pool, attention, **backend_kwargs)
+        self.model_dir = None
+        return self
+
+    def _setup(self, model: DecoderModel, pool: KVPoolLike, attention: str, **backend_kwargs):
+        self.model = model
+        self.device = model.device
+        self.dtype = model.dtype
+        self.config: ModelConfig = model.config
+        self.pool = pool
+        self._check_pool(pool)
+        c = self.config
+        if c.sliding_window is not None:
+            log.warning(
+                "sliding_window=%s is not applied: attention is full over the context",
+                c.sliding_window,
+            )
+        self.attn = create_backend(
+            attention, pool, c.num_heads, c.num_kv_heads, c.head_dim, self.device, self.dtype,
+            **backend_kwargs,
+        )  # fmt: skip
+        self.attention = self.attn.name
+
+    def _check_pool(self, pool: KVPoolLike) -> None:
+        c = self.config
+        if len(pool.k) != c.num_layers or len(pool.v) != c.num_layers:
+            raise ValueError(f"KV pool has {len(pool.k)} layers, the model {c.num_layers}")
+        k0 = pool.k[0]
+        if tuple(k0.shape[1:]) != (c.num_kv_heads, c.head_dim):
+            raise ValueError(
+                f"KV pool layer shape {tuple(k0.shape)} does not match the model's "
+                f"[capacity, {c.num_kv_heads}, {c.head_dim}]"
+            )
+        if k0.dtype != self.dtype:
+            raise ValueError(f"KV pool dtype {k0.dtype} != model dtype {self.dtype}")
+        if k0.device.type != self.device.type:
+            raise ValueError(f"KV pool is on {k0.device}, the model on {self.device}")
+
+    @staticmethod
+    def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype | str) -> int:
+        """KV-pool bytes one token occupies (K and V, all layers)."""
+        dtype = resolve_dtype(dtype, "cpu")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Write the batch's new K/V into the pool and return float32 logits `[L, vocab]`
+        for the rows `batch.logits_indices` names (an ordinary tensor: editable in place)."""
+        with torch.inference_mode():
+            self.attn.plan(batch)
+            hidden = self.model.forward_hidden(batch, self.attn)
+        # Outside inference mode, so callers (sampling) may edit the logits in place.
+        with torch.no_grad():
+            return self.model.compute_logits(hidden)
+
+    def build_batch(self, requests) -> ForwardBatch:
+        """`ForwardBatch.build(requests, device=self.device)`."""
+        return ForwardBatch.build(requests, self.device)

@@ -1,0 +1,40 @@
+"""Reading tensors out of an HF model directory (single or sharded safetensors)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    """The weight files of an HF directory: the shards its index names, or every *.safetensors."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted({model_dir / name for name in weight_map.values()})
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise FileNotFoundError(f"missing weight shards: {', '.join(missing)}")
+    return files
+
+
+def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` for every tensor of the checkpoint, on CPU, in stored dtype."""
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                yield name, f.get_tensor(name)
+
+
+def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    return dict(iter_tensors(model_dir))

@@ -1,0 +1,460 @@
+"""`AsyncClient`: the async API over one engine connection.
+
+    async with rl.AsyncClient(endpoint) as client:
+        result = await client.generate("The capital of France is", max_tokens=8)
+        async with client.stream("Once upon a time", max_tokens=32) as stream:
+            async for delta in stream:
+                print(delta.text, end="")
+        async with client.session(system="Be brief.") as chat:
+            reply = await chat.send("Hi!")
+
+The client owns a task group (its reader and monitor tasks) for as long as it is open,
+and must be used from the event loop that opened it. `rl.Engine` / `rl.connect` give the
+same API synchronously.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from typing import Any, TypeVar
+
+import anyio
+import msgspec
+from radixlm.runtime.protocol import (
+    Chunk,
+    CloseSession,
+    Done,
+    FlushCache,
+    ForkSession,
+    Generate,
+    GetStats,
+    Input,
+    ListSessions,
+    Ok,
+    OpenSession,
+    Pin,
+    Pinned,
+    Retention,
+    SessionList,
+    SessionOpened,
+    SessionsForked,
+    StatsReply,
+    Tokenize,
+    Tokens,
+    TruncateSession,
+    Unpin,
+)
+from radixlm.sdk.connection import Connection, Liveness, Request
+from radixlm.sdk.errors import InternalError, InvalidParamsError, ProgramError
+from radixlm.sdk.results import (
+    GenerateResult,
+    StreamDelta,
+    result_from_done,
+    sampling_params,
+    to_messages,
+)
+
+__all__ = ["AsyncClient", "TextStream", "make_input"]
+
+R = TypeVar("R")
+
+
+def make_input(
+    prompt: str | None = None,
+    input_ids: Sequence[int] | None = None,
+    messages: Sequence[Any] | None = None,
+    add_generation_prompt: bool = True,
+) -> Input:
+    """An `Input` from exactly one of a text prompt, token ids or chat messages."""
+    given = [name for name, v in (("prompt", prompt), ("input_ids", input_ids),
+                                  ("messages", messages)) if v is not None]
+    if len(given) != 1:
+        raise InvalidParamsError(
+            f"give exactly one of prompt, input_ids, messages (got {given or 'none'})"
+        )
+    if prompt is not None:
+        return Input(text=prompt)
+    if input_ids is not None:
+        return Input(input_ids=list(input_ids))
+    return Input(messages=to_messages(messages), add_generation_prompt=add_generation_prompt)
+
+
+class TextStream:
+    """A streamed generation: iterate it for `StreamDelta`s; afterwards ``result`` (and
+    ``results`` when ``n > 1``) hold the finished generation.
+
+    Use it as an async context manager (``async with client.stream(...) as s``) so that
+    leaving early aborts the generation in the engine.
+    """
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        msg: Generate,
+        on_finish: Callable[[list[GenerateResult]], None] | None = None,
+    ) -> None:
+        self._client = client
+        self._msg = msg
+        self._on_finish = on_finish
+        self._req: Request | None = None
+        self._dones: list[Done] = []
+        self._results: list[GenerateResult] | None = None
+
+    @property
+    def results(self) -> list[GenerateResult]:
+        if self._results is None:
+            raise RuntimeError("the stream has not finished yet")
+        return self._results
+
+    @property
+    def result(self) -> GenerateResult:
+        return self.results[0]
+
+    def __aiter__(self) -> TextStream:
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self._req is None:
+            self._req = self._client._request(self._msg, branches=self._msg.n, generate=True)
+        req = self._req
+        while not req.finished:
+            try:
+                reply = await req.receive()
+            except BaseException:
+                await self.aclose()
+                raise
+            if isinstance(reply, Chunk):
+                return StreamDelta(reply.text, reply.token_ids, reply.index, reply.logprobs)
+            if isinstance(reply, Done):
+                self._dones.append(reply)
+        if self._results is None:
+            latency = time.perf_counter() - req.started_at
+            self._dones.sort(key=lambda d: d.index)
+            self._results = [result_from_done(d, latency) for d in self._dones]
+            await self.aclose()
+            if self._on_finish is not None:
+                self._on_finish(self._results)
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        if self._req is not None:
+            await self._req.aclose()
+
+    async def __aenter__(self) -> TextStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class AsyncClient:
+    """An async client of one radixlm engine (one DEALER socket, one reader task).
+
+    `endpoint`: the engine's client endpoint (``ipc://...`` or ``tcp://host:port``).
+    `connect_timeout`: how long to wait for the engine's Welcome (a new engine may still
+    be loading its model). `heartbeat_timeout`: a call fails with `EngineDeadError` once
+    the engine has been silent this long while requests wait.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        name: str = "radixlm-python",
+        connect_timeout: float = 30.0,
+        heartbeat_timeout: float = 5.0,
+        liveness: Liveness | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self._conn = Connection(endpoint, client_name=name, heartbeat_timeout=heartbeat_timeout,
+                                liveness=liveness)
+        self._connect_timeout = connect_timeout
+        self._stack: AsyncExitStack | None = None
+        self._thread: int | None = None
+        self._rids = itertools.count()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncClient:
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            stack.callback(self._conn.close)
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(tg.cancel_scope.cancel)
+            self._thread = threading.get_ident()
+            await self._conn.open(tg, self._connect_timeout)
+        except BaseException:
+            # Unwind without handing the error to the task group (which would wrap it in
+            # an ExceptionGroup): the caller gets the typed error itself.
+            await stack.aclose()
+            raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            await stack.__aexit__(*exc)
+
+    # -- engine facts (from the Welcome) ---------------------------------------------------
+
+    @property
+    def model(self) -> str:
+        return self._welcome().model
+
+    @property
+    def context_length(self) -> int:
+        return self._welcome().context_length
+
+    @property
+    def page_size(self) -> int:
+        return self._welcome().page_size
+
+    @property
+    def kv_capacity(self) -> int:
+        return self._welcome().kv_capacity
+
+    @property
+    def server_version(self) -> str:
+        return self._welcome().server_version
+
+    def _welcome(self) -> Any:
+        if self._conn.welcome is None:
+            raise ProgramError("the client is not connected (use `async with AsyncClient(...)`)")
+        return self._conn.welcome
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine was found dead or the client closed."""
+        return self._conn.alive
+
+    @property
+    def in_flight(self) -> int:
+        """Requests waiting for replies now."""
+        return self._conn.in_flight
+
+    @property
+    def messages_sent(self) -> int:
+        """Messages this client has sent (requests, aborts, heartbeat pings)."""
+        return self._conn.sent
+
+    @property
+    def peak_generating(self) -> int:
+        """The most generations this client had in flight at once."""
+        return self._conn.peak_generating
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def new_rid(self) -> str:
+        return f"{next(self._rids):x}"
+
+    def _request(self, msg: Any, *, branches: int = 1, generate: bool = False) -> Request:
+        if self._thread != threading.get_ident():
+            raise ProgramError(
+                "this AsyncClient belongs to another event loop (or is not open): use it from "
+                "the loop that opened it, or use the synchronous handle's methods"
+            )
+        return self._conn.request(msg, branches=branches, generate=generate)
+
+    async def call(self, msg: Any, expect: type[R]) -> R:
+        """Send a request that has exactly one answer and return it (typed errors raise)."""
+        async with self._request(msg) as req:
+            reply = await req.receive()
+        if not isinstance(reply, expect):
+            raise InternalError(
+                f"unexpected {type(reply).__name__} in answer to {type(msg).__name__}",
+                rid=msg.rid,
+            )
+        return reply
+
+    async def run_generate(self, msg: Generate) -> list[Done]:
+        """Send a Generate and collect one Done per branch (sorted by branch index)."""
+        dones: list[Done] = []
+        async with self._request(msg, branches=msg.n, generate=True) as req:
+            while not req.finished:
+                reply = await req.receive()
+                if isinstance(reply, Done):
+                    dones.append(reply)
+        dones.sort(key=lambda d: d.index)
+        return dones
+
+    def generate_message(
+        self,
+        inp: Input,
+        *,
+        session: str | None = None,
+        n: int = 1,
+        stream: bool = False,
+        namespace: str | None = None,
+        priority: int = 0,
+        prompt_logprobs_start: int | None = None,
+        sampling: dict[str, Any],
+    ) -> Generate:
+        return Generate(
+            rid=self.new_rid(), input=inp, sampling=sampling_params(sampling), stream=stream,
+            prompt_logprobs_start=prompt_logprobs_start, priority=priority,
+            namespace=namespace, session=session, n=n,
+        )
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        session: str | None = None,
+        n: int = 1,
+        namespace: str | None = None,
+        priority: int = 0,
+        prompt_logprobs_start: int | None = None,
+        **sampling: Any,
+    ) -> Any:
+        """Generate from a text prompt, token ids or chat messages.
+
+        Sampling options are `SamplingParams` fields (``max_tokens``, ``temperature``,
+        ``top_p``, ``top_k``, ``min_p``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
+        penalties, ``seed``, ``logprobs``/``return_logprob``...). Returns a
+        `GenerateResult`, or a list of them (one per branch) when ``n > 1``.
+        """
+        msg = self.generate_message(
+            make_input(prompt, input_ids, messages, add_generation_prompt), session=session,
+            n=n, namespace=namespace, priority=priority,
+            prompt_logprobs_start=prompt_logprobs_start, sampling=sampling,
+        )
+        start = time.perf_counter()
+        dones = await self.run_generate(msg)
+        latency = time.perf_counter() - start
+        results = [result_from_done(d, latency) for d in dones]
+        return results[0] if n == 1 else results
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+        session: str | None = None,
+        n: int = 1,
+        namespace: str | None = None,
+        priority: int = 0,
+        **sampling: Any,
+    ) -> TextStream:
+        """Like `generate`, but yields `StreamDelta`s as the engine produces them."""
+        msg = self.generate_message(
+            make_input(prompt, input_ids, messages, add_generation_prompt), session=session,
+            n=n, stream=True, namespace=namespace, priority=priority, sampling=sampling,
+        )
+        return TextStream(self, msg)
+
+    async def tokenize(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """The token ids the engine would use for this input as a fresh prompt."""
+        inp = make_input(prompt, input_ids, messages, add_generation_prompt)
+        reply = await self.call(Tokenize(rid=self.new_rid(), input=inp), Tokens)
+        return reply.input_ids
+
+    # -- sessions and pins -------------------------------------------------------------------
+
+    async def open_session(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Any] | None = None,
+        add_generation_prompt: bool = False,
+        pin: str | None = None,
+        retention: Retention = "hard",
+        ttl_s: float | None = None,
+        namespace: str | None = None,
+    ) -> SessionOpened:
+        """Open an engine session (empty, from an input prefilled now, and/or from a pin)."""
+        inp = None
+        if prompt is not None or input_ids is not None or messages is not None:
+            inp = make_input(prompt, input_ids, messages, add_generation_prompt)
+        msg = OpenSession(rid=self.new_rid(), input=inp, pinned=pin, retention=retention,
+                          ttl_s=ttl_s, namespace=namespace)
+        return await self.call(msg, SessionOpened)
+
+    async def fork_session(self, session: str, n: int = 1) -> list[str]:
+        """`n` new sessions sharing `session`'s history (nothing is copied or recomputed)."""
+        reply = await self.call(ForkSession(rid=self.new_rid(), session=session, n=n),
+                                SessionsForked)
+        return reply.sessions
+
+    async def truncate_session(self, session: str, length: int) -> None:
+        await self.call(TruncateSession(rid=self.new_rid(), session=session, length=length), Ok)
+
+    async def close_session(self, session: str) -> None:
+        await self.call(CloseSession(rid=self.new_rid(), session=session), Ok)
+
+    def close_session_unawaited(self, session: str) -> None:
+        """Close a session without waiting for the engine's answer (it handles this
+        client's requests in order, so later requests already see it closed)."""
+        self._conn.send_unawaited(CloseSession(rid=self.new_rid(), session=session))
+
+    async def list_sessions(self) -> list[dict[str, Any]]:
+        reply = await self.call(ListSessions(rid=self.new_rid()), SessionList)
+        return [msgspec.structs.asdict(s) for s in reply.sessions]
+
+    async def pin(
+        self,
+        name: str,
+        prompt: str | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Any] | None = None,
+        namespace: str | None = None,
+    ) -> int:
+        """Prefill and hold a named prefix (a system or tool prompt) that sessions and
+        programs can start from (``pin=name``). Returns its length in tokens."""
+        inp = make_input(prompt, input_ids, messages, add_generation_prompt=False)
+        reply = await self.call(Pin(rid=self.new_rid(), name=name, input=inp,
+                                    namespace=namespace), Pinned)
+        return reply.length
+
+    async def unpin(self, name: str) -> None:
+        await self.call(Unpin(rid=self.new_rid(), name=name), Ok)
+
+    def session(
+        self,
+        system: str | None = None,
+        *,
+        pin: str | None = None,
+        retention: Retention = "hard",
+        ttl_s: float | None = None,
+        namespace: str | None = None,
+        **sampling: Any,
+    ) -> Any:
+        """A chat session (``async with client.session(...) as chat``); `sampling` are the
+        defaults of its sends."""
+        from radixlm.sdk.chat import AsyncChatSession
+
+        return AsyncChatSession(self, system=system, pin=pin, retention=retention,
+                                ttl_s=ttl_s, namespace=namespace, sampling=sampling)
+
+    # -- engine state -------------------------------------------------------------------------
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's `StatsReply` as a dict (cache sizes, sessions, token counters)."""
+        reply = await self.call(GetStats(rid=self.new_rid()), StatsReply)
+        out = msgspec.structs.asdict(reply)
+        out.pop("rid", None)
+        return out
+
+    async def flush_cache(self) -> None:
+        await self.call(FlushCache(rid=self.new_rid()), Ok)

@@ -1,0 +1,177 @@
+"""Typed errors: one exception class per protocol `ErrorCode`, all under `EngineError`.
+
+The engine's ``Error`` reply carries a stable ``code``; `error_from_reply` turns it into
+the matching class so callers can ``except rl.BusyError`` instead of comparing strings.
+`EngineDeadError` is the SDK's own: the engine stopped answering (or its process exited).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import ClassVar
+
+from radixlm.runtime.protocol import Error, ErrorCode
+
+__all__ = [
+    "BadMessageError",
+    "BusyError",
+    "CapacityError",
+    "DuplicateIdError",
+    "EmptyPromptError",
+    "EngineDeadError",
+    "EngineError",
+    "EngineStartError",
+    "HandshakeRequiredError",
+    "InternalError",
+    "InvalidParamsError",
+    "NoTemplateError",
+    "NotFoundError",
+    "ProgramError",
+    "TooLongError",
+    "UnknownTypeError",
+    "UnsupportedVersionError",
+    "error_from_reply",
+    "plain_errors",
+]
+
+
+class EngineError(Exception):
+    """An error the engine reported (or, for `EngineDeadError`, the engine's absence).
+
+    ``code`` is the protocol's stable `ErrorCode` string; ``rid`` the request it answers.
+    """
+
+    code: ClassVar[str] = "engine_error"
+
+    def __init__(self, message: str, *, rid: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.rid = rid
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}"
+
+
+class BadMessageError(EngineError):
+    code = ErrorCode.BAD_MESSAGE
+
+
+class UnknownTypeError(EngineError):
+    code = ErrorCode.UNKNOWN_TYPE
+
+
+class UnsupportedVersionError(EngineError):
+    code = ErrorCode.UNSUPPORTED_VERSION
+
+
+class HandshakeRequiredError(EngineError):
+    code = ErrorCode.HANDSHAKE_REQUIRED
+
+
+class InvalidParamsError(EngineError, ValueError):
+    code = ErrorCode.INVALID_PARAMS
+
+
+class EmptyPromptError(EngineError, ValueError):
+    code = ErrorCode.EMPTY_PROMPT
+
+
+class TooLongError(EngineError, ValueError):
+    code = ErrorCode.TOO_LONG
+
+
+class NotFoundError(EngineError, LookupError):
+    code = ErrorCode.NOT_FOUND
+
+
+class DuplicateIdError(EngineError):
+    code = ErrorCode.DUPLICATE_ID
+
+
+class BusyError(EngineError):
+    code = ErrorCode.BUSY
+
+
+class CapacityError(EngineError):
+    code = ErrorCode.CAPACITY
+
+
+class NoTemplateError(EngineError):
+    code = ErrorCode.NO_TEMPLATE
+
+
+class InternalError(EngineError):
+    code = ErrorCode.INTERNAL
+
+
+class EngineDeadError(EngineError, ConnectionError):
+    """The engine stopped answering, its process exited, or the client was closed."""
+
+    code = "engine_dead"
+
+
+class EngineStartError(EngineDeadError):
+    """`rl.Engine` could not start the engine process (the message has its log tail)."""
+
+    code = "engine_start"
+
+
+class ProgramError(RuntimeError):
+    """A program used the SDK in a way it cannot run (not an engine error)."""
+
+
+_BY_CODE: dict[str, type[EngineError]] = {
+    cls.code: cls
+    for cls in (
+        BadMessageError, UnknownTypeError, UnsupportedVersionError, HandshakeRequiredError,
+        InvalidParamsError, EmptyPromptError, TooLongError, NotFoundError, DuplicateIdError,
+        BusyError, CapacityError, NoTemplateError, InternalError,
+    )
+}
+
+
+class _UnknownCodeError(EngineError):
+    """An error code this SDK does not know (a newer engine): the code is kept as given."""
+
+    def __init__(self, code: str, message: str, *, rid: str | None = None) -> None:
+        super().__init__(message, rid=rid)
+        self.code = code  # type: ignore[misc]  # instance attribute shadows the ClassVar
+
+
+def error_from_reply(err: Error) -> EngineError:
+    """The typed exception for an engine ``Error`` reply."""
+    cls = _BY_CODE.get(err.code)
+    if cls is None:
+        return _UnknownCodeError(err.code, err.message, rid=err.rid)
+    return cls(err.message, rid=err.rid)
+
+
+try:  # Python 3.11+
+    _BaseExceptionGroup = BaseExceptionGroup  # type: ignore[name-defined]
+except NameError:  # pragma: no cover - Python 3.10 (anyio depends on the backport there)
+    from exceptiongroup import BaseExceptionGroup as _BaseExceptionGroup
+
+
+@contextlib.contextmanager
+def plain_errors() -> Iterator[None]:
+    """Around an anyio task group: raise its first real error as itself (an `EngineError`
+    stays typed for the caller) rather than as an ``ExceptionGroup``."""
+    try:
+        yield
+    except _BaseExceptionGroup as group:
+        leaf = _first_leaf(group)
+        if leaf is None:
+            raise
+        raise leaf from None
+
+
+def _first_leaf(exc: BaseException) -> BaseException | None:
+    """The first plain ``Exception`` in a (nested) group; cancellations are not errors."""
+    if isinstance(exc, _BaseExceptionGroup):
+        for inner in exc.exceptions:
+            leaf = _first_leaf(inner)
+            if leaf is not None:
+                return leaf
+        return None
+    return exc if isinstance(exc, Exception) else None

@@ -1,0 +1,438 @@
+"""The event-loop side of a program state: its data and the executor applying its ops.
+
+One executor task per state applies the state's operations in order. A state owns an
+engine session (opened on first use, from the run's pin if any); text, role messages and
+ids accumulate locally and only the *delta* since the last request goes to the engine,
+appended to the session. ``fork`` is ``ForkSession`` (nothing is re-sent or
+re-tokenized); ``select`` scores every choice in its own fork of the session
+(``max_tokens=0`` with the prompt logprobs of the appended choice); ``gen(n=k)`` is one
+Generate with ``n=k``. A state's sessions are closed when it ends, fails or is cancelled.
+
+Roles: a whole message (``rl.user("hi")``) is sent as a protocol ``Message`` and rendered
+by the engine as a template delta. An assistant turn containing ``gen``/``select`` asks
+for the assistant header (``add_generation_prompt``) and the engine closes the turn when
+the next message is appended, so the SDK never needs the chat template.
+
+Everything here runs in the event loop of the run's client (no locks needed).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from radixlm.runtime.protocol import Chunk, Done, Input, Message, OpenSession, SessionOpened
+from radixlm.sdk.errors import ProgramError, plain_errors
+from radixlm.sdk.lang import Gen, RoleBegin, RoleEnd, Select, Text
+from radixlm.sdk.results import meta_info
+
+if TYPE_CHECKING:
+    from radixlm.sdk.client import AsyncClient
+    from radixlm.sdk.run import ProgramRun
+
+__all__ = ["END", "ForkOp", "JoinOp", "SetVarOp", "StateCore"]
+
+
+# -- operations beyond the expression vocabulary ----------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class ForkOp:
+    children: tuple[StateCore, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class JoinOp:
+    children: tuple[StateCore, ...]
+    mode: str
+
+
+@dataclass(frozen=True)
+class SetVarOp:
+    name: str
+    value: Any
+
+
+class _End:
+    """No more operations for this state: close its sessions."""
+
+
+END = _End()
+
+
+# -- the loop side: one state's data and executor ----------------------------------------
+
+
+class StateCore:
+    """A state's data (written only in the event loop) and the executor applying its ops."""
+
+    def __init__(self, run: ProgramRun, *, forked: bool = False) -> None:
+        self.run = run
+        self.client: AsyncClient = run.client
+        # Program-body side (caller thread): how many ops were submitted, and whether END was.
+        self.submitted = 0
+        self.end_submitted = False
+        # Event-loop side.
+        self.ops_send: Any = None
+        self.done_ops = 0
+        self.resolved = not forked  # a fork child becomes usable when its parent forked
+        self.finished = False
+        self.error: BaseException | None = None
+        self.session: str | None = None
+        self.session_length = 0
+        self.owned: set[str] = set()  # engine sessions to close when this state ends
+        self.text = ""
+        self.fork_text_pos = 0
+        self.messages: list[dict[str, str]] = []
+        self.variables: dict[Any, Any] = {}
+        self.meta: dict[Any, Any] = {}
+        self.var_done: set[Any] = set()
+        self.pending: list[Input] = []  # appended locally, not yet sent to the engine
+        self.role: str | None = None
+        self.role_open = False  # the assistant header was sent: generated text follows it
+        self.role_content: list[str] = []
+
+    def settled(self, target: int) -> bool:
+        """Whether the first `target` ops ran (or never will)."""
+        return self.done_ops >= target or self.error is not None or self.finished
+
+    # -- executor ----------------------------------------------------------------------
+
+    async def execute(self, ops: Any) -> None:
+        try:
+            await self.run.wait_until(lambda: self.resolved)
+            while self.error is None:
+                try:  # ops already queued run back to back, without a trip round the loop
+                    op = ops.receive_nowait()
+                except anyio.WouldBlock:
+                    op = await ops.receive()
+                except anyio.EndOfStream:
+                    break
+                if op is END:
+                    break
+                await self._apply(op)
+                self.done_ops += 1
+                self.run.notify()
+        except Exception as e:  # noqa: BLE001 - recorded; reads re-raise it
+            self.error = e
+        finally:
+            self._reject_pending(ops)
+            ops.close()
+            self._close_sessions(self.owned)
+            self.finished = True
+            self.run.notify()
+
+    def _reject_pending(self, ops: Any) -> None:
+        while True:
+            try:
+                op = ops.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            self.reject(op)
+
+    def reject(self, op: Any) -> None:
+        """An op that will never run: children waiting on a fork fail with this state."""
+        if isinstance(op, ForkOp):
+            cause = self.error or ProgramError("the program ended before the fork ran")
+            for child in op.children:
+                child.fail(ProgramError(f"the state it was forked from failed: {cause}"))
+
+    def fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.resolved = True
+        self.run.notify()
+
+    def _close_sessions(self, sessions: set[str] | list[str]) -> None:
+        """Close sessions this state no longer needs; nothing waits for the answers."""
+        for sid in list(sessions):
+            self.owned.discard(sid)
+            if self.client.alive:
+                self.client.close_session_unawaited(sid)
+
+    async def _apply(self, op: Any) -> None:
+        if isinstance(op, Text):
+            self._add_text(op.value)
+        elif isinstance(op, Gen):
+            await self._gen(op)
+        elif isinstance(op, Select):
+            await self._select(op)
+        elif isinstance(op, RoleBegin):
+            self._role_begin(op.role)
+        elif isinstance(op, RoleEnd):
+            self._role_end(op.role)
+        elif isinstance(op, ForkOp):
+            await self._fork(op.children)
+        elif isinstance(op, JoinOp):
+            await self._join(op.children, op.mode)
+        elif isinstance(op, SetVarOp):
+            self.variables[op.name] = op.value
+            self.var_done.add(op.name)
+        else:  # pragma: no cover - ProgramState only submits the ops above
+            raise ProgramError(f"unknown program operation {op!r}")
+
+    # -- local text and roles ------------------------------------------------------------
+
+    def _add_text(self, value: str) -> None:
+        self.text += value
+        if self.role is not None:
+            self.role_content.append(value)
+        if self.role is None or self.role_open:
+            self._pend_text(value)
+
+    def _add_generated(self, value: str) -> None:
+        """Text the engine produced: already in the session's history."""
+        self.text += value
+        if self.role is not None:
+            self.role_content.append(value)
+
+    def _pend_text(self, value: str) -> None:
+        if not value:
+            return
+        last = self.pending[-1] if self.pending else None
+        if last is not None and last.text is not None:
+            self.pending[-1] = Input(text=last.text + value)
+        else:
+            self.pending.append(Input(text=value))
+
+    def _pend_message(self, msg: Message) -> None:
+        last = self.pending[-1] if self.pending else None
+        if last is not None and last.messages is not None and not last.add_generation_prompt:
+            self.pending[-1] = Input(messages=[*last.messages, msg], add_generation_prompt=False)
+        else:
+            self.pending.append(Input(messages=[msg], add_generation_prompt=False))
+
+    def _role_begin(self, role: str) -> None:
+        if self.role is not None:
+            raise ProgramError(f"rl.{role}() inside rl.{self.role}(): roles cannot nest")
+        self.role, self.role_open, self.role_content = role, False, []
+
+    def _role_end(self, role: str) -> None:
+        if self.role != role:
+            raise ProgramError(f"{role}_end() without a matching {role}_begin()")
+        content = "".join(self.role_content)
+        if not self.role_open:
+            self._pend_message(Message(role=role, content=content))
+        self.messages.append({"role": role, "content": content})
+        self.role, self.role_open, self.role_content = None, False, []
+
+    def _open_turn(self) -> None:
+        """Before generating inside a role: send the assistant header, then the turn's text."""
+        if self.role is None or self.role_open:
+            return
+        if self.role != "assistant":
+            raise ProgramError(
+                f"gen()/select() inside rl.{self.role}() is not supported: the engine renders "
+                f"{self.role} messages whole; generate inside rl.assistant(...)"
+            )
+        last = self.pending[-1] if self.pending else None
+        if last is not None and last.messages is not None and not last.add_generation_prompt:
+            self.pending[-1] = Input(messages=last.messages, add_generation_prompt=True)
+        else:
+            self.pending.append(Input(messages=[], add_generation_prompt=True))
+        self.role_open = True
+        self._pend_text("".join(self.role_content))
+
+    # -- engine requests ------------------------------------------------------------------
+
+    async def _push(self, keep_last: bool) -> Input | None:
+        """Send what is pending to the session (opening it on first use). With `keep_last`,
+        the last piece is returned instead, to travel with the request that follows."""
+        inputs, self.pending = self.pending, []
+        last = inputs.pop() if keep_last and inputs else None
+        if self.session is None:
+            first = inputs.pop(0) if inputs else None
+            with anyio.CancelScope(shield=True):  # a cancel must not lose the new id
+                opened = await self.client.call(OpenSession(
+                    rid=self.client.new_rid(), input=first, pinned=self.run.pin,
+                    namespace=self.run.namespace,
+                ), SessionOpened)
+            self.session = opened.session
+            self.owned.add(opened.session)
+            self.session_length = opened.length
+        for inp in inputs:  # pieces of different kinds (text, messages): one append each
+            msg = self.client.generate_message(inp, session=self.session,
+                                               sampling={"max_tokens": 0})
+            done = (await self.client.run_generate(msg))[0]
+            self._took(done)
+        return last
+
+    def _took(self, done: Done) -> None:
+        if done.session_length is not None:
+            self.session_length = done.session_length
+
+    def _switch_session(self, keep: str, length: int | None, drop: list[str]) -> None:
+        """Continue in session `keep` (a fork of the current one) and close `drop`."""
+        self.owned.add(keep)
+        self.session = keep
+        if length is not None:
+            self.session_length = length
+        self._close_sessions([s for s in drop if s != keep])
+
+    async def _gen(self, op: Gen) -> None:
+        self._open_turn()
+        last = await self._push(keep_last=True)
+        sampling = {**self.run.defaults, **op.sampling}
+        stream = self.run.stream and op.n == 1
+        msg = self.client.generate_message(
+            last or Input(input_ids=[]), session=self.session, n=op.n, stream=stream,
+            sampling=sampling,
+        )
+        name = op.name
+        start = time.perf_counter()
+        if op.n > 1:
+            req = self.client._request(msg, branches=op.n, generate=True)
+            try:
+                async with req:
+                    while not req.finished:
+                        await req.receive()
+            finally:  # every branch got a session of its own, aborted ones included
+                self.owned.update(d.session for d in req.dones if d.session is not None)
+            dones = sorted(req.dones, key=lambda d: d.index)
+            latency = time.perf_counter() - start
+            branches = [d.session for d in dones if d.session is not None]
+            if branches:
+                old = self.session
+                self._switch_session(branches[0], dones[0].session_length,
+                                     [*branches[1:], *([old] if old else [])])
+            self.variables[name] = [d.text for d in dones]
+            self.meta[name] = [meta_info(d, latency) for d in dones]
+            self._add_generated(dones[0].text)
+        elif stream:
+            self.variables[name] = ""
+            done = None
+            async with self.client._request(msg, generate=True) as req:
+                while not req.finished:
+                    reply = await req.receive()
+                    if isinstance(reply, Chunk):
+                        self.variables[name] += reply.text
+                        self._add_generated(reply.text)
+                        self.run.notify()
+                    elif isinstance(reply, Done):
+                        done = reply
+            assert done is not None
+            self._took(done)
+            self.meta[name] = meta_info(done, time.perf_counter() - start)
+        else:
+            done = (await self.client.run_generate(msg))[0]
+            self._took(done)
+            self.variables[name] = done.text
+            self.meta[name] = meta_info(done, time.perf_counter() - start)
+            self._add_generated(done.text)
+        self.var_done.add(name)
+
+    async def _select(self, op: Select) -> None:
+        self._open_turn()
+        await self._push(keep_last=False)
+        assert self.session is not None
+        with anyio.CancelScope(shield=True):  # a cancel must not lose the new ids
+            forks = await self.client.fork_session(self.session, len(op.choices))
+        self.owned.update(forks)
+        dones: list[Done | None] = [None] * len(forks)
+        start = time.perf_counter()
+
+        async def score(i: int) -> None:
+            msg = self.client.generate_message(
+                Input(text=op.choices[i]), session=forks[i], prompt_logprobs_start=0,
+                sampling={"max_tokens": 0},
+            )
+            dones[i] = (await self.client.run_generate(msg))[0]
+
+        with plain_errors():
+            async with anyio.create_task_group() as tg:
+                for i in range(len(forks)):
+                    tg.start_soon(score, i)
+        scored = [d for d in dones if d is not None]
+        logprobs = [list(d.prompt_logprobs or []) for d in scored]
+        index, scores = op.method.choose(logprobs)
+        old = self.session
+        self._switch_session(forks[index], scored[index].session_length,
+                                   [*forks, old])
+        choice = op.choices[index]
+        latency = time.perf_counter() - start
+        self.variables[op.name] = choice
+        self.meta[op.name] = {
+            "choices": list(op.choices),
+            "choices_method": op.method.name,
+            "scores": scores,
+            "normalized_prompt_logprobs": [sum(lp) / len(lp) if lp else -math.inf
+                                           for lp in logprobs],
+            "input_token_logprobs": [[(v, None, None) for v in lp] for lp in logprobs],
+            "prompt_tokens": sum(d.usage.prompt_tokens for d in scored),
+            "cached_tokens": sum(d.usage.cached_tokens for d in scored),
+            "completion_tokens": 0,
+            "finish_reason": {"type": "stop", "matched": None},
+            "e2e_latency": latency,
+        }
+        self.var_done.add(op.name)
+        self._add_generated(choice)
+
+    async def _fork(self, children: tuple[StateCore, ...]) -> None:
+        try:
+            await self._push(keep_last=False)
+            assert self.session is not None
+            with anyio.CancelScope(shield=True):  # a cancel must not lose the new ids
+                ids = await self.client.fork_session(self.session, len(children))
+        except BaseException as e:
+            for child in children:
+                child.fail(ProgramError(f"fork failed: {e}"))
+            raise
+        for child, sid in zip(children, ids, strict=False):
+            child._adopt(self, sid)
+        self.run.notify()
+
+    def _adopt(self, parent: StateCore, session: str) -> None:
+        self.session = session
+        self.owned.add(session)
+        self.session_length = parent.session_length
+        self.text = parent.text
+        self.fork_text_pos = len(parent.text)
+        self.messages = list(parent.messages)
+        self.variables = dict(parent.variables)
+        self.meta = dict(parent.meta)
+        self.var_done = set(parent.var_done)
+        self.role, self.role_open = parent.role, parent.role_open
+        self.role_content = list(parent.role_content)
+        self.resolved = True
+
+    async def _join(self, children: tuple[StateCore, ...], mode: str) -> None:
+        await self.run.wait_until(lambda: all(c.finished for c in children))
+        failed = next((c for c in children if c.error is not None), None)
+        if failed is not None:
+            raise ProgramError(f"a forked state failed: {failed.error}") from failed.error
+        if mode == "gather_variable":
+            before = set(self.variables)
+            for child in children:
+                for key, value in child.variables.items():
+                    if key in before:
+                        continue
+                    self.variables.setdefault(key, []).append(value)
+                    self.meta.setdefault(key, []).append(child.meta.get(key))
+                    self.var_done.add(key)
+        elif mode == "concate_and_append":
+            self._add_text("".join(c.text[c.fork_text_pos:] for c in children))
+        else:
+            raise ProgramError(f"join mode must be 'gather_variable' or 'concate_and_append', "
+                               f"got {mode!r}")
+
+    # -- streaming reads ------------------------------------------------------------------
+
+    def _stream_source(self, var: Any) -> str:
+        value = self.text if var is None else self.variables.get(var, "")
+        return value if isinstance(value, str) else ""
+
+    def _stream_done(self, var: Any) -> bool:
+        if var is None:
+            return self.finished or self.run.ended
+        return var in self.var_done or self.finished or self.run.ended
+
+    async def next_text(self, var: Any, cursor: int) -> tuple[str, bool]:
+        """Text of `var` (None: the whole state) past `cursor`, once there is some or it is
+        complete; and whether it is complete."""
+        await self.run.wait_until(
+            lambda: len(self._stream_source(var)) > cursor or self._stream_done(var)
+        )
+        return self._stream_source(var)[cursor:], self._stream_done(var)

@@ -1,0 +1,270 @@
+"""The program vocabulary (SGLang's): `gen`, `select`, roles, and ``+`` to chain them.
+
+These only *describe* what a program appends; `ProgramState` executes them. Expressions
+concatenate with ``+`` (``"Q: " + rl.gen("a", stop="\\n")``), as in SGLang.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+__all__ = [
+    "ChoicesMethod",
+    "Expr",
+    "Gen",
+    "RoleBegin",
+    "RoleEnd",
+    "Select",
+    "Text",
+    "assistant",
+    "assistant_begin",
+    "assistant_end",
+    "flatten",
+    "gen",
+    "greedy_token_selection",
+    "select",
+    "sum_logprobs",
+    "system",
+    "system_begin",
+    "system_end",
+    "token_length_normalized",
+    "user",
+    "user_begin",
+    "user_end",
+]
+
+
+class Expr:
+    """Something a program can append to its state (``s += expr``)."""
+
+    def __add__(self, other: Any) -> ExprList:
+        return ExprList((self, as_expr(other)))
+
+    def __radd__(self, other: Any) -> ExprList:
+        return ExprList((as_expr(other), self))
+
+
+@dataclass(frozen=True)
+class Text(Expr):
+    value: str
+
+
+@dataclass(frozen=True)
+class ExprList(Expr):
+    items: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
+class RoleBegin(Expr):
+    role: str
+
+
+@dataclass(frozen=True)
+class RoleEnd(Expr):
+    role: str
+
+
+@dataclass(frozen=True)
+class Gen(Expr):
+    """Generate into variable `name`; `sampling` holds only the options given here (the
+    run's defaults fill the rest). ``n > 1`` samples n branches from one prefill."""
+
+    name: str | None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class Select(Expr):
+    name: str | None
+    choices: tuple[str, ...]
+    method: ChoicesMethod
+
+
+ExprLike = Union[Expr, str]
+
+
+def as_expr(x: Any) -> Expr:
+    if isinstance(x, Expr):
+        return x
+    if isinstance(x, str):
+        return Text(x)
+    raise TypeError(f"a program can append text or rl expressions (gen, select, roles), "
+                    f"not {type(x).__name__}: {x!r}")
+
+
+def flatten(x: Any) -> list[Expr]:
+    """The primitive expressions of `x`, in order (Text, RoleBegin/End, Gen, Select)."""
+    x = as_expr(x)
+    if isinstance(x, ExprList):
+        return [e for item in x.items for e in flatten(item)]
+    return [x]
+
+
+# -- choices methods (how select() scores its options) ----------------------------------
+
+
+@dataclass(frozen=True)
+class ChoicesMethod:
+    """How `select` turns each choice's token logprobs into a decision."""
+
+    name: str
+
+    def choose(self, logprobs: list[list[float]]) -> tuple[int, list[float]]:
+        """(index of the chosen choice, one score per choice)."""
+        if self.name == "token_length_normalized":
+            scores = [sum(lp) / len(lp) if lp else -math.inf for lp in logprobs]
+        elif self.name == "sum":
+            scores = [sum(lp) for lp in logprobs]
+        elif self.name == "greedy":
+            return _greedy(logprobs)
+        else:  # pragma: no cover - constructed only below
+            raise ValueError(f"unknown choices method {self.name!r}")
+        best = max(range(len(scores)), key=lambda i: scores[i])
+        return best, scores
+
+
+def _greedy(logprobs: list[list[float]]) -> tuple[int, list[float]]:
+    """SGLang's greedy token selection: compare choices token by token (first token first),
+    keeping the best at each position; a shorter choice is padded with its mean logprob."""
+    width = max(len(lp) for lp in logprobs)
+    rows = []
+    for lp in logprobs:
+        mean = sum(lp) / len(lp) if lp else -math.inf
+        rows.append(list(lp) + [mean] * (width - len(lp)))
+    remaining = list(range(len(rows)))
+    for j in range(width):
+        best = max(rows[i][j] for i in remaining)
+        remaining = [i for i in remaining if rows[i][j] == best]
+        if len(remaining) == 1:
+            break
+    scores = [rows[i][0] if rows[i] else -math.inf for i in range(len(rows))]
+    return remaining[0], scores
+
+
+token_length_normalized = ChoicesMethod("token_length_normalized")
+greedy_token_selection = ChoicesMethod("greedy")
+sum_logprobs = ChoicesMethod("sum")
+_METHODS = {m.name: m for m in (token_length_normalized, greedy_token_selection, sum_logprobs)}
+_METHODS["greedy_token_selection"] = greedy_token_selection
+
+
+def _method(method: ChoicesMethod | str | None) -> ChoicesMethod:
+    if method is None:
+        return token_length_normalized
+    if isinstance(method, ChoicesMethod):
+        return method
+    try:
+        return _METHODS[method]
+    except KeyError:
+        raise ValueError(f"choices_method must be one of {sorted(_METHODS)}, got {method!r}") from None
+
+
+# -- constructors ---------------------------------------------------------------------------
+
+
+def gen(
+    name: str | None = None,
+    max_tokens: int | None = None,
+    *,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    ignore_eos: bool | None = None,
+    return_logprob: bool | None = None,
+    top_logprobs_num: int | None = None,
+    seed: int | None = None,
+    n: int | None = None,
+    choices: list[str] | None = None,
+    choices_method: ChoicesMethod | str | None = None,
+    regex: str | None = None,
+    json_schema: str | None = None,
+    **unsupported: Any,
+) -> Expr:
+    """Generate text into variable `name` (``s[name]``). Options left as None take the
+    run's defaults. ``n=k`` samples k branches from one prefill (``s[name]`` is then a
+    list and the state continues with the first). ``choices=[...]`` is `select`."""
+    if choices is not None:
+        return select(name, choices, temperature=temperature or 0.0,
+                      choices_method=choices_method)
+    if regex is not None or json_schema is not None:
+        raise ValueError("constrained decoding (regex, json_schema) is not supported by radixlm")
+    if unsupported:
+        raise TypeError(f"gen() got unsupported options: {sorted(unsupported)}")
+    sampling = {
+        "max_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_token_ids,
+        "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+        "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
+        "repetition_penalty": repetition_penalty, "ignore_eos": ignore_eos,
+        "logprobs": return_logprob, "top_logprobs": top_logprobs_num, "seed": seed,
+    }
+    if n is not None and n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    return Gen(name, {k: v for k, v in sampling.items() if v is not None}, n or 1)
+
+
+def select(
+    name: str | None = None,
+    choices: list[str] | None = None,
+    temperature: float = 0.0,
+    choices_method: ChoicesMethod | str | None = None,
+) -> Select:
+    """Choose one of `choices` by the prompt logprobs of each continuation (scored in
+    forked sessions, so the prompt is never recomputed). `choices_method`:
+    `token_length_normalized` (default: mean token logprob), `greedy_token_selection`
+    or `sum_logprobs`; `temperature` is accepted for SGLang compatibility (0 only)."""
+    if not choices or not all(isinstance(c, str) for c in choices):
+        raise ValueError("select() needs a non-empty list of strings as choices")
+    if temperature not in (0, 0.0, None):
+        raise ValueError("select() scores choices deterministically: temperature must be 0")
+    return Select(name, tuple(choices), _method(choices_method))
+
+
+def _role(role: str, expr: Any) -> ExprList:
+    if expr is None:
+        return ExprList((RoleBegin(role), RoleEnd(role)))
+    return ExprList((RoleBegin(role), as_expr(expr), RoleEnd(role)))
+
+
+def system(expr: Any = None) -> ExprList:
+    return _role("system", expr)
+
+
+def user(expr: Any = None) -> ExprList:
+    return _role("user", expr)
+
+
+def assistant(expr: Any = None) -> ExprList:
+    return _role("assistant", expr)
+
+
+def system_begin() -> RoleBegin:
+    return RoleBegin("system")
+
+
+def system_end() -> RoleEnd:
+    return RoleEnd("system")
+
+
+def user_begin() -> RoleBegin:
+    return RoleBegin("user")
+
+
+def user_end() -> RoleEnd:
+    return RoleEnd("user")
+
+
+def assistant_begin() -> RoleBegin:
+    return RoleBegin("assistant")
+
+
+def assistant_end() -> RoleEnd:
+    return RoleEnd("assistant")

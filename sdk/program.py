@@ -1,0 +1,415 @@
+"""``@rl.function`` programs and how they run.
+
+    @rl.function
+    def qa(s, question):
+        s += rl.user(question)
+        s += rl.assistant(rl.gen("answer", max_tokens=64))
+
+    state = qa.run(question="Why is the sky blue?")           # sync
+    state = await qa.arun(question="...")                      # async
+    states = qa.run_batch([{"question": q} for q in qs], max_concurrency=16)
+
+A program's body runs in the caller's thread (``run``, ``run_batch``) and only *appends*
+operations; they execute as anyio tasks in the backend's event loop, concurrently across
+states and programs, and the body blocks only when it reads a value that is not ready.
+A body that reads generated values mid-way (``if s["x"] == ...``) holds ``run_batch``'s
+thread while it waits; write it as ``async def`` (reading with ``await s.aget(...)``) to
+run such programs fully concurrently. ``arun`` runs a plain ``def`` body in a worker
+thread so that its reads never block the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any, Union
+
+import anyio
+from anyio.from_thread import BlockingPortal
+from anyio.lowlevel import current_token
+from radixlm.sdk.client import AsyncClient
+from radixlm.sdk.errors import ProgramError, plain_errors
+from radixlm.sdk.results import SAMPLING_FIELDS
+from radixlm.sdk.run import ProgramRun, await_future
+from radixlm.sdk.state import ProgramState
+from radixlm.sdk.sync import Client
+
+__all__ = ["Program", "function", "get_default_backend", "set_default_backend"]
+
+Backend = Union[Client, AsyncClient]
+_CANCEL_WAIT_S = 10.0
+
+
+class _DefaultBackend:
+    """The backend programs use when none is passed. SGLang's API (`set_default_backend`)
+    needs this one piece of process-wide state; nothing else in the SDK is global."""
+
+    backend: Backend | None = None
+
+
+def set_default_backend(backend: Backend | None) -> None:
+    """Make `backend` (an `rl.Engine`, `rl.connect(...)` client or `AsyncClient`) the one
+    programs run on when no ``backend=`` is given."""
+    _DefaultBackend.backend = backend
+
+
+def get_default_backend() -> Backend | None:
+    return _DefaultBackend.backend
+
+
+def _resolve(backend: Backend | None) -> Backend:
+    backend = backend if backend is not None else _DefaultBackend.backend
+    if backend is None:
+        raise ProgramError("no backend: pass backend=... or call "
+                           "rl.set_default_backend(rl.Engine())")
+    if not isinstance(backend, (Client, AsyncClient)):
+        raise TypeError(f"a backend is an rl.Engine, rl.connect(...) or rl.AsyncClient, "
+                        f"not {type(backend).__name__}")
+    return backend
+
+
+def _split(options: dict[str, Any], params: frozenset[str] = frozenset()
+           ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(sampling defaults, program arguments) from a run's keyword arguments; a name the
+    program itself declares (`params`) is always the program's."""
+    def sampling_option(k: str) -> bool:
+        return k in SAMPLING_FIELDS and k not in params
+
+    sampling = {k: v for k, v in options.items() if sampling_option(k) and v is not None}
+    return sampling, {k: v for k, v in options.items() if not sampling_option(k)}
+
+
+def _wait(fut: Future[Any], run_cancel: Callable[[], None]) -> None:
+    """Wait for a supervisor future; on Ctrl-C cancel it (aborting requests, closing
+    sessions) and wait for that cleanup before re-raising."""
+    try:
+        fut.result()
+    except BaseException:
+        run_cancel()
+        _settle(fut)
+        raise
+
+
+class Program:
+    """A program (``@rl.function``): call `run`, `arun`, `run_batch` or `astream`.
+
+    Keyword arguments of those calls that are sampling options (``max_new_tokens``,
+    ``temperature``, ``stop``, ``top_p``...) become the defaults of every ``gen`` in the
+    program; the rest are the program's arguments.
+    """
+
+    def __init__(self, func: Callable[..., Any], bind_arguments: dict[str, Any] | None = None):
+        self.func = func
+        self.is_async = inspect.iscoroutinefunction(func)
+        self.bind_arguments = dict(bind_arguments or {})
+        self.__name__ = getattr(func, "__name__", "program")
+        self.__doc__ = func.__doc__
+        params = list(inspect.signature(func).parameters)
+        if not params:
+            raise TypeError(f"{self.__name__}: a program's first parameter is its state `s`")
+        self.params = frozenset(params[1:])
+
+    def bind(self, **kwargs: Any) -> Program:
+        """A copy with some arguments fixed."""
+        return Program(self.func, {**self.bind_arguments, **kwargs})
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Called with a state: a sub-program running inline in the caller's program.
+        if args and isinstance(args[0], ProgramState):
+            return self.func(*args, **{**self.bind_arguments, **kwargs})
+        return self.run(*args, **kwargs)
+
+    def _new_run(self, client: AsyncClient, sampling: dict[str, Any], *, stream: bool,
+                 pin: str | None, namespace: str | None, loop_thread: int, token: Any,
+                 portal: BlockingPortal | None) -> ProgramRun:
+        return ProgramRun(client, defaults=sampling, stream=stream, pin=pin, namespace=namespace,
+                          loop_thread=loop_thread, token=token, portal=portal)
+
+    def _sync_run(self, client: Client, sampling: dict[str, Any], stream: bool,
+                  pin: str | None, namespace: str | None) -> ProgramRun:
+        loop = client.loop
+        return self._new_run(client.aclient, sampling, stream=stream, pin=pin,
+                             namespace=namespace, loop_thread=loop.thread_id, token=loop.token,
+                             portal=loop.portal)
+
+    # -- sync ---------------------------------------------------------------------------------
+
+    def run(self, *args: Any, backend: Backend | None = None, stream: bool = False,
+            pin: str | None = None, namespace: str | None = None, **kwargs: Any) -> ProgramState:
+        """Run the program and return its state once it finished (with ``stream=True``, at
+        once: read it with ``state.text_iter(name)``). Engine errors raise.
+
+        `pin`: start the program's session from this pinned prefix (see ``client.pin``);
+        `namespace`: the cache namespace of its sessions."""
+        client = _resolve(backend)
+        sampling, kwargs = _split(kwargs, self.params)
+        kwargs = {**self.bind_arguments, **kwargs}
+        if isinstance(client, AsyncClient):
+            raise ProgramError("run() needs a synchronous backend (rl.Engine, rl.connect); "
+                               "with an AsyncClient use `await program.arun(...)`")
+        if self.is_async:
+            return client.portal.call(partial(
+                self.arun, *args, backend=client.aclient, pin=pin, namespace=namespace,
+                _portal=client.portal, **sampling, **kwargs))
+        run = self._sync_run(client, sampling, stream, pin, namespace)
+        run.future = client.portal.start_task_soon(run.supervise)
+        self._run_body(run, args, kwargs)
+        if stream:
+            return run.root
+        _wait(run.future, run.cancel)
+        error = run.first_error()
+        if error is not None:
+            raise error
+        return run.root
+
+    def _run_body(self, run: ProgramRun, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        try:
+            run.root.ret_value = self.func(run.root, *args, **kwargs)
+        except BaseException as e:
+            run.body_error = e
+            run.cancel()
+            run.commit(final=True)
+            if run.future is not None:
+                _settle(run.future)
+            raise
+        run.commit(final=True)
+
+    def run_batch(
+        self,
+        batch_kwargs: Sequence[dict[str, Any]],
+        *,
+        backend: Backend | None = None,
+        max_concurrency: int | None = None,
+        num_threads: int | str | None = None,
+        progress_bar: bool = False,
+        pin: str | None = None,
+        namespace: str | None = None,
+        **sampling: Any,
+    ) -> list[ProgramState]:
+        """Run the program once per argument dict, concurrently (anyio tasks in the
+        backend's loop, at most `max_concurrency` programs at a time; SGLang's
+        `num_threads` is read as that limit). Returns the states in order; a program that
+        failed raises its error when its state is read (``state.error()`` returns it)."""
+        client = _resolve(backend)
+        if isinstance(client, AsyncClient):
+            raise ProgramError("run_batch() needs a synchronous backend; with an AsyncClient "
+                               "use `await program.arun_batch(...)`")
+        if max_concurrency is None and isinstance(num_threads, int):
+            max_concurrency = num_threads
+        defaults, extra = _split(sampling)
+        if extra:
+            raise TypeError(f"run_batch() got unexpected options {sorted(extra)}")
+        pbar = _progress(len(batch_kwargs)) if progress_bar else None
+        try:
+            if self.is_async:
+                return client.portal.call(partial(
+                    self.arun_batch, batch_kwargs, backend=client.aclient,
+                    max_concurrency=max_concurrency, pin=pin, namespace=namespace,
+                    _portal=client.portal, _on_done=pbar.update if pbar else None, **defaults))
+            runs = [self._sync_run(client, defaults, False, pin, namespace) for _ in batch_kwargs]
+            fut = client.portal.start_task_soon(
+                _supervise_batch, runs, max_concurrency, pbar.update if pbar else None)
+            try:
+                for run, arguments in zip(runs, batch_kwargs, strict=False):
+                    args, kwargs = _arguments(arguments)
+                    try:
+                        run.root.ret_value = self.func(run.root, *args,
+                                                       **{**self.bind_arguments, **kwargs})
+                    except Exception as e:  # noqa: BLE001 - this program fails, the batch goes on
+                        run.body_error = e
+                        run.cancel()
+                    finally:
+                        run.commit(final=True)
+            except BaseException:
+                for run in runs:
+                    run.commit(final=True)
+                _wait_cancelled(fut)
+                raise
+            _wait(fut, lambda: fut.cancel())
+            return [run.root for run in runs]
+        finally:
+            if pbar is not None:
+                pbar.close()
+
+    # -- async --------------------------------------------------------------------------------
+
+    async def arun(self, *args: Any, backend: Backend | None = None, stream: bool = False,
+                   pin: str | None = None, namespace: str | None = None,
+                   _portal: BlockingPortal | None = None, **kwargs: Any) -> ProgramState:
+        """Run the program from async code and return its finished state.
+
+        On an `AsyncClient` it runs in the current loop; on a synchronous client it runs
+        in that client's loop and this coroutine waits for it. Cancelling it aborts the
+        program's requests and closes its sessions."""
+        client = _resolve(backend)
+        if isinstance(client, Client):
+            if client.loop.in_loop_thread():
+                client, _portal = client.aclient, client.portal
+            else:
+                return await await_future(client.portal.start_task_soon(partial(
+                    self.arun, *args, backend=client.aclient, stream=stream, pin=pin,
+                    namespace=namespace, _portal=client.portal, **kwargs)))
+        sampling, kwargs = _split(kwargs, self.params)
+        kwargs = {**self.bind_arguments, **kwargs}
+        run = self._new_run(client, sampling, stream=stream, pin=pin, namespace=namespace,
+                            loop_thread=threading.get_ident(), token=current_token(),
+                            portal=_portal)
+        with plain_errors():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run.supervise)
+                await self._abody(run, args, kwargs)
+        error = run.first_error()
+        if error is not None:
+            raise error
+        return run.root
+
+    async def _abody(self, run: ProgramRun, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """Run the body from the run's loop: an async body as a coroutine, a plain one in a
+        worker thread (its reads must not block the loop)."""
+        try:
+            if self.is_async:
+                run.root.ret_value = await self.func(run.root, *args, **kwargs)
+            else:
+                run.root.ret_value = await anyio.to_thread.run_sync(
+                    partial(self.func, run.root, *args, **kwargs))
+        except BaseException as e:
+            run.body_error = e
+            run.cancel()
+            raise
+        finally:
+            run.commit(final=True)
+
+    @asynccontextmanager
+    async def astream(self, *args: Any, backend: AsyncClient | None = None,
+                      pin: str | None = None, namespace: str | None = None,
+                      **kwargs: Any) -> AsyncIterator[ProgramState]:
+        """Start the program with streaming and yield its state at once:
+
+            async with prog.astream(topic="...", backend=client) as s:
+                async for piece in s.text_async_iter("story"):
+                    print(piece, end="")
+
+        The program runs in a task group owned by this context; leaving waits for it."""
+        client = _resolve(backend)
+        if not isinstance(client, AsyncClient):
+            raise ProgramError("astream() needs an AsyncClient; with a synchronous client use "
+                               "run(stream=True) and state.text_iter()")
+        sampling, kwargs = _split(kwargs, self.params)
+        kwargs = {**self.bind_arguments, **kwargs}
+        run = self._new_run(client, sampling, stream=True, pin=pin, namespace=namespace,
+                            loop_thread=threading.get_ident(), token=current_token(), portal=None)
+        with plain_errors():
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run.supervise)
+                tg.start_soon(self._abody, run, args, kwargs)
+                yield run.root
+        error = run.first_error()
+        if error is not None:
+            raise error
+
+    async def arun_batch(
+        self,
+        batch_kwargs: Sequence[dict[str, Any]],
+        *,
+        backend: Backend | None = None,
+        max_concurrency: int | None = None,
+        pin: str | None = None,
+        namespace: str | None = None,
+        _portal: BlockingPortal | None = None,
+        _on_done: Callable[[int], Any] | None = None,
+        **sampling: Any,
+    ) -> list[ProgramState]:
+        """`run_batch` from async code: one task per program, at most `max_concurrency`."""
+        client = _resolve(backend)
+        if isinstance(client, Client):
+            return await await_future(client.portal.start_task_soon(partial(
+                self.arun_batch, batch_kwargs, backend=client.aclient,
+                max_concurrency=max_concurrency, pin=pin, namespace=namespace,
+                _portal=client.portal, _on_done=_on_done, **sampling)))
+        defaults, extra = _split(sampling)
+        if extra:
+            raise TypeError(f"arun_batch() got unexpected options {sorted(extra)}")
+        limiter = anyio.CapacityLimiter(max_concurrency) if max_concurrency else None
+        runs = [self._new_run(client, defaults, stream=False, pin=pin, namespace=namespace,
+                              loop_thread=threading.get_ident(), token=current_token(),
+                              portal=_portal) for _ in batch_kwargs]
+
+        async def one(run: ProgramRun, arguments: Any) -> None:
+            args, kwargs = _arguments(arguments)
+            kwargs = {**self.bind_arguments, **kwargs}
+            if limiter is not None:
+                await limiter.acquire()
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(run.supervise)
+                    with contextlib.suppress(Exception):  # recorded in the state
+                        await self._abody(run, args, kwargs)
+            finally:
+                if limiter is not None:
+                    limiter.release()
+            if _on_done is not None:
+                _on_done(1)
+
+        async with anyio.create_task_group() as tg:
+            for run, arguments in zip(runs, batch_kwargs, strict=False):
+                tg.start_soon(one, run, arguments)
+        return [run.root for run in runs]
+
+
+def _arguments(arguments: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(arguments, dict):
+        return (), arguments
+    if isinstance(arguments, (list, tuple)):
+        return tuple(arguments), {}
+    raise TypeError(f"each batch item is a dict of arguments (or a tuple), got {arguments!r}")
+
+
+async def _supervise_batch(runs: list[ProgramRun], limit: int | None,
+                           on_done: Callable[[int], Any] | None) -> None:
+    limiter = anyio.CapacityLimiter(limit) if limit else None
+
+    async def one(run: ProgramRun) -> None:
+        if limiter is None:
+            await run.supervise()
+        else:
+            async with limiter:
+                await run.supervise()
+        if on_done is not None:
+            on_done(1)
+
+    async with anyio.create_task_group() as tg:
+        for run in runs:
+            tg.start_soon(one, run)
+
+
+def _settle(fut: Future[Any]) -> None:
+    """Wait (boundedly) for a cancelled supervisor's cleanup; its outcome does not matter."""
+    with contextlib.suppress(Exception):
+        fut.result(timeout=_CANCEL_WAIT_S)
+
+
+def _wait_cancelled(fut: Future[Any]) -> None:
+    fut.cancel()
+    _settle(fut)
+
+
+def _progress(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total)
+
+
+def function(func: Callable[..., Any] | None = None, **options: Any) -> Any:
+    """Decorator making a `Program` of a function whose first parameter is the state:
+    ``@rl.function`` (or ``@rl.function()``). SGLang's tuning options are accepted."""
+    unknown = set(options) - {"num_api_spec_tokens"}
+    if unknown:
+        raise TypeError(f"function() got unexpected options {sorted(unknown)}")
+    if func is None:
+        return lambda f: Program(f)
+    return Program(func)

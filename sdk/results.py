@@ -1,0 +1,147 @@
+"""What calls return: `GenerateResult` (a finished generation), `StreamDelta` (a streamed
+piece), and the SGLang-style ``meta_info`` dict built from a ``Done``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from radixlm.runtime.protocol import Done, Message, SamplingParams, TopLogprob
+
+__all__ = ["GenerateResult", "StreamDelta", "meta_info", "sampling_params", "to_messages"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """One finished generation (one branch when ``n > 1``).
+
+    ``meta_info`` has SGLang's keys: ``prompt_tokens``, ``cached_tokens``,
+    ``completion_tokens``, ``finish_reason`` (``{"type": "stop", "matched": ...}``,
+    ``{"type": "length", "length": n}`` or ``{"type": "abort"}``), plus ``id``,
+    ``e2e_latency``, ``output_ids``, ``session_length``, ``recomputed_tokens`` and
+    ``restored_tokens``.
+    """
+
+    text: str
+    token_ids: list[int]  # output ids only
+    meta_info: dict[str, Any]
+    session: str | None = None  # the session this branch's history lives in
+    index: int = 0  # branch index when n > 1
+    logprobs: list[float] | None = None  # of each output token, when asked for
+    prompt_logprobs: list[float] | None = None
+
+    @property
+    def finish_reason(self) -> str:
+        return self.meta_info["finish_reason"]["type"]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDelta:
+    """A streamed piece of output: new text and the ids it came from."""
+
+    text: str
+    token_ids: list[int]
+    index: int = 0
+    logprobs: list[float] | None = None
+
+
+def _finish_reason(done: Done) -> dict[str, Any]:
+    if done.finish_reason == "stop":
+        return {"type": "stop", "matched": done.matched_stop}
+    if done.finish_reason == "length":
+        return {"type": "length", "length": done.usage.completion_tokens}
+    return {"type": done.finish_reason}
+
+
+def _triples(values: list[float], ids: list[int] | None) -> list[tuple[float, int | None, None]]:
+    """SGLang's ``(logprob, token_id, text)`` form (text is not returned by the engine)."""
+    if ids is None:
+        return [(v, None, None) for v in values]
+    return [(v, t, None) for v, t in zip(values, ids, strict=False)]
+
+
+def _top(rows: list[list[TopLogprob]]) -> list[list[tuple[float, int, None]]]:
+    return [[(alt.logprob, alt.token_id, None) for alt in row] for row in rows]
+
+
+def meta_info(done: Done, latency_s: float) -> dict[str, Any]:
+    """SGLang-compatible meta info for one ``Done``."""
+    u = done.usage
+    info: dict[str, Any] = {
+        "id": done.rid,
+        "prompt_tokens": u.prompt_tokens,
+        "cached_tokens": u.cached_tokens,
+        "completion_tokens": u.completion_tokens,
+        "finish_reason": _finish_reason(done),
+        "recomputed_tokens": u.recomputed_tokens,
+        "restored_tokens": u.restored_tokens,
+        "session_length": done.session_length,
+        "e2e_latency": latency_s,
+        "output_ids": done.token_ids,
+    }
+    if done.logprobs is not None:
+        info["output_token_logprobs"] = _triples(done.logprobs, done.token_ids)
+    if done.top_logprobs is not None:
+        info["output_top_logprobs"] = _top(done.top_logprobs)
+    if done.prompt_logprobs is not None:
+        info["input_token_logprobs"] = _triples(done.prompt_logprobs, None)
+    if done.prompt_top_logprobs is not None:
+        info["input_top_logprobs"] = _top(done.prompt_top_logprobs)
+    return info
+
+
+def result_from_done(done: Done, latency_s: float) -> GenerateResult:
+    return GenerateResult(
+        text=done.text,
+        token_ids=done.token_ids,
+        meta_info=meta_info(done, latency_s),
+        session=done.session,
+        index=done.index,
+        logprobs=done.logprobs,
+        prompt_logprobs=done.prompt_logprobs,
+    )
+
+
+# -- inputs -------------------------------------------------------------------------------
+
+# SGLang spellings accepted next to the protocol's field names.
+_ALIASES = {
+    "max_new_tokens": "max_tokens",
+    "return_logprob": "logprobs",
+    "top_logprobs_num": "top_logprobs",
+}
+SAMPLING_FIELDS: frozenset[str] = frozenset(SamplingParams.__struct_fields__) | frozenset(_ALIASES)
+
+
+def sampling_params(options: dict[str, Any]) -> SamplingParams:
+    """A `SamplingParams` from keyword options (``None`` means "default"); ``stop`` may be
+    a single string. Unknown names raise ``TypeError``; values are checked by the engine."""
+    fields: dict[str, Any] = {}
+    for key, value in options.items():
+        if value is None:
+            continue
+        name = _ALIASES.get(key, key)
+        if name not in SamplingParams.__struct_fields__:
+            raise TypeError(
+                f"unknown sampling option {key!r}; expected one of {sorted(SAMPLING_FIELDS)}"
+            )
+        if name == "stop" and isinstance(value, str):
+            value = [value]
+        elif name in ("stop", "stop_token_ids"):
+            value = list(value)
+        fields[name] = value
+    return SamplingParams(**fields)
+
+
+def to_messages(messages: Any) -> list[Message]:
+    """Chat messages as protocol `Message`s, from dicts, `Message`s or (role, content) pairs."""
+    out = []
+    for m in messages:
+        if isinstance(m, Message):
+            out.append(m)
+        elif isinstance(m, dict):
+            out.append(Message(role=m["role"], content=m["content"]))
+        else:
+            role, content = m
+            out.append(Message(role=role, content=content))
+    return out

@@ -1,0 +1,253 @@
+"""`ProgramState`: the `s` of an ``@rl.function`` -- what the program body sees.
+
+Appending (``s += ...``, ``fork``, ``join``) only records operations in the run; reads
+(``s["x"]``, ``s.text()``, ``text_iter``) wait for the operations they depend on, while
+everything else keeps running concurrently in the client's event loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from radixlm.sdk.errors import ProgramError
+from radixlm.sdk.executor import ForkOp, JoinOp, SetVarOp, StateCore
+from radixlm.sdk.lang import flatten
+from radixlm.sdk.run import await_future
+
+if TYPE_CHECKING:
+    from radixlm.sdk.run import ProgramRun
+
+__all__ = ["ProgramState", "ProgramStateGroup"]
+
+
+class ProgramState:
+    """The state of a running program (``s``): append with ``+=``, read with ``s[name]``.
+
+    Reads wait for the operations they depend on; the rest runs concurrently.
+    """
+
+    def __init__(self, run: ProgramRun, core: StateCore) -> None:
+        self._run = run
+        self._core = core
+        self.ret_value: Any = None
+
+    # -- appending --------------------------------------------------------------------------
+
+    def __iadd__(self, other: Any) -> ProgramState:
+        if other is None:
+            raise ValueError("tried to append None to a program state")
+        for expr in flatten(other):
+            self._run.submit(self._core, expr)
+        return self
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self._run.submit(self._core, SetVarOp(name, value))
+
+    set_var = __setitem__
+
+    def fork(self, size: int = 1) -> ProgramStateGroup:
+        """`size` copies of this state continuing independently from here: one engine
+        ``ForkSession``, no prefix re-sent. ``join()`` gathers their variables back."""
+        if size < 1:
+            raise ValueError(f"fork size must be >= 1, got {size}")
+        children = tuple(self._run.new_core(forked=True) for _ in range(size))
+        self._run.submit(self._core, ForkOp(children))
+        return ProgramStateGroup([ProgramState(self._run, c) for c in children], self)
+
+    def copy(self) -> _CopiedState:
+        """One fork of this state; as a context manager it is joined back on exit."""
+        child = self.fork(1)
+        return _CopiedState(child, self)
+
+    # -- reading (blocking) --------------------------------------------------------------------
+
+    def _target(self) -> int:
+        return self._core.submitted
+
+    def _raise_if_failed(self) -> None:
+        error = self._core.error or self._run.body_error
+        if error is not None:
+            raise error
+
+    def sync(self) -> None:
+        """Wait until every operation appended so far has run."""
+        target, core = self._target(), self._core
+        self._run.block_until(lambda: core.settled(target))
+
+    def get_var(self, name: Any) -> Any:
+        core, target = self._core, self._target()
+        self._run.block_until(lambda: name in core.var_done or core.settled(target))
+        return self._value(name)
+
+    __getitem__ = get_var
+
+    def _value(self, name: Any) -> Any:
+        if name in self._core.var_done:
+            return self._core.variables[name]
+        self._raise_if_failed()
+        raise KeyError(f"the program state has no variable {name!r}")
+
+    def get(self, name: Any, default: Any = None) -> Any:
+        """`s[name]` once every operation appended so far ran, or `default` if the program
+        never set it."""
+        self.sync()
+        return self._value(name) if name in self._core.var_done else default
+
+    def __contains__(self, name: Any) -> bool:
+        self.sync()
+        return name in self._core.var_done
+
+    def get_meta_info(self, name: Any) -> Any:
+        """SGLang-style meta info of a gen/select: prompt_tokens, cached_tokens,
+        completion_tokens, finish_reason (and more; a list after gen(n=k) or join)."""
+        self.get_var(name)
+        return self._core.meta.get(name)
+
+    def text(self) -> str:
+        self.sync()
+        self._raise_if_failed()
+        return self._core.text
+
+    def messages(self) -> list[dict[str, str]]:
+        self.sync()
+        self._raise_if_failed()
+        return list(self._core.messages)
+
+    @property
+    def variables(self) -> dict[Any, Any]:
+        self.sync()
+        return {k: v for k, v in self._core.variables.items() if k in self._core.var_done}
+
+    def error(self) -> BaseException | None:
+        """The error that stopped this state (or its program), if any."""
+        self.sync()
+        return self._core.error or self._run.body_error
+
+    # -- reading (async) ------------------------------------------------------------------------
+
+    async def wait(self) -> None:
+        """Like `sync`, from async code."""
+        target, core = self._target(), self._core
+        await self._run.await_until(lambda: core.settled(target))
+
+    async def aget(self, name: Any) -> Any:
+        core, target = self._core, self._target()
+        await self._run.await_until(lambda: name in core.var_done or core.settled(target))
+        return self._value(name)
+
+    async def atext(self) -> str:
+        await self.wait()
+        self._raise_if_failed()
+        return self._core.text
+
+    # -- streaming -------------------------------------------------------------------------
+
+    def text_iter(self, var_name: Any = None) -> Iterator[str]:
+        """Yield the text of `var_name` (None: the whole state) as it is generated. Without
+        ``stream=True`` on the run it yields the finished value once."""
+        if not self._run.stream:
+            yield self.text() if var_name is None else self.get_var(var_name)
+            return
+        self._run.commit()
+        cursor = 0
+        while True:
+            if self._run.in_loop_thread():
+                raise ProgramError("text_iter() would block the event loop: use text_async_iter()")
+            chunk, done = self._run._from_thread(anyio.from_thread.run, self._core.next_text,
+                                                 var_name, cursor)
+            cursor += len(chunk)
+            if chunk:
+                yield chunk
+            if done:
+                break
+        self._raise_if_failed()
+
+    async def text_async_iter(self, var_name: Any = None,
+                              return_meta_data: bool = False) -> AsyncIterator[Any]:
+        """Async version of `text_iter`; with `return_meta_data`, yields (text, meta_info)."""
+        if not self._run.stream:
+            await self.wait()
+            value = self._core.text if var_name is None else await self.aget(var_name)
+            yield (value, self._core.meta.get(var_name)) if return_meta_data else value
+            return
+        self._run.commit()
+        cursor = 0
+        core = self._core
+        while True:
+            if self._run.in_loop_thread():
+                chunk, done = await core.next_text(var_name, cursor)
+            elif self._run.portal is not None:
+                chunk, done = await await_future(
+                    self._run.portal.start_task_soon(core.next_text, var_name, cursor))
+            else:
+                raise ProgramError("this program state belongs to another event loop")
+            cursor += len(chunk)
+            if chunk:
+                yield (chunk, core.meta.get(var_name)) if return_meta_data else chunk
+            if done:
+                break
+        self._raise_if_failed()
+
+    def __repr__(self) -> str:
+        core = self._core
+        state = "finished" if core.finished else "running"
+        return f"<ProgramState {state}, {len(core.text)} chars, session={core.session}>"
+
+
+class _CopiedState(ProgramState):
+    """`ProgramState.copy()`: a fork of one; ``with s.copy() as c:`` joins it on exit."""
+
+    def __init__(self, group: ProgramStateGroup, parent: ProgramState) -> None:
+        only = group[0]
+        super().__init__(only._run, only._core)
+        self._group = group
+
+    def __enter__(self) -> _CopiedState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._group.join()
+
+
+class ProgramStateGroup:
+    """The states `ProgramState.fork` made: ``forks += expr`` appends to each (a callable
+    gets the index; a list gives one item per fork); ``join()`` gathers them back."""
+
+    def __init__(self, states: list[ProgramState], parent: ProgramState) -> None:
+        self.states = states
+        self.parent = parent
+
+    def __getitem__(self, i: int) -> ProgramState:
+        return self.states[i]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iter__(self) -> Iterator[ProgramState]:
+        return iter(self.states)
+
+    def __iadd__(self, other: Any) -> ProgramStateGroup:
+        if callable(other):
+            for i, state in enumerate(self.states):
+                state += other(i)
+        elif isinstance(other, (list, tuple)):
+            if len(other) != len(self.states):
+                raise ValueError(f"got {len(other)} items for {len(self.states)} forks")
+            for state, item in zip(self.states, other, strict=False):
+                state += item
+        else:
+            for state in self.states:
+                state += other
+        return self
+
+    def join(self, mode: str = "gather_variable") -> None:
+        """End the forks and merge them into the parent: ``gather_variable`` (default) puts
+        each new variable in the parent as a list (one item per fork);
+        ``concate_and_append`` appends the forks' new text to the parent."""
+        run = self.parent._run
+        cores = tuple(s._core for s in self.states)
+        run.submit(self.parent._core, JoinOp(cores, mode))
+        for core in cores:
+            run.end(core)

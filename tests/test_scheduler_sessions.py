@@ -70,7 +70,7 @@ def test_turns_hit_their_history_and_match_hf(make_harness, hf):
     sid = opened.session
 
     history = list(first)
-    for turn in range(2):
+    for _ in range(2):
         appended = random_prompt(rng, 6)
         key = h.generate(appended, max_tokens=5, client=C, session=sid)
         h.run()

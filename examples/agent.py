@@ -3,7 +3,7 @@
     python examples/agent.py                 # (`make demo`) on the embedded SmolLM2-135M
     python examples/agent.py --question "What is 12 * (7 + 5)?" --max-steps 3
 
-The tool prompt (instructions + a worked example) is pinned once: every question's
+The tool prompt (instructions + two worked examples) is pinned once: every question's
 session starts from it without recomputing it. Each step the model thinks (`gen`), picks
 a tool with `select` (always a valid tool name), writes the tool's input (`gen`); the SDK
 runs the tool and appends the observation. Only the new tokens of each step are computed:
@@ -30,22 +30,34 @@ from _common import open_backend, parser
 TOOL_PROMPT = """You are a careful assistant that answers questions with tools.
 Tools:
 - calculator: computes an arithmetic expression, for example 12 * (3 + 4)
-- search_files: finds the lines of the notes that mention a word, for example launch
+- search_files: finds the lines of the notes that mention a word
 - finish: gives the final answer
 Work one step at a time, in this format:
 Thought: what to do next
 Action: one of calculator, search_files, finish
 Action Input: the input of the tool
+Use calculator for arithmetic and search_files for facts about the notes. As soon as an
+observation answers the question, use finish with the answer.
 
-Example.
+Example 1.
 Question: What is 6 times 7?
-Thought: I need to multiply 6 by 7.
+Thought: This is arithmetic, so I use the calculator.
 Action: calculator
 Action Input: 6 * 7
 Observation: 42
-Thought: I know the answer now.
+Thought: The calculator gave the answer.
 Action: finish
-Action Input: 42"""
+Action Input: 42
+
+Example 2.
+Question: Who leads the design team?
+Thought: The notes may say who leads the design team.
+Action: search_files
+Action Input: design
+Observation: people.txt: Ana leads the design team.
+Thought: The notes give the answer.
+Action: finish
+Action Input: Ana"""
 
 NOTES = {
     "launch.txt": "The Aurora launch is scheduled for March 14.\nThe launch site is Kourou.\n",
@@ -112,10 +124,16 @@ def search_files(folder: Path, query: str) -> str:
 @rl.function
 def react(s, question: str, folder: Path, max_steps: int, max_tokens: int):
     s += rl.user(f"Question: {question}")
+    calls: set[tuple[str, str]] = set()
     for step in range(max_steps):
         s += rl.assistant_begin()
         s += "Thought:" + rl.gen(f"thought{step}", max_tokens=max_tokens, stop=["\n"])
-        s += "\nAction: " + rl.select(f"action{step}", choices=ACTIONS)
+        # The first step must use a tool (a small model would otherwise guess an answer).
+        # Greedy token selection: the first token decides, so a long name whose later
+        # tokens are easy to predict does not win on its mean logprob.
+        choices = ACTIONS if step else [a for a in ACTIONS if a != "finish"]
+        s += "\nAction: " + rl.select(f"action{step}", choices=choices,
+                                      choices_method=rl.greedy_token_selection)
         s += "\nAction Input:" + rl.gen(f"input{step}", max_tokens=max_tokens, stop=["\n"])
         s += rl.assistant_end()
         action, arg = s[f"action{step}"], s[f"input{step}"].strip()
@@ -125,7 +143,11 @@ def react(s, question: str, folder: Path, max_steps: int, max_tokens: int):
         if action == "finish":
             print(f"          finish({arg!r})")
             s["answer"] = arg
+        elif (action, arg) in calls:  # a small model can loop: stop instead
+            print(f"          {action}({arg!r}) again: stopping")
+            return
         else:
+            calls.add((action, arg))
             observation = calculator(arg) if action == "calculator" else search_files(folder, arg)
             print(f"          {action}({arg!r}) -> {observation}")
             s += rl.user(f"Observation: {observation}")
@@ -149,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser("A ReAct agent with a calculator and file search.", max_tokens=32)
     p.add_argument("--question", action="append", default=None,
                    help="question to answer (repeatable; default: two built-in ones)")
-    p.add_argument("--max-steps", type=int, default=4, help="steps per question (default: 4)")
+    p.add_argument("--max-steps", type=int, default=3, help="steps per question (default: 3)")
     p.add_argument("--folder", type=Path, default=None,
                    help="folder for search_files (default: a temporary one with sample notes)")
     args = p.parse_args(argv)

@@ -314,12 +314,11 @@ def cmd_sessions(args: argparse.Namespace) -> int:
     from radixlm.runtime.protocol import ListSessions, SessionList
     from radixlm.runtime.raw_client import RawClient, ServerError
 
-    # Sessions belong to the client that opened them; a protocol that offers an operator's
-    # view ("all") gets asked for it.
-    fields: dict[str, Any] = {"all": True} if "all" in ListSessions.__struct_fields__ else {}
+    # Sessions belong to the client that opened them: ask for the operator's view ("all"),
+    # in which other clients' ids come back as prefixes that open nothing.
     try:
         with RawClient(args.endpoint, name="radixlm-cli", timeout_s=args.timeout) as client:
-            reply = client.call(ListSessions(rid="sessions", **fields))
+            reply = client.call(ListSessions(rid="sessions", all=True))
     except (ServerError, TimeoutError) as e:
         print(f"radixlm sessions: {e}", file=sys.stderr)
         return 1

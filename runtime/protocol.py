@@ -148,6 +148,9 @@ class Unpin(Struct, tag="unpin"):
 
 class ListSessions(Struct, tag="list_sessions"):
     rid: str
+    # Also other clients' sessions, their ids cut to an 8-hex prefix that opens nothing
+    # (`radixlm sessions` uses this from a fresh connection).
+    all: bool = False
 
 
 class Tokenize(Struct, tag="tokenize"):

@@ -13,7 +13,16 @@ from typing import Any
 
 import pytest
 from conftest import assert_pool_clean, start_test_server
-from radixlm.runtime.protocol import Done, ListSessions, OpenSession, SessionOpened
+from radixlm.runtime.protocol import (
+    CloseSession,
+    Done,
+    ErrorCode,
+    ListSessions,
+    OpenSession,
+    SessionList,
+    SessionOpened,
+)
+from radixlm.runtime.raw_client import ServerError
 
 CLI = [sys.executable, "-m", "radixlm.runtime.cli"]
 
@@ -112,8 +121,16 @@ def test_cli_generate_and_sessions_against_a_running_server(server: Any) -> None
     assert listed.returncode == 0, listed.stderr
     header, *rows = listed.stdout.splitlines()
     assert header.split() == ["SESSION", "LENGTH", "IDLE", "RETENTION", "BUSY", "NAMESPACE"]
-    if "all" in ListSessions.__struct_fields__:  # sessions are listed per client otherwise
-        assert any(row.startswith(opened.session[:12]) for row in rows), listed.stdout
+    # Another client's session shows as an 8-hex prefix: enough for a person, never the id.
+    prefix = opened.session[:8]
+    assert any(row.split()[0] == prefix for row in rows), listed.stdout
+    assert opened.session[:9] not in listed.stdout
+    with server.client() as stranger:
+        mine = stranger.call(ListSessions(rid="ls"))
+        assert isinstance(mine, SessionList) and mine.sessions == []  # default: own only
+        with pytest.raises(ServerError) as refused:
+            stranger.call(CloseSession(rid="c", session=prefix))
+        assert refused.value.error.code == ErrorCode.NOT_FOUND
 
 
 def test_serve_refuses_a_public_wildcard_endpoint() -> None:

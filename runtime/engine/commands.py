@@ -53,7 +53,7 @@ def answer(sched: Scheduler, cmd: EngineCommand) -> Struct:
             sched.turns.call(m.unpin, msg.name)
             return Ok(rid=msg.rid)
         if isinstance(msg, ListSessions):
-            return SessionList(rid=msg.rid, sessions=m.list(client))
+            return SessionList(rid=msg.rid, sessions=m.list(client, everyone=msg.all))
     except RequestError as e:
         return Error(rid=msg.rid, code=e.code, message=e.message)
     return Error(

@@ -729,16 +729,18 @@ class SessionManager:
         self.host.prune([(s.namespace, s.wanted) for s in self._sessions.values()])
 
     # ----------------------------------------------------------------- list
-    def list(self, client: bytes) -> list[SessionInfo]:
-        """`client`'s sessions (all namespaces), oldest activity first."""
+    def list(self, client: bytes, everyone: bool = False) -> list[SessionInfo]:
+        """`client`'s sessions (all namespaces), oldest activity first; with `everyone`,
+        every client's, other clients' ids cut to a prefix (ids are the access control:
+        a prefix opens nothing)."""
         now = self.clock()
         rows = sorted(
-            (s for s in self._sessions.values() if s.client == client),
+            (s for s in self._sessions.values() if everyone or s.client == client),
             key=lambda s: s.last_used,
         )
         return [
             SessionInfo(
-                session=s.id,
+                session=s.id if s.client == client else s.id[:8],
                 length=s.length,
                 idle_s=0.0 if s.busy else max(0.0, now - s.last_used),
                 retention="demoted" if s.residency is Residency.DEMOTED else s.retention,

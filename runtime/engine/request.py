@@ -102,6 +102,9 @@ class Request:
     # A session turn that has sampled its last token: one more forward computes that
     # token's KV before the turn ends, so the next turn hits the whole history.
     pending_end: tuple[str, int | str | None] | None = None
+    # Its Done already went out (an n == 1 session turn reports when it samples its last
+    # token; the tail row runs after): nothing more is emitted for it.
+    reported: bool = False
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 

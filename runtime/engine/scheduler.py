@@ -56,6 +56,7 @@ from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.policy import held_back, order_waiting
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
 from radixlm.runtime.engine.state import TERMINAL, ReqState, advance
+from radixlm.runtime.engine.tails import TailHold
 from radixlm.runtime.engine.turns import TurnGlue
 from radixlm.runtime.model.batch import ForwardBatch
 from radixlm.runtime.protocol import (
@@ -126,6 +127,7 @@ class Scheduler:
         self.groups: dict[int, RequestGroup] = {}
         self.counters = Counters()
         self.turns = TurnGlue(sessions, self._reply)
+        self.tails = TailHold()  # messages for sessions whose reported turn runs its tail
         self._outputs: list[TokenOutput] = []
         self._outbox: list[ToFrontend] = []
         self._arrival = itertools.count()
@@ -138,7 +140,22 @@ class Scheduler:
     # ============================================================== inbound messages
     def handle(self, msg) -> None:
         """One message from the frontend (Shutdown is the loop's business). A failure
-        answers that message's client with INTERNAL and leaves the engine serving."""
+        answers that message's client with INTERNAL and leaves the engine serving.
+        Messages for a session whose turn is finishing its tail wait for it (tails.py)."""
+        if self.tails.defer(msg):
+            return
+        self._handle(msg)
+        self._replay_held()
+
+    def _replay_held(self) -> None:
+        while self.tails:
+            ready = self.tails.take_ready()
+            if not ready:
+                return
+            for msg in ready:
+                self.handle(msg)
+
+    def _handle(self, msg) -> None:
         try:
             self._dispatch(msg)
         except Exception as exc:  # noqa: BLE001
@@ -336,12 +353,14 @@ class Scheduler:
 
     def abort(self, key: int) -> None:
         """The client aborted: finish every live branch with "abort" (computed KV stays
-        as cache)."""
+        as cache). A turn that already reported Done just ends: its history stands."""
         g = self.groups.get(key)
         if g is None:
             return
         for r in g.branches:
-            if r.state not in TERMINAL:
+            if r.reported and r.pending_end is not None:
+                self._end(r, ReqState.FINISHED, *r.pending_end)
+            elif r.state not in TERMINAL:
                 self._end(r, ReqState.ABORTED, "abort")
 
     def _on_finish_at(self, msg: EngineFinishAt) -> None:
@@ -349,7 +368,7 @@ class Scheduler:
         if g is None or not 0 <= msg.index < len(g.branches):
             return
         r = g.branches[msg.index]
-        if r.state in TERMINAL:
+        if r.state in TERMINAL or r.reported:  # reported: the frontend truncates the history
             return
         keep = max(0, min(msg.keep_tokens, len(r.output)))
         del r.output[keep:]
@@ -360,6 +379,7 @@ class Scheduler:
             del r.top_logprobs[keep:]
         if g.session is not None and r.state is ReqState.DECODING and r.kv_len < r.num_tokens:
             r.pending_end = ("stop", msg.matched_stop)  # kept tokens' KV first (see _sample)
+            self._report_early(r, None)
             return
         self._end(r, ReqState.FINISHED, "stop", msg.matched_stop)
 
@@ -404,6 +424,7 @@ class Scheduler:
             self._ratio = max(
                 self.opt.min_new_token_ratio, self._ratio - self.opt.new_token_ratio_decay
             )
+        self._replay_held()
         if self.opt.check_invariants:
             self.check_integrity()
         return True
@@ -737,12 +758,28 @@ class Scheduler:
         self, r: Request, reason: str, matched: int | None, out: TokenOutput
     ) -> None:
         """A session turn ends one step later: its last sampled token still needs its KV
-        (one more decode row, no sampling), or the next turn would miss that token.
-        Plain requests end at once; their last token joins no history."""
+        (one more decode row, no sampling, the *tail*), or the next turn would miss that
+        token. Its Done goes out now (see `_report_early`). Plain requests end at once;
+        their last token joins no history."""
         if r.group.session is not None:
             r.pending_end = (reason, matched)
+            self._report_early(r, out)
             return
         self._end(r, ReqState.FINISHED, reason, matched, out=out)
+
+    def _report_early(self, r: Request, out: TokenOutput | None) -> None:
+        """Send an n == 1 session turn's Done before its tail runs, and hold messages for
+        its session until the turn ends (tails.py), so the client waits no extra step.
+        n > 1 branches report at the end: their new sessions are made then."""
+        g = r.group
+        if g.n != 1 or g.kind is not RequestKind.GENERATE or g.session is None:
+            return
+        assert r.pending_end is not None
+        r.reported = True
+        r.session = g.session
+        r.finish_reason, r.matched_stop = r.pending_end
+        self._emit_last(r, out, None)
+        self.tails.hold(g.session)
 
     # ============================================================ ending requests
     def _cache_kv(self, r: Request) -> TreeNode:
@@ -808,7 +845,9 @@ class Scheduler:
         r.finish_reason, r.matched_stop = reason, matched
         if state is ReqState.FINISHED:
             self.counters.finished += 1
-        if g.kind is RequestKind.GENERATE:
+        if r.reported:  # its Done went out already; the session is idle again now
+            self.tails.release(g.session, replay=state is ReqState.FINISHED)
+        elif g.kind is RequestKind.GENERATE:
             self._emit_last(r, out, error)
         if all(b.state in TERMINAL for b in g.branches):
             self.groups.pop(g.key, None)
@@ -840,7 +879,17 @@ class Scheduler:
             out.session_length = r.num_tokens
 
     def _fail_group(self, g: RequestGroup, error: RequestError) -> None:
-        """End every live branch of `g` with an error: one Error reply to the client."""
+        """End every live branch of `g` with an error: one Error reply to the client.
+        A turn that already reported Done ends quietly (its history stands without the
+        tail: the next turn recomputes that one token)."""
+        for r in g.branches:
+            if r.reported and r.state not in TERMINAL and r.pending_end is not None:
+                try:
+                    self._end(r, ReqState.FINISHED, *r.pending_end)
+                except Exception:  # noqa: BLE001 - fall through to failing it
+                    log.exception("could not end reported turn %s", g.rid)
+        if all(r.state in TERMINAL for r in g.branches):
+            return
         self._reply(g.client, Error(rid=g.rid, code=error.code, message=error.message))
         for r in g.branches:
             if r.state not in TERMINAL:

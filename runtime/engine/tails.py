@@ -1,0 +1,61 @@
+"""Messages held while a session turn finishes its tail.
+
+An n == 1 session turn reports its Done as soon as it samples its last token; that
+token's KV is computed by one more decode row (the *tail*) before the turn ends, so the
+next turn hits the whole history. A client that answers the Done at once must not see
+`busy` for that one step: messages naming the session (its next Generate, a fork, a
+truncate, a close, and an abort of a held Generate) wait here and are replayed in arrival
+order once the tail is done.
+"""
+
+from __future__ import annotations
+
+from radixlm.runtime.engine.messages import EngineAbort, EngineCommand, EngineGenerate
+
+
+def session_of(msg: object) -> str | None:
+    """The session a message acts on (None for messages that name none)."""
+    if isinstance(msg, EngineGenerate):
+        return msg.session
+    if isinstance(msg, EngineCommand):
+        return getattr(msg.msg, "session", None)  # ForkSession/TruncateSession/CloseSession
+    return None
+
+
+class TailHold:
+    def __init__(self) -> None:
+        self._held: dict[str, list[object]] = {}  # session -> messages, arrival order
+        self._ready: list[object] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._held) or bool(self._ready)
+
+    def hold(self, session: str) -> None:
+        """`session`'s turn has reported; hold its messages until `release`."""
+        self._held.setdefault(session, [])
+
+    def defer(self, msg: object) -> bool:
+        """Keep `msg` if it acts on a held session; False: handle it now."""
+        if not self._held:
+            return False
+        if isinstance(msg, EngineAbort):
+            for msgs in self._held.values():
+                if any(isinstance(m, EngineGenerate) and m.key == msg.key for m in msgs):
+                    msgs.append(msg)
+                    return True
+            return False
+        held = self._held.get(session_of(msg))  # type: ignore[arg-type]
+        if held is None:
+            return False
+        held.append(msg)
+        return True
+
+    def release(self, session: str, replay: bool = True) -> None:
+        """The tail is done: its messages become ready (or are dropped: client gone)."""
+        msgs = self._held.pop(session, None)
+        if msgs and replay:
+            self._ready.extend(msgs)
+
+    def take_ready(self) -> list[object]:
+        ready, self._ready = self._ready, []
+        return ready

@@ -1,0 +1,107 @@
+"""A session turn reports Done with its last sampled token; that token's KV (the *tail*)
+is computed one step later, and messages naming the session wait for it instead of
+meeting `busy`, so the next turn still hits the whole history."""
+
+from __future__ import annotations
+
+import numpy as np
+import test_scheduler_harness as harness
+from radixlm.runtime.engine.messages import ClientGone, EngineAbort, EngineCommand, EngineFinishAt
+from radixlm.runtime.protocol import Error, ForkSession, SessionsForked
+from test_scheduler_harness import hf_greedy, random_prompt
+from test_scheduler_sessions import C, open_session, sessions_by_id
+
+hf = harness.hf
+make_harness = harness.make_harness
+one_thread = harness.one_thread
+scheduler_pool_integrity = harness.scheduler_pool_integrity
+tiny_dir = harness.tiny_dir
+
+
+def steps_until_final(h, key: int) -> int:
+    steps = 0
+    while (key, 0) not in h.final:
+        assert h.step()
+        steps += 1
+    return steps
+
+
+def test_done_comes_with_the_last_token_and_the_next_turn_waits_for_the_tail(make_harness, hf):
+    rng = np.random.default_rng(40)
+    h = make_harness(sessions=True)
+    first = random_prompt(rng, 24)
+    sid = open_session(h, first).session
+    appended = random_prompt(rng, 5)
+    key = h.generate(appended, max_tokens=3, client=C, session=sid)
+    # Prefill samples token 1, two decodes sample tokens 2 and 3: Done in that step.
+    assert steps_until_final(h, key) == 3
+    history = first + appended + h.output(key)
+    assert h.final[(key, 0)].session_length == len(history)
+    assert h.sched.has_work()  # the tail row is still to run
+
+    # The client answers at once: a fork, then the next turn. Both wait for the tail.
+    h.send(EngineCommand(client=C, msg=ForkSession(rid="fork", session=sid)))
+    nxt = random_prompt(rng, 4)
+    key2 = h.generate(nxt, max_tokens=4, client=C, session=sid)
+    assert h.replies == [], h.replies  # held: neither busy nor answered yet
+    h.step()  # the tail
+    forked = h.replies.pop()
+    assert isinstance(forked, SessionsForked), forked
+    h.run()
+    final = h.final[(key2, 0)]
+    assert final.usage.cached_tokens == len(history)  # the whole previous history hit
+    assert h.output(key2) == hf_greedy(hf, history + nxt, 4)
+    listed = sessions_by_id(h)
+    assert listed[forked.sessions[0]].length == len(history)
+    assert listed[sid].length == len(history) + 4 + 4
+    assert not any(isinstance(r, Error) for r in h.replies)
+
+
+def test_abort_of_a_held_turn_and_client_gone_during_a_tail(make_harness):
+    rng = np.random.default_rng(41)
+    h = make_harness(sessions=True)
+    sid = open_session(h, random_prompt(rng, 12)).session
+    key = h.generate(random_prompt(rng, 3), max_tokens=2, client=C, session=sid)
+    steps_until_final(h, key)
+    length = h.final[(key, 0)].session_length
+    key2 = h.generate(random_prompt(rng, 3), max_tokens=5, client=C, session=sid)
+    h.send(EngineAbort(key=key2))  # aborts the held turn: replayed after it, in order
+    h.run()
+    assert h.final[(key2, 0)].finish_reason == "abort"
+    listed = sessions_by_id(h)[sid]
+    assert listed.length == length and not listed.busy
+
+    # A client that vanishes while its turn runs the tail: its held turn is dropped, its
+    # sessions closed, nothing leaks (the harness checks the pool after every step).
+    key3 = h.generate(random_prompt(rng, 3), max_tokens=2, client=C, session=sid)
+    steps_until_final(h, key3)
+    key4 = h.generate(random_prompt(rng, 3), max_tokens=2, client=C, session=sid)
+    h.send(ClientGone(client=C))
+    h.run()
+    assert (key4, 0) not in h.final
+    assert sessions_by_id(h) == {}
+    h.check_quiescent()
+
+
+def test_stop_string_reports_at_once_and_a_late_finish_at_is_ignored(make_harness, hf):
+    rng = np.random.default_rng(42)
+    h = make_harness(sessions=True)
+    first = random_prompt(rng, 16)
+    sid = open_session(h, first).session
+    appended = random_prompt(rng, 4)
+    key = h.generate(appended, max_tokens=10, client=C, session=sid)
+    h.step()
+    h.step()  # two tokens sampled; the second has no KV yet
+    h.send(EngineFinishAt(key=key, keep_tokens=2, matched_stop="\n"))
+    final = h.final[(key, 0)]  # reported without another step
+    assert final.finish_reason == "stop" and final.usage.completion_tokens == 2
+    history = first + appended + h.output(key)[:2]
+    assert final.session_length == len(history)
+    h.send(EngineFinishAt(key=key, keep_tokens=1, matched_stop="\n"))  # late: ignored
+    h.run()
+    assert sessions_by_id(h)[sid].length == len(history)
+    nxt = random_prompt(rng, 3)
+    key2 = h.generate(nxt, max_tokens=3, client=C, session=sid)
+    h.run()
+    assert h.final[(key2, 0)].usage.cached_tokens == len(history)
+    assert h.output(key2) == hf_greedy(hf, history + nxt, 3)

@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "ipc socket in a private runtime directory")
     serve.add_argument("--endpoint-file", default=None, metavar="PATH",
                        help="once ready, write the endpoint (one line) to this file, for scripts")
+    serve.add_argument("--parent-pid", type=_positive_int, default=None, metavar="PID",
+                       help="stop (as on SIGTERM) once process PID has exited; the SDK passes "
+                            "its own pid, so an engine it started never outlives it")
     add_engine_arguments(serve)
     serve.set_defaults(run=cmd_serve)
 
@@ -244,10 +247,12 @@ def _stop_on_sigterm(signum: int, frame: object) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from radixlm.runtime.channel import EndpointError
-    from radixlm.runtime.launcher import ServerStartError, start_server
+    from radixlm.runtime.launcher import ServerStartError, start_server, stop_when_gone
 
     _setup_logging(args.log_level)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    if args.parent_pid is not None:
+        stop_when_gone(args.parent_pid)
     config = config_from_args(args, endpoint=args.endpoint)
     server = None
     try:

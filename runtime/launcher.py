@@ -27,6 +27,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ __all__ = [
     "connect_address",
     "die_with_parent",
     "load_spec",
+    "stop_when_gone",
     "make_endpoints",
     "start_server",
 ]
@@ -257,6 +259,37 @@ def die_with_parent(parent_pid: int) -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent_pid:  # the parent died before the request took effect
         sys.exit(1)
+
+
+def stop_when_gone(pid: int, interval_s: float = 0.5) -> threading.Thread:
+    """SIGTERM this process once `pid` has exited (`radixlm serve --parent-pid`).
+
+    Polled from a daemon thread rather than PR_SET_PDEATHSIG, which fires when the
+    *thread* that started us exits and so would stop an engine an SDK user started from a
+    worker thread. When `pid` is our parent, its death shows as a new parent pid (that
+    also covers a dead parent left unreaped); otherwise `kill(pid, 0)` is asked."""
+    watch_parent = os.getppid() == pid
+
+    def alive() -> bool:
+        if watch_parent:
+            return os.getppid() == pid
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def watch() -> None:
+        while alive():
+            time.sleep(interval_s)
+        log.warning("process %d is gone: stopping", pid)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name=f"watch-{pid}", daemon=True)
+    thread.start()
+    return thread
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

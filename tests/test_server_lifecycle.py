@@ -91,6 +91,53 @@ def test_children_die_with_their_parent(tmp_path: Path) -> None:
         time.sleep(0.05)
 
 
+def test_watcher_stops_a_process_whose_parent_was_sigkilled(tmp_path: Path) -> None:
+    """`stop_when_gone` (serve --parent-pid): polled, so it does not depend on the thread
+    that started the process, and it sees a SIGKILLed parent."""
+    pid_file = tmp_path / "child.pid"
+    child = (
+        "import os, sys, time; from radixlm.runtime.launcher import stop_when_gone; "
+        "stop_when_gone(int(sys.argv[1]), 0.05); "
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    )
+    parent = (
+        "import os, subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}, str(os.getpid())]); time.sleep(60)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.05)
+        child_pid = int(pid_file.read_text())
+        assert _alive(child_pid)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while _alive(child_pid):
+        assert time.monotonic() < deadline, f"child {child_pid} outlived its parent"
+        time.sleep(0.05)
+
+
+def test_serve_stops_cleanly_when_its_parent_pid_exits(tmp_path: Path, tiny_model_dir: Path) -> None:
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        with start_test_server(tmp_path / "srv", tiny_model_dir,
+                               "--parent-pid", str(owner.pid)) as srv:
+            assert srv.process.poll() is None
+            owner.kill()
+            owner.wait()
+            assert srv.process.wait(30) == 0, srv.log()
+            assert "is gone: stopping" in srv.log()
+            assert not srv.survivors(), "children outlived the server"
+            assert not srv.endpoint_file.exists()
+    finally:
+        owner.kill()
+        owner.wait()
+
+
 def test_engine_start_failure_is_reported(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     proc = subprocess.run([*CLI, "generate", "hi", "--model", str(missing), "--device", "cpu"],

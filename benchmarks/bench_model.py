@@ -42,7 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--batch-steps", type=int, default=8, help="decode steps at batch 16/64")
     p.add_argument("--batches", default="16,64", help="comma-separated decode batch sizes")
-    p.add_argument("--repeats", type=int, default=3, help="runs per measurement (median)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds per measurement (prefill: best of; decode: pooled steps)")
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--skip-hf", action="store_true", help="measure ours only")
     p.add_argument("--out", default=str(Path(__file__).with_name("results_model.md")))
@@ -196,29 +196,31 @@ def main(argv=None) -> int:
     rows.append((f"prefill {args.prefill_len} tok", p_ours, p_hf, "ours >= 1.0x HF",
                  None if p_hf is None else p_ours / p_hf >= 1.0, p_hf and p_ours / p_hf))  # fmt: skip
 
-    # decode, batch 1: per-step times, ours and HF interleaved
+    # decode: per-step times of batch 1 (ours and HF) and of the larger batches, in rounds
+    # that interleave them all, so that each figure (and the batch-64 / batch-1 ratio) sees
+    # the same machine load: on a shared machine the load drifts over a run, and it slows
+    # compute-bound batched steps and bandwidth-bound batch-1 steps by different amounts.
     ours.decode(prompt, 2, 1)
     if hf:
         hf.decode(prompt, 2)
+    for b in batches:
+        ours.decode(prompt, 1, b)
     s_ours, s_hf = [], []
+    s_batch: dict[int, list[float]] = {b: [] for b in batches}
     for _ in range(args.repeats):
         s_ours += ours.decode(prompt, args.decode_steps, 1)
         if hf:
             s_hf += hf.decode(prompt, args.decode_steps)
+        for b in batches:
+            s_batch[b] += ours.decode(prompt, args.batch_steps, b)
     d_ours = 1 / robust(s_ours)
     d_hf = 1 / robust(s_hf) if hf else None
     rows.append(("decode batch 1", d_ours, d_hf, "ours >= 1.2x HF",
                  None if d_hf is None else d_ours / d_hf >= 1.2, d_hf and d_ours / d_hf))  # fmt: skip
     weight_bytes = ours.runner.model.weight_bytes()
     achieved = weight_bytes * d_ours / 1e9
-
-    # decode, larger batches
     for b in batches:
-        ours.decode(prompt, 1, b)
-        steps = []
-        for _ in range(max(1, args.repeats - 1)):
-            steps += ours.decode(prompt, args.batch_steps, b)
-        agg = b / robust(steps)
+        agg = b / robust(s_batch[b])
         target = "ours >= 8x our batch 1" if b == 64 else "(info)"
         met = agg / d_ours >= 8 if b == 64 else None
         rows.append((f"decode batch {b} (aggregate)", agg, None, target, met, agg / d_ours))
@@ -249,8 +251,9 @@ def main(argv=None) -> int:
         f"- batch-1 decode: {weight_bytes / 1e6:.0f} MB of weights per step / {1e3 / d_ours:.1f} ms "
         f"per step = {achieved:.1f} GB/s achieved ({achieved / bw:.0%} of the copy bandwidth)",
         f"- prefill {args.prefill_len} tokens; decode after a {args.prompt_len}-token prompt, "
-        f"{args.decode_steps} steps at batch 1 ({args.repeats} runs), {args.batch_steps} at "
-        f"larger batches; prefill: best of {args.repeats} (ours and HF interleaved); decode: "
+        f"{args.decode_steps} steps at batch 1, {args.batch_steps} at larger batches, in "
+        f"{args.repeats} rounds (batch 1, HF, larger batches interleaved); prefill: best of "
+        f"{args.repeats} (ours and HF interleaved); decode: "
         f"25th percentile of per-step times (HF's from a per-token logits-processor stamp); "
         f"median-based batch-1 ratio: {statistics.median(s_hf) / statistics.median(s_ours) if hf else 0:.2f}x",
     ]

@@ -4,7 +4,8 @@ Scenarios, each at page sizes 1 and 16, on the torch attention backend:
 (a) a whole prompt in one prefill; (b) the same prompt as a cached prefix plus a suffix
 reusing the prefix's pool slots; (c) token-by-token decode; (d) a ragged batch of requests
 sharing prefix slots, mixing prefills with and without a cached prefix and decodes;
-(e) a batched decode of requests of different lengths (padded path).
+(e) a batched decode of requests of different lengths (padded path); (f) a batched decode
+of requests sharing a cached prompt (read once for all) with own tails of different lengths.
 Slot lists come from shuffled pages, so reads really go through the slot indices.
 """
 
@@ -141,6 +142,36 @@ def test_e_batched_decode_ragged_lengths(variant, page_size):
         env.run([(seq[:-3], 0, slots)])
         slot_lists.append(slots)
     for back in (3, 2, 1):  # three decode steps of the whole batch
+        reqs = []
+        for k, seq in enumerate(seqs):
+            pos = len(seq) - back
+            slot_lists[k] = env.pages.extend(slot_lists[k], 1)
+            reqs.append(([seq[pos]], pos, slot_lists[k]))
+        for seq, out in zip(seqs, env.run(reqs), strict=True):
+            pos = len(seq) - back
+            _close(out, ref(seq)[pos : pos + 1])
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("contiguous", [False, True], ids=["gathered", "slice"])
+def test_f_batched_decode_sharing_a_cached_prompt(variant, page_size, contiguous):
+    model_dir, ref = variant
+    env = Env(model_dir, page_size)
+    shared = _ids(32, 12)  # page aligned at 1 and 16
+    if contiguous:  # the prompt on consecutive slots: read as a view of the pool
+        shared_slots = list(range(CAPACITY - 32, CAPACITY))
+        env.pages.free = [p for p in env.pages.free if (p + 1) * page_size <= CAPACITY - 32]
+    else:
+        shared_slots = env.pages.extend([], len(shared))
+    env.run([(shared, 0, shared_slots)])
+    seqs = [shared + _ids(n, 20 + n) for n in (3, 2, 7, 4)]
+    slot_lists = []
+    for seq in seqs:  # each request's own cached tokens after the prompt, then 2 decodes
+        slots = env.pages.extend(shared_slots, len(seq) - 2 - len(shared))
+        if len(slots) > len(shared):
+            env.run([(seq[len(shared) : -2], len(shared), slots)])
+        slot_lists.append(slots)
+    for back in (2, 1):
         reqs = []
         for k, seq in enumerate(seqs):
             pos = len(seq) - back

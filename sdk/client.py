@@ -15,6 +15,7 @@ same API synchronously.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 import time
@@ -24,6 +25,8 @@ from typing import Any, TypeVar
 
 import anyio
 import msgspec
+from anyio.from_thread import run_sync as run_sync_from_thread
+from anyio.lowlevel import EventLoopToken, current_token
 from radixlm.runtime.protocol import (
     Chunk,
     CloseSession,
@@ -49,7 +52,8 @@ from radixlm.runtime.protocol import (
     Unpin,
 )
 from radixlm.sdk.connection import Connection, Liveness, Request
-from radixlm.sdk.errors import InternalError, InvalidParamsError, ProgramError
+from radixlm.sdk.errors import EngineDeadError, InternalError, InvalidParamsError, ProgramError
+from radixlm.sdk.mailbox import Waiter
 from radixlm.sdk.results import (
     GenerateResult,
     StreamDelta,
@@ -70,6 +74,8 @@ def make_input(
     add_generation_prompt: bool = True,
 ) -> Input:
     """An `Input` from exactly one of a text prompt, token ids or chat messages."""
+    if prompt is not None and input_ids is None and messages is None:
+        return Input(text=prompt)  # the usual case, without the checks below
     given = [name for name, v in (("prompt", prompt), ("input_ids", input_ids),
                                   ("messages", messages)) if v is not None]
     if len(given) != 1:
@@ -175,6 +181,8 @@ class AsyncClient:
         self._connect_timeout = connect_timeout
         self._stack: AsyncExitStack | None = None
         self._thread: int | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None  # the client's loop, if asyncio
+        self._token: EventLoopToken | None = None
         self._rids = itertools.count()
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -187,6 +195,11 @@ class AsyncClient:
             tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(tg.cancel_scope.cancel)
             self._thread = threading.get_ident()
+            self._token = current_token()
+            try:
+                self._aloop = asyncio.get_running_loop()
+            except RuntimeError:  # trio
+                self._aloop = None
             await self._conn.open(tg, self._connect_timeout)
         except BaseException:
             # Unwind without handing the error to the task group (which would wrap it in
@@ -250,6 +263,32 @@ class AsyncClient:
 
     # -- plumbing ---------------------------------------------------------------------------
 
+    @property
+    def new_waiter(self) -> Callable[[], Waiter]:
+        """Makes waiters for this client's event loop (see `radixlm.sdk.mailbox`)."""
+        return self._conn.new_waiter
+
+    def post(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` in this client's event loop soon, from another thread; on
+        asyncio without waiting for it (one wake-up of the loop, not a round trip)."""
+        if self._aloop is not None:
+            try:
+                self._aloop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop is closed
+                raise EngineDeadError("the client is closed") from None
+            return
+        if self._token is None:
+            raise ProgramError("the client is not connected (use `async with AsyncClient(...)`)")
+        try:
+            run_sync_from_thread(fn, *args, token=self._token)
+        except anyio.RunFinishedError:
+            raise EngineDeadError("the client is closed") from None
+
+    def cork(self) -> None:
+        """Batch the requests sent until the callbacks already scheduled in the loop have
+        run into one write (call it right after starting tasks that each send one)."""
+        self._conn.cork()
+
     def new_rid(self) -> str:
         return f"{next(self._rids):x}"
 
@@ -263,8 +302,11 @@ class AsyncClient:
 
     async def call(self, msg: Any, expect: type[R]) -> R:
         """Send a request that has exactly one answer and return it (typed errors raise)."""
-        async with self._request(msg) as req:
+        req = self._request(msg)
+        try:
             reply = await req.receive()
+        finally:
+            req.close()
         if not isinstance(reply, expect):
             raise InternalError(
                 f"unexpected {type(reply).__name__} in answer to {type(msg).__name__}",
@@ -274,13 +316,18 @@ class AsyncClient:
 
     async def run_generate(self, msg: Generate) -> list[Done]:
         """Send a Generate and collect one Done per branch (sorted by branch index)."""
-        dones: list[Done] = []
-        async with self._request(msg, branches=msg.n, generate=True) as req:
+        req = self._request(msg, branches=msg.n, generate=True)
+        try:
             while not req.finished:
-                reply = await req.receive()
-                if isinstance(reply, Done):
-                    dones.append(reply)
-        dones.sort(key=lambda d: d.index)
+                await req.receive()
+        finally:
+            if req.finished:
+                req.close()
+            else:  # cancelled or failed mid-way: abort it in the engine
+                await req.aclose()
+        dones = req.dones
+        if len(dones) > 1:
+            dones.sort(key=lambda d: d.index)
         return dones
 
     def generate_message(

@@ -1,17 +1,16 @@
-"""One connection to an engine: a DEALER socket, a reader task, replies routed by rid.
+"""One connection to an engine: a DEALER link, replies routed by rid.
 
-Everything here runs on one event loop (the one that opened the connection). The reader
-task decodes every frame and hands it to the request it names through that request's
-unbounded memory stream, so a slow consumer never stalls the others. A monitor task
-declares the engine dead -- failing every waiting request with `EngineDeadError` -- when
-its process exits (the `liveness` hook) or when it stays silent while requests wait
-(a cheap ``Tokenize`` ping, answered by the frontend alone, tells slow from dead).
+Everything here runs on one event loop (the one that opened the connection). Every frame
+that arrives is decoded and handed to the request it names through that request's
+unbounded mailbox, so a slow consumer never stalls the others. A monitor task declares
+the engine dead -- failing every waiting request with `EngineDeadError` -- when its
+process exits (the `liveness` hook), when the connection drops, or when it stays silent
+while requests wait (a cheap ``Tokenize`` ping, answered by the frontend alone, tells
+slow from dead).
 
-ZeroMQ's file descriptor is edge-triggered: any operation on the socket (a send
-included) may consume the readiness edge, leaving replies queued while the fd stays
-quiet. So whoever touches the socket drains it: the reader task after the fd wakes it,
-and a sender right after its send, inline, when ``ZMQ_EVENTS`` says a reply is waiting
-(dispatching is synchronous: a reply only lands in a memory stream).
+The link is a native ZMTP DEALER on asyncio for ipc:// and tcp:// endpoints
+(`radixlm.sdk.zmtp`: no libzmq I/O thread to wake per message), else a libzmq DEALER
+(`radixlm.sdk.zmq_dealer`). Both speak the same ZeroMQ wire protocol to the engine.
 """
 
 from __future__ import annotations
@@ -19,22 +18,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import msgspec
-import zmq
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectSendStream
 from radixlm.runtime.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Chunk,
-    Done,
     Error,
     Hello,
     Input,
@@ -42,94 +36,26 @@ from radixlm.runtime.protocol import (
     Struct,
     Tokenize,
     Welcome,
-    decode_server,
-    encode,
 )
-from radixlm.sdk.errors import EngineDeadError, EngineError, error_from_reply
+from radixlm.sdk.errors import EngineDeadError, error_from_reply
+from radixlm.sdk.mailbox import EventWaiter, Mailbox, Waiter, waiter_factory
+from radixlm.sdk.request import Failed, Request
+from radixlm.sdk.zmq_dealer import ZmqDealer
+from radixlm.sdk.zmtp import ZmtpDealer, native_endpoint
 
 __all__ = ["Connection", "Request"]
 
 log = logging.getLogger("radixlm.sdk")
 
-_CLOSE_LINGER_MS = 200
 Liveness = Callable[[], "str | None"]  # None while alive, else why it is dead
-
-
-@dataclass(frozen=True)
-class _Failed:
-    """Put on a request's stream when the connection fails."""
-
-    exc: EngineError
-
-
-class Request:
-    """One in-flight request: its replies, in order, until the last one.
-
-    A request is finished after its ``Error``, its single answer, or -- for a
-    ``Generate`` -- the ``Done`` of each of its ``n`` branches.
-    """
-
-    __slots__ = ("rid", "_conn", "_replies", "_send", "_dones_left", "_generate", "started_at",
-                 "on_close", "dones")
-
-    def __init__(self, conn: Connection, rid: str, *, branches: int, generate: bool) -> None:
-        self.rid = rid
-        self._conn = conn
-        self._send, self._replies = anyio.create_memory_object_stream[Any](math.inf)
-        self._dones_left = branches
-        self._generate = generate
-        self.started_at = time.perf_counter()
-        self.on_close: Callable[[], None] | None = None
-        self.dones: list[Done] = []  # every Done received, those drained after an abort too
-
-    @property
-    def finished(self) -> bool:
-        return self._dones_left <= 0
-
-    async def receive(self) -> ServerMessage:
-        """The next reply; raises the typed `EngineError` for an ``Error`` reply."""
-        try:  # replies already queued (a streamed burst) are taken without a loop trip
-            item = self._replies.receive_nowait()
-        except anyio.WouldBlock:
-            item = await self._replies.receive()
-        if isinstance(item, _Failed):
-            self._dones_left = 0
-            raise item.exc
-        if isinstance(item, Error):
-            self._dones_left = 0
-            raise error_from_reply(item)
-        if isinstance(item, Done):
-            self._dones_left -= 1
-            self.dones.append(item)
-        elif not isinstance(item, Chunk):
-            self._dones_left = 0
-        return item
-
-    async def aclose(self) -> None:
-        """Stop routing replies here. A generation still running is aborted first, and its
-        final reply awaited (briefly) so its session is no longer busy afterwards."""
-        try:
-            if not self.finished and self._generate and self._conn.alive:
-                with anyio.CancelScope(shield=True), anyio.move_on_after(self._conn.abort_timeout):
-                    self._conn.send(Abort(rid=self.rid))
-                    while not self.finished:
-                        try:
-                            await self.receive()
-                        except EngineError:
-                            break
-        finally:
-            self._conn.forget(self.rid)
-            self._send.close()
-            self._replies.close()
-            on_close, self.on_close = self.on_close, None
-            if on_close is not None:
-                on_close()
-
-    async def __aenter__(self) -> Request:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+# How long an unawaited message (a session close) may wait for a request to leave with:
+# sent alone, its reply would wake the loop again just to be dropped.
+_DEFER_S = 0.02
+# After the link drops, how often and how many times to ask `liveness` why.
+_LOST_CHECK_S, _LOST_CHECKS = 0.05, 10
+# Built once: every frame in and out goes through these.
+_decode = msgspec.msgpack.Decoder(ServerMessage).decode
+_encode = msgspec.msgpack.Encoder().encode
 
 
 def _running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
@@ -139,8 +65,21 @@ def _running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
+class _Link(Protocol):
+    """What the connection needs of a DEALER (`ZmtpDealer`, `ZmqDealer`)."""
+
+    def send(self, data: bytes, /) -> None: ...
+
+    def send_many(self, messages: list[bytes], /) -> None: ...
+
+    def cork(self) -> None: ...
+
+
 class Connection:
-    """A DEALER socket to one engine, with its reader and monitor tasks."""
+    """A DEALER link to one engine, with its monitor task.
+
+    `native`: use the native ZMTP transport where it applies (asyncio; ipc:// or tcp://).
+    """
 
     def __init__(
         self,
@@ -151,22 +90,25 @@ class Connection:
         heartbeat_timeout: float = 5.0,
         abort_timeout: float = 2.0,
         liveness: Liveness | None = None,
+        native: bool = True,
     ) -> None:
         self.endpoint = endpoint
+        self.native = native
         self.client_name = client_name
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
         self.abort_timeout = abort_timeout
         self._liveness = liveness
-        self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)  # local pipe: never block or drop a send
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        self._fd = self._sock.getsockopt(zmq.FD)
-        self._routes: dict[str, MemoryObjectSendStream[Any]] = {}
+        self._link: _Link | None = None
+        self._native: ZmtpDealer | None = None
+        self._zmq: ZmqDealer | None = None
+        self._routes: dict[str, Request] = {}
         self._unawaited: set[str] = set()
-        self._handshake: MemoryObjectSendStream[Any] | None = None
+        self._aloop: asyncio.AbstractEventLoop | None = None  # set by `open` on asyncio
+        self._deferred: list[bytes] = []  # unawaited frames waiting to leave with the next
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._handshake: Mailbox[Any] | None = None
+        self.new_waiter: Callable[[], Waiter] = EventWaiter  # `open` picks its loop's own
         self._dead: EngineDeadError | None = None
         self._last_heard = time.monotonic()
         self._ping_rid: str | None = None
@@ -179,27 +121,29 @@ class Connection:
     # -- lifecycle ------------------------------------------------------------------------
 
     async def open(self, tg: TaskGroup, connect_timeout: float) -> Welcome:
-        """Connect, start the reader and monitor in `tg`, and do the Hello -> Welcome
-        handshake (waiting up to `connect_timeout` s: a new engine may be loading)."""
-        self._sock.connect(self.endpoint)
-        tg.start_soon(self._read_loop, name="radixlm reader")
+        """Connect, start the monitor (and a reader, if the link needs one) in `tg`, and do
+        the Hello -> Welcome handshake (waiting up to `connect_timeout` s in all: a new
+        engine may be loading)."""
+        self.new_waiter = waiter_factory()
+        self._aloop = _running_asyncio_loop()
         tg.start_soon(self._monitor, name="radixlm monitor")
-        send, replies = anyio.create_memory_object_stream[Any](math.inf)
-        self._handshake = send
+        self._handshake = replies = Mailbox[Any](self.new_waiter)
         try:
-            self.send(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name))
             with anyio.fail_after(connect_timeout):
-                item = await replies.receive()
+                await self._connect(tg, connect_timeout)
+                self.send(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name))
+                item = await replies.get()
         except TimeoutError:
             raise EngineDeadError(
                 f"no answer from {self.endpoint} within {connect_timeout:g} s "
                 "(is a radixlm server running there?)"
             ) from None
+        except OSError as e:
+            raise EngineDeadError(f"cannot connect to {self.endpoint}: {e}") from None
         finally:
             self._handshake = None
-            send.close()
             replies.close()
-        if isinstance(item, _Failed):
+        if isinstance(item, Failed):
             raise item.exc
         if isinstance(item, Error):
             raise error_from_reply(item)
@@ -207,13 +151,48 @@ class Connection:
         self.welcome = item
         return item
 
+    async def _connect(self, tg: TaskGroup, timeout: float) -> None:
+        if self.native and native_endpoint(self.endpoint) and _running_asyncio_loop():
+            link = ZmtpDealer(self._dispatch, self._lost)
+            self._native = link
+            await link.connect(self.endpoint, timeout)
+            self._link = link
+        else:
+            zlink = ZmqDealer(self._dispatch)
+            self._zmq = zlink
+            await zlink.connect(self.endpoint, tg)
+            self._link = zlink
+
     def close(self) -> None:
-        """Close the socket (after the task group running the reader was cancelled).
-        Requests still queued (unawaited session closes) get a moment to leave."""
-        linger_ms = _CLOSE_LINGER_MS if self._dead is None else 0
+        """Close the link (after the task group running the monitor was cancelled).
+        Requests already sent (unawaited session closes) still leave."""
+        linger = self._dead is None
+        if linger:
+            self._flush_deferred()
         self._fail(EngineDeadError("the client is closed"), quiet=True)
-        self._sock.close(linger=linger_ms)
-        self._ctx.term()
+        self._link = None
+        if self._native is not None:
+            self._native.close()
+        if self._zmq is not None:
+            self._zmq.close(linger=linger)
+
+    def _lost(self, reason: str) -> None:
+        """The link dropped. With a `liveness` hook, its reason (the process exited, and
+        why) is worth the wait of a moment: the socket closes before the exit is seen."""
+        why = f"{reason} ({self.endpoint})"
+        if self._liveness is None or self._aloop is None:
+            self._fail(EngineDeadError(why))
+            return
+
+        def check(tries_left: int) -> None:
+            assert self._liveness is not None and self._aloop is not None
+            dead = self._liveness()
+            if dead is not None or tries_left == 0:
+                self._fail(EngineDeadError(dead or why))
+            else:
+                self._aloop.call_later(_LOST_CHECK_S, check, tries_left - 1)
+
+        check(_LOST_CHECKS)
 
     @property
     def alive(self) -> bool:
@@ -235,7 +214,7 @@ class Connection:
         req = Request(self, rid, branches=branches, generate=generate)
         if not self._routes:
             self._last_heard = time.monotonic()  # silence only counts while someone waits
-        self._routes[rid] = req._send
+        self._routes[rid] = req
         if generate:
             self._generating += 1
             self.peak_generating = max(self.peak_generating, self._generating)
@@ -252,10 +231,41 @@ class Connection:
     def send_unawaited(self, msg: Struct) -> None:
         """Send a request whose answer nobody waits for (closing a session the program no
         longer needs): its reply is dropped, an error reply only logged. The engine handles
-        a client's requests in order, so later requests see its effect."""
+        a client's requests in order, so later requests see its effect. On asyncio it
+        leaves with the next message sent, or within `_DEFER_S` s."""
         self.check_alive()
         self._unawaited.add(msg.rid)  # type: ignore[attr-defined]
-        self.send(msg)
+        if self._aloop is None or self._link is None:
+            self.send(msg)
+            return
+        self.sent += 1
+        self._deferred.append(_encode(msg))
+        if self._flush_timer is None:
+            self._flush_timer = self._aloop.call_later(_DEFER_S, self._flush_deferred)
+
+    def _flush_deferred(self, then: bytes | None = None) -> None:
+        """Send the deferred messages (and `then` after them) in one write."""
+        timer, self._flush_timer = self._flush_timer, None
+        if timer is not None:
+            timer.cancel()
+        frames, self._deferred = self._deferred, []
+        if then is not None:
+            frames.append(then)
+        link = self._link
+        if link is None:
+            return
+        try:
+            link.send_many(frames)
+        except ConnectionError as e:
+            if then is not None:
+                raise
+            log.debug("could not send %d deferred messages: %s", len(frames), e)
+
+    def cork(self) -> None:
+        """Send what is sent from now until the callbacks already scheduled have run in
+        one write (see `ZmtpDealer.cork`): e.g. the first requests of tasks just started."""
+        if self._link is not None:
+            self._link.cork()
 
     def forget(self, rid: str) -> None:
         self._routes.pop(rid, None)
@@ -269,77 +279,48 @@ class Connection:
 
     def send(self, msg: Struct) -> None:
         self.sent += 1
+        link = self._link
+        if link is None:
+            raise EngineDeadError(f"cannot send to {self.endpoint}: not connected")
         try:
-            self._sock.send(encode(msg), zmq.NOBLOCK)
-        except zmq.Again:  # cannot happen with SNDHWM=0 on a connected socket
-            raise EngineDeadError(f"cannot send to {self.endpoint}: socket would block") from None
-        except zmq.ZMQError as e:
+            if self._deferred:  # in order: what was deferred leaves first, in the same write
+                self._flush_deferred(then=_encode(msg))
+            else:
+                link.send(_encode(msg))
+        except ConnectionError as e:
             raise EngineDeadError(f"cannot send to {self.endpoint}: {e}") from None
-        # The send may have consumed the fd's edge for a reply that is already queued.
-        if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._drain()
 
-    # -- tasks ----------------------------------------------------------------------------
-
-    async def _read_loop(self) -> None:
-        """Dispatch replies as they arrive, for as long as the client is open."""
-        loop = _running_asyncio_loop()
-        if loop is None:  # trio: wait on the fd in this task
-            while True:
-                self._drain()
-                await anyio.wait_readable(self._fd)
-        # asyncio: drain from a reader callback, saving a task switch (and a new fd waiter)
-        # per reply; this task owns the registration and removes it when the client closes.
-        loop.add_reader(self._fd, self._drain)
-        try:
-            self._drain()
-            await anyio.sleep_forever()
-        finally:
-            loop.remove_reader(self._fd)
-
-    def _drain(self) -> None:
-        """Dispatch every reply queued on the socket (the fd stays quiet until new ones)."""
-        recv = self._sock.recv
-        while True:
-            try:
-                frame = recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._dispatch(frame)
+    # -- replies and the monitor ---------------------------------------------------------
 
     def _dispatch(self, frame: bytes) -> None:
         self._last_heard = time.monotonic()
         try:
-            msg = decode_server(frame)
+            msg = _decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             log.warning("dropping an undecodable reply from the engine: %s", e)
             return
         rid = getattr(msg, "rid", None)
         if rid is None:  # Welcome, or an error about the connection itself
             if self._handshake is not None:
-                self._handshake.send_nowait(msg)
+                self._handshake.put(msg)
             elif isinstance(msg, Error):
                 log.error("engine error: [%s] %s", msg.code, msg.message)
             return
-        if rid == self._ping_rid:
+        req = self._routes.get(rid)
+        if req is not None:
+            if not req.deliver(msg):
+                # Its consumer went away without forgetting it (a stream dropped mid-way).
+                self.forget(rid)
+                if type(msg) is Chunk:
+                    with contextlib.suppress(EngineDeadError):
+                        self.send(Abort(rid=rid))
+        elif rid == self._ping_rid:
             self._ping_rid = None
-            return
-        if rid in self._unawaited:
+        elif rid in self._unawaited:
             self._unawaited.discard(rid)
             if isinstance(msg, Error):
                 log.debug("ignored error for %s: [%s] %s", rid, msg.code, msg.message)
-            return
-        route = self._routes.get(rid)
-        if route is None:
-            return  # a late reply to a request we stopped waiting for
-        try:
-            route.send_nowait(msg)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            # Its consumer went away without closing it (a stream dropped mid-way).
-            self.forget(rid)
-            if isinstance(msg, Chunk):
-                with contextlib.suppress(EngineDeadError):
-                    self.send(Abort(rid=rid))
+        # else: a late reply to a request we stopped waiting for
 
     async def _monitor(self) -> None:
         while True:
@@ -367,8 +348,11 @@ class Connection:
         self._dead = exc
         if not quiet:
             log.error("%s", exc.message)
-        for route in list(self._routes.values()):
-            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                route.send_nowait(_Failed(exc))
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        self._deferred = []  # never sent: the engine drops a dead client's sessions
+        for req in list(self._routes.values()):
+            req.deliver(Failed(exc))
         if self._handshake is not None:
-            self._handshake.send_nowait(_Failed(exc))
+            self._handshake.put(Failed(exc))

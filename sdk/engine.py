@@ -63,8 +63,11 @@ class EngineProcess:
         self.dir = _private_dir()
         self.endpoint = endpoint or f"ipc://{self.dir / 'engine.sock'}"
         self.log_path = self.dir / "engine.log"
+        # --parent-pid: the server stops itself if this process dies without closing it
+        # (SIGKILL, a crash), so an engine never outlives the program that started it.
         command = [python, "-m", "radixlm.runtime.cli", "serve", "--model", model,
-                   "--endpoint", self.endpoint, *engine_flags(options)]
+                   "--endpoint", self.endpoint, "--parent-pid", str(os.getpid()),
+                   *engine_flags(options)]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
                                          stderr=subprocess.STDOUT)

@@ -1,12 +1,16 @@
 """The event-loop side of a program state: its data and the executor applying its ops.
 
-One executor task per state applies the state's operations in order. A state owns an
-engine session (opened on first use, from the run's pin if any); text, role messages and
-ids accumulate locally and only the *delta* since the last request goes to the engine,
-appended to the session. ``fork`` is ``ForkSession`` (nothing is re-sent or
-re-tokenized); ``select`` scores every choice in its own fork of the session
-(``max_tokens=0`` with the prompt logprobs of the appended choice); ``gen(n=k)`` is one
-Generate with ``n=k``. A state's sessions are closed when it ends, fails or is cancelled.
+One executor per state applies the state's operations in order (the root's runs in the
+run's supervisor task, a fork's in a task of its own, started once the fork happened).
+Local operations (text, roles, variables) are applied inline, without a coroutine. A
+state owns an engine session (opened on first use, from the run's pin if any); text,
+role messages and ids accumulate locally and only the *delta* since the last request goes
+to the engine, appended to the session. ``fork`` is ``ForkSession`` (nothing is re-sent
+or re-tokenized) -- and a state with nothing left to send hands its own session to its
+last fork, so fork(k) asks for k - 1; ``select`` scores every choice in its own fork of
+the session (``max_tokens=0`` with the prompt logprobs of the appended choice);
+``gen(n=k)`` is one Generate with ``n=k``. A state's sessions are closed when it ends,
+fails or is cancelled (without awaiting the answers).
 
 Roles: a whole message (``rl.user("hi")``) is sent as a protocol ``Message`` and rendered
 by the engine as a template delta. An assistant turn containing ``gen``/``select`` asks
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +32,9 @@ import anyio
 from radixlm.runtime.protocol import Chunk, Done, Input, Message, OpenSession, SessionOpened
 from radixlm.sdk.errors import ProgramError, plain_errors
 from radixlm.sdk.lang import Gen, RoleBegin, RoleEnd, Select, Text
+from radixlm.sdk.mailbox import EMPTY, Latch, Mailbox
 from radixlm.sdk.results import meta_info
+from radixlm.sdk.text_buffer import TextBuffer
 
 if TYPE_CHECKING:
     from radixlm.sdk.client import AsyncClient
@@ -69,6 +76,11 @@ END = _End()
 class StateCore:
     """A state's data (written only in the event loop) and the executor applying its ops."""
 
+    __slots__ = ("run", "client", "submitted", "end_submitted", "ops", "started", "done_ops",
+                 "resolved", "finished", "_on_finish", "error", "session", "session_length",
+                 "owned", "handed_over", "_text", "fork_text_pos", "messages", "variables",
+                 "meta", "var_done", "pending", "role", "role_open", "role_content")
+
     def __init__(self, run: ProgramRun, *, forked: bool = False) -> None:
         self.run = run
         self.client: AsyncClient = run.client
@@ -76,15 +88,18 @@ class StateCore:
         self.submitted = 0
         self.end_submitted = False
         # Event-loop side.
-        self.ops_send: Any = None
+        self.ops: Mailbox[Any] = Mailbox(run.new_waiter)
+        self.started = False  # its executor runs (or ran): once it has ops and is resolved
         self.done_ops = 0
         self.resolved = not forked  # a fork child becomes usable when its parent forked
         self.finished = False
+        self._on_finish: list[Callable[[], None]] = []
         self.error: BaseException | None = None
         self.session: str | None = None
         self.session_length = 0
         self.owned: set[str] = set()  # engine sessions to close when this state ends
-        self.text = ""
+        self.handed_over = False  # its session went to its last fork (nothing followed)
+        self._text = TextBuffer()
         self.fork_text_pos = 0
         self.messages: list[dict[str, str]] = []
         self.variables: dict[Any, Any] = {}
@@ -95,43 +110,46 @@ class StateCore:
         self.role_open = False  # the assistant header was sent: generated text follows it
         self.role_content: list[str] = []
 
+    @property
+    def text(self) -> str:
+        return str(self._text)
+
     def settled(self, target: int) -> bool:
         """Whether the first `target` ops ran (or never will)."""
         return self.done_ops >= target or self.error is not None or self.finished
 
     # -- executor ----------------------------------------------------------------------
 
-    async def execute(self, ops: Any) -> None:
+    async def execute(self) -> None:
+        ops, notify, local = self.ops, self.run.notify, _LOCAL_OPS
         try:
-            await self.run.wait_until(lambda: self.resolved)
             while self.error is None:
-                try:  # ops already queued run back to back, without a trip round the loop
-                    op = ops.receive_nowait()
-                except anyio.WouldBlock:
-                    op = await ops.receive()
-                except anyio.EndOfStream:
-                    break
+                op = ops.poll()  # ops already queued run back to back, without awaiting
+                if op is EMPTY:
+                    try:
+                        op = await ops.get()
+                    except anyio.EndOfStream:
+                        break
                 if op is END:
                     break
-                await self._apply(op)
+                apply_local = local.get(type(op))
+                if apply_local is not None:
+                    apply_local(self, op)
+                else:
+                    await self._apply(op)
                 self.done_ops += 1
-                self.run.notify()
+                notify()
         except Exception as e:  # noqa: BLE001 - recorded; reads re-raise it
             self.error = e
         finally:
-            self._reject_pending(ops)
             ops.close()
+            for op in ops.take_all():
+                self.reject(op)
             self._close_sessions(self.owned)
             self.finished = True
+            for callback in self._on_finish:
+                callback()
             self.run.notify()
-
-    def _reject_pending(self, ops: Any) -> None:
-        while True:
-            try:
-                op = ops.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                return
-            self.reject(op)
 
     def reject(self, op: Any) -> None:
         """An op that will never run: children waiting on a fork fail with this state."""
@@ -143,8 +161,7 @@ class StateCore:
     def fail(self, exc: BaseException) -> None:
         if self.error is None:
             self.error = exc
-        self.resolved = True
-        self.run.notify()
+        self._resolve()
 
     def _close_sessions(self, sessions: set[str] | list[str]) -> None:
         """Close sessions this state no longer needs; nothing waits for the answers."""
@@ -154,30 +171,26 @@ class StateCore:
                 self.client.close_session_unawaited(sid)
 
     async def _apply(self, op: Any) -> None:
-        if isinstance(op, Text):
-            self._add_text(op.value)
-        elif isinstance(op, Gen):
+        """An op that may talk to the engine (the local ones are in `_LOCAL_OPS`)."""
+        if isinstance(op, Gen):
             await self._gen(op)
-        elif isinstance(op, Select):
-            await self._select(op)
-        elif isinstance(op, RoleBegin):
-            self._role_begin(op.role)
-        elif isinstance(op, RoleEnd):
-            self._role_end(op.role)
         elif isinstance(op, ForkOp):
             await self._fork(op.children)
+        elif isinstance(op, Select):
+            await self._select(op)
         elif isinstance(op, JoinOp):
             await self._join(op.children, op.mode)
-        elif isinstance(op, SetVarOp):
-            self.variables[op.name] = op.value
-            self.var_done.add(op.name)
         else:  # pragma: no cover - ProgramState only submits the ops above
             raise ProgramError(f"unknown program operation {op!r}")
+
+    def _set_var(self, name: Any, value: Any) -> None:
+        self.variables[name] = value
+        self.var_done.add(name)
 
     # -- local text and roles ------------------------------------------------------------
 
     def _add_text(self, value: str) -> None:
-        self.text += value
+        self._text.append(value)
         if self.role is not None:
             self.role_content.append(value)
         if self.role is None or self.role_open:
@@ -185,7 +198,7 @@ class StateCore:
 
     def _add_generated(self, value: str) -> None:
         """Text the engine produced: already in the session's history."""
-        self.text += value
+        self._text.append(value)
         if self.role is not None:
             self.role_content.append(value)
 
@@ -244,6 +257,8 @@ class StateCore:
         inputs, self.pending = self.pending, []
         last = inputs.pop() if keep_last and inputs else None
         if self.session is None:
+            if self.handed_over:  # pragma: no cover - `_fork` checked nothing follows
+                raise ProgramError("internal: this state gave its session to a fork")
             first = inputs.pop(0) if inputs else None
             with anyio.CancelScope(shield=True):  # a cancel must not lose the new id
                 opened = await self.client.call(OpenSession(
@@ -274,7 +289,11 @@ class StateCore:
 
     async def _gen(self, op: Gen) -> None:
         self._open_turn()
-        last = await self._push(keep_last=True)
+        pending = self.pending
+        if self.session is not None and len(pending) <= 1:  # the usual case: nothing to push
+            last = pending.pop() if pending else None
+        else:
+            last = await self._push(keep_last=True)
         sampling = {**self.run.defaults, **op.sampling}
         stream = self.run.stream and op.n == 1
         msg = self.client.generate_message(
@@ -345,6 +364,7 @@ class StateCore:
             async with anyio.create_task_group() as tg:
                 for i in range(len(forks)):
                     tg.start_soon(score, i)
+                self.client.cork()  # their requests, one write
         scored = [d for d in dones if d is not None]
         logprobs = [list(d.prompt_logprobs or []) for d in scored]
         index, scores = op.method.choose(logprobs)
@@ -374,32 +394,81 @@ class StateCore:
         try:
             await self._push(keep_last=False)
             assert self.session is not None
-            with anyio.CancelScope(shield=True):  # a cancel must not lose the new ids
-                ids = await self.client.fork_session(self.session, len(children))
+            # A state that will not talk to the engine again hands its own session to its
+            # last fork: one session fewer to fork now and to close later.
+            hand_over = not self._engine_needed_later()
+            ids: list[str] = []
+            if len(children) > hand_over:
+                with anyio.CancelScope(shield=True):  # a cancel must not lose the new ids
+                    ids = await self.client.fork_session(self.session,
+                                                         len(children) - hand_over)
         except BaseException as e:
             for child in children:
                 child.fail(ProgramError(f"fork failed: {e}"))
             raise
+        if hand_over:
+            ids.append(self.session)
+            self.owned.discard(self.session)
+            self.session = None
+            self.handed_over = True
         for child, sid in zip(children, ids, strict=False):
             child._adopt(self, sid)
+        if len(children) > 1:
+            self.client.cork()  # their executors start now: their first requests, one write
         self.run.notify()
+
+    def _engine_needed_later(self) -> bool:
+        """Whether an op queued after the current one may send a request (True unless this
+        state's END is queued already, with only local ops before it)."""
+        for op in self.ops:
+            if op is END:
+                return False
+            if isinstance(op, (Gen, Select, ForkOp)):
+                return True
+        return True
 
     def _adopt(self, parent: StateCore, session: str) -> None:
         self.session = session
         self.owned.add(session)
         self.session_length = parent.session_length
-        self.text = parent.text
-        self.fork_text_pos = len(parent.text)
+        self._text = parent._text.copy()
+        self.fork_text_pos = len(parent._text)
         self.messages = list(parent.messages)
         self.variables = dict(parent.variables)
         self.meta = dict(parent.meta)
         self.var_done = set(parent.var_done)
         self.role, self.role_open = parent.role, parent.role_open
         self.role_content = list(parent.role_content)
+        self._resolve()
+
+    def _resolve(self) -> None:
+        """A fork child's parent forked (or failed to): its executor may start."""
         self.resolved = True
+        self.run.resolved(self)
+        self.run.notify()
+
+    def when_finished(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when this state finishes (now if it has)."""
+        if self.finished:
+            callback()
+        else:
+            self._on_finish.append(callback)
 
     async def _join(self, children: tuple[StateCore, ...], mode: str) -> None:
-        await self.run.wait_until(lambda: all(c.finished for c in children))
+        left = sum(not c.finished for c in children)
+        if left:  # one wake-up when the last of them finishes, not one per child
+            done = Latch(self.run.new_waiter)
+
+            def one_finished() -> None:
+                nonlocal left
+                left -= 1
+                if left == 0:
+                    done.set()
+
+            for child in children:
+                if not child.finished:
+                    child.when_finished(one_finished)
+            await done.wait()
         failed = next((c for c in children if c.error is not None), None)
         if failed is not None:
             raise ProgramError(f"a forked state failed: {failed.error}") from failed.error
@@ -436,3 +505,12 @@ class StateCore:
             lambda: len(self._stream_source(var)) > cursor or self._stream_done(var)
         )
         return self._stream_source(var)[cursor:], self._stream_done(var)
+
+
+# Ops that never talk to the engine, applied without a coroutine: (state, op) -> None.
+_LOCAL_OPS: dict[type, Callable[[StateCore, Any], None]] = {
+    Text: lambda core, op: core._add_text(op.value),
+    RoleBegin: lambda core, op: core._role_begin(op.role),
+    RoleEnd: lambda core, op: core._role_end(op.role),
+    SetVarOp: lambda core, op: core._set_var(op.name, op.value),
+}

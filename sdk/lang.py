@@ -97,10 +97,21 @@ def as_expr(x: Any) -> Expr:
 
 def flatten(x: Any) -> list[Expr]:
     """The primitive expressions of `x`, in order (Text, RoleBegin/End, Gen, Select)."""
-    x = as_expr(x)
-    if isinstance(x, ExprList):
-        return [e for item in x.items for e in flatten(item)]
-    return [x]
+    if type(x) is str:
+        return [Text(x)]
+    if not isinstance(x, ExprList):
+        return [as_expr(x)]
+    out: list[Expr] = []
+    _flatten_into(x.items, out)
+    return out
+
+
+def _flatten_into(items: tuple[Any, ...], out: list[Expr]) -> None:
+    for item in items:
+        if isinstance(item, ExprList):
+            _flatten_into(item.items, out)
+        else:
+            out.append(as_expr(item))
 
 
 # -- choices methods (how select() scores its options) ----------------------------------
@@ -165,6 +176,12 @@ def _method(method: ChoicesMethod | str | None) -> ChoicesMethod:
 # -- constructors ---------------------------------------------------------------------------
 
 
+# The protocol's names of gen()'s sampling options, in the order gen() collects them.
+_GEN_OPTIONS = ("max_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k",
+                "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                "ignore_eos", "logprobs", "top_logprobs", "seed")
+
+
 def gen(
     name: str | None = None,
     max_tokens: int | None = None,
@@ -199,16 +216,13 @@ def gen(
         raise ValueError("constrained decoding (regex, json_schema) is not supported by radixlm")
     if unsupported:
         raise TypeError(f"gen() got unsupported options: {sorted(unsupported)}")
-    sampling = {
-        "max_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_token_ids,
-        "temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
-        "frequency_penalty": frequency_penalty, "presence_penalty": presence_penalty,
-        "repetition_penalty": repetition_penalty, "ignore_eos": ignore_eos,
-        "logprobs": return_logprob, "top_logprobs": top_logprobs_num, "seed": seed,
-    }
+    values = (max_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p,
+              frequency_penalty, presence_penalty, repetition_penalty, ignore_eos,
+              return_logprob, top_logprobs_num, seed)
     if n is not None and n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    return Gen(name, {k: v for k, v in sampling.items() if v is not None}, n or 1)
+    sampling = {k: v for k, v in zip(_GEN_OPTIONS, values, strict=True) if v is not None}
+    return Gen(name, sampling, n or 1)
 
 
 def select(
@@ -228,10 +242,15 @@ def select(
     return Select(name, tuple(choices), _method(choices_method))
 
 
+# Role markers are immutable: one of each, shared.
+_BEGIN = {role: RoleBegin(role) for role in ("system", "user", "assistant")}
+_END = {role: RoleEnd(role) for role in ("system", "user", "assistant")}
+
+
 def _role(role: str, expr: Any) -> ExprList:
     if expr is None:
-        return ExprList((RoleBegin(role), RoleEnd(role)))
-    return ExprList((RoleBegin(role), as_expr(expr), RoleEnd(role)))
+        return ExprList((_BEGIN[role], _END[role]))
+    return ExprList((_BEGIN[role], as_expr(expr), _END[role]))
 
 
 def system(expr: Any = None) -> ExprList:
@@ -247,24 +266,24 @@ def assistant(expr: Any = None) -> ExprList:
 
 
 def system_begin() -> RoleBegin:
-    return RoleBegin("system")
+    return _BEGIN["system"]
 
 
 def system_end() -> RoleEnd:
-    return RoleEnd("system")
+    return _END["system"]
 
 
 def user_begin() -> RoleBegin:
-    return RoleBegin("user")
+    return _BEGIN["user"]
 
 
 def user_end() -> RoleEnd:
-    return RoleEnd("user")
+    return _END["user"]
 
 
 def assistant_begin() -> RoleBegin:
-    return RoleBegin("assistant")
+    return _BEGIN["assistant"]
 
 
 def assistant_end() -> RoleEnd:
-    return RoleEnd("assistant")
+    return _END["assistant"]

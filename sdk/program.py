@@ -153,14 +153,15 @@ class Program:
             raise ProgramError("run() needs a synchronous backend (rl.Engine, rl.connect); "
                                "with an AsyncClient use `await program.arun(...)`")
         if self.is_async:
-            return client.portal.call(partial(
+            return client.loop.call(partial(
                 self.arun, *args, backend=client.aclient, pin=pin, namespace=namespace,
                 _portal=client.portal, **sampling, **kwargs))
         run = self._sync_run(client, sampling, stream, pin, namespace)
-        run.future = client.portal.start_task_soon(run.supervise)
+        run.spawn = client.loop.spawn  # at the body's first commit
         self._run_body(run, args, kwargs)
         if stream:
             return run.root
+        assert run.future is not None  # the body's final commit started the supervisor
         _wait(run.future, run.cancel)
         error = run.first_error()
         if error is not None:
@@ -207,12 +208,12 @@ class Program:
         pbar = _progress(len(batch_kwargs)) if progress_bar else None
         try:
             if self.is_async:
-                return client.portal.call(partial(
+                return client.loop.call(partial(
                     self.arun_batch, batch_kwargs, backend=client.aclient,
                     max_concurrency=max_concurrency, pin=pin, namespace=namespace,
                     _portal=client.portal, _on_done=pbar.update if pbar else None, **defaults))
             runs = [self._sync_run(client, defaults, False, pin, namespace) for _ in batch_kwargs]
-            fut = client.portal.start_task_soon(
+            fut = client.loop.spawn(
                 _supervise_batch, runs, max_concurrency, pbar.update if pbar else None)
             try:
                 for run, arguments in zip(runs, batch_kwargs, strict=False):
@@ -251,7 +252,7 @@ class Program:
             if client.loop.in_loop_thread():
                 client, _portal = client.aclient, client.portal
             else:
-                return await await_future(client.portal.start_task_soon(partial(
+                return await await_future(client.loop.spawn(partial(
                     self.arun, *args, backend=client.aclient, stream=stream, pin=pin,
                     namespace=namespace, _portal=client.portal, **kwargs)))
         sampling, kwargs = _split(kwargs, self.params)
@@ -327,7 +328,7 @@ class Program:
         """`run_batch` from async code: one task per program, at most `max_concurrency`."""
         client = _resolve(backend)
         if isinstance(client, Client):
-            return await await_future(client.portal.start_task_soon(partial(
+            return await await_future(client.loop.spawn(partial(
                 self.arun_batch, batch_kwargs, backend=client.aclient,
                 max_concurrency=max_concurrency, pin=pin, namespace=namespace,
                 _portal=client.portal, _on_done=_on_done, **sampling)))

@@ -3,15 +3,20 @@ to the event loop in batches, and the supervisor task running every state's exec
 
 The body (caller thread, or the loop itself for ``async def`` programs) never blocks on
 appending: operations are buffered here and delivered to the loop in one hop when the
-body reads a value that is not ready, or returns. Reads wait in the loop (`wait_until`)
-on a condition that every state change re-checks (`notify`).
+body reads a value that is not ready, or returns (a one-way ``post``: nothing waits for
+the loop to take them; a sync run's first commit also starts the supervisor, in the same
+hop). Reads wait in the loop (`wait_until`) on a condition that every state change
+re-checks (`notify`).
+
+The supervisor runs the root state's executor itself, and starts a task per forked state
+once its fork happened and it has operations (nothing waits to be resolved): a program
+without forks costs no task but the supervisor's own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -19,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.from_thread import BlockingPortal
-from anyio.lowlevel import EventLoopToken
+from anyio.lowlevel import EventLoopToken, checkpoint
 from radixlm.sdk.errors import EngineDeadError, ProgramError
 from radixlm.sdk.executor import END, StateCore
+from radixlm.sdk.mailbox import Latch
+from radixlm.sdk.tasks import TaskSet
 
 if TYPE_CHECKING:
     from radixlm.sdk.client import AsyncClient
@@ -56,16 +63,22 @@ class ProgramRun:
         self.loop_thread = loop_thread
         self.token = token
         self.portal = portal
+        self.new_waiter = client.new_waiter
         self.cores: list[StateCore] = []
-        self._pending: list[tuple[StateCore, Any]] = []
-        self._batches_send, self._batches = anyio.create_memory_object_stream[Any](math.inf)
-        self._changed: anyio.Event | None = None
+        self._pending: list[tuple[StateCore, Any]] = []  # appended, not yet handed over
+        self._early: list[tuple[StateCore, Any]] = []  # handed over before the supervisor ran
+        self._tasks: TaskSet | None = None  # the supervisor's, while it runs
+        self._body_ended = Latch(self.new_waiter)  # every state got its END
+        self._changed: Latch | None = None
         self._scope: anyio.CancelScope | None = None
         self._cancel_requested = False
         self.body_error: BaseException | None = None
         self.body_done = False
         self.ended = False
-        self.future: Future[None] | None = None  # the supervisor, when started via a portal
+        self.future: Future[None] | None = None  # the supervisor, when started from a thread
+        # Starts the supervisor from the body's thread at the first commit (a sync run: the
+        # body appends everything first, so the loop wakes once, with the whole batch).
+        self.spawn: Callable[..., Future[None]] | None = None
         from radixlm.sdk.state import ProgramState  # the user-facing side (imports this one)
 
         self.root = ProgramState(self, self.new_core())
@@ -86,6 +99,12 @@ class ProgramRun:
         self._pending.append((core, op))
         core.submitted += 1
 
+    def submit_all(self, core: StateCore, ops: list[Any]) -> None:
+        if core.end_submitted:
+            raise ProgramError("this state has ended (its program returned, or it was joined)")
+        self._pending += [(core, op) for op in ops]
+        core.submitted += len(ops)
+
     def end(self, core: StateCore) -> None:
         if not core.end_submitted:
             self._pending.append((core, END))
@@ -104,8 +123,11 @@ class ProgramRun:
             return
         if self.in_loop_thread():
             self._accept(batch, final)
+            return
+        if self.future is None and self.spawn is not None:  # one hop: the batch rides along
+            self.future = self.spawn(self._supervise_from, batch, final)
         else:
-            self._from_thread(anyio.from_thread.run_sync, self._accept, batch, final)
+            self.client.post(self._accept, batch, final)
 
     def _from_thread(self, call: Callable[..., Any], fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -153,13 +175,17 @@ class ProgramRun:
     # -- the loop's side ------------------------------------------------------------------
 
     def _accept(self, batch: list[tuple[StateCore, Any]], final: bool) -> None:
-        try:
-            self._batches_send.send_nowait(batch)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        tasks = self._tasks
+        if self.ended:
             for core, op in batch:  # the run was cancelled: these never run
                 core.reject(op)
+        elif tasks is None:  # the supervisor has not started yet
+            self._early += batch
+        else:
+            for core, op in batch:
+                self._feed(tasks, core, op)
         if final:
-            self._batches_send.close()
+            self._body_ended.set()
 
     def _cancel(self) -> None:
         self._cancel_requested = True
@@ -167,40 +193,58 @@ class ProgramRun:
             self._scope.cancel()
 
     def notify(self) -> None:
-        event, self._changed = self._changed, None
-        if event is not None:
-            event.set()
+        latch, self._changed = self._changed, None
+        if latch is not None:
+            latch.set()
 
     async def wait_until(self, ready: Callable[[], bool]) -> None:
         while not (ready() or self.ended):
             if self._changed is None:
-                self._changed = anyio.Event()
+                self._changed = Latch(self.new_waiter)
             await self._changed.wait()
 
+    async def _supervise_from(self, batch: list[tuple[StateCore, Any]], final: bool) -> None:
+        self._accept(batch, final)
+        await self.supervise()
+
     async def supervise(self) -> None:
-        """Run every state's executor; returns when the body ended and all states finished."""
+        """Run every state's executor (the root's in this task); returns when the body
+        ended and all states finished."""
+        root = self.cores[0]
         try:
             with anyio.CancelScope() as scope:
                 self._scope = scope
-                if self._cancel_requested:
+                if self._cancel_requested:  # e.g. the body raised: none of its ops run
                     scope.cancel()
-                async with anyio.create_task_group() as tg:
-                    async for batch in self._batches:
-                        for core, op in batch:
-                            self._feed(tg, core, op)
+                    await checkpoint()
+                async with TaskSet() as tasks:
+                    self._tasks = tasks
+                    root.started = True
+                    early, self._early = self._early, []
+                    for core, op in early:
+                        self._feed(tasks, core, op)
+                    await root.execute()
+                    await self._body_ended.wait()
         finally:
-            self._batches.close()
+            self._tasks = None
             self.ended = True
             self.notify()
+            for core, op in self._early:  # handed over as the run ended: never run
+                core.reject(op)
 
-    def _feed(self, tg: Any, core: StateCore, op: Any) -> None:
-        if core.ops_send is None:
-            core.ops_send, ops = anyio.create_memory_object_stream[Any](math.inf)
-            tg.start_soon(core.execute, ops)
-        try:
-            core.ops_send.send_nowait(op)
-        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+    def _feed(self, tasks: TaskSet, core: StateCore, op: Any) -> None:
+        if not core.ops.put(op):
             core.reject(op)  # the state failed; its later ops never run
+        elif not core.started and core.resolved:
+            core.started = True
+            tasks.start(core.execute)
+
+    def resolved(self, core: StateCore) -> None:
+        """`core` (a fork child) can run now: start its executor if it has ops."""
+        tasks = self._tasks
+        if not core.started and len(core.ops) and tasks is not None:
+            core.started = True
+            tasks.start(core.execute)
 
 
 async def await_future(fut: Future[Any]) -> Any:

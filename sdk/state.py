@@ -38,8 +38,7 @@ class ProgramState:
     def __iadd__(self, other: Any) -> ProgramState:
         if other is None:
             raise ValueError("tried to append None to a program state")
-        for expr in flatten(other):
-            self._run.submit(self._core, expr)
+        self._run.submit_all(self._core, flatten(other))
         return self
 
     def __setitem__(self, name: str, value: Any) -> None:
@@ -52,7 +51,8 @@ class ProgramState:
         ``ForkSession``, no prefix re-sent. ``join()`` gathers their variables back."""
         if size < 1:
             raise ValueError(f"fork size must be >= 1, got {size}")
-        children = tuple(self._run.new_core(forked=True) for _ in range(size))
+        new_core = self._run.new_core
+        children = tuple([new_core(forked=True) for _ in range(size)])
         self._run.submit(self._core, ForkOp(children))
         return ProgramStateGroup([ProgramState(self._run, c) for c in children], self)
 

@@ -1,7 +1,7 @@
 """The synchronous API: `Client` (``rl.connect``), `ChatSession`, `SyncTextStream`.
 
 A `Client` runs one event loop in one daemon thread and drives an `AsyncClient` in it
-through an anyio `BlockingPortal`: every sync call is one hop into that loop, and every
+through a `LoopThread`: every sync call is one hop into that loop, and every
 program run on the client executes there as anyio tasks -- one thread per client, never
 one per program. The thread is a daemon so that a client nobody closed cannot hang
 interpreter exit; a ``weakref.finalize`` (which also runs at exit) closes it cleanly.
@@ -10,65 +10,22 @@ interpreter exit; a ``weakref.finalize`` (which also runs at exit) closes it cle
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 from anyio.from_thread import BlockingPortal
-from anyio.lowlevel import EventLoopToken, current_token
 from radixlm.runtime.protocol import Retention, SessionOpened
 from radixlm.sdk.chat import AsyncChatSession
 from radixlm.sdk.client import AsyncClient, TextStream
 from radixlm.sdk.connection import Liveness
+from radixlm.sdk.loop_thread import LoopThread
 from radixlm.sdk.results import GenerateResult, StreamDelta
 
 __all__ = ["ChatSession", "Client", "LoopThread", "SyncTextStream", "connect"]
-
-T = TypeVar("T")
-
-
-class LoopThread:
-    """An anyio event loop running in a daemon thread, reachable through a portal."""
-
-    def __init__(self, name: str) -> None:
-        self._ready = threading.Event()
-        self._failure: BaseException | None = None
-        self.portal: BlockingPortal
-        self.token: EventLoopToken
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-        self._ready.wait()
-        if self._failure is not None:
-            raise self._failure
-        self.thread_id: int = self._thread.ident  # type: ignore[assignment]
-
-    def _run(self) -> None:
-        try:
-            anyio.run(self._main)
-        except BaseException as e:  # noqa: BLE001 - reported to the constructor
-            self._failure = e
-            self._ready.set()
-
-    async def _main(self) -> None:
-        async with BlockingPortal() as portal:
-            self.portal = portal
-            self.token = current_token()
-            self._ready.set()
-            await portal.sleep_until_stopped()
-
-    def in_loop_thread(self) -> bool:
-        return threading.get_ident() == self.thread_id
-
-    def close(self) -> None:
-        """Stop the loop (cancelling what still runs in it) and join the thread."""
-        if self._thread.is_alive() and not self.in_loop_thread():
-            with contextlib.suppress(RuntimeError):  # already stopping
-                self.portal.call(self.portal.stop, True)
-            self._thread.join(timeout=10)
 
 
 async def _hold_client(client: AsyncClient, *, task_status: Any) -> None:
@@ -125,7 +82,7 @@ class Client:
         return self._loop
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return self._loop.portal.call(partial(fn, *args, **kwargs))
+        return self._loop.call(partial(fn, *args, **kwargs))
 
     def close(self) -> None:
         """Close the connection and stop the client's thread (idempotent)."""
@@ -242,7 +199,7 @@ class SyncTextStream:
     def __next__(self) -> StreamDelta:
         if self._done:
             raise StopIteration
-        more, delta = self._loop.portal.call(_next_or_end, self._stream)
+        more, delta = self._loop.call(_next_or_end, self._stream)
         if not more:
             self._done = True
             raise StopIteration
@@ -260,7 +217,7 @@ class SyncTextStream:
     def close(self) -> None:
         if not self._done:
             self._done = True
-            self._loop.portal.call(self._stream.aclose)
+            self._loop.call(self._stream.aclose)
 
     def __enter__(self) -> SyncTextStream:
         return self
@@ -294,11 +251,11 @@ class ChatSession:
         return self._chat.length
 
     def open(self) -> ChatSession:
-        self._loop.portal.call(self._chat.open)
+        self._loop.call(self._chat.open)
         return self
 
     def close(self) -> None:
-        self._loop.portal.call(self._chat.close)
+        self._loop.call(self._chat.close)
 
     def __enter__(self) -> ChatSession:
         return self.open()
@@ -307,13 +264,13 @@ class ChatSession:
         self.close()
 
     def send(self, content: str, *, role: str = "user", **sampling: Any) -> GenerateResult:
-        return self._loop.portal.call(partial(self._chat.send, content, role=role, **sampling))
+        return self._loop.call(partial(self._chat.send, content, role=role, **sampling))
 
     def stream(self, content: str, *, role: str = "user", **sampling: Any) -> SyncTextStream:
         return SyncTextStream(self._loop, self._chat.stream(content, role=role, **sampling))
 
     def fork(self, n: int = 1) -> list[ChatSession]:
-        children = self._loop.portal.call(self._chat.fork, n)
+        children = self._loop.call(self._chat.fork, n)
         return [ChatSession(self._loop, c) for c in children]
 
 

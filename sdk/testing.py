@@ -392,6 +392,8 @@ class StubServer:
     def _finish(self, job: _Job, b: _Branch, reason: str, matched: str | int | None) -> None:
         b.done = True
         msg = job.msg
+        if all(x.done for x in job.branches):  # not running once its last Done is out
+            self._jobs.pop((job.client, msg.rid), None)
         session_id, length = None, None
         if job.session is not None:
             out = b.output if reason != "abort" else []

@@ -229,3 +229,44 @@ def test_dead_engine_fails_calls_within_seconds(tiny_model_dir: Path) -> None:
         with pytest.raises(rl.EngineDeadError):
             engine.generate("again", max_tokens=1)
         assert time.monotonic() - start < 5
+
+
+def test_engine_does_not_outlive_a_killed_owner(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`rl.Engine` starts `radixlm serve --parent-pid <owner>`: SIGKILL the owner (no
+    finalizers run) and the server still stops, its children with it."""
+    import subprocess
+    import sys
+
+    pid_file = tmp_path / "engine.pid"
+    owner = (
+        "import sys, time, radixlm as rl; "
+        f"e = rl.Engine({str(tiny_model_dir)!r}, device='cpu', dtype='float32', "
+        "kv_tokens=1024, threads=1, startup_timeout=120); "
+        f"open({str(pid_file)!r}, 'w').write(str(e.pid)); time.sleep(120)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", owner])
+    try:
+        deadline = time.monotonic() + 120
+        while not pid_file.exists() or not pid_file.read_text():
+            assert proc.poll() is None, "the owner exited before starting its engine"
+            assert time.monotonic() < deadline, "the engine never started"
+            time.sleep(0.05)
+        server_pid = int(pid_file.read_text())
+        children = [int(p) for p in
+                    Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()]
+        assert len(children) == 2, children  # engine + frontend
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in [server_pid, *children]):
+        assert time.monotonic() < deadline, "the engine outlived its killed owner"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"

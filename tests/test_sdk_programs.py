@@ -113,6 +113,37 @@ def test_nested_forks_and_concat_join(client) -> None:
         assert child["leaf"] == leaves
 
 
+def test_a_state_done_after_its_fork_hands_its_session_over(client, stub) -> None:
+    @rl.function
+    def tree(s):
+        s += "Root"
+        forks = s.fork(2)  # the root does nothing more: its session goes to a fork
+        forks += lambda i: f"/{i}" + rl.gen("leaf", max_tokens=3, ignore_eos=True)
+        return forks
+
+    @rl.function
+    def judge(s):
+        s += "Root"
+        forks = s.fork(2)
+        forks += lambda i: f"/{i}" + rl.gen("leaf", max_tokens=3, ignore_eos=True)
+        forks.join()
+        s += rl.gen("after", max_tokens=2, ignore_eos=True)  # the root goes on: no hand-over
+
+    leaves = [text_of(toy_generate(chars(f"Root/{i}"), 3, ignore_eos=True)) for i in (0, 1)]
+    for program, forked in ((tree, 1), (judge, 2)):
+        opened, forks = len(sent(stub, OpenSession)), len(sent(stub, ForkSession))
+        closes = len(sent(stub, CloseSession))
+        state = program.run(backend=client)
+        assert [m.n for m in sent(stub, ForkSession, forks)] == [forked]
+        client.stats()  # after every close the program sent
+        made = len(sent(stub, OpenSession, opened)) + forked
+        assert len(sent(stub, CloseSession, closes)) == made  # each session closed once
+        if program is tree:
+            assert [child["leaf"] for child in state.ret_value] == leaves
+        else:
+            assert state["leaf"] == leaves
+
+
 @pytest.mark.parametrize("method", ["token_length_normalized", "sum", "greedy"])
 def test_select_picks_the_argmax_of_choice_logprobs(client, stub, method) -> None:
     prompt = "The answer is"
@@ -226,7 +257,9 @@ def test_cancelling_a_program_aborts_and_closes_its_sessions() -> None:
                 stats = await client.stats()
                 assert stats["sessions"] == 0 and stats["running"] == 0
         anyio.run(main)
-        assert len(sent(stub, CloseSession)) >= 4
+        # Every session the program made (opened, or forked) was closed, once.
+        made = len(sent(stub, OpenSession)) + sum(m.n for m in sent(stub, ForkSession))
+        assert made >= 3 and len(sent(stub, CloseSession)) == made
 
 
 def test_engine_errors_surface_typed_and_leave_nothing_open(client, stub) -> None:
@@ -247,8 +280,11 @@ def test_engine_errors_surface_typed_and_leave_nothing_open(client, stub) -> Non
         s += "x" + rl.gen("y", max_tokens=3)
         raise KeyError("from the body")
 
+    before = len(stub.received)
     with pytest.raises(KeyError):
         raises.run(backend=client)
+    # A body that raised runs none of its ops.
+    assert not [m for m in stub.received[before:] if isinstance(m, (Generate, OpenSession))]
 
     @rl.function
     def gen_in_user(s):
@@ -317,3 +353,26 @@ def test_default_backend_and_sync_async_bridge(stub) -> None:
             rl.set_default_backend(None)
     with pytest.raises(rl.ProgramError, match="no backend"):
         hello.run()
+
+
+def test_a_sync_body_reading_mid_way(client) -> None:
+    @rl.function
+    def agent(s):
+        s += "Goal:"
+        for i in range(3):
+            s += f" step{i}" + rl.gen("x", max_tokens=3, ignore_eos=True)
+            if s["x"] == "never":  # waits for the gen; the supervisor started at this read
+                break
+        forks = s.fork(2)
+        forks += rl.gen("y", max_tokens=2, ignore_eos=True)
+        forks.join()
+        return s["y"]
+
+    text = "Goal:"
+    for i in range(3):
+        text += f" step{i}"
+        text += text_of(toy_generate(chars(text), 3, ignore_eos=True))
+    y = text_of(toy_generate(chars(text), 2, ignore_eos=True))
+    for stream in (False, True):
+        state = agent.run(backend=client, stream=stream)
+        assert state.text() == text and state.ret_value == [y, y]

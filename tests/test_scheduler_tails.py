@@ -44,7 +44,13 @@ def test_done_comes_with_the_last_token_and_the_next_turn_waits_for_the_tail(mak
     nxt = random_prompt(rng, 4)
     key2 = h.generate(nxt, max_tokens=4, client=C, session=sid)
     assert h.replies == [], h.replies  # held: neither busy nor answered yet
-    h.step()  # the tail
+    rows = []
+    forward = h.sched.model.forward
+    h.sched.model.forward = lambda batch: rows.append(len(batch.logits_indptr) and
+                                                      batch.logits_indptr[-1]) or forward(batch)
+    h.step()  # the tail: its token's KV, no logits
+    h.sched.model.forward = forward
+    assert rows == [0]
     forked = h.replies.pop()
     assert isinstance(forked, SessionsForked), forked
     h.run()

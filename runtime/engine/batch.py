@@ -35,8 +35,8 @@ def build_batch(plan: Sequence[Scheduled], device: torch.device) -> ForwardBatch
     reqs = [s.req for s in plan]
     b = len(plan)
     kv0 = np.fromiter([r.kv_len for r in reqs], _I64, b)
-    decode = all(s.extend == 1 for s in plan)
-    if decode:  # one token per request: no ragged bookkeeping
+    decode = all(s.extend == 1 and s.logits_from == 0 for s in plan)
+    if decode:  # one token and one logits row per request: no ragged bookkeeping
         ext_a = np.ones(b, dtype=_I64)
         n_tok = n_rows = b
     else:

@@ -492,7 +492,8 @@ class Scheduler:
                 r.alloc_len = end
         for r in decoding:
             ext = r.num_tokens - r.kv_len
-            plan.append(Scheduled(r, ext, ext - 1))
+            # A tail row (pending_end) only computes its token's KV: no logits for it.
+            plan.append(Scheduled(r, ext, ext if r.pending_end is not None else ext - 1))
 
     def _admit(self, plan: list[Scheduled], budget: int, touched: list[Request]) -> None:
         opt = self.opt

@@ -42,6 +42,7 @@ from radixlm.runtime.protocol import (
     Pin,
     Pinned,
     Retention,
+    SamplingParams,
     SessionList,
     SessionOpened,
     SessionsForked,
@@ -340,10 +341,12 @@ class AsyncClient:
         namespace: str | None = None,
         priority: int = 0,
         prompt_logprobs_start: int | None = None,
-        sampling: dict[str, Any],
+        sampling: dict[str, Any] | SamplingParams,
     ) -> Generate:
+        if not isinstance(sampling, SamplingParams):
+            sampling = sampling_params(sampling)
         return Generate(
-            rid=self.new_rid(), input=inp, sampling=sampling_params(sampling), stream=stream,
+            rid=self.new_rid(), input=inp, sampling=sampling, stream=stream,
             prompt_logprobs_start=prompt_logprobs_start, priority=priority,
             namespace=namespace, session=session, n=n,
         )

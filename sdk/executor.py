@@ -126,6 +126,9 @@ class StateCore:
             while self.error is None:
                 op = ops.poll()  # ops already queued run back to back, without awaiting
                 if op is EMPTY:
+                    # Readers waiting on this state run only while it awaits: one notify
+                    # before each await covers every op applied since the last one.
+                    notify()
                     try:
                         op = await ops.get()
                     except anyio.EndOfStream:
@@ -136,9 +139,9 @@ class StateCore:
                 if apply_local is not None:
                     apply_local(self, op)
                 else:
+                    notify()
                     await self._apply(op)
                 self.done_ops += 1
-                notify()
         except Exception as e:  # noqa: BLE001 - recorded; reads re-raise it
             self.error = e
         finally:
@@ -294,7 +297,7 @@ class StateCore:
             last = pending.pop() if pending else None
         else:
             last = await self._push(keep_last=True)
-        sampling = {**self.run.defaults, **op.sampling}
+        sampling = self.run.sampling_for(op.sampling)
         stream = self.run.stream and op.n == 1
         msg = self.client.generate_message(
             last or Input(input_ids=[]), session=self.session, n=op.n, stream=stream,

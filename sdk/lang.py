@@ -110,8 +110,8 @@ def _flatten_into(items: tuple[Any, ...], out: list[Expr]) -> None:
     for item in items:
         if isinstance(item, ExprList):
             _flatten_into(item.items, out)
-        else:
-            out.append(as_expr(item))
+        else:  # `+` and the role helpers made the items Exprs already, mostly
+            out.append(item if isinstance(item, Expr) else as_expr(item))
 
 
 # -- choices methods (how select() scores its options) ----------------------------------

@@ -93,6 +93,16 @@ class Mailbox(Generic[T]):
             waiter.set_result(None)
         return True
 
+    def put_many(self, items: list[T]) -> bool:
+        """Queue `items` in order, with one wake-up (False, dropping them, once closed)."""
+        if self.closed:
+            return False
+        self._items.extend(items)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        return True
+
     def poll(self) -> T:
         """The next item if one is queued, else `EMPTY` (never waits)."""
         items = self._items

@@ -28,9 +28,11 @@ from anyio.lowlevel import EventLoopToken, checkpoint
 from radixlm.sdk.errors import EngineDeadError, ProgramError
 from radixlm.sdk.executor import END, StateCore
 from radixlm.sdk.mailbox import Latch
+from radixlm.sdk.results import sampling_params
 from radixlm.sdk.tasks import TaskSet
 
 if TYPE_CHECKING:
+    from radixlm.runtime.protocol import SamplingParams
     from radixlm.sdk.client import AsyncClient
 
 __all__ = ["ProgramRun", "await_future"]
@@ -65,8 +67,11 @@ class ProgramRun:
         self.portal = portal
         self.new_waiter = client.new_waiter
         self.cores: list[StateCore] = []
-        self._pending: list[tuple[StateCore, Any]] = []  # appended, not yet handed over
-        self._early: list[tuple[StateCore, Any]] = []  # handed over before the supervisor ran
+        # Ops appended and not yet handed over, as runs of consecutive ops for one state:
+        # each run reaches its state's mailbox in one put (one possible wake-up).
+        self._pending: list[tuple[StateCore, list[Any]]] = []
+        self._early: list[tuple[StateCore, list[Any]]] = []  # handed over before the supervisor ran
+        self._sampling: dict[tuple[tuple[str, Any], ...], SamplingParams] = {}
         self._tasks: TaskSet | None = None  # the supervisor's, while it runs
         self._body_ended = Latch(self.new_waiter)  # every state got its END
         self._changed: Latch | None = None
@@ -94,21 +99,25 @@ class ProgramRun:
         return threading.get_ident() == self.loop_thread
 
     def submit(self, core: StateCore, op: Any) -> None:
-        if core.end_submitted:
-            raise ProgramError("this state has ended (its program returned, or it was joined)")
-        self._pending.append((core, op))
-        core.submitted += 1
+        self.submit_all(core, [op])
 
     def submit_all(self, core: StateCore, ops: list[Any]) -> None:
         if core.end_submitted:
             raise ProgramError("this state has ended (its program returned, or it was joined)")
-        self._pending += [(core, op) for op in ops]
+        self._buffer(core, ops)
         core.submitted += len(ops)
 
     def end(self, core: StateCore) -> None:
         if not core.end_submitted:
-            self._pending.append((core, END))
+            self._buffer(core, [END])
             core.end_submitted = True
+
+    def _buffer(self, core: StateCore, ops: list[Any]) -> None:
+        pending = self._pending
+        if pending and pending[-1][0] is core:
+            pending[-1][1].extend(ops)
+        else:
+            pending.append((core, list(ops)))
 
     def commit(self, *, final: bool = False) -> None:
         """Hand the buffered ops to the executors (with `final`: end every state)."""
@@ -174,16 +183,17 @@ class ProgramRun:
 
     # -- the loop's side ------------------------------------------------------------------
 
-    def _accept(self, batch: list[tuple[StateCore, Any]], final: bool) -> None:
+    def _accept(self, batch: list[tuple[StateCore, list[Any]]], final: bool) -> None:
         tasks = self._tasks
         if self.ended:
-            for core, op in batch:  # the run was cancelled: these never run
-                core.reject(op)
+            for core, ops in batch:  # the run was cancelled: these never run
+                for op in ops:
+                    core.reject(op)
         elif tasks is None:  # the supervisor has not started yet
             self._early += batch
         else:
-            for core, op in batch:
-                self._feed(tasks, core, op)
+            for core, ops in batch:
+                self._feed(tasks, core, ops)
         if final:
             self._body_ended.set()
 
@@ -203,7 +213,8 @@ class ProgramRun:
                 self._changed = Latch(self.new_waiter)
             await self._changed.wait()
 
-    async def _supervise_from(self, batch: list[tuple[StateCore, Any]], final: bool) -> None:
+    async def _supervise_from(self, batch: list[tuple[StateCore, list[Any]]],
+                              final: bool) -> None:
         self._accept(batch, final)
         await self.supervise()
 
@@ -221,23 +232,36 @@ class ProgramRun:
                     self._tasks = tasks
                     root.started = True
                     early, self._early = self._early, []
-                    for core, op in early:
-                        self._feed(tasks, core, op)
+                    for core, ops in early:
+                        self._feed(tasks, core, ops)
                     await root.execute()
                     await self._body_ended.wait()
         finally:
             self._tasks = None
             self.ended = True
             self.notify()
-            for core, op in self._early:  # handed over as the run ended: never run
-                core.reject(op)
+            for core, ops in self._early:  # handed over as the run ended: never run
+                for op in ops:
+                    core.reject(op)
 
-    def _feed(self, tasks: TaskSet, core: StateCore, op: Any) -> None:
-        if not core.ops.put(op):
-            core.reject(op)  # the state failed; its later ops never run
+    def _feed(self, tasks: TaskSet, core: StateCore, ops: list[Any]) -> None:
+        if not core.ops.put_many(ops):
+            for op in ops:  # the state failed; its later ops never run
+                core.reject(op)
         elif not core.started and core.resolved:
             core.started = True
             tasks.start(core.execute)
+
+    def sampling_for(self, options: dict[str, Any]) -> SamplingParams:
+        """The `SamplingParams` of a gen with these options over the run's defaults, built
+        once per distinct options: a program's gens mostly repeat theirs."""
+        try:
+            cached = self._sampling.get(key := tuple(options.items()))
+        except TypeError:  # an unhashable value (a stop list): built each time
+            return sampling_params({**self.defaults, **options})
+        if cached is None:
+            cached = self._sampling[key] = sampling_params({**self.defaults, **options})
+        return cached
 
     def resolved(self, core: StateCore) -> None:
         """`core` (a fork child) can run now: start its executor if it has ops."""

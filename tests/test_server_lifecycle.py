@@ -62,42 +62,13 @@ def test_sigterm_stops_every_process_and_removes_sockets(tmp_path: Path, tiny_mo
         assert not srv.endpoint_file.exists()
 
 
-def test_children_die_with_their_parent(tmp_path: Path) -> None:
-    """PR_SET_PDEATHSIG: a SIGKILLed launcher takes its children with it."""
+def _child_dies_with_killed_parent(tmp_path: Path, guard: str) -> None:
+    """Start parent -> child where the child first runs `guard` (with `parent_pid` set),
+    SIGKILL the parent, and require the child to be gone within 10 s."""
     pid_file = tmp_path / "child.pid"
     child = (
-        "import os, sys, time; from radixlm.runtime.launcher import die_with_parent; "
-        f"die_with_parent(int(sys.argv[1])); open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
-        "time.sleep(60)"
-    )
-    parent = (
-        "import os, subprocess, sys, time; "
-        f"subprocess.Popen([sys.executable, '-c', {child!r}, str(os.getpid())]); time.sleep(60)"
-    )
-    proc = subprocess.Popen([sys.executable, "-c", parent])
-    try:
-        deadline = time.monotonic() + 30
-        while not pid_file.exists() or not pid_file.read_text():
-            assert time.monotonic() < deadline, "the child never started"
-            time.sleep(0.05)
-        child_pid = int(pid_file.read_text())
-        assert _alive(child_pid)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    deadline = time.monotonic() + 10
-    while _alive(child_pid):
-        assert time.monotonic() < deadline, f"child {child_pid} outlived its parent"
-        time.sleep(0.05)
-
-
-def test_watcher_stops_a_process_whose_parent_was_sigkilled(tmp_path: Path) -> None:
-    """`stop_when_gone` (serve --parent-pid): polled, so it does not depend on the thread
-    that started the process, and it sees a SIGKILLed parent."""
-    pid_file = tmp_path / "child.pid"
-    child = (
-        "import os, sys, time; from radixlm.runtime.launcher import stop_when_gone; "
-        "stop_when_gone(int(sys.argv[1]), 0.05); "
+        "import os, sys, time; from radixlm.runtime import launcher; "
+        f"parent_pid = int(sys.argv[1]); {guard}; "
         f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
     )
     parent = (
@@ -119,6 +90,17 @@ def test_watcher_stops_a_process_whose_parent_was_sigkilled(tmp_path: Path) -> N
     while _alive(child_pid):
         assert time.monotonic() < deadline, f"child {child_pid} outlived its parent"
         time.sleep(0.05)
+
+
+def test_children_die_with_their_parent(tmp_path: Path) -> None:
+    """PR_SET_PDEATHSIG: a SIGKILLed launcher takes its children with it."""
+    _child_dies_with_killed_parent(tmp_path, "launcher.die_with_parent(parent_pid)")
+
+
+def test_watcher_stops_a_process_whose_parent_was_sigkilled(tmp_path: Path) -> None:
+    """`stop_when_gone` (serve --parent-pid): polled, so it does not depend on the thread
+    that started the process, and it sees a SIGKILLed parent."""
+    _child_dies_with_killed_parent(tmp_path, "launcher.stop_when_gone(parent_pid, 0.05)")
 
 
 def test_serve_stops_cleanly_when_its_parent_pid_exits(tmp_path: Path, tiny_model_dir: Path) -> None:

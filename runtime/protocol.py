@@ -128,8 +128,16 @@ class TruncateSession(Struct, tag="truncate_session"):
 
 
 class CloseSession(Struct, tag="close_session"):
+    """Close `session`, or every id in `sessions` (one request, one reply), or both."""
+
     rid: str
-    session: str
+    session: Union[str, None] = None
+    sessions: Union[list[str], None] = None
+
+    def ids(self) -> list[str]:
+        """The sessions to close, in order: `session` first, then `sessions`."""
+        head = [] if self.session is None else [self.session]
+        return head + self.sessions if self.sessions else head
 
 
 class Pin(Struct, tag="pin"):

@@ -29,6 +29,7 @@ from radixlm.runtime.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Chunk,
+    CloseSession,
     Error,
     Hello,
     Input,
@@ -51,6 +52,7 @@ Liveness = Callable[[], "str | None"]  # None while alive, else why it is dead
 # How long an unawaited message (a session close) may wait for a request to leave with:
 # sent alone, its reply would wake the loop again just to be dropped.
 _DEFER_S = 0.02
+_MAX_CLOSE = 1024  # sessions one merged CloseSession may name (the server's limit)
 # After the link drops, how often and how many times to ask `liveness` why.
 _LOST_CHECK_S, _LOST_CHECKS = 0.05, 10
 # Built once: every frame in and out goes through these.
@@ -105,7 +107,9 @@ class Connection:
         self._routes: dict[str, Request] = {}
         self._unawaited: set[str] = set()
         self._aloop: asyncio.AbstractEventLoop | None = None  # set by `open` on asyncio
-        self._deferred: list[bytes] = []  # unawaited frames waiting to leave with the next
+        # Unawaited messages waiting to leave with the next request (encoded then, so that
+        # closes deferred together merge into one CloseSession: one request, one reply).
+        self._deferred: list[Struct] = []
         self._flush_timer: asyncio.TimerHandle | None = None
         self._handshake: Mailbox[Any] | None = None
         self.new_waiter: Callable[[], Waiter] = EventWaiter  # `open` picks its loop's own
@@ -238,8 +242,14 @@ class Connection:
         if self._aloop is None or self._link is None:
             self.send(msg)
             return
-        self.sent += 1
-        self._deferred.append(_encode(msg))
+        last = self._deferred[-1] if self._deferred else None
+        if (isinstance(msg, CloseSession) and isinstance(last, CloseSession)
+                and len(last.ids()) < _MAX_CLOSE):
+            last.sessions, last.session = last.ids() + msg.ids(), None
+            self._unawaited.discard(msg.rid)  # answered under `last`'s rid
+        else:
+            self.sent += 1
+            self._deferred.append(msg)
         if self._flush_timer is None:
             self._flush_timer = self._aloop.call_later(_DEFER_S, self._flush_deferred)
 
@@ -248,7 +258,7 @@ class Connection:
         timer, self._flush_timer = self._flush_timer, None
         if timer is not None:
             timer.cancel()
-        frames, self._deferred = self._deferred, []
+        frames, self._deferred = [_encode(m) for m in self._deferred], []
         if then is not None:
             frames.append(then)
         link = self._link

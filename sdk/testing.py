@@ -472,10 +472,14 @@ class StubServer:
         self._send(client, Ok(rid=msg.rid))
 
     def _close(self, client: bytes, msg: CloseSession) -> None:
-        s = self._owned(client, msg.session)
-        if s.busy:
-            raise _Refused(ErrorCode.BUSY, f"session {msg.session!r} is busy")
-        del self._sessions[msg.session]
+        ids = msg.ids()
+        if not ids:
+            raise _Refused(ErrorCode.INVALID_PARAMS, "close_session names no session")
+        for session in ids:  # like the engine: close what can be, refuse with the first error
+            s = self._owned(client, session)
+            if s.busy:
+                raise _Refused(ErrorCode.BUSY, f"session {session!r} is busy")
+            del self._sessions[session]
         self._send(client, Ok(rid=msg.rid))
 
     def _pin(self, client: bytes, msg: Pin) -> None:

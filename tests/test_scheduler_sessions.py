@@ -163,6 +163,22 @@ def test_commands_fork_truncate_close_flush(make_harness):
     assert h.cache.sizes().evictable == 0 and h.cache.sizes().protected == 0
 
 
+def test_one_close_names_several_sessions(make_harness):
+    rng = np.random.default_rng(25)
+    h = make_harness(sessions=True)
+    sid = open_session(h, random_prompt(rng, 12)).session
+    a, b, c = command(h, ForkSession(rid="f", session=sid, n=3)).sessions
+    assert isinstance(command(h, CloseSession(rid="c1", session=a, sessions=[b])), Ok)
+    # Partly refused: the known ones close anyway, the error names what stays open.
+    reply = command(h, CloseSession(rid="c2", sessions=[c, "missing", sid]))
+    assert isinstance(reply, Error) and reply.code == ErrorCode.NOT_FOUND
+    assert "missing" in reply.message and "1 of 3" in reply.message
+    assert sessions_by_id(h) == {}
+    reply = command(h, CloseSession(rid="c3"))
+    assert isinstance(reply, Error) and reply.code == ErrorCode.INVALID_PARAMS
+    assert h.cache.sizes().protected == 0
+
+
 def test_retained_sessions_never_deadlock_the_pool(make_harness, hf):
     rng = np.random.default_rng(25)
     cfg = EngineConfig(retained_cap=200)

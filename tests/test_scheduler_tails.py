@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import test_scheduler_harness as harness
 from radixlm.runtime.engine.messages import ClientGone, EngineAbort, EngineCommand, EngineFinishAt
-from radixlm.runtime.protocol import Error, ForkSession, SessionsForked
+from radixlm.runtime.protocol import CloseSession, Error, ForkSession, Ok, SessionsForked
 from test_scheduler_harness import hf_greedy, random_prompt
 from test_scheduler_sessions import C, open_session, sessions_by_id
 
@@ -76,6 +76,18 @@ def test_abort_of_a_held_turn_and_client_gone_during_a_tail(make_harness):
     assert h.final[(key2, 0)].finish_reason == "abort"
     listed = sessions_by_id(h)[sid]
     assert listed.length == length and not listed.busy
+
+    # A close naming a session in its tail (and an idle one) waits for that tail.
+    other = sessions_by_id(h)  # just sid
+    h.send(EngineCommand(client=C, msg=ForkSession(rid="f2", session=sid)))
+    forked = h.replies.pop().sessions[0]
+    key5 = h.generate(random_prompt(rng, 3), max_tokens=2, client=C, session=sid)
+    steps_until_final(h, key5)
+    h.send(EngineCommand(client=C, msg=CloseSession(rid="both", sessions=[forked, sid])))
+    assert h.replies == [] and set(sessions_by_id(h)) == set(other) | {forked}
+    h.run()
+    assert isinstance(h.replies.pop(), Ok) and sessions_by_id(h) == {}
+    sid = open_session(h, random_prompt(rng, 12)).session
 
     # A client that vanishes while its turn runs the tail: its held turn is dropped, its
     # sessions closed, nothing leaks (the harness checks the pool after every step).

@@ -199,3 +199,20 @@ def test_engine_flags_become_serve_flags() -> None:
     assert engine_flags({"kv_tokens": 4096, "device": "cpu", "default_session_ttl_s": 30,
                          "flag": True, "off": False, "unset": None}) == [
         "--kv-tokens", "4096", "--device", "cpu", "--session-ttl", "30", "--flag"]
+
+
+def test_unawaited_closes_leave_together_as_one_request(stub: StubServer) -> None:
+    from radixlm.runtime.protocol import CloseSession
+
+    async def main() -> None:
+        async with rl.AsyncClient(stub.endpoint) as ac:
+            sessions = [(await ac.open_session()).session for _ in range(3)]
+            before = len(stub.received_of(CloseSession))
+            for sid in sessions:
+                ac.close_session_unawaited(sid)
+            await ac.stats()  # the deferred close leaves ahead of this request
+            closes = stub.received_of(CloseSession)[before:]
+            assert [m.ids() for m in closes] == [sessions]  # one request, three sessions
+            assert (await ac.stats())["sessions"] == 0
+
+    anyio.run(main)

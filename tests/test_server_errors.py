@@ -58,6 +58,11 @@ BAD_FRAMES: list[tuple[str, bytes | dict[str, Any], str]] = [
     ("too-long", gen(input={"input_ids": [5] * 200}, sampling={"max_tokens": 100}), ErrorCode.TOO_LONG),
     ("abort-unknown", {"type": "abort"}, ErrorCode.NOT_FOUND),
     ("unknown-session", gen(session="no-such-session"), ErrorCode.NOT_FOUND),
+    ("close-naming-nothing", {"type": "close_session"}, ErrorCode.INVALID_PARAMS),
+    ("close-too-many", {"type": "close_session", "sessions": ["x"] * 1025},
+     ErrorCode.INVALID_PARAMS),
+    ("close-unknown-among", {"type": "close_session", "sessions": ["a", "b"]},
+     ErrorCode.NOT_FOUND),
 ]
 
 

@@ -47,8 +47,7 @@ def answer(sched: Scheduler, cmd: EngineCommand) -> Struct:
             sched.turns.call(m.truncate, msg.session, client, msg.length)
             return Ok(rid=msg.rid)
         if isinstance(msg, CloseSession):
-            sched.turns.call(m.close, msg.session, client)
-            return Ok(rid=msg.rid)
+            return close_sessions(sched, msg, client)
         if isinstance(msg, Unpin):
             sched.turns.call(m.unpin, msg.name)
             return Ok(rid=msg.rid)
@@ -61,6 +60,29 @@ def answer(sched: Scheduler, cmd: EngineCommand) -> Struct:
         code=ErrorCode.UNKNOWN_TYPE,
         message=f"unknown engine command {type(msg).__name__}",
     )
+
+
+def close_sessions(sched: Scheduler, msg: CloseSession, client: bytes) -> Struct:
+    """Close every listed session that can be; `ok` if all were, else one `error` with
+    the first refusal's code naming every id that stays open."""
+    m = sched.turns.manager()
+    ids = msg.ids()
+    if not ids:
+        return Error(rid=msg.rid, code=ErrorCode.INVALID_PARAMS,
+                     message="close_session: name a `session` or a list of `sessions`")
+    failed: list[tuple[str, RequestError]] = []
+    for session in ids:
+        try:
+            sched.turns.call(m.close, session, client)
+        except RequestError as e:
+            failed.append((session, e))
+    if not failed:
+        return Ok(rid=msg.rid)
+    if len(ids) == 1:
+        return Error(rid=msg.rid, code=failed[0][1].code, message=failed[0][1].message)
+    detail = "; ".join(f"{sid}: {e.message}" for sid, e in failed)
+    return Error(rid=msg.rid, code=failed[0][1].code,
+                 message=f"{len(failed)} of {len(ids)} sessions not closed ({detail})")
 
 
 def stats_reply(sched: Scheduler, rid: str) -> StatsReply:

@@ -11,15 +11,19 @@ order once the tail is done.
 from __future__ import annotations
 
 from radixlm.runtime.engine.messages import EngineAbort, EngineCommand, EngineGenerate
+from radixlm.runtime.protocol import CloseSession
 
 
-def session_of(msg: object) -> str | None:
-    """The session a message acts on (None for messages that name none)."""
+def sessions_of(msg: object) -> list[str]:
+    """The sessions a message acts on (a close may name several)."""
     if isinstance(msg, EngineGenerate):
-        return msg.session
+        return [msg.session] if msg.session is not None else []
     if isinstance(msg, EngineCommand):
-        return getattr(msg.msg, "session", None)  # ForkSession/TruncateSession/CloseSession
-    return None
+        if isinstance(msg.msg, CloseSession):
+            return msg.msg.ids()
+        session = getattr(msg.msg, "session", None)  # ForkSession/TruncateSession
+        return [session] if session is not None else []
+    return []
 
 
 class TailHold:
@@ -44,11 +48,12 @@ class TailHold:
                     msgs.append(msg)
                     return True
             return False
-        held = self._held.get(session_of(msg))  # type: ignore[arg-type]
-        if held is None:
-            return False
-        held.append(msg)
-        return True
+        for session in sessions_of(msg):  # replayed, it is checked again for the others
+            held = self._held.get(session)
+            if held is not None:
+                held.append(msg)
+                return True
+        return False
 
     def release(self, session: str, replay: bool = True) -> None:
         """The tail is done: its messages become ready (or are dropped: client gone)."""

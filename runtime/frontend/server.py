@@ -114,6 +114,7 @@ log = logging.getLogger("radixlm.frontend")
 INLINE_PREPARE_CHARS = 1024
 # Messages taken from one socket per loop turn, so no source starves the others.
 BATCH = 256
+MAX_CLOSE = 1024  # sessions one close_session may name (a fork makes at most 1,024)
 
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
@@ -501,9 +502,18 @@ class Frontend:
         self._command(client, msg)
 
     def _close_session(self, client: ClientState, msg: CloseSession) -> None:
+        ids = msg.ids()
+        if not ids:
+            raise RequestError(ErrorCode.INVALID_PARAMS,
+                               "close_session: name a `session` or a list of `sessions`")
+        if len(ids) > MAX_CLOSE:
+            raise RequestError(ErrorCode.INVALID_PARAMS,
+                               f"close_session: at most {MAX_CLOSE} sessions, got {len(ids)}")
+
         def closed(reply: ServerMessage) -> bool:
-            if isinstance(reply, Ok):
-                self._sessions.forget(msg.session)
+            if isinstance(reply, Ok):  # (after a partial failure the views stay: harmless)
+                for session in ids:
+                    self._sessions.forget(session)
             return False
 
         self._watch_reply(client, msg.rid, closed)

@@ -76,7 +76,7 @@ def assert_pool_clean(client: RawClient, timeout_s: float = IDLE_TIMEOUT_S) -> S
 # -- servers in subprocesses ----------------------------------------------------------------
 
 
-def _children_of(pid: int) -> list[int]:
+def children_of(pid: int) -> list[int]:
     """Direct children of `pid`, from /proc."""
     children = []
     for entry in Path("/proc").iterdir():
@@ -92,7 +92,8 @@ def _children_of(pid: int) -> list[int]:
     return children
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie counts as gone)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -135,7 +136,7 @@ class ServerHandle:
     def survivors(self, wait_s: float = 5.0) -> list[int]:
         """Child processes still alive after `stop` (waits up to `wait_s` for them)."""
         deadline = time.monotonic() + wait_s
-        while (alive := [p for p in self.child_pids if _alive(p)]) and time.monotonic() < deadline:
+        while (alive := [p for p in self.child_pids if process_alive(p)]) and time.monotonic() < deadline:
             time.sleep(0.05)
         return alive
 
@@ -170,7 +171,7 @@ def start_test_server(workdir: Path, model_dir: Path, *flags: str) -> Iterator[S
             assert probe.welcome is not None
             welcome = probe.welcome
         handle = ServerHandle(endpoint, welcome, model_dir, process, log_path, endpoint_file,
-                              child_pids=_children_of(process.pid))
+                              child_pids=children_of(process.pid))
         yield handle
     finally:
         if handle is not None:

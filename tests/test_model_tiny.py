@@ -131,6 +131,20 @@ def test_d_ragged_batch_sharing_prefix_slots(variant, page_size):
         _close(out, want)
 
 
+def _decode_rest(env, ref, seqs, slot_lists, steps: int) -> None:
+    """Decode the last `steps` tokens of every sequence, the whole batch per step, each
+    into a new slot after its `slot_lists` entry; logits must match the reference."""
+    for back in range(steps, 0, -1):
+        reqs = []
+        for k, seq in enumerate(seqs):
+            pos = len(seq) - back
+            slot_lists[k] = env.pages.extend(slot_lists[k], 1)
+            reqs.append(([seq[pos]], pos, slot_lists[k]))
+        for seq, out in zip(seqs, env.run(reqs), strict=True):
+            pos = len(seq) - back
+            _close(out, ref(seq)[pos : pos + 1])
+
+
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_e_batched_decode_ragged_lengths(variant, page_size):
     model_dir, ref = variant
@@ -141,15 +155,7 @@ def test_e_batched_decode_ragged_lengths(variant, page_size):
         slots = env.pages.extend([], len(seq) - 3)
         env.run([(seq[:-3], 0, slots)])
         slot_lists.append(slots)
-    for back in (3, 2, 1):  # three decode steps of the whole batch
-        reqs = []
-        for k, seq in enumerate(seqs):
-            pos = len(seq) - back
-            slot_lists[k] = env.pages.extend(slot_lists[k], 1)
-            reqs.append(([seq[pos]], pos, slot_lists[k]))
-        for seq, out in zip(seqs, env.run(reqs), strict=True):
-            pos = len(seq) - back
-            _close(out, ref(seq)[pos : pos + 1])
+    _decode_rest(env, ref, seqs, slot_lists, 3)  # three decode steps of the whole batch
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
@@ -171,15 +177,7 @@ def test_f_batched_decode_sharing_a_cached_prompt(variant, page_size, contiguous
         if len(slots) > len(shared):
             env.run([(seq[len(shared) : -2], len(shared), slots)])
         slot_lists.append(slots)
-    for back in (2, 1):
-        reqs = []
-        for k, seq in enumerate(seqs):
-            pos = len(seq) - back
-            slot_lists[k] = env.pages.extend(slot_lists[k], 1)
-            reqs.append(([seq[pos]], pos, slot_lists[k]))
-        for seq, out in zip(seqs, env.run(reqs), strict=True):
-            pos = len(seq) - back
-            _close(out, ref(seq)[pos : pos + 1])
+    _decode_rest(env, ref, seqs, slot_lists, 2)
 
 
 def test_logits_are_editable_and_float32(variant):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +17,7 @@ from typing import Any
 import anyio
 import pytest
 import radixlm as rl
+from conftest import children_of, process_alive
 
 pytestmark = pytest.mark.usefixtures("pool_integrity")
 
@@ -234,9 +237,6 @@ def test_dead_engine_fails_calls_within_seconds(tiny_model_dir: Path) -> None:
 def test_engine_does_not_outlive_a_killed_owner(tmp_path: Path, tiny_model_dir: Path) -> None:
     """`rl.Engine` starts `radixlm serve --parent-pid <owner>`: SIGKILL the owner (no
     finalizers run) and the server still stops, its children with it."""
-    import subprocess
-    import sys
-
     pid_file = tmp_path / "engine.pid"
     owner = (
         "import sys, time, radixlm as rl; "
@@ -252,21 +252,12 @@ def test_engine_does_not_outlive_a_killed_owner(tmp_path: Path, tiny_model_dir: 
             assert time.monotonic() < deadline, "the engine never started"
             time.sleep(0.05)
         server_pid = int(pid_file.read_text())
-        children = [int(p) for p in
-                    Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()]
+        children = children_of(server_pid)
         assert len(children) == 2, children  # engine + frontend
     finally:
         proc.kill()
         proc.wait()
     deadline = time.monotonic() + 15
-    while any(_alive(p) for p in [server_pid, *children]):
+    while any(process_alive(p) for p in [server_pid, *children]):
         assert time.monotonic() < deadline, "the engine outlived its killed owner"
         time.sleep(0.05)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_pool_clean, start_test_server
+from conftest import assert_pool_clean, process_alive, start_test_server
 from radixlm.runtime.protocol import (
     CloseSession,
     Done,
@@ -25,14 +25,6 @@ from radixlm.runtime.protocol import (
 from radixlm.runtime.raw_client import ServerError
 
 CLI = [sys.executable, "-m", "radixlm.runtime.cli"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
 
 
 def _runtime_dir_of(pid: int) -> Path:
@@ -82,12 +74,12 @@ def _child_dies_with_killed_parent(tmp_path: Path, guard: str) -> None:
             assert time.monotonic() < deadline, "the child never started"
             time.sleep(0.05)
         child_pid = int(pid_file.read_text())
-        assert _alive(child_pid)
+        assert process_alive(child_pid)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     deadline = time.monotonic() + 10
-    while _alive(child_pid):
+    while process_alive(child_pid):
         assert time.monotonic() < deadline, f"child {child_pid} outlived its parent"
         time.sleep(0.05)
 

@@ -47,7 +47,7 @@ def answer(sched: Scheduler, cmd: EngineCommand) -> Struct:
             sched.turns.call(m.truncate, msg.session, client, msg.length)
             return Ok(rid=msg.rid)
         if isinstance(msg, CloseSession):
-            return close_sessions(sched, msg, client)
+            return close_sessions(sched, m, msg, client)
         if isinstance(msg, Unpin):
             sched.turns.call(m.unpin, msg.name)
             return Ok(rid=msg.rid)
@@ -62,10 +62,9 @@ def answer(sched: Scheduler, cmd: EngineCommand) -> Struct:
     )
 
 
-def close_sessions(sched: Scheduler, msg: CloseSession, client: bytes) -> Struct:
-    """Close every listed session that can be; `ok` if all were, else one `error` with
-    the first refusal's code naming every id that stays open."""
-    m = sched.turns.manager()
+def close_sessions(sched: Scheduler, m, msg: CloseSession, client: bytes) -> Struct:
+    """Close every listed session of `m` (the SessionManager) that can be; `ok` if all
+    were, else one `error` with the first refusal's code naming every id left open."""
     ids = msg.ids()
     if not ids:
         return Error(rid=msg.rid, code=ErrorCode.INVALID_PARAMS,

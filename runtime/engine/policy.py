@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
-import numpy as np
 from radixlm.cache import TreeNode
 from radixlm.runtime.engine.request import Request
+from radixlm.runtime.engine.retention import common_prefix_len
 from radixlm.runtime.engine.state import TERMINAL
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "shortest-prefill-first")
@@ -99,15 +99,6 @@ def _dfs_weight(waiting: Sequence[Request], nodes: dict[int, TreeNode]) -> list[
 
 def _by(weight: dict[int, int]) -> Callable[[TreeNode], int]:
     return lambda n: weight[id(n)]
-
-
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    neq = a[:n] != b[:n]
-    i = int(neq.argmax())
-    return i if neq[i] else n
 
 
 def held_back(

@@ -148,12 +148,8 @@ class Scheduler:
         self._replay_held()
 
     def _replay_held(self) -> None:
-        while self.tails:
-            ready = self.tails.take_ready()
-            if not ready:
-                return
-            for msg in ready:
-                self.handle(msg)
+        for msg in self.tails.take_ready():  # (what these release is replayed by `handle`)
+            self.handle(msg)
 
     def _handle(self, msg) -> None:
         try:
@@ -358,9 +354,11 @@ class Scheduler:
         if g is None:
             return
         for r in g.branches:
-            if r.reported and r.pending_end is not None:
-                self._end(r, ReqState.FINISHED, *r.pending_end)
-            elif r.state not in TERMINAL:
+            if r.state in TERMINAL:
+                continue
+            if r.reported:
+                self._end(r, ReqState.FINISHED, *r.pending_end)  # type: ignore[misc]
+            else:
                 self._end(r, ReqState.ABORTED, "abort")
 
     def _on_finish_at(self, msg: EngineFinishAt) -> None:
@@ -884,9 +882,9 @@ class Scheduler:
         A turn that already reported Done ends quietly (its history stands without the
         tail: the next turn recomputes that one token)."""
         for r in g.branches:
-            if r.reported and r.state not in TERMINAL and r.pending_end is not None:
+            if r.reported and r.state not in TERMINAL:
                 try:
-                    self._end(r, ReqState.FINISHED, *r.pending_end)
+                    self._end(r, ReqState.FINISHED, *r.pending_end)  # type: ignore[misc]
                 except Exception:  # noqa: BLE001 - fall through to failing it
                     log.exception("could not end reported turn %s", g.rid)
         if all(r.state in TERMINAL for r in g.branches):

@@ -31,9 +31,6 @@ class TailHold:
         self._held: dict[str, list[object]] = {}  # session -> messages, arrival order
         self._ready: list[object] = []
 
-    def __bool__(self) -> bool:
-        return bool(self._held) or bool(self._ready)
-
     def hold(self, session: str) -> None:
         """`session`'s turn has reported; hold its messages until `release`."""
         self._held.setdefault(session, [])
@@ -62,5 +59,9 @@ class TailHold:
             self._ready.extend(msgs)
 
     def take_ready(self) -> list[object]:
-        ready, self._ready = self._ready, []
+        """Released messages, in order (asked after every step and message: no copy when
+        there are none)."""
+        ready = self._ready
+        if ready:
+            self._ready = []
         return ready

@@ -11,7 +11,7 @@ torch and of everything else in ``radixlm.runtime``.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -22,11 +22,47 @@ class Struct(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fi
     """Base for wire messages: keyword-only, compact on the wire, strict on input."""
 
 
+class ToolCall(Struct):
+    """One function call the model made: ``arguments`` is a JSON text (an object)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+def _object_schema() -> dict[str, Any]:
+    return {"type": "object"}
+
+
+class Tool(Struct):
+    """A function the model may call; ``parameters`` is the JSON Schema of its arguments."""
+
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = msgspec.field(default_factory=_object_schema)
+
+
+class NamedToolChoice(Struct):
+    """``tool_choice`` naming one function: the output is constrained to a call of it."""
+
+    name: str
+
+
+ToolChoiceMode = Literal["auto", "none", "required"]
+
+
 class Message(Struct):
-    """One chat message, rendered with the model's chat template."""
+    """One chat message, rendered with the model's chat template.
+
+    An assistant message may carry ``tool_calls`` (then ``content`` may be None); a
+    ``tool`` message answers the call ``tool_call_id`` (of function ``name``).
+    """
 
     role: str
-    content: str
+    content: Union[str, None] = None
+    tool_calls: Union[list[ToolCall], None] = None
+    tool_call_id: Union[str, None] = None
+    name: Union[str, None] = None
 
 
 class SamplingParams(Struct):
@@ -46,6 +82,10 @@ class SamplingParams(Struct):
     ignore_eos: bool = False
     logprobs: bool = False  # logprob of each sampled token
     top_logprobs: int = 0  # and this many alternatives per position
+    # Constrained decoding: at most one of these three per request.
+    regex: Union[str, None] = None
+    json_schema: Union[str, None] = None  # a JSON Schema document, as a JSON text
+    ebnf: Union[str, None] = None  # a GBNF/EBNF grammar whose start rule is `root`
 
 
 # --- client -> engine -------------------------------------------------------------
@@ -87,6 +127,10 @@ class Generate(Struct, tag="generate"):
     # the session's history grows by the input only and each branch continues in a new
     # forked session (named in its `Done.session`).
     n: int = 1
+    # Functions the model may call, rendered by the model's chat template (`messages`
+    # input). "required" or a named function constrains the output to a valid call.
+    tools: Union[list[Tool], None] = None
+    tool_choice: Union[ToolChoiceMode, NamedToolChoice] = "auto"
 
 
 class Abort(Struct, tag="abort"):
@@ -245,6 +289,8 @@ class Done(Struct, tag="done"):
     session: Union[str, None] = None  # the session this branch's history lives in
     session_length: Union[int, None] = None  # its history length after this turn
     index: int = 0  # branch index when n > 1 (one Done per branch)
+    # The function calls parsed from the output (`text` keeps the raw output).
+    tool_calls: Union[list[ToolCall], None] = None
 
 
 class ErrorCode:

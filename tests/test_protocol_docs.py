@@ -19,7 +19,8 @@ from radixlm.runtime import protocol
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
 WIRE_STRUCTS = [
     protocol.Message, protocol.SamplingParams, protocol.Input, protocol.TopLogprob,
-    protocol.Usage, protocol.SessionInfo,
+    protocol.Usage, protocol.SessionInfo, protocol.Tool, protocol.ToolCall,
+    protocol.NamedToolChoice,
     *protocol.ClientMessage.__args__, *protocol.ServerMessage.__args__,
 ]  # fmt: skip
 

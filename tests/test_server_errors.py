@@ -61,6 +61,13 @@ BAD_FRAMES: list[tuple[str, bytes | dict[str, Any], str]] = [
     ("close-naming-nothing", {"type": "close_session"}, ErrorCode.INVALID_PARAMS),
     ("close-too-many", {"type": "close_session", "sessions": ["x"] * 1025},
      ErrorCode.INVALID_PARAMS),
+    ("two-grammars", gen(sampling={"regex": "a+", "ebnf": 'root ::= "a"'}),
+     ErrorCode.INVALID_PARAMS),
+    ("unknown-tool-choice-mode", gen(tool_choice="always"), ErrorCode.BAD_MESSAGE),
+    ("tool-choice-names-no-tool", gen(tools=[{"name": "f"}], tool_choice={"name": "g"}),
+     ErrorCode.INVALID_PARAMS),
+    ("message-without-content", gen(input={"messages": [{"role": "user"}]}),
+     ErrorCode.INVALID_PARAMS),
     ("close-unknown-among", {"type": "close_session", "sessions": ["a", "b"]},
      ErrorCode.NOT_FOUND),
 ]

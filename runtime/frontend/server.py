@@ -137,7 +137,7 @@ def _input_chars(inp: Input | None) -> int:
     if inp.text is not None:
         return len(inp.text)
     if inp.messages is not None:
-        return sum(len(m.content) for m in inp.messages)
+        return sum(len(m.content or "") for m in inp.messages)
     return 0
 
 

@@ -23,10 +23,16 @@ goes through, in this order (the order of transformers' and vLLM's processors):
    tokens on CPU and on CUDA, whose generators differ). Unseeded rows share one draw from
    torch's default generator.
 
+Before all of these, a grammar `mask` (``runtime.grammar.TokenMask``: the whole batch's
+token bitmask, filled in one pass) sets the tokens a constrained row's grammar forbids
+to -inf.
+
 Logprobs are those of the **raw model distribution**: ``log_softmax`` of the logits
 before penalties, temperature and filtering (what SGLang and vLLM report by default and
-what `select()`-style scoring needs); a request asks with ``logprobs`` (the sampled
-token's) and ``top_logprobs`` (that many alternatives, most likely first).
+what `select()`-style scoring needs), restricted by the grammar mask when a row has
+one (the constrained distribution: forbidden tokens have probability 0); a request asks
+with ``logprobs`` (the sampled token's) and ``top_logprobs`` (that many alternatives,
+most likely first).
 
 Parameters are read by attribute from any object shaped like `radixlm.runtime.protocol.
 SamplingParams` (this module does not import the protocol). `validate_sampling` checks
@@ -38,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -75,6 +81,12 @@ class SampleOutput(NamedTuple):
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+
+
+class LogitsMask(Protocol):
+    """Restricts some rows of a logits batch (``runtime.grammar.TokenMask``)."""
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor: ...
 
 
 class PromptLogprobs(NamedTuple):
@@ -125,12 +137,14 @@ class Sampler:
         output_ids: Sequence[Sequence[int]],
         prompt_ids: Sequence[Sequence[int]] | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
+        mask: LogitsMask | None = None,
     ) -> SampleOutput:
         """Sample a token for each row of `logits` ``[B, V]`` (float32, V >= vocab_size).
 
         `output_ids[i]`: tokens row i generated so far (frequency/presence/repetition
         penalties); `prompt_ids[i]`: its prompt (repetition penalty; None = output only);
-        `generators[i]`: row i's generator from `make_generator` (None = unseeded).
+        `generators[i]`: row i's generator from `make_generator` (None = unseeded);
+        `mask`: the grammar mask of the batch (None: no row is constrained).
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -148,6 +162,8 @@ class Sampler:
             return SampleOutput([], None, None)
 
         logits = logits[:, : self.vocab_size].float()
+        if mask is not None:  # applied in place: on a copy, never on the caller's tensor
+            logits = mask.apply(logits.clone())
         want_lp = [_wants_logprobs(p) for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
 
@@ -330,7 +346,10 @@ def _top_pairs(
         return [[] for _ in counts]
     vals, idx = logprobs.topk(min(top_n, logprobs.shape[1]), dim=-1)
     vals_l, idx_l = vals.tolist(), idx.tolist()
-    return [list(zip(idx_l[r][:n], vals_l[r][:n], strict=True)) for r, n in enumerate(counts)]
+    pairs = [list(zip(idx_l[r][:n], vals_l[r][:n], strict=True)) for r, n in enumerate(counts)]
+    if bool(torch.isinf(vals).any()):  # a grammar left fewer tokens than asked for
+        pairs = [[(t, v) for t, v in row if v != -math.inf] for row in pairs]
+    return pairs
 
 
 def prompt_logprobs(

@@ -19,15 +19,18 @@ Rules (docs/protocol.md states them for clients):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from radixlm.runtime.frontend.session_state import EMPTY_HISTORY, SessionView
 from radixlm.runtime.frontend.validate import RequestError, check_prompt_length
-from radixlm.runtime.protocol import ErrorCode, Generate, Input, OpenSession, Pin
+from radixlm.runtime.protocol import ErrorCode, Generate, Input, OpenSession, Pin, Tool
 from radixlm.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer
+from radixlm.tokenizer.tools import ToolFormat, template_messages, tool_dicts, tool_format
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TextModel:
     """The model's text side, as the frontend sees it."""
 
@@ -39,9 +42,18 @@ class TextModel:
     def template(self) -> ChatTemplate | None:
         return self.tokenizer.chat_template
 
+    @cached_property
+    def tool_format(self) -> ToolFormat:
+        """How this model is shown tools and writes calls (`radixlm.tokenizer.tools`)."""
+        template = self.template
+        return tool_format(template.source if template is not None else None)
 
-def input_ids(model: TextModel, inp: Input, history: SessionView) -> list[int]:
-    """The tokens `inp` adds to a history (`EMPTY_HISTORY` for a fresh prompt)."""
+
+def input_ids(model: TextModel, inp: Input, history: SessionView,
+              tools: Sequence[Tool] | None = None) -> list[int]:
+    """The tokens `inp` adds to a history (`EMPTY_HISTORY` for a fresh prompt); `tools`
+    are rendered with `messages` (by the template, or as radixlm's generic tool prompt
+    when the sequence starts here and the template has no tool support)."""
     if inp.input_ids is not None:
         return list(inp.input_ids)
     tokenizer = model.tokenizer
@@ -53,11 +65,15 @@ def input_ids(model: TextModel, inp: Input, history: SessionView) -> list[int]:
         raise RequestError(
             ErrorCode.NO_TEMPLATE, "this model has no chat template: send text or input_ids"
         )
+    fmt = model.tool_format
+    messages = template_messages(inp.messages, fmt, tools, with_tools_prompt=history.empty)
+    rendered_tools = tool_dicts(tools) if tools and fmt != "generic" else None
     try:
         if history.empty:
-            text = template.render(inp.messages, inp.add_generation_prompt)
+            text = template.render(messages, inp.add_generation_prompt, tools=rendered_tools)
         else:
-            text = template.render_delta(inp.messages, inp.add_generation_prompt)
+            text = template.render_delta(messages, inp.add_generation_prompt,
+                                         tools=rendered_tools)
             if history.open_assistant:
                 text = _close_assistant_turn(tokenizer, template, history) + text
     except ChatTemplateError as e:
@@ -79,7 +95,8 @@ def _close_assistant_turn(tokenizer: Tokenizer, template: ChatTemplate, history:
 
 def generate_ids(model: TextModel, msg: Generate, history: SessionView | None) -> list[int]:
     """The ids an `EngineGenerate` carries: the whole prompt, or the append to a session."""
-    ids = input_ids(model, msg.input, history if history is not None else EMPTY_HISTORY)
+    ids = input_ids(model, msg.input, history if history is not None else EMPTY_HISTORY,
+                    msg.tools)
     check_prompt_length(
         len(ids), msg.sampling, model.context_length, in_session=history is not None,
         prompt_logprobs_start=msg.prompt_logprobs_start,

@@ -71,12 +71,14 @@ from radixlm.runtime.frontend.session_state import (
     after_append,
 )
 from radixlm.runtime.frontend.streams import Outcome, RequestStream
+from radixlm.runtime.frontend.structured import plan_structured
 from radixlm.runtime.frontend.validate import (
     RequestError,
     check_count,
     check_generate,
     check_input,
 )
+from radixlm.runtime.grammar.spec import grammar_fields_given
 from radixlm.runtime.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -391,11 +393,17 @@ class Frontend:
         if msg.rid in client.inflight:
             raise RequestError(ErrorCode.DUPLICATE_ID, f"request {msg.rid!r} is already in flight")
         check_generate(msg, self.model.vocab_size)
+        plan = plan_structured(msg, self.model.tool_format)
+        if plan.grammar is not None:  # the engine does not constrain decoding yet
+            what = "tool_choice" if plan.tools and not grammar_fields_given(msg.sampling) else (
+                grammar_fields_given(msg.sampling)[0])
+            raise RequestError(ErrorCode.INVALID_PARAMS, f"{what} is not supported yet")
         key = next(self._keys)
         history = self._sessions.view(msg.session) if msg.session is not None else None
         stream = RequestStream(key, client.identity, msg.rid, stream=msg.stream, n=msg.n,
                                sampling=msg.sampling, session=msg.session, inp=msg.input,
-                               tokenizer=self.model.tokenizer, history=history)
+                               tokenizer=self.model.tokenizer, history=history,
+                               tool_calls=plan.tool_calls if plan.parse_calls else None)
         self._streams[key] = stream
         client.inflight[msg.rid] = key
 

@@ -20,11 +20,20 @@ from __future__ import annotations
 
 import sys
 from bisect import bisect_left, bisect_right
+from collections.abc import Callable
 from typing import NamedTuple
 
 from radixlm.runtime.engine.messages import EngineFinishAt, TokenOutput
 from radixlm.runtime.frontend.session_state import SessionView
-from radixlm.runtime.protocol import Chunk, Done, Input, SamplingParams, TopLogprob, Usage
+from radixlm.runtime.protocol import (
+    Chunk,
+    Done,
+    Input,
+    SamplingParams,
+    ToolCall,
+    TopLogprob,
+    Usage,
+)
 from radixlm.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 
@@ -68,11 +77,12 @@ class RequestStream:
     """One in-flight Generate, from the frontend's side."""
 
     __slots__ = ("key", "client", "rid", "stream", "session", "history", "input", "appended",
-                 "_tokenizer", "_sampling", "_branches", "remaining")
+                 "_tokenizer", "_sampling", "_branches", "remaining", "_tool_calls")
 
     def __init__(self, key: int, client: bytes, rid: str, *, stream: bool, n: int,
                  sampling: SamplingParams, session: str | None, inp: Input,
-                 tokenizer: Tokenizer, history: SessionView | None = None) -> None:
+                 tokenizer: Tokenizer, history: SessionView | None = None,
+                 tool_calls: Callable[[str], list[ToolCall] | None] | None = None) -> None:
         self.key = key
         self.client = client
         self.rid = rid
@@ -85,6 +95,7 @@ class RequestStream:
         self._sampling = sampling
         self._branches: list[_Branch | None] = [None] * n
         self.remaining = n  # branches without a Done yet
+        self._tool_calls = tool_calls  # reads a branch's calls out of its whole text
 
     def prepared(self, ids: list[int]) -> None:
         """The request's ids are known: the detokenizers take the prompt's tail as context."""
@@ -206,10 +217,11 @@ class RequestStream:
                           completion_tokens=n_out, recomputed_tokens=usage.recomputed_tokens,
                           restored_tokens=usage.restored_tokens)
         stopped = b.hit is not None
+        text = "".join(b.texts)
         return Done(
             rid=self.rid,
             finish_reason="stop" if stopped else out.finish_reason,  # type: ignore[arg-type]
-            text="".join(b.texts),
+            text=text,
             token_ids=token_ids,
             usage=usage,
             matched_stop=b.hit if stopped else out.matched_stop,
@@ -220,6 +232,7 @@ class RequestStream:
             session=out.session,
             session_length=session_length,
             index=out.index,
+            tool_calls=self._tool_calls(text) if self._tool_calls is not None else None,
         )
 
     def output_ids(self, index: int) -> list[int]:

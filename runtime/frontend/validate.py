@@ -45,31 +45,9 @@ def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
         raise RequestError(ErrorCode.INVALID_PARAMS, problem)
 
 
-GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
-
-
-def check_structured(msg: Generate) -> None:
-    """At most one grammar per request; grammars and tools are not served by this engine
-    yet (the wire carries them so clients can code against the final names)."""
-    given = [name for name in GRAMMAR_FIELDS if getattr(msg.sampling, name) is not None]
-    if len(given) > 1:
-        raise RequestError(
-            ErrorCode.INVALID_PARAMS,
-            f"at most one of regex, json_schema, ebnf per request (got {', '.join(given)})",
-        )
-    if given:
-        raise RequestError(ErrorCode.INVALID_PARAMS, f"{given[0]} is not supported yet")
-    if msg.tools is not None or msg.tool_choice != "auto":
-        raise RequestError(ErrorCode.INVALID_PARAMS, "tools / tool_choice are not supported yet")
-
-
 def check_messages(inp: Input) -> None:
     for i, m in enumerate(inp.messages or ()):
-        if m.tool_calls is not None:
-            raise RequestError(
-                ErrorCode.INVALID_PARAMS, f"messages[{i}]: tool_calls are not supported yet"
-            )
-        if m.content is None:
+        if m.content is None and not m.tool_calls:
             raise RequestError(
                 ErrorCode.INVALID_PARAMS, f"messages[{i}] ({m.role}) has no content"
             )
@@ -85,7 +63,6 @@ def check_generate(msg: Generate, vocab_size: int) -> None:
     check_count("n", msg.n)
     check_sampling(msg.sampling, vocab_size)
     check_input(msg.input, vocab_size)
-    check_structured(msg)
     start = msg.prompt_logprobs_start
     if start is not None and start < 0:
         raise RequestError(

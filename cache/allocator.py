@@ -119,6 +119,10 @@ class PageAllocator:
         self._free[head : self._head] = pages
         self._head = head
 
+    def any_free(self, slots: np.ndarray) -> bool:
+        """Whether any of `slots` lies on a free page (an integrity check)."""
+        return bool(self._is_free[np.asarray(slots) // self.page_size].any())
+
     def check_integrity(self) -> None:
         """Free list and free mask agree, with no page listed twice."""
         free = self._free[self._head :]

@@ -78,9 +78,6 @@ class TreeNode:
         """Tokens on the path above this node."""
         return self.depth - self.length
 
-    def is_leaf(self) -> bool:
-        return not self.children
-
     def __repr__(self) -> str:
         toks = self.tokens
         shown = toks[:8].tolist()

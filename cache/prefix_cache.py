@@ -1,8 +1,13 @@
 """PrefixCache: the radix tree and the page allocator behind one facade.
 
-This is what the scheduler drives through the seed's §4.2 lifecycle: match → lock →
-alloc (only the uncached suffix; evicting unlocked leaves first when short) → insert
-(free the duplicates it reports) → unlock → free what never joined the tree.
+This is what the scheduler drives through the request lifecycle: match → lock → alloc
+(only the uncached suffix; evicting unlocked leaves first when short) → insert (free the
+duplicates it reports) → unlock → free what never joined the tree.
+
+Callers see the cache only through this facade: sizes (`evictable_size`, `available`,
+`sizes()`), an eviction `epoch` (bumped whenever cached nodes may have left the tree,
+so a caller can tell whether a match it holds may be stale), and eviction hooks
+registered with `subscribe_evict` (the host-memory tier backs evicted history up there).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from radixlm.cache.errors import OutOfSlots
 from radixlm.cache.node import TreeNode
 from radixlm.cache.policy import EvictionPolicy
 from radixlm.cache.radix import OnEvict, RadixCache, Tokens
-from radixlm.cache.results import CacheSizes, InsertResult, MatchResult
+from radixlm.cache.results import CacheSizes, EvictedSegment, InsertResult, MatchResult
 from radixlm.cache.tokens import EMPTY
 
 
@@ -33,39 +38,59 @@ class PrefixCache:
         self.tree = RadixCache(page_size, policy, clock)
         self.capacity = self.allocator.capacity
         self.page_size = self.allocator.page_size
-        self.on_evict = on_evict  # host-tier hook, called for every evicted node
-        # Hot path: bind the tree's methods directly (shadowing the documented
-        # delegates below) so each lifecycle step costs one call, not two.
-        self.match = self.tree.match  # type: ignore[method-assign]
-        self.insert = self.tree.insert  # type: ignore[method-assign]
-        self.lock = self.tree.lock  # type: ignore[method-assign]
-        self.unlock = self.tree.unlock  # type: ignore[method-assign]
-        self.free = self.allocator.free  # type: ignore[method-assign]
+        self.epoch = 0  # bumped by every eviction and reset: older matches may be stale
+        self._evict_hooks: list[OnEvict] = []
+        self._on_evict: OnEvict | None = None
+        if on_evict is not None:
+            self.subscribe_evict(on_evict)
+        # The tree's operations, bound directly so each lifecycle step costs one call
+        # (see RadixCache for their contracts).
+        tree = self.tree
+        self.match: Callable[[Tokens, Hashable], MatchResult] = tree.match
+        self.insert: Callable[..., InsertResult] = tree.insert
+        self.lock: Callable[[TreeNode], None] = tree.lock
+        self.unlock: Callable[[TreeNode], None] = tree.unlock
+        self.set_priority: Callable[[TreeNode, int], None] = tree.set_priority
+        self.path_slots: Callable[..., np.ndarray] = tree.path_slots
+        self.free: Callable[[np.ndarray | Sequence[int]], None] = self.allocator.free
 
-    # Tree operations, delegated (see RadixCache for the contracts).
-    def match(self, tokens: Tokens, namespace: Hashable = None) -> MatchResult:
-        return self.tree.match(tokens, namespace)
+    # Eviction hooks.
+    def subscribe_evict(self, hook: OnEvict) -> Callable[[], None]:
+        """Call `hook` with every node as it is evicted (before it leaves the tree);
+        returns the function that unsubscribes it. A hook that raises stops that
+        eviction (the node stays cached; what was already evicted is freed)."""
+        self._evict_hooks.append(hook)
+        self._bind_hooks()
+        return lambda: self._unsubscribe(hook)
 
-    def insert(
-        self,
-        tokens: Tokens,
-        slots: np.ndarray | Sequence[int],
-        namespace: Hashable = None,
-        priority: int = 0,
-    ) -> InsertResult:
-        return self.tree.insert(tokens, slots, namespace, priority)
+    def _unsubscribe(self, hook: OnEvict) -> None:
+        if hook in self._evict_hooks:
+            self._evict_hooks.remove(hook)
+            self._bind_hooks()
 
-    def lock(self, node: TreeNode) -> None:
-        self.tree.lock(node)
+    def _bind_hooks(self) -> None:
+        hooks = tuple(self._evict_hooks)
+        if not hooks:
+            self._on_evict = None
+        elif len(hooks) == 1:
+            self._on_evict = hooks[0]
+        else:
 
-    def unlock(self, node: TreeNode) -> None:
-        self.tree.unlock(node)
+            def fan_out(seg: EvictedSegment) -> None:
+                for hook in hooks:
+                    hook(seg)
 
-    def set_priority(self, node: TreeNode, priority: int) -> None:
-        self.tree.set_priority(node, priority)
+            self._on_evict = fan_out
 
-    def path_slots(self, node: TreeNode, start: int = 0, end: int | None = None) -> np.ndarray:
-        return self.tree.path_slots(node, start, end)
+    # Sizes.
+    @property
+    def evictable_size(self) -> int:
+        """Cached tokens no one holds: eviction may free them."""
+        return self.tree.evictable_size
+
+    def available(self) -> int:
+        """Slots an allocation can get now: free plus evictable."""
+        return self.allocator.free_size + self.tree.evictable_size
 
     # Slots.
     def alloc(self, n_tokens: int) -> np.ndarray:
@@ -96,13 +121,20 @@ class PrefixCache:
     def evict(self, n_tokens: int) -> int:
         """Evict at least `n_tokens` tokens (if that many are evictable) into the free list;
         returns how many were freed."""
+        if n_tokens <= 0 or not self.tree.evictable_size:
+            return 0
+        self.epoch += 1
         try:
-            freed = self.tree.evict(n_tokens, self.on_evict)
+            freed = self.tree.evict(n_tokens, self._on_evict)
         except BaseException as e:  # the hook failed: still free what left the tree
             self.allocator.free_trusted(getattr(e, "evicted_slots", EMPTY))
             raise
         self.allocator.free_trusted(freed)
         return len(freed)
+
+    def flush(self) -> int:
+        """Evict everything evictable (locked content stays); returns tokens freed."""
+        return self.evict(self.tree.evictable_size)
 
     def sizes(self) -> CacheSizes:
         tree = self.tree
@@ -112,6 +144,7 @@ class PrefixCache:
 
     def reset(self) -> None:
         """Empty tree, every slot free. Only valid with no request running."""
+        self.epoch += 1
         self.tree.reset()
         self.allocator.reset()
 
@@ -131,8 +164,7 @@ class PrefixCache:
         if len(cached):
             if cached.min() < 0 or cached.max() >= self.capacity:
                 raise AssertionError("PrefixCache integrity: a cached slot is out of range")
-            psize = self.page_size
-            if self.allocator._is_free[cached // psize].any():
+            if self.allocator.any_free(cached):
                 raise AssertionError("PrefixCache integrity: a cached slot is also free")
 
     def __repr__(self) -> str:

@@ -17,6 +17,13 @@ import msgspec
 
 PROTOCOL_VERSION = 1
 
+# Limits on what one request may ask for, the same for the frontend, the engine and
+# the SDK (all of them import these).
+MAX_N = 64  # branches of one Generate (`n`)
+MAX_FORK = 64  # sessions one ForkSession makes (`n`)
+MAX_CLOSE = 1024  # sessions one CloseSession may name
+MAX_TOP_LOGPROBS = 20  # alternatives per position (`top_logprobs`)
+
 
 class Struct(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """Base for wire messages: keyword-only, compact on the wire, strict on input."""

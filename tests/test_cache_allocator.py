@@ -189,7 +189,8 @@ def test_failing_evict_hook_leaks_nothing() -> None:
         if len(calls) == 2:
             raise RuntimeError("host tier full")
 
-    pc = PrefixCache(8, on_evict=hook)
+    pc = PrefixCache(8)
+    unsubscribe = pc.subscribe_evict(hook)
     pc.insert([1, 2], pc.alloc(2))
     pc.insert([3, 4], pc.alloc(2))
     pc.insert([5, 6], pc.alloc(2))
@@ -197,6 +198,6 @@ def test_failing_evict_hook_leaks_nothing() -> None:
         pc.evict(6)
     pc.check_integrity()  # the first node's slots came back; the second is still cached
     assert pc.sizes() == (8, 4, 4, 0)
-    pc.on_evict = None
+    unsubscribe()
     assert pc.evict(4) == 4
     pc.check_integrity()

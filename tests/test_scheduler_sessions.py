@@ -210,3 +210,34 @@ def test_client_gone_aborts_requests_and_closes_sessions(make_harness):
     assert len(h.output(other)) == 3
     assert sessions_by_id(h) == {}
     assert h.cache.sizes().protected == 0
+
+
+def _fork_run(make_harness, prompt, seed: int) -> list[list[int]]:
+    """Open a session, fork it 3 ways and run one seeded sampled turn on each fork."""
+    h = make_harness(sessions=True)
+    sid = open_session(h, prompt).session
+    forks = command(h, ForkSession(rid="f", session=sid, n=3)).sessions
+    sampling = SamplingParams(max_tokens=8, temperature=0.7, seed=seed, ignore_eos=True)
+    keys = [h.generate([5, 6], sampling=sampling, session=f, client=C) for f in forks]
+    h.run()
+    assert not h.replies, h.replies  # no errors
+    return [h.output(k) for k in keys]
+
+
+def test_forks_given_one_seed_sample_distinct_reproducible_branches(make_harness):
+    rng = np.random.default_rng(27)
+    prompt = random_prompt(rng, 12)
+    outputs = _fork_run(make_harness, prompt, seed=0)
+    # Like the branches of one n > 1 request, sibling forks draw their own streams...
+    assert len({tuple(o) for o in outputs}) == 3, outputs
+    # ... and the same program with the same seed samples the same again.
+    assert _fork_run(make_harness, prompt, seed=0) == outputs
+    # A session opened directly keeps the plain meaning of its seed: its turn samples
+    # what a sessionless request over the same tokens does.
+    h = make_harness(sessions=True)
+    sid = open_session(h, prompt).session
+    sampling = SamplingParams(max_tokens=8, temperature=0.7, seed=0, ignore_eos=True)
+    in_session = h.generate([5, 6], sampling=sampling, session=sid, client=C)
+    plain = h.generate([*prompt, 5, 6], sampling=sampling)
+    h.run()
+    assert h.output(in_session) == h.output(plain)

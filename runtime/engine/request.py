@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,13 +26,16 @@ from radixlm.cache import TreeNode
 from radixlm.runtime.engine.state import ReqState
 from radixlm.runtime.protocol import SamplingParams, TopLogprob
 
+if TYPE_CHECKING:
+    from radixlm.runtime.engine.session_controller import Turn
+
 __all__ = ["ReqState", "Request", "RequestGroup", "RequestKind"]
 
 
 class RequestKind(enum.Enum):
     GENERATE = "generate"  # answered with TokenOutputs
-    OPEN_SESSION = "open_session"  # prefill only, then end_turn; answered SessionOpened
-    PIN = "pin"  # prefill only, then SessionManager.pin; answered Pinned
+    OPEN_SESSION = "open_session"  # prefill only, then its turn ends; answered SessionOpened
+    PIN = "pin"  # prefill only, then the prefix is pinned; answered Pinned
 
 
 @dataclass(eq=False)
@@ -46,19 +50,15 @@ class RequestGroup:
     sampling: SamplingParams
     n: int = 1
     namespace: str | None = None
-    session: str | None = None  # the session this turn appends to
+    turn: Turn | None = None  # a session turn or a pin: the session controller's state
     prompt_logprobs_start: int | None = None
     priority: int = 0
-    pin_name: str | None = None
-    appended_len: int = 0  # tokens the client sent (the rest is session history)
     branches: list[Request] = field(default_factory=list)
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
     token_limit: int = 0  # prompt + output stops at this many tokens (max_tokens, context)
     # Filled in as the request runs.
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[TopLogprob]] | None = None
-    fork_sessions: list[str] | None = None  # n > 1 with a session: branch i's session
-    session_turn_open: bool = False  # begin_turn done, end_turn/abort_turn still owed
     prefilled: bool = False  # branch 0 has computed the whole prompt once
     recomputed_tokens: int = 0
     restored_tokens: int = 0
@@ -98,12 +98,10 @@ class Request:
     top_logprobs: list[list[TopLogprob]] | None = None
     plp_next: int = 0  # next prompt position whose logprob is still owed
     after: Request | None = None  # hold in the queue until this one has prefilled
-    session: str | None = None  # the session this branch's history ends up in
-    # A session turn that has sampled its last token: one more forward computes that
-    # token's KV before the turn ends, so the next turn hits the whole history.
+    # Sampled its last token but ends one step later, once that token's KV is computed
+    # (a session turn: the next turn must hit the whole history): (reason, matched stop).
     pending_end: tuple[str, int | str | None] | None = None
-    # Its Done already went out (an n == 1 session turn reports when it samples its last
-    # token; the tail row runs after): nothing more is emitted for it.
+    # Its Done already went out (before its tail row ran): nothing more is emitted for it.
     reported: bool = False
     finish_reason: str | None = None
     matched_stop: int | str | None = None

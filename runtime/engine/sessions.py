@@ -30,6 +30,7 @@ method runs on the scheduler's thread. Errors are `SessionError`s carrying a
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import secrets
 import time
@@ -53,7 +54,7 @@ from radixlm.runtime.engine.retention import (
     distinct_tokens,
     retained_by_class,
 )
-from radixlm.runtime.protocol import ErrorCode, SessionInfo
+from radixlm.runtime.protocol import MAX_FORK, ErrorCode, SessionInfo
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,9 @@ class Session:
     busy: bool = False
     turn_kv_len: int = 0  # kv_len when the running turn began (usage reporting)
     priority_raised: bool = False  # part of its path got DEMOTED_PRIORITY
+    # Which fork/branch of which session it is (empty: opened directly): seeded turns of
+    # sibling forks draw distinct random streams from it (`SessionManager.seed_offset`).
+    lineage: tuple[int, ...] = ()
 
     @property
     def length(self) -> int:
@@ -189,14 +193,12 @@ class SessionManager:
         self._total_memo: tuple[int, int] = (-1, 0)
         self._by_class_memo: tuple[int, dict[str, int]] = (-1, {})
         self.host: HostTier | None = None
-        self._chained_on_evict: Callable[[EvictedSegment], None] | None = None
         if config.host_kv_tokens > 0:
             if kv_pool is None:
                 log.warning("host_kv_tokens set but no KV pool given: host tier off")
             else:
                 self.host = HostTier(kv_pool, config.host_kv_tokens)
-                self._chained_on_evict = cache.on_evict
-                cache.on_evict = self._on_evict
+                cache.subscribe_evict(self._on_evict)
         log.info(
             "sessions: retained cap %d of %d tokens, default ttl %s, host tier %s",
             self.retained_cap,
@@ -361,13 +363,15 @@ class SessionManager:
             s.busy = False
             s.last_used = self.clock()
 
-    def branch(self, session_id: str, history_ids: np.ndarray | Sequence[int]) -> str:
-        """A new session continuing `session_id` with `history_ids` (one branch of an
+    def branch(
+        self, session_id: str, history_ids: np.ndarray | Sequence[int], index: int = 0
+    ) -> str:
+        """A new session continuing `session_id` with `history_ids` (branch `index` of an
         n > 1 turn: prompt + that branch's output). Allowed while the parent is busy."""
         parent = self._sessions.get(session_id)
         if parent is None:
             raise SessionNotFound(f"no session {session_id!r}")
-        s = self._clone(parent, _frozen(history_ids))
+        s = self._clone(parent, _frozen(history_ids), index)
         self._advance_lock(s)
         return s.id
 
@@ -376,11 +380,11 @@ class SessionManager:
         """n new sessions on the same node: no copy, no recompute (a demoted session's
         forks are demoted too)."""
         s = self._idle(session_id, client)
-        if not 1 <= n <= 1024:
-            raise InvalidSessionRequest(f"fork: n must be in [1, 1024], got {n}")
+        if not 1 <= n <= MAX_FORK:
+            raise InvalidSessionRequest(f"fork: n must be in [1, {MAX_FORK}], got {n}")
         ids = []
-        for _ in range(n):
-            f = self._clone(s, s.history)
+        for i in range(n):
+            f = self._clone(s, s.history, i)
             f.residency, f.node, f.held_len = s.residency, s.node, s.held_len
             f.kv_len, f.priority_raised = s.kv_len, s.priority_raised
             if f.node is not None:
@@ -491,13 +495,13 @@ class SessionManager:
         least `n_tokens` tokens evictable (the caller then evicts/allocates). Returns the
         tokens made evictable (0: nothing left to demote; hard sessions stay)."""
         made = 0
-        tree = self.cache.tree
+        cache = self.cache
         for s in self._soft_victims():
             if made >= n_tokens:
                 break
-            before = tree.evictable_size
+            before = cache.evictable_size
             self._demote(s, reason="pool pressure")
-            made += tree.evictable_size - before
+            made += cache.evictable_size - before
         return made
 
     def retained_tokens(self) -> dict[str, int]:
@@ -548,8 +552,9 @@ class SessionManager:
             raise SessionBusy(f"session {session_id!r} has a request in flight")
         return s
 
-    def _clone(self, parent: Session, history: np.ndarray) -> Session:
-        """A new session with `parent`'s owner and options, holding nothing yet."""
+    def _clone(self, parent: Session, history: np.ndarray, index: int) -> Session:
+        """A new session (its parent's `index`-th child) with `parent`'s owner and
+        options, holding nothing yet."""
         s = Session(
             id=self._new_id(),
             client=parent.client,
@@ -562,9 +567,21 @@ class SessionManager:
             held_len=0,
             kv_len=0,
             last_used=self.clock(),
+            lineage=(*parent.lineage, index),
         )
         self._sessions[s.id] = s
         return s
+
+    def seed_offset(self, session_id: str) -> int:
+        """What a seeded turn of the session adds to its seed: 0 for a session opened
+        directly (a seed means what it means without sessions), a number derived from
+        its lineage for a fork or branch, so sibling forks given the same seed sample
+        differently while a rerun of the same program samples the same."""
+        s = self._sessions.get(session_id)
+        if s is None or not s.lineage:
+            return 0
+        digest = hashlib.blake2b(repr(s.lineage).encode(), digest_size=4).digest()
+        return 1 + int.from_bytes(digest, "little")
 
     def _cacheable(self, ids: np.ndarray) -> np.ndarray:
         page = self.cache.page_size
@@ -707,8 +724,6 @@ class SessionManager:
     def _on_evict(self, seg: EvictedSegment) -> None:
         """Eviction hook: back up the part of an evicted node that lies on a session's
         cached history (a demoted one, or the unlocked tail of a capped one)."""
-        if self._chained_on_evict is not None:
-            self._chained_on_evict(seg)
         assert self.host is not None
         p, page = seg.prefix_len, self.cache.page_size
         want = 0

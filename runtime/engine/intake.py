@@ -1,0 +1,249 @@
+"""Inbound messages: each one from the frontend becomes queued requests, an ending, or a
+direct reply. Refusals are `Error` replies; a failure while handling a message answers
+that message's client with INTERNAL and leaves the engine serving."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from radixlm.runtime.engine.errors import RequestError
+from radixlm.runtime.engine.lifecycle import Endings
+from radixlm.runtime.engine.messages import (
+    ClientGone,
+    EngineAbort,
+    EngineCommand,
+    EngineFinishAt,
+    EngineGenerate,
+    EngineOpenSession,
+    EnginePin,
+    TokenOutput,
+)
+from radixlm.runtime.engine.options import SchedulerOptions
+from radixlm.runtime.engine.outbox import Outbox
+from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
+from radixlm.runtime.engine.session_controller import Intake, SessionController, Turn
+from radixlm.runtime.engine.state import TERMINAL, ReqState
+from radixlm.runtime.engine.table import RequestTable
+from radixlm.runtime.protocol import MAX_N, Error, ErrorCode, SamplingParams, Struct
+from radixlm.runtime.sampling import make_generator, validate_sampling
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False, kw_only=True)
+class MessageHandler:
+    """Inbound messages to requests, endings and replies (see the module doc)."""
+
+    table: RequestTable
+    endings: Endings
+    sessions: SessionController
+    outbox: Outbox
+    opt: SchedulerOptions
+    capacity: int  # KV pool tokens
+    page_size: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    device: torch.device  # where seeded requests' generators live
+    engine_command: Callable[[EngineCommand], Struct]  # stats, flush: the scheduler's
+    _arrival: Iterator[int] = field(default_factory=itertools.count)
+    _internal_keys: Iterator[int] = field(default_factory=lambda: itertools.count(-1, -1))
+
+    def handle(self, msg: object) -> None:
+        try:
+            self._dispatch(msg)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("scheduler: handling %s failed", type(msg).__name__)
+            error = RequestError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            key = getattr(msg, "key", None)
+            if key is not None and key in self.table.groups:
+                self.endings.fail_group(self.table.groups[key], error)
+            elif isinstance(msg, (EngineGenerate, EngineOpenSession, EnginePin, EngineCommand)):
+                rid = msg.msg.rid if isinstance(msg, EngineCommand) else msg.rid
+                self.outbox.reply(msg.client, Error(rid=rid, code=error.code, message=error.message))
+                if isinstance(msg, EngineGenerate):
+                    self._refused_output(msg.key)
+
+    def _dispatch(self, msg: object) -> None:
+        if isinstance(msg, EngineGenerate):
+            self._on_generate(msg)
+        elif isinstance(msg, EngineAbort):
+            self.endings.abort(msg.key)
+        elif isinstance(msg, EngineFinishAt):
+            self._on_finish_at(msg)
+        elif isinstance(msg, EngineOpenSession):
+            self._on_open_session(msg)
+        elif isinstance(msg, EnginePin):
+            self._on_pin(msg)
+        elif isinstance(msg, EngineCommand):
+            reply = self.sessions.command(msg)
+            self.outbox.reply(msg.client, reply if reply is not None else self.engine_command(msg))
+        elif isinstance(msg, ClientGone):
+            self._on_client_gone(msg.client)
+        else:
+            log.warning("scheduler: ignoring unexpected message %r", type(msg).__name__)
+
+    def _refused_output(self, key: int) -> None:
+        """Tell the frontend a Generate ended (its client got an Error)."""
+        self.outbox.outputs.append(TokenOutput(key=key, token_ids=[], finish_reason="error"))
+
+    # --------------------------------------------------------------- requests
+    def _on_generate(self, msg: EngineGenerate) -> None:
+        if msg.key in self.table.groups:
+            self.outbox.reply(msg.client, Error(
+                rid=msg.rid, code=ErrorCode.DUPLICATE_ID,
+                message=f"engine key {msg.key} is already in flight"))  # fmt: skip
+            return
+        intake: Intake | None = None
+        try:
+            self._check_sampling(msg.sampling, msg.n)
+            appended = np.asarray(msg.input_ids, dtype=np.int64)
+            if msg.session is not None:
+                intake = self.sessions.begin_generate(msg, appended)
+            prompt = intake.prompt if intake is not None else appended
+            history = len(prompt) - len(appended)
+            start = msg.prompt_logprobs_start
+            if start is not None and not 0 <= start <= len(appended):
+                raise RequestError(
+                    ErrorCode.INVALID_PARAMS,
+                    f"prompt_logprobs_start ({start}) must be in [0, {len(appended)}]",
+                )
+            self._check_fits(len(prompt), msg.sampling.max_tokens, history)
+        except RequestError as e:
+            if intake is not None:
+                self.sessions.abort_intake(intake, msg.client)
+            self.outbox.reply(msg.client, Error(rid=msg.rid, code=e.code, message=e.message))
+            self._refused_output(msg.key)
+            return
+        self._enqueue(RequestGroup(
+            key=msg.key, kind=RequestKind.GENERATE, client=msg.client, rid=msg.rid,
+            prompt=prompt, sampling=msg.sampling, n=msg.n,
+            namespace=intake.namespace if intake is not None else msg.namespace,
+            turn=intake.turn if intake is not None else None,
+            prompt_logprobs_start=None if start is None else history + start,
+            priority=msg.priority,
+        ))  # fmt: skip
+
+    def _on_open_session(self, msg: EngineOpenSession) -> None:
+        try:
+            intake = self.sessions.begin_open(msg)
+            if intake is None:
+                return  # no input: answered already
+            try:
+                self._check_fits(len(intake.prompt), 0, len(intake.prompt) - len(msg.input_ids))
+            except RequestError:
+                self.sessions.abort_intake(intake, msg.client, opened=True)
+                raise
+        except RequestError as e:
+            self.outbox.reply(msg.client, Error(rid=msg.rid, code=e.code, message=e.message))
+            return
+        self._enqueue(self._prefill_only(RequestKind.OPEN_SESSION, msg.client, msg.rid,
+                                         intake.prompt, intake.namespace, intake.turn))
+
+    def _on_pin(self, msg: EnginePin) -> None:
+        prompt = np.asarray(msg.input_ids, dtype=np.int64)
+        try:
+            if not len(prompt):
+                raise RequestError(ErrorCode.EMPTY_PROMPT, f"pin {msg.name!r} has an empty input")
+            turn = self.sessions.begin_pin(msg, prompt)
+            self._check_fits(len(prompt), 0, 0)
+        except RequestError as e:
+            self.outbox.reply(msg.client, Error(rid=msg.rid, code=e.code, message=e.message))
+            return
+        self._enqueue(self._prefill_only(RequestKind.PIN, msg.client, msg.rid, prompt,
+                                         msg.namespace, turn))
+
+    def _prefill_only(self, kind: RequestKind, client: bytes, rid: str, prompt: np.ndarray,
+                      namespace: str | None, turn: Turn) -> RequestGroup:
+        return RequestGroup(
+            key=next(self._internal_keys), kind=kind, client=client, rid=rid,
+            prompt=np.asarray(prompt, dtype=np.int64), sampling=SamplingParams(max_tokens=0),
+            namespace=namespace, turn=turn,
+        )  # fmt: skip
+
+    def _check_sampling(self, sampling: SamplingParams, n: int) -> None:
+        problem = validate_sampling(sampling, self.vocab_size)
+        if problem is not None:
+            raise RequestError(ErrorCode.INVALID_PARAMS, problem)
+        if not 1 <= n <= MAX_N:
+            raise RequestError(ErrorCode.INVALID_PARAMS, f"n must be in [1, {MAX_N}], got {n}")
+        if n > 1 and sampling.max_tokens == 0:
+            raise RequestError(ErrorCode.INVALID_PARAMS, "n > 1 needs max_tokens >= 1")
+
+    def _check_fits(self, prompt_len: int, max_tokens: int, history_len: int) -> None:
+        """Refuse up front what can never run: empty, beyond the context, or beyond the
+        pool less what pins and hard sessions retain (the request's own history aside)."""
+        if prompt_len == 0:
+            raise RequestError(ErrorCode.EMPTY_PROMPT, "the prompt is empty")
+        total = prompt_len + max_tokens
+        for limit, what in ((self.opt.context_length, "the context length"),
+                            (self.capacity, "the KV pool")):  # fmt: skip
+            if total > limit:
+                unit = "" if what == "the context length" else " tokens"
+                raise RequestError(
+                    ErrorCode.TOO_LONG,
+                    f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+                    f"{what} ({limit}{unit})",
+                )
+        cap = self.capacity
+        retained = self.sessions.unreclaimable_tokens()
+        if total > cap - max(0, retained - history_len):
+            raise RequestError(
+                ErrorCode.CAPACITY,
+                f"prompt + max_tokens ({total} tokens) cannot fit: pins and hard sessions "
+                f"retain {retained} of the pool's {cap} tokens",
+            )
+
+    def _enqueue(self, g: RequestGroup) -> None:
+        g.stop_ids = frozenset(g.sampling.stop_token_ids) | (
+            frozenset() if g.sampling.ignore_eos else self.eos_token_ids
+        )
+        g.token_limit = min(g.prompt_len + g.max_tokens, self.opt.context_length)
+        seed = g.sampling.seed
+        if seed is not None:
+            seed = self.sessions.seed_for(g, seed)
+        for i in range(g.n):
+            r = Request.new(g, i, next(self._arrival), self.page_size)
+            if seed is not None:
+                r.generator = make_generator(seed + i, self.device)
+            if i > 0:
+                r.after = g.branches[0]
+            if g.sampling.logprobs or g.sampling.top_logprobs:
+                r.logprobs = []
+                r.top_logprobs = [] if g.sampling.top_logprobs else None
+            g.branches.append(r)
+            self.table.waiting.append(r)
+        self.table.groups[g.key] = g
+
+    # ---------------------------------------------------------------- endings
+    def _on_finish_at(self, msg: EngineFinishAt) -> None:
+        """A stop string matched in the frontend: keep that many output tokens."""
+        g = self.table.groups.get(msg.key)
+        if g is None or not 0 <= msg.index < len(g.branches):
+            return
+        r = g.branches[msg.index]
+        if r.state in TERMINAL or r.reported:  # reported: the frontend truncates the history
+            return
+        keep = max(0, min(msg.keep_tokens, len(r.output)))
+        del r.output[keep:]
+        r.num_tokens = g.prompt_len + keep
+        if r.logprobs is not None:
+            del r.logprobs[keep:]
+        if r.top_logprobs is not None:
+            del r.top_logprobs[keep:]
+        if (self.sessions.needs_tail(g) and r.state is ReqState.DECODING
+                and r.kv_len < r.num_tokens):  # fmt: skip
+            self.endings.wait_for_tail(r, "stop", msg.matched_stop, None)
+            return
+        self.endings.end(r, ReqState.FINISHED, "stop", msg.matched_stop)
+
+    def _on_client_gone(self, client: bytes) -> None:
+        for g in [g for g in self.table.groups.values() if g.client == client]:
+            for r in g.branches:
+                if r.state not in TERMINAL:
+                    self.endings.end(r, ReqState.ABORTED, "abort")
+        self.sessions.client_gone(client)

@@ -1,0 +1,179 @@
+"""How requests leave the running set: finish, abort, fail, or retract (requeue).
+
+Every ending goes through `Endings.end`: cache the branch's KV (not after an error),
+settle its session turn or pin, unlock, free its private slots, leave the queues and
+emit its last output. Shared pages are never freed at finish.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from radixlm.runtime.engine.cache_manager import CacheManager
+from radixlm.runtime.engine.errors import RequestError
+from radixlm.runtime.engine.messages import TokenOutput
+from radixlm.runtime.engine.outbox import Outbox
+from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
+from radixlm.runtime.engine.session_controller import SessionController
+from radixlm.runtime.engine.state import TERMINAL, ReqState, advance
+from radixlm.runtime.engine.table import Counters, RequestTable
+from radixlm.runtime.protocol import Error, ErrorCode, Usage
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Endings:
+    """Every way a branch leaves the scheduler, with what it owes the cache, its session
+    and its client."""
+
+    table: RequestTable
+    kv: CacheManager
+    sessions: SessionController
+    outbox: Outbox
+    counters: Counters
+
+    def end(
+        self,
+        r: Request,
+        state: ReqState,
+        reason: str,
+        matched: int | str | None = None,
+        *,
+        out: TokenOutput | None = None,
+        error: RequestError | None = None,
+    ) -> None:
+        """Finish/abort one branch: cache its KV (not after an error), settle its session
+        turn or pin, unlock, free its private slots, and emit its last output."""
+        g = r.group
+        node = None
+        try:
+            if r.locked is not None and error is None:
+                node = self.kv.cache_finished(r)
+            if state is ReqState.FINISHED:
+                self.sessions.on_finish(r, node)
+            else:
+                self.sessions.on_abort(r)
+        finally:
+            if r.locked is not None or r.alloc_len:
+                self.kv.detach(r)
+            if r.state in (ReqState.PREFILLING, ReqState.DECODING):
+                self.table.running.remove(r)
+            elif r.state is ReqState.WAITING:
+                self.table.waiting.remove(r)
+            advance(r, state)
+        r.finish_reason, r.matched_stop = reason, matched
+        if state is ReqState.FINISHED:
+            self.counters.finished += 1
+        if r.reported:  # its Done went out already; the session is idle again now
+            self.sessions.on_ended(r, finished=state is ReqState.FINISHED)
+        elif g.kind is RequestKind.GENERATE:
+            self.emit_last(r, out, error)
+        if all(b.state in TERMINAL for b in g.branches):
+            self.table.groups.pop(g.key, None)
+            self.sessions.on_group_done(g)
+
+    def wait_for_tail(self, r: Request, reason: str, matched: int | str | None,
+                      out: TokenOutput | None) -> None:
+        """`r` (a session turn) has its last token but ends one step later, once that
+        token's KV is computed (one more decode row, no sampling), or the next turn would
+        miss it. An n == 1 turn reports its Done now, so the client waits no extra step."""
+        r.pending_end = (reason, matched)
+        if self.sessions.report_early(r):
+            r.reported = True
+            r.finish_reason, r.matched_stop = reason, matched
+            self.emit_last(r, out, None)
+
+    def end_pending(self, r: Request) -> None:
+        """End a branch that was waiting for its tail row (see `Request.pending_end`)."""
+        assert r.pending_end is not None
+        self.end(r, ReqState.FINISHED, *r.pending_end)
+
+    def emit_last(self, r: Request, out: TokenOutput | None, error: RequestError | None) -> None:
+        """The branch's last output: finish reason, usage, prompt logprobs, session."""
+        g = r.group
+        outputs = self.outbox.outputs
+        if error is not None:
+            outputs.append(TokenOutput(key=g.key, token_ids=[], index=r.index,
+                                       finish_reason="error"))  # fmt: skip
+            return
+        if out is None:
+            out = TokenOutput(key=g.key, token_ids=[], index=r.index)
+            outputs.append(out)
+        out.finish_reason = r.finish_reason
+        out.matched_stop = r.matched_stop
+        out.usage = Usage(
+            prompt_tokens=g.prompt_len,
+            cached_tokens=max(r.cached_tokens, 0),
+            completion_tokens=len(r.output),
+            recomputed_tokens=g.recomputed_tokens,
+            restored_tokens=g.restored_tokens,
+        )
+        if g.prompt_logprobs_start is not None:
+            out.prompt_logprobs = g.prompt_logprobs or []
+            out.prompt_top_logprobs = g.prompt_top_logprobs
+        session = g.turn.ended_in.get(r.index) if g.turn is not None else None
+        if session is not None:
+            out.session = session
+            out.session_length = r.num_tokens
+
+    def retract(self, r: Request) -> None:
+        """Give the pool back: computed KV → cache, private slots → free; requeue with the
+        output kept (it resumes as prompt + output so far). A turn that only waits for its
+        last token's KV ends now instead (that token is recomputed by the next turn)."""
+        if r.pending_end is not None:
+            self.end_pending(r)
+            return
+        self.kv.cache_finished(r)
+        self.kv.detach(r)
+        self.table.running.remove(r)
+        advance(r, ReqState.RETRACTED)
+        advance(r, ReqState.WAITING)
+        self.table.waiting.append(r)
+        self.counters.retractions += 1
+        log.info("retracted request %s (%d+%d tokens) to free KV; it will resume",
+                 r.group.rid, r.group.prompt_len, len(r.output))  # fmt: skip
+
+    def fail_group(self, g: RequestGroup, error: RequestError) -> None:
+        """End every live branch of `g` with an error: one Error reply to the client.
+        A turn that already reported Done ends quietly (its history stands without the
+        tail: the next turn recomputes that one token)."""
+        for r in g.branches:
+            if r.reported and r.state not in TERMINAL:
+                try:
+                    self.end_pending(r)
+                except Exception:  # noqa: BLE001 - fall through to failing it
+                    log.exception("could not end reported turn %s", g.rid)
+        if all(r.state in TERMINAL for r in g.branches):
+            return
+        self.outbox.reply(g.client, Error(rid=g.rid, code=error.code, message=error.message))
+        for r in g.branches:
+            if r.state not in TERMINAL:
+                try:
+                    self.end(r, ReqState.ABORTED, "error", error=error)
+                except Exception:  # noqa: BLE001 - keep failing the others
+                    log.exception("could not release request %s cleanly", g.rid)
+
+    def fail(self, reqs: Iterable[Request], exc: BaseException) -> None:
+        """An internal error while these requests were being worked on: fail their
+        groups (INTERNAL)."""
+        error = RequestError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        for g in {id(r.group): r.group for r in reqs}.values():
+            if any(r.state not in TERMINAL for r in g.branches):
+                self.fail_group(g, error)
+
+    def abort(self, key: int) -> None:
+        """The client aborted: finish every live branch with "abort" (computed KV stays
+        as cache). A turn that already reported Done just ends: its history stands."""
+        g = self.table.groups.get(key)
+        if g is None:
+            return
+        for r in g.branches:
+            if r.state in TERMINAL:
+                continue
+            if r.reported:
+                self.end_pending(r)
+            else:
+                self.end(r, ReqState.ABORTED, "abort")

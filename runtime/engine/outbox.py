@@ -1,0 +1,25 @@
+"""What the engine sends the frontend: replies addressed to one client, and the token
+outputs of each step (one `StepOutputs` per `take`)."""
+
+from __future__ import annotations
+
+from radixlm.runtime.engine.messages import StepOutputs, ToClient, ToFrontend, TokenOutput
+from radixlm.runtime.protocol import Struct, encode
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self.outputs: list[TokenOutput] = []  # appended to directly on the hot path
+        self._replies: list[ToFrontend] = []
+
+    def reply(self, client: bytes, msg: Struct) -> None:
+        self._replies.append(ToClient(client=client, data=encode(msg)))
+
+    def take(self) -> list[ToFrontend]:
+        """Replies so far, then one StepOutputs with every output since the last call."""
+        out = self._replies
+        if self.outputs:
+            out.append(StepOutputs(outputs=self.outputs))
+            self.outputs = []
+        self._replies = []
+        return out

@@ -1,0 +1,139 @@
+"""After the forward: record the computed KV, take prompt logprobs, sample, and turn
+each sampled token into a `TokenOutput` (finishing the branches that stop).
+
+After a prefill chunk its pages are inserted at once (duplicates freed, the lock moved
+to the new node), so requests sharing the prefix and a later retraction hit them. A
+session turn's last token ends its branch one step later (its *tail* row computes that
+token's KV, see `Endings.wait_for_tail`); a plain request ends at once, since its last
+token joins no history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from radixlm.runtime.engine.batch import Scheduled
+from radixlm.runtime.engine.cache_manager import CacheManager
+from radixlm.runtime.engine.lifecycle import Endings
+from radixlm.runtime.engine.messages import TokenOutput
+from radixlm.runtime.engine.outbox import Outbox
+from radixlm.runtime.engine.request import Request
+from radixlm.runtime.engine.session_controller import SessionController
+from radixlm.runtime.engine.state import ReqState, advance
+from radixlm.runtime.engine.table import Counters
+from radixlm.runtime.protocol import TopLogprob
+from radixlm.runtime.sampling import Sampler, prompt_logprobs
+
+
+@dataclass(eq=False)
+class OutputProcessor:
+    """Turns one forward's logits into KV bookkeeping, samples and outputs."""
+
+    kv: CacheManager
+    sampler: Sampler
+    sessions: SessionController
+    endings: Endings
+    outbox: Outbox
+    counters: Counters
+
+    def after_forward(self, plan: list[Scheduled], logits: torch.Tensor) -> None:
+        to_sample: list[Request] = []
+        rows: list[int] = []
+        row = 0
+        decoding = ReqState.DECODING
+        for s in plan:
+            r, ext = s.req, s.extend
+            if r.state is decoding:  # the hot path: one token in, one token out
+                r.kv_len += ext
+                row += ext - s.logits_from
+                if r.pending_end is not None:  # its last token's KV is now computed
+                    self.endings.end_pending(r)
+                    continue
+                to_sample.append(r)
+                rows.append(row - 1)
+                continue
+            n_rows = ext - s.logits_from
+            if r.owes_prompt_logprobs:
+                self._take_prompt_logprobs(r, logits[row : row + n_rows], r.kv_len + s.logits_from)
+            row += n_rows
+            self.counters.computed_tokens += ext
+            r.kv_len += ext
+            # Insert what is computed now (a chunk: for dedup and retraction; the whole
+            # prompt: its pages become shared) and move the lock there.
+            self.kv.cache_prefix(r, r.kv_len, relock=True)
+            if r.kv_len < r.num_tokens:
+                continue
+            if r.index == 0:
+                r.group.prefilled = True
+            if r.is_prefill_only:
+                self.endings.end(r, ReqState.FINISHED, "length")
+                continue
+            advance(r, decoding)
+            to_sample.append(r)
+            rows.append(row - 1)
+        if to_sample:
+            self._sample(to_sample, logits, rows)
+
+    def _take_prompt_logprobs(self, r: Request, rows: torch.Tensor, first_pos: int) -> None:
+        """Rows predict tokens first_pos+1 ...; keep those the request still owes."""
+        g = r.group
+        lo = max(0, r.plp_next - 1 - first_pos)
+        hi = min(rows.shape[0], g.prompt_len - 1 - first_pos)
+        if hi <= lo:
+            return
+        targets = r.tokens[first_pos + lo + 1 : first_pos + hi + 1]
+        top_n = g.sampling.top_logprobs
+        res = prompt_logprobs(rows[lo:hi], targets, top_n, self.sampler.vocab_size)
+        if g.prompt_logprobs is None:
+            g.prompt_logprobs = []
+            g.prompt_top_logprobs = [] if top_n else None
+        g.prompt_logprobs.extend(res.logprobs)
+        if res.top_logprobs is not None and g.prompt_top_logprobs is not None:
+            g.prompt_top_logprobs.extend(_tops(t) for t in res.top_logprobs)
+        r.plp_next = first_pos + hi + 1
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor, rows: list[int]) -> None:
+        if len(rows) != logits.shape[0]:
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        params = [r.group.sampling for r in reqs]
+        prompts = None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            prompts = [r.tokens[: r.group.prompt_len] for r in reqs]
+        gens = [r.generator for r in reqs]
+        res = self.sampler.sample(
+            logits, params, [r.output for r in reqs], prompts,
+            gens if any(g is not None for g in gens) else None,
+        )  # fmt: skip
+        self.counters.generated_tokens += len(reqs)
+        outputs = self.outbox.outputs
+        lps, tops = res.logprobs, res.top_logprobs
+        for i, (r, tok) in enumerate(zip(reqs, res.token_ids, strict=True)):
+            out = TokenOutput(key=r.group.key, token_ids=[tok], index=r.index)
+            if r.logprobs is not None and lps is not None:
+                r.logprobs.append(lps[i])
+                out.logprobs = [lps[i]]
+                if r.top_logprobs is not None and tops is not None:
+                    top = _tops(tops[i])
+                    r.top_logprobs.append(top)
+                    out.top_logprobs = [top]
+            n = r.num_tokens
+            r.tokens[n] = tok
+            r.num_tokens = n + 1
+            r.output.append(tok)
+            outputs.append(out)
+            g = r.group
+            if tok in g.stop_ids:
+                self._finish(r, "stop", tok, out)
+            elif n + 1 >= g.token_limit:
+                self._finish(r, "length", None, out)
+
+    def _finish(self, r: Request, reason: str, matched: int | None, out: TokenOutput) -> None:
+        if self.sessions.needs_tail(r.group):
+            self.endings.wait_for_tail(r, reason, matched, out)
+        else:
+            self.endings.end(r, ReqState.FINISHED, reason, matched, out=out)
+
+
+def _tops(pairs: list[tuple[int, float]]) -> list[TopLogprob]:
+    return [TopLogprob(token_id=t, logprob=lp) for t, lp in pairs]

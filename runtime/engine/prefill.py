@@ -1,0 +1,187 @@
+"""Prefill scheduling: which prompt tokens run this step, under the chunked-prefill budget.
+
+Unfinished chunked prompts go first, then waiting requests in policy order: **match**
+(not a reservation; a match taken at an older cache epoch is redone) → in-batch dedup
+(hold requests whose shared new prefix another one is computing) → **lock** the match
+→ **allocate only the uncached suffix** (evicting unlocked leaves, then demoting idle
+sessions, when short) — or leave it waiting.
+
+Admission keeps room for the running requests' future tokens: their remaining
+max_tokens times `ratio`, which decays while nothing is retracted and jumps back after a
+retraction (SGLang's new_token_ratio).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from radixlm.cache import MatchResult, TreeNode
+from radixlm.runtime.engine.batch import Scheduled
+from radixlm.runtime.engine.cache_manager import CacheManager
+from radixlm.runtime.engine.errors import RequestError
+from radixlm.runtime.engine.lifecycle import Endings
+from radixlm.runtime.engine.options import SchedulerOptions
+from radixlm.runtime.engine.policy import held_back, order_waiting
+from radixlm.runtime.engine.request import Request
+from radixlm.runtime.engine.session_controller import SessionController
+from radixlm.runtime.engine.state import ReqState, advance
+from radixlm.runtime.engine.table import Counters, RequestTable
+from radixlm.runtime.protocol import ErrorCode
+
+
+@dataclass(eq=False)
+class PrefillManager:
+    """This step's prompt chunks: running chunked prefills, then admissions."""
+
+    table: RequestTable
+    kv: CacheManager
+    sessions: SessionController
+    endings: Endings
+    opt: SchedulerOptions
+    counters: Counters
+    ratio: float = field(init=False)  # future tokens reserved per remaining max_token
+    _retractions_seen: int = field(init=False, default=0)
+    _blocked: Request | None = field(init=False, default=None)  # where admission stopped
+
+    def __post_init__(self) -> None:
+        self.ratio = self.opt.init_new_token_ratio
+
+    # ------------------------------------------------------------------- ratio
+    def update_ratio(self, decay: bool = False) -> None:
+        """Raise the reserve ratio for every retraction since the last call; with
+        `decay`, then lower it one step (once per scheduler step)."""
+        opt = self.opt
+        while self._retractions_seen < self.counters.retractions:
+            self._retractions_seen += 1
+            self.ratio = min(1.0, max(self.ratio, opt.init_new_token_ratio) + 0.1)
+        if decay:
+            self.ratio = max(opt.min_new_token_ratio, self.ratio - opt.new_token_ratio_decay)
+
+    def future_need(self, r: Request) -> int:
+        """Slots `r` will still want: the rest of its prompt plus an estimate of its
+        remaining output (reserve for running requests when admitting new ones)."""
+        prompt_left = max(0, r.num_tokens - r.alloc_len)
+        if r.is_prefill_only:
+            return prompt_left
+        out_left = min(r.remaining_new_tokens, self.opt.reserve_clip)
+        return prompt_left + math.ceil(out_left * self.ratio)
+
+    # -------------------------------------------------------------- scheduling
+    def schedule(self, plan: list[Scheduled], touched: list[Request]) -> None:
+        """Add this step's prefill chunks to `plan`; `touched`: requests whose KV this
+        changed (failed with the step if it fails)."""
+        budget = self.opt.chunked_prefill
+        for r in self.table.running:
+            if budget <= 0:
+                break
+            if r.state is ReqState.PREFILLING:
+                ext = self.chunk(r, budget)
+                if self.kv.grow(r, r.kv_len + ext):
+                    plan.append(Scheduled(r, ext, self.logits_from(r, ext)))
+                    budget -= ext
+        if budget > 0 and self.table.waiting and len(self.table.running) < self.opt.max_running:
+            self._admit(plan, budget, touched)
+
+    def _admit(self, plan: list[Scheduled], budget: int, touched: list[Request]) -> None:
+        opt, kv, table = self.opt, self.kv, self.table
+        self.update_ratio()
+        matches: dict[int, tuple[MatchResult, int]] = {}
+
+        def match(r: Request) -> tuple[TreeNode, int]:
+            m = kv.match(r)
+            matches[id(r)] = (m, kv.epoch)
+            return m.node, m.length
+
+        order = order_waiting(opt.policy, table.waiting, match, opt.max_matched_waiting)
+        running = table.running
+        inflight = [r for r in running if r.state is ReqState.PREFILLING]
+        reserve = sum(self.future_need(r) for r in running)
+        self._blocked = None
+        try:
+            for r in order:
+                if budget <= 0 or len(running) >= opt.max_running:
+                    break
+                cached = matches.get(id(r))
+                m = cached[0] if cached is not None and cached[1] == kv.epoch else kv.match(r)
+                if held_back(r, m.length, inflight, opt.dedup_min_tokens, kv.page_size):
+                    continue
+                touched.append(r)
+                kv.attach(r, m)
+                ext = self.chunk(r, budget)
+                need = kv.pages(r.kv_len + ext) - r.alloc_len
+                want = need + (reserve + self.future_need(r) - need if running else 0)
+                if want > kv.available() and want > kv.make_room(want):
+                    kv.detach(r)
+                    self._blocked = r
+                    break
+                restored = self._restore(r)
+                if restored:
+                    ext = self.chunk(r, budget)
+                if not kv.grow(r, r.kv_len + ext):
+                    kv.detach(r)
+                    self._blocked = r
+                    break
+                advance(r, ReqState.PREFILLING)
+                running.append(r)
+                if r.cached_tokens < 0:  # first admission: usage and hit-rate figures
+                    r.cached_tokens = m.length + restored
+                    if r.index == 0:
+                        self.sessions.on_admit(r, m.length, restored)
+                    self.counters.prompt_tokens += r.group.prompt_len
+                    self.counters.cached_tokens += r.cached_tokens
+                plan.append(Scheduled(r, ext, self.logits_from(r, ext)))
+                budget -= ext
+                inflight.append(r)
+                reserve += self.future_need(r)
+        finally:
+            table.waiting = [r for r in table.waiting if r.state is ReqState.WAITING]
+
+    def _restore(self, r: Request) -> int:
+        """Copy back session history the host tier kept (demoted sessions): those tokens
+        count as computed; returns how many."""
+        slots = self.sessions.restore(r, r.kv_len)
+        if slots is None or not len(slots):
+            return 0
+        return self.kv.place_restored(r, slots)
+
+    def chunk(self, r: Request, budget: int) -> int:
+        """Tokens to compute this step; a cut chunk ends on a page boundary if it can."""
+        remaining = r.num_tokens - r.kv_len
+        if remaining <= budget:
+            return remaining
+        end = r.kv_len + budget
+        aligned = end - end % self.kv.page_size
+        return (aligned if aligned > r.kv_len else end) - r.kv_len
+
+    @staticmethod
+    def logits_from(r: Request, ext: int) -> int:
+        """The first extend offset whose logits are needed: owed prompt logprobs, or
+        only the last one (it samples the next token)."""
+        if r.owes_prompt_logprobs:
+            return min(max(0, r.plp_next - 1 - r.kv_len), ext - 1)
+        return ext - 1
+
+    # ------------------------------------------------------------------ stalls
+    def break_stall(self) -> None:
+        """Nothing could be scheduled. When that cannot change by itself, fail the
+        request in the way rather than spin: a waiting request that does not fit even
+        with nothing running (pins and sessions hold the pool), or a lone chunked prefill
+        that cannot grow."""
+        running = self.table.running
+        if running:
+            stuck = [r for r in running if r.state is ReqState.PREFILLING]
+            if len(stuck) == len(running):
+                if len(stuck) > 1:
+                    self.endings.retract(stuck[-1])
+                else:
+                    self.endings.fail_group(stuck[0].group, RequestError(
+                        ErrorCode.CAPACITY, "the KV pool is full of retained sessions/pins"))
+            return
+        r = self._blocked
+        if r is not None and r.state is ReqState.WAITING:
+            self.endings.fail_group(r.group, RequestError(
+                ErrorCode.CAPACITY,
+                f"the request needs {r.num_tokens} KV slots but only {self.kv.available()} "
+                f"can be freed: pins and sessions hold the rest of the pool",
+            ))  # fmt: skip

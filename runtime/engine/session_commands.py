@@ -1,0 +1,80 @@
+"""Session commands the engine answers at once, without running the model: fork,
+truncate, close, unpin, list."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from radixlm.runtime.engine.errors import RequestError
+from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.protocol import (
+    CloseSession,
+    Error,
+    ErrorCode,
+    ForkSession,
+    ListSessions,
+    Ok,
+    SessionList,
+    SessionsForked,
+    Struct,
+    TruncateSession,
+    Unpin,
+)
+
+T = TypeVar("T")
+
+
+def call(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)`, its SessionError (which carries a protocol code) a RequestError."""
+    try:
+        return fn(*args)
+    except RequestError:
+        raise
+    except Exception as e:
+        if hasattr(e, "code"):
+            raise RequestError(e.code, str(e)) from None
+        raise
+
+
+def is_session_command(msg: object) -> bool:
+    return isinstance(msg, (ForkSession, TruncateSession, CloseSession, Unpin, ListSessions))
+
+
+def answer(m: SessionManager, msg: Any, client: bytes) -> Struct:
+    """The reply to one session command of `client`; refusals raise RequestError."""
+    if isinstance(msg, ForkSession):
+        return SessionsForked(rid=msg.rid, sessions=call(m.fork, msg.session, client, msg.n))
+    if isinstance(msg, TruncateSession):
+        call(m.truncate, msg.session, client, msg.length)
+        return Ok(rid=msg.rid)
+    if isinstance(msg, CloseSession):
+        return close_sessions(m, msg, client)
+    if isinstance(msg, Unpin):
+        call(m.unpin, msg.name)
+        return Ok(rid=msg.rid)
+    assert isinstance(msg, ListSessions)
+    return SessionList(rid=msg.rid, sessions=m.list(client, everyone=msg.all))
+
+
+def close_sessions(m: SessionManager, msg: CloseSession, client: bytes) -> Struct:
+    """Close every listed session that can be; `ok` if all were, else one `error` with
+    the first refusal's code naming every id left open."""
+    ids = msg.ids()
+    if not ids:
+        return Error(rid=msg.rid, code=ErrorCode.INVALID_PARAMS,
+                     message="close_session: name a `session` or a list of `sessions`")
+    failed: list[tuple[str, RequestError]] = []
+    for session in ids:
+        try:
+            call(m.close, session, client)
+        except RequestError as e:
+            failed.append((session, e))
+    if not failed:
+        return Ok(rid=msg.rid)
+    first = failed[0][1]
+    if len(ids) == 1:
+        return Error(rid=msg.rid, code=first.code, message=first.message)
+    detail = "; ".join(f"{sid}: {e.message}" for sid, e in failed)
+    return Error(rid=msg.rid, code=first.code,
+                 message=f"{len(failed)} of {len(ids)} sessions not closed ({detail})")

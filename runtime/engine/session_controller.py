@@ -1,0 +1,354 @@
+"""The scheduler's one door to sessions: turns, tails, pins, session commands, retention.
+
+The scheduler knows requests, the cache and the model; everything about sessions goes
+through the hooks of `SessionController`, called at fixed points of a request's life:
+
+- intake: `begin_generate` (a Generate naming a session: its full prompt is history +
+  appended), `begin_open` (OpenSession), `begin_pin` (Pin), `command` (fork, truncate,
+  close, unpin, list), and `defer`/`take_ready` (messages held while a turn runs its tail);
+- admission: `restore` (copy back history the host tier kept) and `on_admit` (usage);
+- the last sampled token: `needs_tail` / `report_early`;
+- endings: `on_finish` (the branch's tokens are in the tree: settle its turn or pin),
+  `on_abort`, `on_ended` (the tail is done), `on_group_done` (every branch ended);
+- the pool: `make_room` (demote idle soft sessions), `tick` (idle TTL),
+  `unreclaimable_tokens` (what pins and hard sessions hold), `client_gone`.
+
+A session request's own state lives in its group's `Turn`, which only this module reads
+and writes. Without a SessionManager every session or pin request gets a clear error.
+
+Turn protocol with the manager (docs/architecture.md): `begin_turn` at intake;
+`restore_from_host` after the match is locked; `recomputed_tokens` at first admission. At
+finish, after the insert: `end_turn(session, prompt + output)` (n == 1) or, per branch of
+an n > 1 turn, `branch(session, prompt + output_i)` and, once every branch is done,
+`end_turn(session, prompt)` (the history grows by the input only). On abort or error:
+`abort_turn`.
+
+Tails: an n == 1 session turn reports its Done as soon as it samples its last token; that
+token's KV is computed by one more decode row before the turn ends, so the next turn hits
+the whole history. A client that answers the Done at once must not see `busy` for that
+one step: messages naming the session (its next Generate, a fork, a truncate, a close,
+and an abort of a held Generate) wait and are replayed in arrival order once the tail is
+done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from radixlm.cache import TreeNode
+from radixlm.runtime.engine.errors import RequestError
+from radixlm.runtime.engine.messages import (
+    EngineAbort,
+    EngineCommand,
+    EngineGenerate,
+    EngineOpenSession,
+    EnginePin,
+)
+from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
+from radixlm.runtime.engine.session_commands import answer, call, is_session_command
+from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.protocol import CloseSession, Error, ErrorCode, Pinned, SessionOpened, Struct
+
+log = logging.getLogger(__name__)
+
+Reply = Callable[[bytes, Struct], None]
+
+
+@dataclass(eq=False)
+class Turn:
+    """A request's session side: the session it appends to (or opens), or the pin it
+    makes, and what is still owed to the manager."""
+
+    session: str | None = None
+    pin_name: str | None = None
+    open: bool = False  # begin_turn done, end_turn/abort_turn still owed
+    ended_in: dict[int, str] = field(default_factory=dict)  # branch -> session it ended in
+
+
+@dataclass(frozen=True)
+class Intake:
+    """What a session request adds to its group: the full prompt, the namespace it is
+    matched in, and its turn."""
+
+    prompt: np.ndarray
+    namespace: str | None
+    turn: Turn
+
+
+def sessions_of(msg: object) -> list[str]:
+    """The sessions a message acts on (a close may name several)."""
+    if isinstance(msg, EngineGenerate):
+        return [msg.session] if msg.session is not None else []
+    if isinstance(msg, EngineCommand):
+        if isinstance(msg.msg, CloseSession):
+            return msg.msg.ids()
+        session = getattr(msg.msg, "session", None)  # ForkSession/TruncateSession
+        return [session] if session is not None else []
+    return []
+
+
+class SessionController:
+    """The hooks the scheduler calls (see the module doc), over one SessionManager."""
+
+    def __init__(self, manager: SessionManager | None, reply: Reply) -> None:
+        self.manager = manager
+        self._reply = reply
+        self._held: dict[str, list[object]] = {}  # session in its tail -> messages held
+        self._ready: list[object] = []
+
+    # ------------------------------------------------------------------ helpers
+    def _m(self) -> SessionManager:
+        if self.manager is None:
+            raise RequestError(ErrorCode.INVALID_PARAMS, "this engine has no session support")
+        return self.manager
+
+    @staticmethod
+    def session_of(g: RequestGroup) -> str | None:
+        return g.turn.session if g.turn is not None else None
+
+    # ------------------------------------------------------------------- intake
+    def begin_generate(self, msg: EngineGenerate, appended: np.ndarray) -> Intake:
+        """Begin the turn of a Generate naming a session (the caller undoes it with
+        `abort_intake` if it then refuses the request)."""
+        assert msg.session is not None
+        m = self._m()
+        prompt = call(m.begin_turn, msg.session, msg.client, appended, msg.namespace)
+        namespace = m.get(msg.session, msg.client).namespace
+        return Intake(np.asarray(prompt, dtype=np.int64), namespace,
+                      Turn(session=msg.session, open=True))  # fmt: skip
+
+    def abort_intake(self, intake: Intake, client: bytes, opened: bool = False) -> None:
+        """The request was refused after its turn began: idle again (an opening turn's
+        session is closed)."""
+        session = intake.turn.session
+        if self.manager is None or session is None:
+            return
+        self.manager.abort_turn(session)
+        if opened:
+            self.manager.close(session, client)
+
+    def begin_open(self, msg: EngineOpenSession) -> Intake | None:
+        """Open the session; with input, begin its first turn and return its prompt (the
+        caller prefills it), without, answer SessionOpened now and return None."""
+        m = self._m()
+        s = call(
+            m.open, msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids
+        )
+        if not msg.input_ids:
+            self._reply(
+                msg.client,
+                SessionOpened(rid=msg.rid, session=s.id, length=s.length, cached_tokens=s.held_len),
+            )
+            return None
+        try:
+            prompt = call(m.begin_turn, s.id, msg.client, msg.input_ids)
+        except RequestError:
+            m.close(s.id, msg.client)
+            raise
+        return Intake(np.asarray(prompt, dtype=np.int64), s.namespace,
+                      Turn(session=s.id, open=True))  # fmt: skip
+
+    def begin_pin(self, msg: EnginePin, prompt: np.ndarray) -> Turn:
+        """Refuse a pin before it is prefilled: name taken, or beyond the retention cap."""
+        call(self._m().check_pin, msg.name, prompt, msg.namespace)
+        return Turn(pin_name=msg.name)
+
+    def unreclaimable_tokens(self) -> int:
+        """Tokens pins and hard sessions hold (soft ones can be demoted on demand)."""
+        m = self.manager
+        if m is None or not (m.num_sessions or m.num_pins):
+            return 0
+        by_class = m.retained_tokens()
+        return by_class.get("pinned", 0) + by_class.get("hard", 0)
+
+    # ----------------------------------------------------------------- commands
+    def command(self, cmd: EngineCommand) -> Struct | None:
+        """The reply to a session command (fork, truncate, close, unpin, list; refusals
+        become Errors); None: not one."""
+        if not is_session_command(cmd.msg):
+            return None
+        try:
+            return answer(self._m(), cmd.msg, cmd.client)
+        except RequestError as e:
+            return Error(rid=cmd.msg.rid, code=e.code, message=e.message)
+
+    # -------------------------------------------------------------------- tails
+    def defer(self, msg: object) -> bool:
+        """Keep `msg` if it acts on a session whose turn runs its tail; False: handle it
+        now."""
+        if not self._held:
+            return False
+        if isinstance(msg, EngineAbort):
+            for msgs in self._held.values():
+                if any(isinstance(m, EngineGenerate) and m.key == msg.key for m in msgs):
+                    msgs.append(msg)
+                    return True
+            return False
+        for session in sessions_of(msg):  # replayed, it is checked again for the others
+            held = self._held.get(session)
+            if held is not None:
+                held.append(msg)
+                return True
+        return False
+
+    def take_ready(self) -> list[object]:
+        """Messages released by finished tails, in arrival order (asked after every step
+        and message: no copy when there are none)."""
+        ready = self._ready
+        if ready:
+            self._ready = []
+        return ready
+
+    def needs_tail(self, g: RequestGroup) -> bool:
+        """Whether a branch that sampled its last token ends one step later, once that
+        token's KV is computed (a session turn: the next turn must hit it)."""
+        return g.turn is not None and g.turn.session is not None
+
+    def report_early(self, r: Request) -> bool:
+        """Whether `r` (an n == 1 session turn waiting for its tail) reports its Done now;
+        if so its session's messages are held until `on_ended`. n > 1 branches report at
+        the end: their new sessions are made then."""
+        g = r.group
+        session = self.session_of(g)
+        if g.n != 1 or g.kind is not RequestKind.GENERATE or session is None:
+            return False
+        assert g.turn is not None
+        g.turn.ended_in[r.index] = session
+        self._held.setdefault(session, [])
+        return True
+
+    # ---------------------------------------------------------------- admission
+    def restore(self, r: Request, cached_len: int) -> np.ndarray | None:
+        """Device slots holding the K/V of the session history after `cached_len`,
+        copied back from the host tier (None: nothing to restore)."""
+        session = self.session_of(r.group)
+        if self.manager is None or session is None:
+            return None
+        return self.manager.restore_from_host(session, cached_len)
+
+    def on_admit(self, r: Request, matched: int, restored: int) -> None:
+        """First admission of branch 0: usage figures of the reused history."""
+        g = r.group
+        g.restored_tokens = restored
+        session = self.session_of(g)
+        if self.manager is not None and session is not None:
+            g.recomputed_tokens = self.manager.recomputed_tokens(session, matched + restored)
+
+    def make_room(self, n_tokens: int) -> int:
+        """Demote idle soft sessions until `n_tokens` more are evictable; returns what
+        was made evictable."""
+        return self.manager.make_room(n_tokens) if self.manager is not None else 0
+
+    def tick(self, now: float) -> None:
+        if self.manager is not None:
+            self.manager.tick(now)
+
+    def stats(self) -> dict[str, Any]:
+        """The StatsReply fields about retention, sessions and pins."""
+        m = self.manager
+        retained = m.retained_tokens() if m is not None else {}
+        return {
+            "retained_tokens": {k: retained.get(k, 0) for k in ("pinned", "hard", "soft")},
+            "retained_cap": m.retained_cap if m is not None else 0,
+            "host_capacity": m.host_capacity if m is not None else 0,
+            "host_used": m.host_used if m is not None else 0,
+            "sessions": m.num_sessions if m is not None else 0,
+            "pins": m.num_pins if m is not None else 0,
+        }
+
+    def client_gone(self, client: bytes) -> None:
+        if self.manager is not None:
+            self.manager.client_gone(client)
+
+    def seed_for(self, g: RequestGroup, seed: int) -> int:
+        """The sampling seed of branch 0 of `g` given the request's `seed`: forked
+        sessions each draw their own stream (see `SessionManager.seed_offset`)."""
+        session = self.session_of(g)
+        if self.manager is None or session is None:
+            return seed
+        return seed + self.manager.seed_offset(session)
+
+    # ------------------------------------------------------------------ endings
+    def on_finish(self, r: Request, node: TreeNode | None) -> None:
+        """A branch finished and its tokens are in the tree: settle its turn or pin."""
+        g, turn, m = r.group, r.group.turn, self.manager
+        if turn is None or m is None:
+            return
+        if turn.pin_name is not None:
+            self._finish_pin(g, turn.pin_name, node)
+            return
+        session = turn.session
+        assert session is not None
+        history = r.tokens[: r.num_tokens]
+        try:
+            if g.n == 1:
+                turn.open = False
+                m.end_turn(session, history, node)
+                turn.ended_in[r.index] = session
+            else:
+                turn.ended_in[r.index] = m.branch(session, history, r.index)
+        except Exception as e:  # noqa: BLE001 - the output stands; the session keeps its history
+            log.exception("session %s: could not record the turn", session[:8])
+            if g.n == 1:
+                m.abort_turn(session)
+            if g.kind is RequestKind.OPEN_SESSION:
+                self._reply(
+                    g.client,
+                    Error(rid=g.rid, code=getattr(e, "code", ErrorCode.INTERNAL), message=str(e)),
+                )
+            return
+        if g.kind is RequestKind.OPEN_SESSION:
+            self._reply(g.client, SessionOpened(rid=g.rid, session=session, length=g.prompt_len,
+                                                cached_tokens=max(r.cached_tokens, 0)))
+
+    def _finish_pin(self, g: RequestGroup, name: str, node: TreeNode | None) -> None:
+        assert self.manager is not None
+        try:
+            call(self.manager.pin, name, g.prompt, node, g.namespace)
+        except RequestError as e:
+            self._reply(g.client, Error(rid=g.rid, code=e.code, message=e.message))
+            return
+        self._reply(g.client, Pinned(rid=g.rid, name=name, length=g.prompt_len))
+
+    def on_abort(self, r: Request) -> None:
+        """A branch was aborted or failed: its turn leaves the history unchanged."""
+        g, turn, m = r.group, r.group.turn, self.manager
+        if m is None or turn is None or turn.session is None or g.n > 1:
+            return
+        if turn.open:
+            turn.open = False
+            m.abort_turn(turn.session)
+        if g.kind is RequestKind.OPEN_SESSION:
+            with contextlib.suppress(Exception):  # already closed by client_gone
+                m.close(turn.session, g.client)
+
+    def on_ended(self, r: Request, finished: bool) -> None:
+        """A branch that reported early has ended: its session's held messages are
+        replayed (dropped if it did not finish: its client is gone)."""
+        session = self.session_of(r.group)
+        if session is None:
+            return
+        msgs = self._held.pop(session, None)
+        if msgs and finished:
+            self._ready.extend(msgs)
+
+    def on_group_done(self, g: RequestGroup) -> None:
+        """Every branch ended. An n > 1 session turn appends the input to the history once
+        its prompt was prefilled (the branches went on in their own sessions)."""
+        turn, m = g.turn, self.manager
+        if m is None or turn is None or turn.session is None or not turn.open:
+            return
+        turn.open = False
+        try:
+            if g.prefilled:
+                m.end_turn(turn.session, g.prompt, None)
+            else:
+                m.abort_turn(turn.session)
+        except Exception:  # noqa: BLE001
+            log.exception("session %s: could not close the n > 1 turn", turn.session[:8])
+            m.abort_turn(turn.session)

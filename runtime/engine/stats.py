@@ -1,0 +1,29 @@
+"""The engine's answer to GetStats: pool sizes, retention, queues and hit rate."""
+
+from __future__ import annotations
+
+from radixlm.cache import CacheSizes
+from radixlm.runtime.engine.session_controller import SessionController
+from radixlm.runtime.engine.table import Counters, RequestTable
+from radixlm.runtime.protocol import StatsReply
+
+
+def stats_reply(rid: str, sizes: CacheSizes, table: RequestTable, counters: Counters,
+                sessions: SessionController) -> StatsReply:
+    private = table.private_tokens()
+    c = counters
+    return StatsReply(
+        rid=rid,
+        capacity=sizes.capacity,
+        free=sizes.free,
+        evictable=sizes.evictable,
+        protected=sizes.protected,
+        private=private,
+        running=len(table.running),
+        waiting=len(table.waiting),
+        prompt_tokens_total=c.prompt_tokens,
+        cached_tokens_total=c.cached_tokens,
+        hit_rate=c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        invariant_ok=sizes.free + sizes.evictable + sizes.protected + private == sizes.capacity,
+        **sessions.stats(),
+    )

@@ -1,11 +1,14 @@
 """The one ZeroMQ helper every radixlm process uses: endpoints, sockets, framed messages.
 
 - Endpoints: the private runtime directory (0700) that holds the ``ipc://`` sockets, and
-  the checks on a user-given client endpoint (``tcp://*`` is refused: a TCP endpoint binds
-  to loopback unless the user names an address, ``tcp://0.0.0.0:PORT`` included).
+  the checks on a user-given client endpoint, parsed as a URL: no userinfo, a port in
+  0..65535 (0: the system picks one), and nothing that listens beyond this machine (a
+  wildcard such as ``*``, ``0``, ``0.0.0.0``, ``::``, or a non-loopback address) unless
+  clients must authenticate or the user said ``--insecure``.
 - `open_socket`: any socket type with the same options everywhere (linger 0 so closing
   never hangs, unbounded high-water marks so a send never blocks or drops on a local
-  pipe, heartbeats on TCP so a dead peer is noticed, 0600 on ipc socket files).
+  pipe, ZMTP heartbeats so a stopped peer is noticed, ipc socket files created 0600),
+  and bind errors as `EndpointError` with the reason.
 - `send` / `recv`: one msgspec message per frame, optionally behind a ROUTER identity.
 
 Only pyzmq and msgspec. (The SDK imports nothing of the runtime but the protocol, so it
@@ -14,10 +17,12 @@ keeps its own asyncio/anyio socket code.)
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import stat
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -26,12 +31,15 @@ import msgspec
 import zmq
 
 __all__ = [
+    "ClientEndpoint",
     "EndpointError",
+    "bound_endpoint",
     "check_client_endpoint",
     "ipc_endpoint",
     "ipc_path",
     "make_runtime_dir",
     "open_socket",
+    "parse_client_endpoint",
     "recv",
     "send",
 ]
@@ -40,9 +48,9 @@ T = TypeVar("T")
 
 # sockaddr_un.sun_path is 108 bytes on Linux (104 on macOS), terminating NUL included.
 MAX_IPC_PATH_BYTES = 103
-# ZMTP heartbeats on TCP: ping every 5 s, drop a peer silent for 30 s.
-_TCP_HEARTBEAT_IVL_MS = 5_000
-_TCP_HEARTBEAT_TIMEOUT_MS = 30_000
+# ZMTP heartbeats: ping every 5 s, drop a peer silent for 30 s.
+_HEARTBEAT_IVL_MS = 5_000
+_HEARTBEAT_TIMEOUT_MS = 30_000
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -83,44 +91,107 @@ def ipc_path(endpoint: str) -> Path | None:
     return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
 
 
-def check_client_endpoint(endpoint: str) -> str:
+@dataclass(frozen=True)
+class ClientEndpoint:
+    """A checked client endpoint: `address` is what to bind, `public` whether it listens
+    beyond this machine (a wildcard or a non-loopback address), `wildcard` whether on
+    every interface."""
+
+    address: str
+    public: bool = False
+    wildcard: bool = False
+
+
+# Hosts libzmq takes as "every interface" ("0" is 0.0.0.0 to the resolver).
+_WILDCARD_HOSTS = frozenset({"*", "0", "0.0.0.0", "::", "0:0:0:0:0:0:0:0"})
+
+
+def check_client_endpoint(endpoint: str, *, authenticated: bool = False,
+                          insecure: bool = False) -> str:
     """Validate (and normalise) an endpoint a server will bind for its clients.
 
-    ``ipc://PATH``: PATH's directory must exist. ``tcp://HOST:PORT``: HOST must be named
-    (``localhost``, an address, ``0.0.0.0`` to listen on every interface, said explicitly);
-    ``tcp://*:PORT`` is refused so that nothing listens publicly by accident.
+    ``ipc://PATH``: PATH's directory must exist. ``tcp://HOST:PORT``: parsed as a URL; no
+    userinfo, no path, a port in 0..65535 (0: the system picks one). A loopback HOST is
+    always allowed; anything else (another address, a host name, a wildcard such as ``*``,
+    ``0``, ``0.0.0.0`` or ``::``) listens beyond this machine and is refused unless the
+    server authenticates its clients (`authenticated`: ``--auth-dir``) or the user said
+    `insecure`.
     """
+    return parse_client_endpoint(endpoint, authenticated=authenticated, insecure=insecure).address
+
+
+def parse_client_endpoint(endpoint: str, *, authenticated: bool = False,
+                          insecure: bool = False) -> ClientEndpoint:
+    """`check_client_endpoint`, with what it found out about the address."""
     if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
-        if not path:
-            raise EndpointError("ipc endpoint needs a path: ipc:///path/to/socket")
-        if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
-            raise EndpointError(f"ipc socket path {path!r} is longer than {MAX_IPC_PATH_BYTES} bytes")
-        parent = os.path.dirname(os.path.abspath(path))
-        if not os.path.isdir(parent):
-            raise EndpointError(f"ipc endpoint directory {parent!r} does not exist")
-        if _ipc_in_use(path):  # binding would silently take the path from a live server
-            raise EndpointError(f"ipc endpoint {endpoint!r} is in use by a running server")
-        return f"ipc://{path}"
-    if endpoint.startswith("tcp://"):
+        return ClientEndpoint(_check_ipc(endpoint))
+    if not endpoint.startswith("tcp://"):
+        raise EndpointError(f"endpoint must start with ipc:// or tcp://, got {endpoint!r}")
+    try:
         parts = urlsplit(endpoint)
-        host = parts.hostname
-        try:
-            port = parts.port
-        except ValueError as e:
-            raise EndpointError(f"bad tcp endpoint {endpoint!r}: {e}") from None
-        if parts.netloc.startswith("*"):
-            raise EndpointError(
-                f"{endpoint!r} would listen on every interface; name the address "
-                "(tcp://127.0.0.1:PORT, or tcp://0.0.0.0:PORT to listen publicly on purpose)"
-            )
-        if not host or port is None or parts.path not in ("", "/"):
-            raise EndpointError(f"tcp endpoint must be tcp://HOST:PORT, got {endpoint!r}")
-        if host == "localhost":
-            host = "127.0.0.1"
-        host = f"[{host}]" if ":" in host else host
-        return f"tcp://{host}:{port}"
-    raise EndpointError(f"endpoint must start with ipc:// or tcp://, got {endpoint!r}")
+    except ValueError as e:  # unbalanced brackets
+        raise EndpointError(f"bad tcp endpoint {endpoint!r}: {e}") from None
+    if "@" in parts.netloc:
+        raise EndpointError(f"tcp endpoint {endpoint!r} has a user part ('...@'); "
+                            "use tcp://HOST:PORT")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise EndpointError(f"tcp endpoint must be tcp://HOST:PORT, got {endpoint!r}")
+    hostport = parts.netloc
+    host, sep, port_text = hostport.rpartition(":")
+    if not sep or not host or not port_text:
+        raise EndpointError(f"tcp endpoint must be tcp://HOST:PORT, got {endpoint!r}")
+    if not port_text.isdigit() or int(port_text) > 65535:
+        raise EndpointError(f"bad port {port_text!r} in {endpoint!r}: give 0..65535 "
+                            "(0: the system picks a free one)")
+    port = int(port_text)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    elif ":" in host:
+        raise EndpointError(f"an IPv6 address needs brackets: tcp://[{host}]:{port}")
+    host = host.lower()
+    if host == "localhost":
+        host = "127.0.0.1"
+    wildcard = host in _WILDCARD_HOSTS
+    if wildcard:
+        host = "::" if ":" in host else "0.0.0.0"
+    public = wildcard or not _is_loopback(host)
+    if public and not (authenticated or insecure):
+        where = "every interface" if wildcard else f"{host!r}, which is not a loopback address"
+        raise EndpointError(
+            f"{endpoint!r} would listen on {where}, without authentication: give --auth-dir "
+            "(CurveZMQ keys from 'radixlm keys'), bind tcp://127.0.0.1:PORT, or pass "
+            "--insecure to listen publicly without authentication on purpose"
+        )
+    shown = f"[{host}]" if ":" in host else host
+    return ClientEndpoint(f"tcp://{shown}:{port}", public=public, wildcard=wildcard)
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether `host` (an address; names other than localhost count as public) is a
+    loopback address. inet_aton also reads the short IPv4 forms the resolver takes
+    ("127.1")."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host)).is_loopback
+    except OSError:
+        return False
+
+
+def _check_ipc(endpoint: str) -> str:
+    path = endpoint[len("ipc://"):]
+    if not path:
+        raise EndpointError("ipc endpoint needs a path: ipc:///path/to/socket")
+    if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
+        raise EndpointError(f"ipc socket path {path!r} is longer than {MAX_IPC_PATH_BYTES} bytes")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise EndpointError(f"ipc endpoint directory {parent!r} does not exist")
+    if _ipc_in_use(path):  # binding would silently take the path from a live server
+        raise EndpointError(f"ipc endpoint {endpoint!r} is in use by a running server")
+    return f"ipc://{path}"
 
 
 def _ipc_in_use(path: str) -> bool:
@@ -164,22 +235,42 @@ def open_socket(
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
-        if endpoint.startswith("tcp://"):
-            sock.setsockopt(zmq.HEARTBEAT_IVL, _TCP_HEARTBEAT_IVL_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _TCP_HEARTBEAT_TIMEOUT_MS)
+        # ZMTP heartbeats on every transport: a peer that stopped (SIGSTOP, a frozen
+        # machine) is dropped even on ipc, where the kernel never says so.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         for option, value in (options or {}).items():
             sock.setsockopt(option, value)
         if bind:
-            sock.bind(endpoint)
-            path = ipc_path(endpoint)
-            if path is not None and path.exists():
-                path.chmod(stat.S_IRUSR | stat.S_IWUSR)
+            _bind(sock, endpoint)
         else:
             sock.connect(endpoint)
     except BaseException:
         sock.close(linger=0)
         raise
     return sock
+
+
+def _bind(sock: zmq.Socket[Any], endpoint: str) -> None:
+    """Bind; an ipc socket file is created 0600 (the umask is set around the bind, which
+    libzmq does on this thread), so no other user can connect, not even for a moment."""
+    path = ipc_path(endpoint)
+    old_umask = os.umask(0o077) if path is not None else None
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise EndpointError(f"cannot bind {endpoint}: {e.strerror}") from None
+    finally:
+        if old_umask is not None:
+            os.umask(old_umask)
+    if path is not None and path.exists():
+        path.chmod(stat.S_IRUSR | stat.S_IWUSR)  # (already so; says it for readers)
+
+
+def bound_endpoint(sock: zmq.Socket[Any]) -> str:
+    """The endpoint a socket is bound to, with the port the system picked for port 0."""
+    last = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return last.decode() if isinstance(last, bytes) else str(last)
 
 
 # -- framed messages ---------------------------------------------------------------------

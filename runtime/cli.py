@@ -4,6 +4,7 @@
     radixlm serve [--model M] [--endpoint E] ...     run a server until Ctrl-C / SIGTERM
     radixlm generate "prompt" [--endpoint E | --model M] [--max-tokens N] [--chat]
     radixlm sessions --endpoint E                    list live sessions
+    radixlm keys DIR [--client NAME]                 CurveZMQ keys for serve --auth-dir
     radixlm protocol-schema                          JSON Schema of every wire message
     radixlm chat ...                                 the SDK's REPL (radixlm.sdk.repl)
 
@@ -22,6 +23,7 @@ import signal
 import sys
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from radixlm.runtime.config import EngineConfig
@@ -55,6 +57,13 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
 
 
@@ -128,6 +137,25 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
                         "(default: %(default)s)")
 
 
+def add_trust_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of the client endpoint's trust boundary (serve only)."""
+    d = _DEFAULTS
+    g = p.add_argument_group("clients and trust")
+    g.add_argument("--auth-dir", default=d.auth_dir, metavar="DIR",
+                   help="require CurveZMQ authentication (and encryption): DIR holds the server "
+                        "key and the authorized client keys ('radixlm keys DIR' makes them)")
+    g.add_argument("--insecure", action="store_true",
+                   help="allow a TCP endpoint beyond loopback without --auth-dir")
+    g.add_argument("--max-message-bytes", type=_non_negative_int, default=d.max_message_bytes,
+                   metavar="BYTES",
+                   help="largest client frame; the server drops a connection that sends a larger "
+                        "one, before reading it; 0 = no limit (default: %(default)s)")
+    g.add_argument("--engine-timeout", type=_positive_float, default=d.engine_timeout_s,
+                   metavar="SECONDS",
+                   help="fail in-flight requests with engine_unavailable once the engine process "
+                        "has not answered for this long (default: %(default)s)")
+
+
 def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineConfig:
     """The frozen EngineConfig for parsed flags: the only place flags become config."""
     return EngineConfig(
@@ -149,6 +177,10 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         threads=args.threads,
         log_level=args.log_level,
         seed=args.seed,
+        auth_dir=getattr(args, "auth_dir", _DEFAULTS.auth_dir),
+        insecure=getattr(args, "insecure", _DEFAULTS.insecure),
+        max_message_bytes=getattr(args, "max_message_bytes", _DEFAULTS.max_message_bytes),
+        engine_timeout_s=getattr(args, "engine_timeout", _DEFAULTS.engine_timeout_s),
     )
 
 
@@ -173,7 +205,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop (as on SIGTERM) once process PID has exited; the SDK passes "
                             "its own pid, so an engine it started never outlives it")
     add_engine_arguments(serve)
+    add_trust_arguments(serve)
     serve.set_defaults(run=cmd_serve)
+
+    keys = sub.add_parser(
+        "keys", help="make CurveZMQ keys for 'serve --auth-dir DIR'",
+        description="Make the server's CurveZMQ key pair in DIR (unless it has one) and a key "
+                    "pair per --client, each authorized at once. Give clients DIR/server.key "
+                    "and their own DIR/clients/NAME.key_secret.",
+    )
+    keys.add_argument("dir", help="the auth directory (made 0700 if missing)")
+    keys.add_argument("--client", action="append", default=[], metavar="NAME",
+                      help="make and authorize a client key pair (repeatable; default: one "
+                           "named 'client' when the directory has none)")
+    keys.set_defaults(run=cmd_keys)
 
     gen = sub.add_parser(
         "generate", help="one-shot generation from the shell (streams the text to stdout)",
@@ -277,7 +322,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 os.unlink(args.endpoint_file)
 
 
+def cmd_keys(args: argparse.Namespace) -> int:
+    from radixlm.runtime.curve_keys import AUTHORIZED, AuthDirError, create_keys
+
+    directory = Path(args.dir)
+    clients = args.client
+    if not clients and not any((directory / AUTHORIZED).glob("*.key")):
+        clients = ["client"]
+    try:
+        made = create_keys(directory, clients)
+    except (AuthDirError, OSError) as e:
+        print(f"radixlm keys: {e}", file=sys.stderr)
+        return 1
+    print(f"server public key: {directory / 'server.key'} (give it to clients)")
+    for secret in made:
+        print(f"client key: {secret} (give it to that client only; authorized)")
+    print(f"serve with: radixlm serve --auth-dir {directory} --endpoint tcp://HOST:PORT")
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    import zmq
     from radixlm.runtime.channel import EndpointError
     from radixlm.runtime.launcher import ServerStartError, connect_address, start_server
     from radixlm.runtime.protocol import Input, Message
@@ -305,7 +370,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             )
             sys.stdout.write("\n")
         return 0
-    except ServerError as e:
+    except (ServerError, TimeoutError, OSError, zmq.ZMQError) as e:
         print(f"radixlm generate: {e}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, _StopRequested):

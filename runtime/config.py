@@ -29,6 +29,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
     log_level: str = "info"
     seed: int = 0
+    # Trust boundary of the client endpoint (the frontend enforces these).
+    auth_dir: str = ""  # CurveZMQ keys ('radixlm keys'); "" = no authentication
+    insecure: bool = False  # allow a public TCP endpoint without auth_dir
+    max_message_bytes: int = 4 * 2**20  # largest client frame; libzmq drops the connection
+    engine_timeout_s: float = 60.0  # engine silent this long -> in-flight requests fail
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,12 @@
 `start_server(config)` makes a private (0700) runtime directory for the ipc sockets,
 starts both processes (``python -m radixlm.runtime.launcher ROLE ...``: plain
 subprocesses, so nothing of the caller's ``__main__`` is re-imported and no pickle is
-involved), and returns once a real protocol handshake on the client endpoint succeeds. A
-process that dies during start-up raises `ServerStartError` with its error (each child
-writes a one-line summary to ``<runtime dir>/<role>.error`` before exiting).
+involved), and returns once the frontend has bound its client socket and said so in the
+runtime directory (rundir.py: the bound endpoint, with the port the system picked for
+port 0, and the `Welcome`). A process that dies during start-up raises `ServerStartError`
+with its error (each child writes a one-line summary to ``<runtime dir>/<role>.error``
+before exiting; a user error, such as a model that is not there, logs no traceback).
+Runtime directories left behind by servers that were killed are removed first.
 
 Shutdown (`RunningServer.stop`, also on ``with`` exit): SIGTERM to every child, a grace
 period, then SIGKILL; the runtime directory (sockets included) is removed. Children also
@@ -35,10 +38,16 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import zmq
-from radixlm.runtime.channel import check_client_endpoint, ipc_endpoint, ipc_path, make_runtime_dir
+from radixlm.runtime.channel import (
+    ipc_endpoint,
+    ipc_path,
+    make_runtime_dir,
+    parse_client_endpoint,
+)
 from radixlm.runtime.config import Endpoints, EngineConfig
-from radixlm.runtime.protocol import PROTOCOL_VERSION, Error, Hello, Welcome, decode_server, encode
+from radixlm.runtime.curve_keys import check_auth_dir
+from radixlm.runtime.protocol import Welcome
+from radixlm.runtime.rundir import read_ready, remove_stale, write_owner
 
 __all__ = [
     "RunningServer",
@@ -111,8 +120,20 @@ class RunningServer:
 
 
 def make_endpoints(config: EngineConfig, runtime_dir: Path) -> Endpoints:
-    client = check_client_endpoint(config.endpoint) if config.endpoint else ipc_endpoint(
-        runtime_dir, "client")
+    if config.auth_dir:
+        check_auth_dir(Path(config.auth_dir))
+    if config.endpoint:
+        checked = parse_client_endpoint(config.endpoint, authenticated=bool(config.auth_dir),
+                                        insecure=config.insecure)
+        client = checked.address
+        if checked.public:
+            log.warning(
+                "*** %s listens %s%s ***", client,
+                "on EVERY network interface" if checked.wildcard else "beyond this machine",
+                "; clients must present an authorized CurveZMQ key" if config.auth_dir else
+                " WITHOUT AUTHENTICATION (--insecure): anyone who can reach it can use it")
+    else:
+        client = ipc_endpoint(runtime_dir, "client")
     return Endpoints(
         client=client,
         to_engine=ipc_endpoint(runtime_dir, "engine"),
@@ -139,6 +160,8 @@ def start_server(
     runtime_dir = make_runtime_dir()
     processes: dict[str, subprocess.Popen[bytes]] = {}
     try:
+        write_owner(runtime_dir)
+        remove_stale(runtime_dir.parent)
         endpoints = make_endpoints(config, runtime_dir)
         spec = runtime_dir / "spec.json"
         spec.write_bytes(_encode_spec(config, endpoints))
@@ -151,7 +174,8 @@ def start_server(
                 [*command, str(spec), str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
             )
-        welcome = _wait_ready(endpoints.client, processes, runtime_dir, start_timeout_s)
+        bound, welcome = _wait_ready(processes, runtime_dir, start_timeout_s)
+        endpoints = dataclasses.replace(endpoints, client=bound)
     except BaseException:
         _stop_processes(processes, STOP_GRACE_S)
         # A user-chosen socket path is ours to remove only once our frontend may own it.
@@ -168,36 +192,24 @@ def connect_address(endpoint: str) -> str:
     return endpoint.replace("tcp://0.0.0.0:", "tcp://127.0.0.1:").replace("tcp://[::]:", "tcp://[::1]:")
 
 
-def _wait_ready(endpoint: str, processes: dict[str, subprocess.Popen[bytes]],
-                runtime_dir: Path, timeout_s: float) -> Welcome:
-    """Handshake on the client socket; fail fast if a child dies first."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(connect_address(endpoint))
-        sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION, client_name="radixlm-launcher")))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if sock.poll(int(_PROBE_INTERVAL_S * 1000)):
-                reply = decode_server(sock.recv())
-                if isinstance(reply, Welcome):
-                    return reply
-                detail = reply.message if isinstance(reply, Error) else type(reply).__name__
-                raise ServerStartError(f"the server refused the handshake: {detail}")
-            for role, proc in processes.items():
-                code = proc.poll()
-                if code is not None:
-                    raise ServerStartError(
-                        f"the {role} process exited with code {code} during start-up: "
-                        f"{_child_error(runtime_dir, role)}"
-                    )
-            if time.monotonic() > deadline:
+def _wait_ready(processes: dict[str, subprocess.Popen[bytes]], runtime_dir: Path,
+                timeout_s: float) -> tuple[str, Welcome]:
+    """The bound client endpoint and the Welcome, once the frontend has written them;
+    fail fast if a child dies first."""
+    deadline = time.monotonic() + timeout_s
+    while (ready := read_ready(runtime_dir)) is None:
+        for role, proc in processes.items():
+            code = proc.poll()
+            if code is not None:
                 raise ServerStartError(
-                    f"the server did not become ready within {timeout_s:.0f} s (see its log)")
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+                    f"the {role} process exited with code {code} during start-up: "
+                    f"{_child_error(runtime_dir, role)}"
+                )
+        if time.monotonic() > deadline:
+            raise ServerStartError(
+                f"the server did not become ready within {timeout_s:.0f} s (see its log)")
+        time.sleep(_PROBE_INTERVAL_S)
+    return ready.endpoint, ready.welcome
 
 
 def _child_error(runtime_dir: Path, role: str) -> str:
@@ -292,6 +304,11 @@ def stop_when_gone(pid: int, interval_s: float = 0.5) -> threading.Thread:
     return thread
 
 
+# Start-up failures that are the user's to fix (a model path that is not there, a file
+# that is not a model, an endpoint that cannot be bound): one line, no traceback.
+_USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError)
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -328,7 +345,12 @@ def child_main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0
     except BaseException as e:
-        logging.getLogger(f"radixlm.{args.role}").error("%s", traceback.format_exc())
+        role_log = logging.getLogger(f"radixlm.{args.role}")
+        if isinstance(e, _USER_ERRORS):  # the user's to fix: the message says what
+            role_log.error("%s", e)
+            role_log.debug("%s", traceback.format_exc())
+        else:
+            role_log.error("%s", traceback.format_exc())
         error_file = Path(endpoints.runtime_dir) / f"{args.role}.error"
         with contextlib.suppress(OSError):
             error_file.write_text(f"{type(e).__name__}: {e}\n", encoding="utf-8")

@@ -246,6 +246,8 @@ class Welcome(Struct, tag="welcome"):
     context_length: int
     page_size: int
     kv_capacity: int  # tokens
+    # Largest frame the server accepts; a larger one makes it drop the connection. 0 = no limit.
+    max_message_bytes: int = 0
 
 
 class TopLogprob(Struct, array_like=True):
@@ -315,6 +317,7 @@ class ErrorCode:
     BUSY = "busy"  # the session already has a request in flight
     CAPACITY = "capacity"  # retention cap reached, or the pool cannot hold it
     NO_TEMPLATE = "no_template"  # messages given but the model has no chat template
+    ENGINE_UNAVAILABLE = "engine_unavailable"  # the engine process stopped answering
     INTERNAL = "internal"
 
 

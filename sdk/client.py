@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +54,7 @@ from radixlm.runtime.protocol import (
     Unpin,
 )
 from radixlm.sdk.connection import Connection, Liveness, Request
+from radixlm.sdk.curve import load_curve_keys
 from radixlm.sdk.errors import EngineDeadError, InternalError, InvalidParamsError, ProgramError
 from radixlm.sdk.mailbox import Waiter
 from radixlm.sdk.results import (
@@ -164,7 +166,12 @@ class AsyncClient:
     `endpoint`: the engine's client endpoint (``ipc://...`` or ``tcp://host:port``).
     `connect_timeout`: how long to wait for the engine's Welcome (a new engine may still
     be loading its model). `heartbeat_timeout`: a call fails with `EngineDeadError` once
-    the engine has been silent this long while requests wait.
+    the server's frontend has been silent this long while requests wait (the frontend
+    answers pings even while the engine is busy; an engine that stopped answering fails
+    requests with `EngineUnavailableError` after the server's ``--engine-timeout``).
+    `server_key`, `client_key`: CurveZMQ certificate files for a server started with
+    ``--auth-dir`` (its ``server.key``; this client's ``NAME.key_secret``); with keys the
+    connection uses pyzmq's libzmq socket, which does CURVE.
     """
 
     def __init__(
@@ -173,12 +180,14 @@ class AsyncClient:
         *,
         name: str = "radixlm-python",
         connect_timeout: float = 30.0,
-        heartbeat_timeout: float = 5.0,
+        heartbeat_timeout: float = 30.0,
         liveness: Liveness | None = None,
+        server_key: str | os.PathLike[str] | None = None,
+        client_key: str | os.PathLike[str] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._conn = Connection(endpoint, client_name=name, heartbeat_timeout=heartbeat_timeout,
-                                liveness=liveness)
+                                liveness=liveness, curve=load_curve_keys(server_key, client_key))
         self._connect_timeout = connect_timeout
         self._stack: AsyncExitStack | None = None
         self._thread: int | None = None

@@ -38,7 +38,8 @@ from radixlm.runtime.protocol import (
     Tokenize,
     Welcome,
 )
-from radixlm.sdk.errors import EngineDeadError, error_from_reply
+from radixlm.sdk.curve import CurveKeys
+from radixlm.sdk.errors import EngineDeadError, TooLongError, error_from_reply
 from radixlm.sdk.mailbox import EventWaiter, Mailbox, Waiter, waiter_factory
 from radixlm.sdk.request import Failed, Request
 from radixlm.sdk.zmq_dealer import ZmqDealer
@@ -93,9 +94,11 @@ class Connection:
         abort_timeout: float = 2.0,
         liveness: Liveness | None = None,
         native: bool = True,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.endpoint = endpoint
-        self.native = native
+        self.native = native and curve is None  # CURVE needs libzmq
+        self.curve = curve
         self.client_name = client_name
         self.heartbeat_interval = heartbeat_interval
         self.heartbeat_timeout = heartbeat_timeout
@@ -121,6 +124,8 @@ class Connection:
         self.peak_generating = 0  # most generations in flight at once (for tests, benchmarks)
         self.sent = 0  # messages sent
         self.welcome: Welcome | None = None
+        self._max_bytes = 0  # the server's frame limit (Welcome.max_message_bytes)
+        self._opening: anyio.CancelScope | None = None  # the handshake wait, while it runs
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -132,27 +137,36 @@ class Connection:
         self._aloop = _running_asyncio_loop()
         tg.start_soon(self._monitor, name="radixlm monitor")
         self._handshake = replies = Mailbox[Any](self.new_waiter)
+        # `_fail` cancels this scope: a server that exits while we connect is reported
+        # at once (with its reason), not after `connect_timeout`.
+        self._opening = opening = anyio.CancelScope()
+        item: Any = None
         try:
-            with anyio.fail_after(connect_timeout):
+            with opening, anyio.fail_after(connect_timeout):
                 await self._connect(tg, connect_timeout)
                 self.send(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name))
                 item = await replies.get()
         except TimeoutError:
+            hint = ("is the server key right, and is this client's key authorized?"
+                    if self.curve is not None else "is a radixlm server running there?")
             raise EngineDeadError(
-                f"no answer from {self.endpoint} within {connect_timeout:g} s "
-                "(is a radixlm server running there?)"
+                f"no answer from {self.endpoint} within {connect_timeout:g} s ({hint})"
             ) from None
         except OSError as e:
             raise EngineDeadError(f"cannot connect to {self.endpoint}: {e}") from None
         finally:
+            self._opening = None
             self._handshake = None
             replies.close()
+        if item is None:  # cancelled by `_fail`
+            raise EngineDeadError(self._dead.message if self._dead else "the client is closed")
         if isinstance(item, Failed):
             raise item.exc
         if isinstance(item, Error):
             raise error_from_reply(item)
         assert isinstance(item, Welcome)
         self.welcome = item
+        self._max_bytes = item.max_message_bytes
         return item
 
     async def _connect(self, tg: TaskGroup, timeout: float) -> None:
@@ -162,7 +176,8 @@ class Connection:
             await link.connect(self.endpoint, timeout)
             self._link = link
         else:
-            zlink = ZmqDealer(self._dispatch)
+            zlink = ZmqDealer(self._dispatch,
+                              self.curve.socket_options() if self.curve is not None else None)
             self._zmq = zlink
             await zlink.connect(self.endpoint, tg)
             self._link = zlink
@@ -183,7 +198,8 @@ class Connection:
     def _lost(self, reason: str) -> None:
         """The link dropped. With a `liveness` hook, its reason (the process exited, and
         why) is worth the wait of a moment: the socket closes before the exit is seen."""
-        why = f"{reason} ({self.endpoint})"
+        why = (f"{reason} ({self.endpoint}): the server stopped, or it dropped a frame "
+               "larger than its --max-message-bytes")
         if self._liveness is None or self._aloop is None:
             self._fail(EngineDeadError(why))
             return
@@ -292,11 +308,18 @@ class Connection:
         link = self._link
         if link is None:
             raise EngineDeadError(f"cannot send to {self.endpoint}: not connected")
+        data = _encode(msg)
+        if self._max_bytes and len(data) > self._max_bytes:
+            # The server would drop the connection (libzmq's frame limit): refuse it here.
+            raise TooLongError(
+                f"the request is {len(data)} bytes; the server accepts messages of up to "
+                f"{self._max_bytes} bytes (its --max-message-bytes)",
+                rid=getattr(msg, "rid", None))
         try:
             if self._deferred:  # in order: what was deferred leaves first, in the same write
-                self._flush_deferred(then=_encode(msg))
+                self._flush_deferred(then=data)
             else:
-                link.send(_encode(msg))
+                link.send(data)
         except ConnectionError as e:
             raise EngineDeadError(f"cannot send to {self.endpoint}: {e}") from None
 
@@ -343,8 +366,12 @@ class Connection:
                 continue
             silent = time.monotonic() - self._last_heard
             if silent > self.heartbeat_timeout:
+                # The frontend answers pings itself (a busy engine does not delay them, and
+                # a stuck engine is reported by the frontend as engine_unavailable): this
+                # silence means the frontend process is stopped, gone, or starved of CPU.
                 self._fail(EngineDeadError(
-                    f"the engine at {self.endpoint} has not answered for {silent:.1f} s"
+                    f"the server's frontend at {self.endpoint} has not answered for "
+                    f"{silent:.1f} s (stopped, unreachable or starved of CPU)"
                 ))
                 return
             if silent > self.heartbeat_interval and self._ping_rid is None:
@@ -356,6 +383,8 @@ class Connection:
         if self._dead is not None:
             return
         self._dead = exc
+        if self._opening is not None:
+            self._opening.cancel()
         if not quiet:
             log.error("%s", exc.message)
         if self._flush_timer is not None:

@@ -124,7 +124,7 @@ class Engine(Client):
         model: str = "default",
         *,
         startup_timeout: float = 600.0,
-        heartbeat_timeout: float = 15.0,
+        heartbeat_timeout: float = 60.0,
         endpoint: str | None = None,
         **engine_flags: Any,
     ) -> None:

@@ -22,6 +22,7 @@ __all__ = [
     "EngineDeadError",
     "EngineError",
     "EngineStartError",
+    "EngineUnavailableError",
     "HandshakeRequiredError",
     "InternalError",
     "InvalidParamsError",
@@ -111,6 +112,13 @@ class EngineDeadError(EngineError, ConnectionError):
     code = "engine_dead"
 
 
+class EngineUnavailableError(EngineDeadError):
+    """The server's frontend answers, but its engine process stopped answering (frozen,
+    stopped, or stuck); the request was failed by the frontend."""
+
+    code = ErrorCode.ENGINE_UNAVAILABLE
+
+
 class EngineStartError(EngineDeadError):
     """`rl.Engine` could not start the engine process (the message has its log tail)."""
 
@@ -126,7 +134,7 @@ _BY_CODE: dict[str, type[EngineError]] = {
     for cls in (
         BadMessageError, UnknownTypeError, UnsupportedVersionError, HandshakeRequiredError,
         InvalidParamsError, EmptyPromptError, TooLongError, NotFoundError, DuplicateIdError,
-        BusyError, CapacityError, NoTemplateError, InternalError,
+        BusyError, CapacityError, NoTemplateError, InternalError, EngineUnavailableError,
     )
 }
 

@@ -10,6 +10,7 @@ interpreter exit; a ``weakref.finalize`` (which also runs at exit) closes it cle
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -57,13 +58,16 @@ class Client:
         *,
         name: str = "radixlm-python",
         connect_timeout: float = 30.0,
-        heartbeat_timeout: float = 5.0,
+        heartbeat_timeout: float = 30.0,
         liveness: Liveness | None = None,
+        server_key: str | os.PathLike[str] | None = None,
+        client_key: str | os.PathLike[str] | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._loop = LoopThread("radixlm-client")
         self.aclient = AsyncClient(endpoint, name=name, connect_timeout=connect_timeout,
-                                   heartbeat_timeout=heartbeat_timeout, liveness=liveness)
+                                   heartbeat_timeout=heartbeat_timeout, liveness=liveness,
+                                   server_key=server_key, client_key=client_key)
         try:
             held, stop = self._loop.portal.start_task(_hold_client, self.aclient)
         except BaseException:
@@ -278,15 +282,20 @@ def connect(
     endpoint: str,
     *,
     connect_timeout: float = 30.0,
-    heartbeat_timeout: float = 5.0,
+    heartbeat_timeout: float = 30.0,
     name: str = "radixlm-python",
+    server_key: str | os.PathLike[str] | None = None,
+    client_key: str | os.PathLike[str] | None = None,
 ) -> Client:
     """Attach to a running engine (``radixlm serve``) at `endpoint`; a synchronous `Client`.
-    For async code use ``async with rl.AsyncClient(endpoint) as client``."""
+    For async code use ``async with rl.AsyncClient(endpoint) as client``. For a server
+    started with ``--auth-dir DIR``: ``server_key="DIR/server.key"``,
+    ``client_key="DIR/clients/NAME.key_secret"`` (CurveZMQ, over pyzmq's libzmq socket)."""
     if endpoint.startswith(("http://", "https://")):
         raise ValueError(
             f"radixlm engines speak ZeroMQ, not HTTP: pass the endpoint `radixlm serve` "
             f"printed (ipc://... or tcp://HOST:PORT), not {endpoint!r}"
         )
     return Client(endpoint, connect_timeout=connect_timeout,
-                  heartbeat_timeout=heartbeat_timeout, name=name)
+                  heartbeat_timeout=heartbeat_timeout, name=name, server_key=server_key,
+                  client_key=client_key)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import zmq
@@ -30,13 +31,16 @@ class ZmqDealer:
     """A DEALER socket; frames go to `on_frame`. (libzmq reconnects by itself, so the
     connection is never reported lost: the liveness monitor notices a dead engine.)"""
 
-    def __init__(self, on_frame: Callable[[bytes], None]) -> None:
+    def __init__(self, on_frame: Callable[[bytes], None],
+                 options: dict[int, Any] | None = None) -> None:
         self._on_frame = on_frame
         self._ctx = zmq.Context(io_threads=1)
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # local pipe: never block or drop a send
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        for option, value in (options or {}).items():  # CURVE keys
+            self._sock.setsockopt(option, value)
         self._fd = self._sock.getsockopt(zmq.FD)
 
     async def connect(self, endpoint: str, tg: TaskGroup) -> None:

@@ -15,7 +15,6 @@ from radixlm.runtime.protocol import Hello, Ok, decode_client
 @pytest.mark.parametrize(("endpoint", "normalised"), [
     ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5555"),
     ("tcp://localhost:5555", "tcp://127.0.0.1:5555"),
-    ("tcp://0.0.0.0:5555", "tcp://0.0.0.0:5555"),  # every interface, said explicitly
     ("tcp://[::1]:5555", "tcp://[::1]:5555"),
 ])
 def test_tcp_endpoints_accepted(endpoint: str, normalised: str) -> None:

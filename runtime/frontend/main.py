@@ -2,8 +2,13 @@
 
 Start-up order: bind the engine->frontend pipe, wait for the engine's `EngineReady`, load
 the tokenizer from the directory the engine resolved, and only then bind the client
-socket, so a client that connects early simply waits in ZeroMQ's reconnect loop and the
-socket file's existence means "ready".
+socket, so a client that connects early simply waits in ZeroMQ's reconnect loop; once
+it is bound, the frontend writes the bound endpoint and the Welcome into the runtime
+directory (rundir.py), which is what the launcher waits for.
+
+The client socket is the trust boundary: its frames are size-limited by libzmq
+(``--max-message-bytes``), and with ``--auth-dir`` it is a CURVE server whose clients
+zmq.auth's authenticator checks against the authorized keys (curve_keys.py).
 
 Pipes: each side binds the PULL socket it reads from and connects the PUSH socket it
 writes to (the engine binds ``endpoints.to_engine``, the frontend ``endpoints.to_frontend``).
@@ -15,16 +20,20 @@ import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 import zmq
 from radixlm.runtime import channel
 from radixlm.runtime.channel import ipc_path, open_socket
 from radixlm.runtime.config import Endpoints, EngineConfig
+from radixlm.runtime.curve_keys import server_socket_options, start_authenticator
 from radixlm.runtime.engine.messages import EngineReady, to_frontend_decoder
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.server import Frontend, welcome_from
+from radixlm.runtime.rundir import write_ready
 from radixlm.tokenizer import Tokenizer
+from zmq.auth.thread import ThreadAuthenticator
 
 log = logging.getLogger("radixlm.frontend")
 
@@ -56,11 +65,19 @@ def load_text_model(config: EngineConfig, ready: EngineReady) -> TextModel:
     tokenizer = Tokenizer.load(model_dir)
     if tokenizer.chat_template is None:
         log.info("the model has no chat template: requests with messages get no_template")
-    return TextModel(
-        tokenizer=tokenizer,
-        context_length=ready.context_length,
-        vocab_size=ready.vocab_size or tokenizer.vocab_size,
-    )
+    return TextModel.load(tokenizer, ready.context_length, ready.vocab_size or tokenizer.vocab_size)
+
+
+def client_socket_options(config: EngineConfig) -> dict[int, int | bytes]:
+    """The client ROUTER's options: mandatory routing (a send to a gone client fails), the
+    frame size limit (libzmq drops a connection whose frame is larger, before buffering
+    it), and CURVE server keys when clients must authenticate."""
+    options: dict[int, int | bytes] = {zmq.ROUTER_MANDATORY: 1}
+    if config.max_message_bytes > 0:
+        options[zmq.MAXMSGSIZE] = config.max_message_bytes
+    if config.auth_dir:
+        options.update(server_socket_options(Path(config.auth_dir)))
+    return options
 
 
 def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
@@ -70,22 +87,29 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
     executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixlm-tokenize")
     frontend: Frontend | None = None
     clients: zmq.Socket[Any] | None = None
+    authenticator: ThreadAuthenticator | None = None
     try:
         from_engine = open_socket(ctx, zmq.PULL, endpoints.to_frontend, bind=True)
         to_engine = open_socket(ctx, zmq.PUSH, endpoints.to_engine, bind=False)
         sockets += [from_engine, to_engine]
         ready = wait_for_engine(from_engine)
         model = load_text_model(config, ready)
+        if config.auth_dir:
+            authenticator = start_authenticator(ctx, Path(config.auth_dir))
         clients = open_socket(ctx, zmq.ROUTER, endpoints.client, bind=True,
-                              options={zmq.ROUTER_MANDATORY: 1})
+                              options=client_socket_options(config))
         sockets.append(clients)
         monitor = clients.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sockets.append(monitor)
-        frontend = Frontend(model=model, welcome=welcome_from(ready, server_version()),
+        welcome = welcome_from(ready, server_version(), config.max_message_bytes)
+        frontend = Frontend(model=model, welcome=welcome,
                             clients=clients, monitor=monitor, from_engine=from_engine,
                             to_engine=to_engine, executor=executor)
+        bound = channel.bound_endpoint(clients)
+        if endpoints.runtime_dir:
+            write_ready(Path(endpoints.runtime_dir), bound, welcome)
         log.info("frontend ready: %s (context %d, vocab %d) at %s", ready.model,
-                 model.context_length, model.vocab_size, endpoints.client)
+                 model.context_length, model.vocab_size, bound)
         # A signal may land on ZeroMQ's I/O thread; Python runs its handler on the main
         # thread, which the wake-up fd pulls out of its poll.
         signal.set_wakeup_fd(frontend.wakeup_fd, warn_on_full_buffer=False)
@@ -101,6 +125,8 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
             clients.disable_monitor()
         for sock in reversed(sockets):
             sock.close(linger=0)
+        if authenticator is not None:
+            authenticator.stop()
         ctx.term()
         client_socket_file = ipc_path(endpoints.client)
         if clients is not None and client_socket_file is not None:

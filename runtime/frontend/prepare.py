@@ -37,6 +37,13 @@ class TextModel:
     tokenizer: Tokenizer
     context_length: int
     vocab_size: int  # input ids must be below this (the model's embedding rows)
+    # Text longer than this (UTF-8 bytes) cannot fit the context: refused before tokenizing.
+    max_input_bytes: int = 0  # 0 = no check
+
+    @classmethod
+    def load(cls, tokenizer: Tokenizer, context_length: int, vocab_size: int) -> TextModel:
+        return cls(tokenizer, context_length, vocab_size,
+                   max_input_bytes=context_length * max_token_bytes(tokenizer) * BYTES_MARGIN)
 
     @property
     def template(self) -> ChatTemplate | None:
@@ -47,6 +54,21 @@ class TextModel:
         """How this model is shown tools and writes calls (`radixlm.tokenizer.tools`)."""
         template = self.template
         return tool_format(template.source if template is not None else None)
+
+
+# Slack on top of "context x longest token": normalizers that drop characters are rare in
+# this model family, but the check must never refuse a text that would have fit.
+BYTES_MARGIN = 2
+
+
+def max_token_bytes(tokenizer: Tokenizer) -> int:
+    """The most UTF-8 bytes of input text one token can stand for: the longest token of
+    the vocabulary (special tokens included: text may spell them), at least 4 (one
+    character; a byte-fallback token of a partial character decodes to 3 bytes)."""
+    backend = tokenizer.backend
+    n = backend.get_vocab_size(with_added_tokens=True)
+    texts = backend.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    return max(4, max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=0))
 
 
 def input_ids(model: TextModel, inp: Input, history: SessionView,

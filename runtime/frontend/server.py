@@ -77,6 +77,7 @@ from radixlm.runtime.frontend.validate import (
     check_count,
     check_generate,
     check_input,
+    check_input_size,
 )
 from radixlm.runtime.grammar.spec import grammar_fields_given
 from radixlm.runtime.protocol import (
@@ -125,11 +126,11 @@ _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 Reply = Callable[[ServerMessage], bool]
 
 
-def welcome_from(ready: EngineReady, server_version: str) -> Welcome:
+def welcome_from(ready: EngineReady, server_version: str, max_message_bytes: int = 0) -> Welcome:
     return Welcome(
         protocol_version=PROTOCOL_VERSION, server_version=server_version, model=ready.model,
         context_length=ready.context_length, page_size=ready.page_size,
-        kv_capacity=ready.kv_capacity,
+        kv_capacity=ready.kv_capacity, max_message_bytes=max_message_bytes,
     )
 
 
@@ -393,6 +394,7 @@ class Frontend:
         if msg.rid in client.inflight:
             raise RequestError(ErrorCode.DUPLICATE_ID, f"request {msg.rid!r} is already in flight")
         check_generate(msg, self.model.vocab_size)
+        self._check_size(msg.input)
         plan = plan_structured(msg, self.model.tool_format)
         if plan.grammar is not None:  # the engine does not constrain decoding yet
             what = "tool_choice" if plan.tools and not grammar_fields_given(msg.sampling) else (
@@ -423,6 +425,9 @@ class Frontend:
         self._enqueue(client, lambda: generate_ids(model, msg, history), then,
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
 
+    def _check_size(self, inp: Input | None) -> None:
+        check_input_size(inp, self.model.max_input_bytes, self.model.context_length)
+
     def _abort(self, client: ClientState, msg: Abort) -> None:
         key = client.inflight.get(msg.rid)
         if key is None:
@@ -431,6 +436,7 @@ class Frontend:
 
     def _tokenize(self, client: ClientState, msg: Tokenize) -> None:
         check_input(msg.input, self.model.vocab_size)
+        self._check_size(msg.input)
 
         def then(ids: list[int] | RequestError) -> None:
             if isinstance(ids, RequestError):
@@ -445,6 +451,7 @@ class Frontend:
     def _open_session(self, client: ClientState, msg: OpenSession) -> None:
         if msg.input is not None:
             check_input(msg.input, self.model.vocab_size)
+            self._check_size(msg.input)
         start = UNKNOWN_HISTORY if msg.pinned is not None else EMPTY_HISTORY
 
         def then(ids: list[int] | RequestError) -> None:
@@ -472,6 +479,7 @@ class Frontend:
 
     def _pin(self, client: ClientState, msg: Pin) -> None:
         check_input(msg.input, self.model.vocab_size)
+        self._check_size(msg.input)
 
         def then(ids: list[int] | RequestError) -> None:
             if isinstance(ids, RequestError):

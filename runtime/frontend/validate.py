@@ -39,6 +39,28 @@ def check_input(inp: Input, vocab_size: int) -> None:
     check_messages(inp)
 
 
+def check_input_size(inp: Input | None, max_bytes: int, context_length: int) -> None:
+    """Refuse, before any tokenizing, an input that cannot fit the context whatever its
+    tokens: more ids than the context, or more text bytes than `max_bytes` (the context
+    times the longest token's bytes, with a margin). Characters are counted first (never
+    more than bytes), so a huge text costs no encoding."""
+    if inp is None or max_bytes <= 0:
+        return
+    if inp.input_ids is not None and len(inp.input_ids) > context_length:
+        raise RequestError(ErrorCode.TOO_LONG, f"input ({len(inp.input_ids)} tokens) exceeds "
+                                               f"the context length ({context_length})")
+    texts = [inp.text] if inp.text is not None else [m.content for m in inp.messages or ()]
+    chars = sum(len(t) for t in texts)
+    if chars * 4 <= max_bytes:  # UTF-8: at most 4 bytes a character
+        return
+    size = chars if chars > max_bytes else sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if size > max_bytes:
+        raise RequestError(
+            ErrorCode.TOO_LONG,
+            f"input text ({size} UTF-8 bytes{' at least' if size == chars else ''}) is longer "
+            f"than any text that fits the context of {context_length} tokens")
+
+
 def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
     problem = validate_sampling(sampling, vocab_size)
     if problem is not None:

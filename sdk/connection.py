@@ -54,8 +54,9 @@ Liveness = Callable[[], "str | None"]  # None while alive, else why it is dead
 # sent alone, its reply would wake the loop again just to be dropped.
 _DEFER_S = 0.02
 _MAX_CLOSE = 1024  # sessions one merged CloseSession may name (the server's limit)
-# After the link drops, how often and how many times to ask `liveness` why.
-_LOST_CHECK_S, _LOST_CHECKS = 0.05, 10
+# After the link drops, how often and how many times to ask `liveness` why: a server
+# whose frontend died needs a moment to notice, stop the engine and exit with the reason.
+_LOST_CHECK_S, _LOST_CHECKS = 0.1, 50
 # Built once: every frame in and out goes through these.
 _decode = msgspec.msgpack.Decoder(ServerMessage).decode
 _encode = msgspec.msgpack.Encoder().encode
@@ -377,7 +378,8 @@ class Connection:
             if silent > self.heartbeat_interval and self._ping_rid is None:
                 self._pings += 1
                 self._ping_rid = f"~ping{self._pings}"
-                self.send(Tokenize(rid=self._ping_rid, input=Input(text="")))
+                with contextlib.suppress(EngineDeadError):  # the link dropped: `_lost` says why
+                    self.send(Tokenize(rid=self._ping_rid, input=Input(text="")))
 
     def _fail(self, exc: EngineDeadError, *, quiet: bool = False) -> None:
         if self._dead is not None:

@@ -91,9 +91,10 @@ class EngineProcess:
         tail = self.log_tail()
         # `radixlm serve` says why it stopped in one line; else show the end of its log.
         summary = [line for line in tail.splitlines() if line.startswith("radixlm serve:")]
-        if summary:
-            return f"the engine process exited with code {code}: {summary[-1]}"
-        return f"the engine process exited with code {code}" + (
+        what = f"the server process (radixlm serve, pid {self.proc.pid}) exited with code {code}"
+        if summary:  # it names the process that failed (engine or frontend) and why
+            return f"{what}: {summary[-1]}"
+        return what + (
             f"; the end of its log:\n{tail}" if tail else "")
 
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:

@@ -6,6 +6,8 @@ handler), the SDK connects with its keys, and a public TCP endpoint needs keys o
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
 import signal
 import stat
 import subprocess
@@ -19,6 +21,8 @@ import radixlm as rl
 import zmq.auth
 
 CLI = [sys.executable, "-m", "radixlm.runtime.cli"]
+NODE = shutil.which("node")
+NODE_DIR = Path(__file__).resolve().parents[1] / "examples" / "node-client"
 START_TIMEOUT_S = 240.0
 
 
@@ -80,24 +84,47 @@ def test_public_tcp_without_auth_is_refused(tmp_path: Path, tiny_model_dir: Path
     assert proc.returncode == 1 and "--auth-dir" in proc.stderr and "--insecure" in proc.stderr
 
 
-def test_curve_server_accepts_only_authorized_keys(tmp_path: Path, tiny_model_dir: Path) -> None:
-    auth, stranger = tmp_path / "auth", tmp_path / "stranger"
+@pytest.fixture(scope="module")
+def curve_server(tmp_path_factory: pytest.TempPathFactory,
+                 tiny_model_dir: Path) -> Iterator[tuple[str, Path, Path]]:
+    """A server with --auth-dir on tcp://0.0.0.0:0: (client address, auth dir, its log)."""
+    tmp = tmp_path_factory.mktemp("curve")
+    auth = tmp / "auth"
     make_keys(auth, "alice")
-    make_keys(stranger, "mallory")  # a key pair the server never authorized
-    with serve(tmp_path, tiny_model_dir, "--auth-dir", str(auth), "--endpoint",
+    with serve(tmp, tiny_model_dir, "--auth-dir", str(auth), "--endpoint",
                "tcp://0.0.0.0:0") as (endpoint, log):
         port = int(endpoint.rsplit(":", 1)[1])
         assert endpoint == f"tcp://0.0.0.0:{port}" and port > 0  # port 0: the bound port
-        assert "EVERY network interface" in log.read_text()  # the loud wildcard warning
-        address = f"tcp://127.0.0.1:{port}"
-        with rl.connect(address, server_key=auth / "server.key",
-                        client_key=auth / "clients" / "alice.key_secret") as client:
-            assert client.generate("hi", max_tokens=2, temperature=0).text is not None
-        with pytest.raises(rl.EngineDeadError, match="authorized"):
-            rl.connect(address, connect_timeout=3, server_key=auth / "server.key",
-                       client_key=stranger / "clients" / "mallory.key_secret")
-        with pytest.raises(rl.EngineDeadError):  # no keys at all: no CURVE handshake
-            rl.connect(address, connect_timeout=3)
+        yield f"tcp://127.0.0.1:{port}", auth, log
+
+
+def test_curve_server_accepts_only_authorized_keys(curve_server: tuple[str, Path, Path],
+                                                   tmp_path: Path) -> None:
+    address, auth, log = curve_server
+    assert "EVERY network interface" in log.read_text()  # the loud wildcard warning
+    stranger = tmp_path / "stranger"
+    make_keys(stranger, "mallory")  # a key pair the server never authorized
+    with rl.connect(address, server_key=auth / "server.key",
+                    client_key=auth / "clients" / "alice.key_secret") as client:
+        assert client.generate("hi", max_tokens=2, temperature=0).text is not None
+    with pytest.raises(rl.EngineDeadError, match="authorized"):
+        rl.connect(address, connect_timeout=3, server_key=auth / "server.key",
+                   client_key=stranger / "clients" / "mallory.key_secret")
+    with pytest.raises(rl.EngineDeadError):  # no keys at all: no CURVE handshake
+        rl.connect(address, connect_timeout=3)
+
+
+@pytest.mark.skipif(NODE is None or not (NODE_DIR / "node_modules" / "zeromq").exists(),
+                    reason="node or examples/node-client/node_modules missing")
+def test_node_client_with_keys(curve_server: tuple[str, Path, Path]) -> None:
+    address, auth, _ = curve_server
+    assert NODE is not None
+    demo = [NODE, "demo.js", address, "--json", "--max-tokens", "2"]
+    keys = ["--server-key", str(auth / "server.key"),
+            "--client-key", str(auth / "clients" / "alice.key_secret")]
+    ok = subprocess.run([*demo, *keys], cwd=NODE_DIR, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout.strip().splitlines()[-1])["second"]["usage"]["cached_tokens"] > 0
 
 
 def test_loopback_port_zero_becomes_ready(tmp_path: Path, tiny_model_dir: Path) -> None:

@@ -8,6 +8,7 @@
 //   client.close();
 "use strict";
 
+const fs = require("fs");
 const zmq = require("zeromq");
 const { Encoder, decode } = require("@msgpack/msgpack");
 
@@ -27,12 +28,36 @@ class EngineError extends Error {
   }
 }
 
+/**
+ * A key from a pyzmq `zmq.auth` certificate file (`radixlm keys` makes them):
+ * `field` is "public-key" or "secret-key"; the value is Z85 text, as libzmq takes it.
+ */
+function certificateKey(path, field) {
+  const match = fs.readFileSync(path, "utf8").match(new RegExp(`${field}\\s*=\\s*"([^"]+)"`));
+  if (!match) throw new Error(`${path} has no ${field}`);
+  return match[1];
+}
+
+/**
+ * CurveZMQ socket options for a server started with `radixlm serve --auth-dir DIR`:
+ * `serverKey` is DIR/server.key, `clientKey` this client's DIR/clients/NAME.key_secret.
+ */
+function curveOptions({ serverKey, clientKey } = {}) {
+  if (!serverKey && !clientKey) return {};
+  if (!serverKey || !clientKey) throw new Error("CurveZMQ needs both serverKey and clientKey");
+  return {
+    curveServerKey: certificateKey(serverKey, "public-key"),
+    curvePublicKey: certificateKey(clientKey, "public-key"),
+    curveSecretKey: certificateKey(clientKey, "secret-key"),
+  };
+}
+
 class Client {
   /** Use `Client.connect`; the constructor does not handshake. */
-  constructor(endpoint) {
+  constructor(endpoint, keys = {}) {
     this.endpoint = endpoint;
     this.welcome = null;
-    this._socket = new zmq.Dealer({ linger: 0 });
+    this._socket = new zmq.Dealer({ linger: 0, ...curveOptions(keys) });
     this._socket.connect(endpoint);
     this._pending = new Map(); // rid -> { onReply(msg) -> bool (true when finished), reject }
     this._handshake = null; // { resolve, reject } while waiting for welcome
@@ -41,9 +66,15 @@ class Client {
     this._reader = this._readLoop();
   }
 
-  /** Connect and handshake; resolves to a ready client (`client.welcome` is the Welcome). */
-  static async connect(endpoint, { clientName = "radixlm-node-client", timeoutMs = 30000 } = {}) {
-    const client = new Client(endpoint);
+  /**
+   * Connect and handshake; resolves to a ready client (`client.welcome` is the Welcome).
+   * `serverKey`/`clientKey`: CurveZMQ certificate files, for a server with --auth-dir.
+   */
+  static async connect(
+    endpoint,
+    { clientName = "radixlm-node-client", timeoutMs = 30000, serverKey, clientKey } = {},
+  ) {
+    const client = new Client(endpoint, { serverKey, clientKey });
     try {
       client.welcome = await client._hello(clientName, timeoutMs);
     } catch (err) {

@@ -2,6 +2,7 @@
 // many prompt tokens each turn took from the prefix cache.
 //
 //   node demo.js [ENDPOINT] [--max-tokens N] [--ignore-eos] [--json]
+//                [--server-key DIR/server.key --client-key DIR/clients/NAME.key_secret]
 //
 // ENDPOINT defaults to $RADIXLM_ENDPOINT (the address `radixlm serve` prints).
 // --ignore-eos makes every turn exactly --max-tokens long; --json prints one JSON summary
@@ -17,6 +18,8 @@ function parseArgs(argv) {
     if (arg === "--json") args.json = true;
     else if (arg === "--ignore-eos") args.ignoreEos = true;
     else if (arg === "--max-tokens") args.maxTokens = Number.parseInt(argv[++i], 10);
+    else if (arg === "--server-key") args.serverKey = argv[++i];
+    else if (arg === "--client-key") args.clientKey = argv[++i];
     else if (arg === "-h" || arg === "--help") args.help = true;
     else args.endpoint = arg;
   }
@@ -50,7 +53,11 @@ async function main() {
     );
     process.exit(args.help ? 0 : 2);
   }
-  const client = await Client.connect(args.endpoint, { clientName: "node-demo" });
+  const client = await Client.connect(args.endpoint, {
+    clientName: "node-demo",
+    serverKey: args.serverKey,
+    clientKey: args.clientKey,
+  });
   try {
     const { model, protocol_version, server_version } = client.welcome;
     console.log(`connected to ${args.endpoint}: ${model} (server ${server_version}, protocol ${protocol_version})`);

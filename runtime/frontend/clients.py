@@ -32,7 +32,8 @@ class Pending:
 
 
 class ClientState:
-    __slots__ = ("identity", "fd", "welcomed", "inflight", "pending", "touched_engine")
+    __slots__ = ("identity", "fd", "welcomed", "inflight", "pending", "touched_engine",
+                 "awaiting", "abandoned")
 
     def __init__(self, identity: bytes, fd: int) -> None:
         self.identity = identity
@@ -41,6 +42,8 @@ class ClientState:
         self.inflight: dict[str, int] = {}  # rid -> key of this client's Generates
         self.pending: deque[Pending] = deque()
         self.touched_engine = False  # the engine may hold state for it (requests, sessions)
+        self.awaiting: set[str] = set()  # rids of its commands the engine has yet to answer
+        self.abandoned: set[str] = set()  # rids failed while the engine was unavailable
 
 
 class ClientRegistry:

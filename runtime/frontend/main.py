@@ -104,7 +104,8 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
         welcome = welcome_from(ready, server_version(), config.max_message_bytes)
         frontend = Frontend(model=model, welcome=welcome,
                             clients=clients, monitor=monitor, from_engine=from_engine,
-                            to_engine=to_engine, executor=executor)
+                            to_engine=to_engine, executor=executor,
+                            engine_timeout_s=config.engine_timeout_s)
         bound = channel.bound_endpoint(clients)
         if endpoints.runtime_dir:
             write_ready(Path(endpoints.runtime_dir), bound, welcome)

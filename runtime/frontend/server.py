@@ -33,6 +33,7 @@ import itertools
 import logging
 import os
 import queue
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any
@@ -56,6 +57,7 @@ from radixlm.runtime.engine.messages import (
 )
 from radixlm.runtime.frontend.clients import ClientRegistry, ClientState, Pending
 from radixlm.runtime.frontend.frames import FrameError, decode_frame
+from radixlm.runtime.frontend.liveness import PROBE_CLIENT, Change, EngineWatch
 from radixlm.runtime.frontend.prepare import (
     TextModel,
     generate_ids,
@@ -144,6 +146,15 @@ def _input_chars(inp: Input | None) -> int:
     return 0
 
 
+def _command_rid(msg: ToEngine) -> str | None:
+    """The rid of a message the engine answers with one reply (not a Generate's)."""
+    if isinstance(msg, EngineCommand):
+        return msg.msg.rid
+    if isinstance(msg, (EngineOpenSession, EnginePin)):
+        return msg.rid
+    return None
+
+
 def _done_future(value: Any) -> Future[Any]:
     future: Future[Any] = Future()
     future.set_result(value)
@@ -167,8 +178,10 @@ class Frontend:
 
     def __init__(self, *, model: TextModel, welcome: Welcome, clients: zmq.Socket[Any],
                  monitor: zmq.Socket[Any], from_engine: zmq.Socket[Any],
-                 to_engine: zmq.Socket[Any], executor: Executor) -> None:
+                 to_engine: zmq.Socket[Any], executor: Executor,
+                 engine_timeout_s: float = 60.0) -> None:
         self.model = model
+        self._watch = EngineWatch(engine_timeout_s, time.monotonic())
         self._welcome = encode(welcome)
         self._encode_reply = msgspec.msgpack.Encoder().encode  # the chunk path's own encoder
         self._sock = clients
@@ -209,8 +222,10 @@ class Frontend:
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._sock, zmq.POLLIN)
+        poll_ms = int(self._watch.interval_s * 1000)
         while True:
-            ready = dict(poller.poll())
+            ready = dict(poller.poll(poll_ms))
+            self._watch_engine()
             if self._from_engine in ready:
                 self._drain_engine()
             if self._monitor in ready:
@@ -230,6 +245,8 @@ class Frontend:
         os.close(self._wake_w)
 
     def _drain_engine(self) -> None:
+        if self._watch.on_message(time.monotonic()) is Change.UP:
+            log.warning("the engine answers again")
         for _ in range(BATCH):
             try:
                 data = self._from_engine.recv(zmq.NOBLOCK)
@@ -241,6 +258,44 @@ class Frontend:
                 log.error("undecodable message from the engine dropped: %s", e)
                 continue
             self.on_engine_message(msg)
+
+    # -- engine liveness -------------------------------------------------------------------
+
+    def _watch_engine(self) -> None:
+        now = time.monotonic()
+        rid = self._watch.probe_due(now)
+        if rid is not None:
+            channel.send(self._to_engine_sock, EngineCommand(client=PROBE_CLIENT,
+                                                             msg=GetStats(rid=rid)))
+        if self._watch.check(now) is Change.DOWN:
+            self._engine_down(now)
+
+    def _unavailable(self) -> str:
+        return (f"the engine process has not answered for "
+                f"{self._watch.silent_for(time.monotonic()):.0f} s (stopped, frozen or stuck; "
+                f"--engine-timeout {self._watch.timeout_s:g} s)")
+
+    def _engine_down(self, now: float) -> None:
+        """Fail every request waiting on the engine. It is told to abort the generations,
+        in case it comes back; late replies to the failed commands (each gets exactly one)
+        are dropped."""
+        message = self._unavailable()
+        failed = 0
+        for client in self._clients:
+            for rid, key in list(client.inflight.items()):
+                stream = self._streams.get(key)
+                if stream is not None:
+                    self._end_request(stream)
+                self._to_engine(None, EngineAbort(key=key))
+                self._error(client, rid, ErrorCode.ENGINE_UNAVAILABLE, message)
+                failed += 1
+            for rid in client.awaiting:
+                client.abandoned.add(rid)
+                self._replies.pop((client.identity, rid), None)
+                self._error(client, rid, ErrorCode.ENGINE_UNAVAILABLE, message)
+                failed += 1
+            client.awaiting.clear()
+        log.error("%s: %d request(s) failed with engine_unavailable", message, failed)
 
     def _drain_clients(self) -> None:
         for _ in range(BATCH):
@@ -303,6 +358,9 @@ class Frontend:
     def _to_engine(self, client: ClientState | None, msg: ToEngine) -> None:
         if client is not None:
             client.touched_engine = True
+            rid = _command_rid(msg)
+            if rid is not None:
+                client.awaiting.add(rid)
         channel.send(self._to_engine_sock, msg)
 
     # -- ordered preparation -------------------------------------------------------------
@@ -359,6 +417,9 @@ class Frontend:
         if not client.welcomed:
             self._error(client, msg.rid, ErrorCode.HANDSHAKE_REQUIRED,
                         f"send hello (protocol_version={PROTOCOL_VERSION}) first")
+            return
+        if self._watch.down and type(msg) is not Tokenize:  # tokenize needs no engine
+            self._error(client, msg.rid, ErrorCode.ENGINE_UNAVAILABLE, self._unavailable())
             return
         try:
             self._handlers[type(msg)](client, msg)
@@ -643,7 +704,7 @@ class Frontend:
     def _on_reply(self, msg: ToClient) -> None:
         client = self._clients.get(msg.client)
         if client is None:
-            return  # gone; the engine has been told
+            return  # gone (or a liveness probe's reply); the engine has been told
         try:
             reply = decode_server(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -651,6 +712,10 @@ class Frontend:
             return
         rid = getattr(reply, "rid", None)
         if rid is not None:
+            if client.abandoned and rid in client.abandoned:
+                client.abandoned.discard(rid)  # already failed as engine_unavailable
+                return
+            client.awaiting.discard(rid)
             on_reply = self._replies.pop((msg.client, rid), None)
             if on_reply is not None and on_reply(reply):
                 return

@@ -49,7 +49,7 @@ def check_input_size(inp: Input | None, max_bytes: int, context_length: int) -> 
     if inp.input_ids is not None and len(inp.input_ids) > context_length:
         raise RequestError(ErrorCode.TOO_LONG, f"input ({len(inp.input_ids)} tokens) exceeds "
                                                f"the context length ({context_length})")
-    texts = [inp.text] if inp.text is not None else [m.content for m in inp.messages or ()]
+    texts = [inp.text] if inp.text is not None else [m.content or "" for m in inp.messages or ()]
     chars = sum(len(t) for t in texts)
     if chars * 4 <= max_bytes:  # UTF-8: at most 4 bytes a character
         return

@@ -65,7 +65,8 @@ class RawClient:
     """
 
     def __init__(self, endpoint: str, *, name: str = "radixlm-raw-client",
-                 timeout_s: float | None = 60.0, handshake: bool = True) -> None:
+                 timeout_s: float | None = 60.0, handshake: bool = True,
+                 options: dict[int, Any] | None = None) -> None:
         self.endpoint = endpoint
         self.name = name
         self.timeout_s = timeout_s
@@ -74,6 +75,8 @@ class RawClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        for option, value in (options or {}).items():  # e.g. CURVE keys
+            self._sock.setsockopt(option, value)
         self._sock.connect(endpoint)
         self._buffer: deque[ServerMessage] = deque()
         self._rids = itertools.count(1)

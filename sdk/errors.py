@@ -23,6 +23,7 @@ __all__ = [
     "EngineError",
     "EngineStartError",
     "EngineUnavailableError",
+    "ForbiddenError",
     "HandshakeRequiredError",
     "InternalError",
     "InvalidParamsError",
@@ -106,6 +107,10 @@ class InternalError(EngineError):
     code = ErrorCode.INTERNAL
 
 
+class ForbiddenError(EngineError, PermissionError):
+    code = ErrorCode.FORBIDDEN
+
+
 class EngineDeadError(EngineError, ConnectionError):
     """The engine stopped answering, its process exited, or the client was closed."""
 
@@ -135,6 +140,7 @@ _BY_CODE: dict[str, type[EngineError]] = {
         BadMessageError, UnknownTypeError, UnsupportedVersionError, HandshakeRequiredError,
         InvalidParamsError, EmptyPromptError, TooLongError, NotFoundError, DuplicateIdError,
         BusyError, CapacityError, NoTemplateError, InternalError, EngineUnavailableError,
+        ForbiddenError,
     )
 }
 

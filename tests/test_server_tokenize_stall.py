@@ -1,11 +1,10 @@
 """A huge prompt's tokenization must not stall other clients' streams.
 
-One client streams a generation while another sends a 200k-character prompt (too long
-for the tiny model's context, so it ends in `too_long` after tokenization: only the
-tokenization cost remains). A frontend that tokenized on its forwarding thread would hold
-the stream for the whole time between that prompt's arrival and its refusal (at least
-about as long as the same tokenization takes here); the stream must keep flowing
-through it instead.
+One client streams a generation while another sends a 200k-character prompt, far more
+text than the tiny model's context can hold whatever its tokens: the frontend refuses it
+with `too_long` before tokenizing it at all (its byte bound), so the refusal comes in a
+fraction of the time tokenizing it takes here, and the stream keeps flowing. (Prompts
+under the bound are tokenized in worker threads: test_frontend_* covers those.)
 """
 
 from __future__ import annotations
@@ -85,13 +84,9 @@ def test_long_prompt_tokenization_does_not_stall_streams(server: Any, tiny_model
                 stream_done = isinstance(msg, Done)
         assert refused_at is not None
         arrivals.append(refused_at)
-        gaps = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
-        window = refused_at - sent_at  # the frontend tokenizing the prompt, then refusing it
-        # The stream kept flowing while the prompt was tokenized: no pause of anything like
-        # the window (tokenizing on the forwarding thread would make one gap the window).
-        assert window > 0.5 * tokenize_s, (window, tokenize_s)
-        assert len(arrivals) > 3, (arrivals, tokenize_s)
-        assert max(gaps) < 0.5 * window, (max(gaps), window, tokenize_s)
+        window = refused_at - sent_at  # from the prompt's arrival to its refusal
+        assert window < tokenize_s, (window, tokenize_s)  # refused without tokenizing
+        assert stream_done
     finally:
         streamer.close(linger=0)
         sender.close(linger=0)

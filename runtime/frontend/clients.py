@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
+from radixlm.runtime.frontend.tenants import EngineNames
+
 
 class Pending:
     """Prepared (or being prepared) work; `then` runs on the main thread with the result."""
@@ -33,10 +35,11 @@ class Pending:
 
 class ClientState:
     __slots__ = ("identity", "fd", "welcomed", "inflight", "pending", "touched_engine",
-                 "awaiting", "abandoned")
+                 "awaiting", "abandoned", "names")
 
-    def __init__(self, identity: bytes, fd: int) -> None:
+    def __init__(self, identity: bytes, fd: int, names: EngineNames) -> None:
         self.identity = identity
+        self.names = names  # its tenant's namespaces and pins as the engine knows them
         self.fd = fd
         self.welcomed = False
         self.inflight: dict[str, int] = {}  # rid -> key of this client's Generates
@@ -58,8 +61,8 @@ class ClientRegistry:
         """The client whose connection used descriptor `fd`."""
         return self._by_fd.get(fd)
 
-    def add(self, identity: bytes, fd: int) -> ClientState:
-        client = ClientState(identity, fd)
+    def add(self, identity: bytes, fd: int, names: EngineNames) -> ClientState:
+        client = ClientState(identity, fd, names)
         self._by_identity[identity] = client
         if fd >= 0:
             self._by_fd[fd] = identity

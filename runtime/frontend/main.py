@@ -105,7 +105,8 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
         frontend = Frontend(model=model, welcome=welcome,
                             clients=clients, monitor=monitor, from_engine=from_engine,
                             to_engine=to_engine, executor=executor,
-                            engine_timeout_s=config.engine_timeout_s)
+                            engine_timeout_s=config.engine_timeout_s,
+                            multi_tenant=bool(config.auth_dir))
         bound = channel.bound_endpoint(clients)
         if endpoints.runtime_dir:
             write_ready(Path(endpoints.runtime_dir), bound, welcome)

@@ -74,6 +74,7 @@ from radixlm.runtime.frontend.session_state import (
 )
 from radixlm.runtime.frontend.streams import Outcome, RequestStream
 from radixlm.runtime.frontend.structured import plan_structured
+from radixlm.runtime.frontend.tenants import names_for
 from radixlm.runtime.frontend.validate import (
     RequestError,
     check_count,
@@ -99,9 +100,12 @@ from radixlm.runtime.protocol import (
     Ok,
     OpenSession,
     Pin,
+    Pinned,
     ServerMessage,
+    SessionList,
     SessionOpened,
     SessionsForked,
+    StatsReply,
     Tokenize,
     Tokens,
     TruncateSession,
@@ -179,8 +183,9 @@ class Frontend:
     def __init__(self, *, model: TextModel, welcome: Welcome, clients: zmq.Socket[Any],
                  monitor: zmq.Socket[Any], from_engine: zmq.Socket[Any],
                  to_engine: zmq.Socket[Any], executor: Executor,
-                 engine_timeout_s: float = 60.0) -> None:
+                 engine_timeout_s: float = 60.0, multi_tenant: bool = False) -> None:
         self.model = model
+        self._multi_tenant = multi_tenant  # clients authenticate: each key is a tenant
         self._watch = EngineWatch(engine_timeout_s, time.monotonic())
         self._welcome = encode(welcome)
         self._encode_reply = msgspec.msgpack.Encoder().encode  # the chunk path's own encoder
@@ -207,10 +212,10 @@ class Frontend:
             ForkSession: self._fork_session,
             TruncateSession: self._truncate_session,
             CloseSession: self._close_session,
-            Unpin: self._command,
+            Unpin: self._unpin,
             ListSessions: self._command,
             GetStats: self._command,
-            FlushCache: self._command,
+            FlushCache: self._flush_cache,
         }
 
     # -- loop ------------------------------------------------------------------------------
@@ -402,7 +407,7 @@ class Frontend:
 
     def on_client_frames(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
-        client = self._clients.get(identity) or self._register(identity, frames[0])
+        client = self._clients.get(identity) or self._register(identity, frames)
         if len(frames) != 2:
             self._error(client, None, ErrorCode.BAD_MESSAGE,
                         f"a message is one frame, got {len(frames) - 1}")
@@ -429,7 +434,8 @@ class Frontend:
             log.exception("handling %s failed", type(msg).__name__)
             self._error(client, msg.rid, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
 
-    def _register(self, identity: bytes, frame: zmq.Frame) -> ClientState:
+    def _register(self, identity: bytes, frames: list[zmq.Frame]) -> ClientState:
+        frame = frames[0]
         try:
             fd = frame.get(zmq.SRCFD)
         except zmq.ZMQError:
@@ -439,7 +445,8 @@ class Frontend:
             stale = self._clients.on_fd(fd)
             if stale is not None:
                 self._client_gone(stale, "its connection was replaced")
-        return self._clients.add(identity, fd)
+        return self._clients.add(identity, fd,
+                                 names_for(frames[-1], multi_tenant=self._multi_tenant))
 
     def _hello(self, client: ClientState, msg: Hello) -> None:
         if msg.protocol_version != PROTOCOL_VERSION:
@@ -479,7 +486,9 @@ class Frontend:
             self._to_engine(client, EngineGenerate(
                 key=key, client=client.identity, rid=msg.rid, input_ids=ids,
                 sampling=msg.sampling, prompt_logprobs_start=msg.prompt_logprobs_start,
-                priority=msg.priority, namespace=msg.namespace, session=msg.session, n=msg.n,
+                priority=msg.priority, session=msg.session, n=msg.n,
+                namespace=(client.names.namespace(msg.namespace) if msg.session is None
+                           else client.names.turn_namespace(msg.namespace)),
             ))
 
         model = self.model
@@ -530,8 +539,9 @@ class Frontend:
 
             self._watch_reply(client, msg.rid, opened)
             self._to_engine(client, EngineOpenSession(
-                client=client.identity, rid=msg.rid, input_ids=ids, pinned=msg.pinned,
-                retention=msg.retention, ttl_s=msg.ttl_s, namespace=msg.namespace,
+                client=client.identity, rid=msg.rid, input_ids=ids,
+                pinned=client.names.pin(msg.pinned), retention=msg.retention, ttl_s=msg.ttl_s,
+                namespace=client.names.namespace(msg.namespace),
             ))
 
         model = self.model
@@ -546,8 +556,10 @@ class Frontend:
             if isinstance(ids, RequestError):
                 self._error(client, msg.rid, ids.code, ids.message)
                 return
-            self._to_engine(client, EnginePin(client=client.identity, rid=msg.rid, name=msg.name,
-                                              input_ids=ids, namespace=msg.namespace))
+            names = client.names
+            self._to_engine(client, EnginePin(client=client.identity, rid=msg.rid,
+                                              name=names.pin(msg.name) or "", input_ids=ids,
+                                              namespace=names.namespace(msg.namespace)))
 
         model = self.model
         self._enqueue(client, lambda: pin_ids(model, msg), then,
@@ -594,6 +606,16 @@ class Frontend:
             return False
 
         self._watch_reply(client, msg.rid, closed)
+        self._command(client, msg)
+
+    def _unpin(self, client: ClientState, msg: Unpin) -> None:
+        self._command(client, Unpin(rid=msg.rid, name=client.names.pin(msg.name) or ""))
+
+    def _flush_cache(self, client: ClientState, msg: FlushCache) -> None:
+        if self._multi_tenant:  # the engine flushes the whole cache: everyone's
+            raise RequestError(ErrorCode.FORBIDDEN,
+                               "flush_cache is refused on a server with several tenants "
+                               "(--auth-dir): it would drop other tenants' cache")
         self._command(client, msg)
 
     def _command(self, client: ClientState, msg: Any) -> None:
@@ -723,7 +745,28 @@ class Frontend:
                 stream = self._streams.get(client.inflight[rid])
                 if stream is not None:  # the engine refused a Generate (session busy, ...)
                     self._end_request(stream)
-        self._send(msg.client, msg.data)
+        outer = self._in_tenant_terms(client, reply)
+        self._send(msg.client, msg.data if outer is None else encode(outer))
+
+    def _in_tenant_terms(self, client: ClientState, reply: ServerMessage) -> ServerMessage | None:
+        """The reply as the client may see it (None: as it is): the engine's names for
+        its namespaces and pins put back, other tenants' sessions left out, activity
+        counters of a shared server hidden."""
+        names = client.names
+        if names.tenant is None:
+            return None
+        if isinstance(reply, Error):
+            message = names.scrub(reply.message)
+            return None if message == reply.message else msgspec.structs.replace(reply, message=message)
+        if isinstance(reply, SessionList):
+            return names.sessions(reply)
+        if isinstance(reply, Pinned):
+            return names.pinned(reply)
+        if isinstance(reply, StatsReply):
+            return msgspec.structs.replace(
+                reply, sessions=0, pins=0, retained_tokens={}, prompt_tokens_total=0,
+                cached_tokens_total=0, hit_rate=0.0)
+        return None
 
     # -- disconnects -----------------------------------------------------------------------
 

@@ -141,19 +141,23 @@ def add_trust_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of the client endpoint's trust boundary (serve only)."""
     d = _DEFAULTS
     g = p.add_argument_group("clients and trust")
-    g.add_argument("--auth-dir", default=d.auth_dir, metavar="DIR",
-                   help="require CurveZMQ authentication (and encryption): DIR holds the server "
-                        "key and the authorized client keys ('radixlm keys DIR' makes them)")
-    g.add_argument("--insecure", action="store_true",
-                   help="allow a TCP endpoint beyond loopback without --auth-dir")
-    g.add_argument("--max-message-bytes", type=_non_negative_int, default=d.max_message_bytes,
-                   metavar="BYTES",
-                   help="largest client frame; the server drops a connection that sends a larger "
-                        "one, before reading it; 0 = no limit (default: %(default)s)")
-    g.add_argument("--engine-timeout", type=_positive_float, default=d.engine_timeout_s,
-                   metavar="SECONDS",
-                   help="fail in-flight requests with engine_unavailable once the engine process "
-                        "has not answered for this long (default: %(default)s)")
+    flags: list[tuple[str, dict[str, Any]]] = [
+        ("--auth-dir", dict(default=d.auth_dir, metavar="DIR", help=(
+            "require CurveZMQ authentication (and encryption): DIR holds the server key and "
+            "the authorized client keys ('radixlm keys DIR' makes them)"))),
+        ("--insecure", dict(action="store_true", help=(
+            "allow a TCP endpoint beyond loopback without --auth-dir"))),
+        ("--max-message-bytes", dict(
+            type=_non_negative_int, default=d.max_message_bytes, metavar="BYTES", help=(
+                "largest client frame; the server drops a connection that sends a larger one, "
+                "before reading it; 0 = no limit (default: %(default)s)"))),
+        ("--engine-timeout", dict(
+            type=_positive_float, default=d.engine_timeout_s, metavar="SECONDS", help=(
+                "fail in-flight requests with engine_unavailable once the engine process has "
+                "not answered for this long (default: %(default)s)"))),
+    ]
+    for flag, options in flags:
+        g.add_argument(flag, **options)
 
 
 def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineConfig:

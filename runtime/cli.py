@@ -155,6 +155,12 @@ def add_trust_arguments(p: argparse.ArgumentParser) -> None:
             type=_positive_float, default=d.engine_timeout_s, metavar="SECONDS", help=(
                 "fail in-flight requests with engine_unavailable once the engine process has "
                 "not answered for this long (default: %(default)s)"))),
+        ("--max-inflight-per-client", dict(
+            type=_non_negative_int, default=d.max_inflight_per_client, metavar="N", help=(
+                "generate requests one client may have in flight (more get 'capacity'); 0 = no "
+                "cap (default: %(default)s)"))),
+        ("--max-priority", dict(type=int, default=d.max_priority, metavar="P", help=(
+            "requests asking a higher priority get this one (default: %(default)s)"))),
     ]
     for flag, options in flags:
         g.add_argument(flag, **options)
@@ -185,6 +191,9 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         insecure=getattr(args, "insecure", _DEFAULTS.insecure),
         max_message_bytes=getattr(args, "max_message_bytes", _DEFAULTS.max_message_bytes),
         engine_timeout_s=getattr(args, "engine_timeout", _DEFAULTS.engine_timeout_s),
+        max_inflight_per_client=getattr(args, "max_inflight_per_client",
+                                        _DEFAULTS.max_inflight_per_client),
+        max_priority=getattr(args, "max_priority", _DEFAULTS.max_priority),
     )
 
 

@@ -11,11 +11,16 @@ Policies (SGLang's names):
 All orders put higher `priority` first and break ties by arrival. Prefix-aware orders
 match every waiting request each step; above `max_matched` waiting requests they fall
 back to FCFS (matching a long queue every step would cost more than it saves).
+
+Fairness across clients: within a priority, admission goes round-robin over clients (each
+client's first request in the policy's order, then each one's second, ...; among equals,
+the client admission served least recently first), so one client's queue, however long,
+cannot starve another's requests.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 
 from radixlm.cache import TreeNode
@@ -35,10 +40,54 @@ def check_policy(name: str) -> str:
     return name
 
 
+class FairShare:
+    """When admission last served each client (the most recent clients only: one that
+    has not been seen for a while counts as never served, which only puts it first)."""
+
+    def __init__(self, remember: int = 4096) -> None:
+        self._served: OrderedDict[bytes, int] = OrderedDict()
+        self._tick = 0
+        self._remember = remember
+
+    def admitted(self, client: bytes) -> None:
+        self._tick += 1
+        self._served[client] = self._tick
+        self._served.move_to_end(client)
+        if len(self._served) > self._remember:
+            self._served.popitem(last=False)
+
+    def last(self, client: bytes) -> int:
+        return self._served.get(client, 0)
+
+
 def order_waiting(
-    policy: str, waiting: Sequence[Request], match: MatchFn, max_matched: int = 128
+    policy: str, waiting: Sequence[Request], match: MatchFn, max_matched: int = 128,
+    fair: FairShare | None = None,
 ) -> list[Request]:
     """`waiting` in the order admission should try them."""
+    return round_robin(_policy_order(policy, waiting, match, max_matched), fair or FairShare())
+
+
+def round_robin(order: list[Request], fair: FairShare) -> list[Request]:
+    """`order` with each priority level interleaved by client: every client's first
+    request (in `order`), then every client's second, and so on; within a round, the
+    client served least recently first."""
+    if len(order) <= 1:
+        return order
+    seen: dict[tuple[int, bytes], int] = defaultdict(int)
+    rank = {}
+    for r in order:
+        level = (r.group.priority, r.group.client)
+        rank[id(r)] = seen[level]
+        seen[level] += 1
+    if len({client for _, client in seen}) == 1:
+        return order
+    return sorted(order, key=lambda r: (-r.group.priority, rank[id(r)], fair.last(r.group.client)))
+
+
+def _policy_order(
+    policy: str, waiting: Sequence[Request], match: MatchFn, max_matched: int
+) -> list[Request]:
     if policy == "fcfs" or len(waiting) > max_matched or len(waiting) <= 1:
         return sorted(waiting, key=_fcfs_key)
     matched = {id(r): match(r) for r in waiting}

@@ -22,7 +22,7 @@ from radixlm.runtime.engine.cache_manager import CacheManager
 from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.options import SchedulerOptions
-from radixlm.runtime.engine.policy import held_back, order_waiting
+from radixlm.runtime.engine.policy import FairShare, held_back, order_waiting
 from radixlm.runtime.engine.request import Request
 from radixlm.runtime.engine.session_controller import SessionController
 from radixlm.runtime.engine.state import ReqState, advance
@@ -43,6 +43,8 @@ class PrefillManager:
     ratio: float = field(init=False)  # future tokens reserved per remaining max_token
     _retractions_seen: int = field(init=False, default=0)
     _blocked: Request | None = field(init=False, default=None)  # where admission stopped
+    # When admission last served each client: round-robin across clients (policy.py).
+    fair: FairShare = field(init=False, default_factory=FairShare)
 
     def __post_init__(self) -> None:
         self.ratio = self.opt.init_new_token_ratio
@@ -93,7 +95,8 @@ class PrefillManager:
             matches[id(r)] = (m, kv.epoch)
             return m.node, m.length
 
-        order = order_waiting(opt.policy, table.waiting, match, opt.max_matched_waiting)
+        order = order_waiting(opt.policy, table.waiting, match, opt.max_matched_waiting,
+                              self.fair)
         running = table.running
         inflight = [r for r in running if r.state is ReqState.PREFILLING]
         reserve = sum(self.future_need(r) for r in running)
@@ -107,6 +110,7 @@ class PrefillManager:
                 if held_back(r, m.length, inflight, opt.dedup_min_tokens, kv.page_size):
                     continue
                 touched.append(r)
+                self.fair.admitted(r.group.client)
                 kv.attach(r, m)
                 ext = self.chunk(r, budget)
                 need = kv.pages(r.kv_len + ext) - r.alloc_len

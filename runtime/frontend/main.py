@@ -106,7 +106,9 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
                             clients=clients, monitor=monitor, from_engine=from_engine,
                             to_engine=to_engine, executor=executor,
                             engine_timeout_s=config.engine_timeout_s,
-                            multi_tenant=bool(config.auth_dir))
+                            multi_tenant=bool(config.auth_dir),
+                            max_inflight=config.max_inflight_per_client,
+                            max_priority=config.max_priority)
         bound = channel.bound_endpoint(clients)
         if endpoints.runtime_dir:
             write_ready(Path(endpoints.runtime_dir), bound, welcome)

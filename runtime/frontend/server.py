@@ -183,8 +183,11 @@ class Frontend:
     def __init__(self, *, model: TextModel, welcome: Welcome, clients: zmq.Socket[Any],
                  monitor: zmq.Socket[Any], from_engine: zmq.Socket[Any],
                  to_engine: zmq.Socket[Any], executor: Executor,
-                 engine_timeout_s: float = 60.0, multi_tenant: bool = False) -> None:
+                 engine_timeout_s: float = 60.0, multi_tenant: bool = False,
+                 max_inflight: int = 0, max_priority: int | None = None) -> None:
         self.model = model
+        self._max_inflight = max_inflight  # per client; 0 = no cap
+        self._max_priority = max_priority  # None = as asked
         self._multi_tenant = multi_tenant  # clients authenticate: each key is a tenant
         self._watch = EngineWatch(engine_timeout_s, time.monotonic())
         self._welcome = encode(welcome)
@@ -461,6 +464,10 @@ class Frontend:
     def _generate(self, client: ClientState, msg: Generate) -> None:
         if msg.rid in client.inflight:
             raise RequestError(ErrorCode.DUPLICATE_ID, f"request {msg.rid!r} is already in flight")
+        if self._max_inflight and len(client.inflight) >= self._max_inflight:
+            raise RequestError(ErrorCode.CAPACITY,
+                               f"this client has {len(client.inflight)} requests in flight, the "
+                               f"server's cap (--max-inflight-per-client); wait for one to end")
         check_generate(msg, self.model.vocab_size)
         self._check_size(msg.input)
         plan = plan_structured(msg, self.model.tool_format)
@@ -486,7 +493,9 @@ class Frontend:
             self._to_engine(client, EngineGenerate(
                 key=key, client=client.identity, rid=msg.rid, input_ids=ids,
                 sampling=msg.sampling, prompt_logprobs_start=msg.prompt_logprobs_start,
-                priority=msg.priority, session=msg.session, n=msg.n,
+                priority=(msg.priority if self._max_priority is None
+                          else min(msg.priority, self._max_priority)),
+                session=msg.session, n=msg.n,
                 namespace=(client.names.namespace(msg.namespace) if msg.session is None
                            else client.names.turn_namespace(msg.namespace)),
             ))

@@ -9,18 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 import zmq
+from radixlm.runtime import protocol as wire
 from radixlm.runtime.engine.policy import order_waiting
-from radixlm.runtime.protocol import (
-    Chunk,
-    Done,
-    Error,
-    ErrorCode,
-    Generate,
-    GetStats,
-    Input,
-    SamplingParams,
-    StatsReply,
-)
 
 from tests.conftest import assert_pool_clean, start_test_server
 
@@ -48,8 +38,8 @@ def test_fair_admission_priority_cap_and_inflight_cap(tmp_path: Path, tiny_model
     with start_test_server(tmp_path, tiny_model_dir, *flags) as server, \
             server.client() as a, server.client() as b:
         def gen(client, rid: str, tokens: int, priority: int = 0, stream: bool = False) -> None:  # noqa: ANN001
-            client.send(Generate(rid=rid, input=Input(text=f"request {rid}"), stream=stream,
-                                 priority=priority, sampling=SamplingParams(
+            client.send(wire.Generate(rid=rid, input=wire.Input(text=f"request {rid}"), stream=stream,
+                                 priority=priority, sampling=wire.SamplingParams(
                                      max_tokens=tokens, temperature=0.0, ignore_eos=True)))
 
         # Each request runs alone (--max-running 1). The first one is long, so that the
@@ -65,8 +55,8 @@ def test_fair_admission_priority_cap_and_inflight_cap(tmp_path: Path, tiny_model
                 for client in (a, b):
                     if client._sock in ready:  # noqa: SLF001
                         msg = client.recv()
-                        assert not isinstance(msg, Error), msg
-                        if isinstance(msg, Done):
+                        assert not isinstance(msg, wire.Error), msg
+                        if isinstance(msg, wire.Done):
                             finished.append(msg.rid)
             return finished
 
@@ -75,12 +65,12 @@ def test_fair_admission_priority_cap_and_inflight_cap(tmp_path: Path, tiny_model
             reached the engine's waiting queue while `first` still ran (the machine may
             be too slow to send them in time: then the caller tries again)."""
             gen(a, first, 240, stream=True)
-            assert isinstance(a.recv_for(first), Chunk)
+            assert isinstance(a.recv_for(first), wire.Chunk)
             for client, rid, priority in then:
                 gen(client, rid, 40, priority=priority)
             for client in (a, b):  # each answered after that client's requests got there
-                stats = client.call(GetStats(rid=f"stats-{first}"))
-            assert isinstance(stats, StatsReply)
+                stats = client.call(wire.GetStats(rid=f"stats-{first}"))
+            assert isinstance(stats, wire.StatsReply)
             return stats.running == 1 and stats.waiting == len(then)
 
         for attempt in range(3):
@@ -107,6 +97,6 @@ def test_fair_admission_priority_cap_and_inflight_cap(tmp_path: Path, tiny_model
             gen(a, rid, 200)
         gen(a, "d5", 4)  # a fifth in flight: over the cap
         refused = a.recv_for("d5")
-        assert isinstance(refused, Error) and refused.code == ErrorCode.CAPACITY
+        assert isinstance(refused, wire.Error) and refused.code == wire.ErrorCode.CAPACITY
         assert finish_order(4) == ["d1", "d2", "d3", "d4"]
         assert_pool_clean(a)

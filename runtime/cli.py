@@ -108,7 +108,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
                         "(default: %(default)s)")
     g.add_argument("--kv-memory-fraction", type=_fraction, default=d.kv_memory_fraction,
                    help="share of free device memory (CUDA) or of RAM (CPU) for the KV pool, when "
-                        "--kv-tokens is 0 (default: %(default)s)")
+                        "--kv-tokens is 0; on CPU also at most context x --max-running tokens "
+                        "and 2 GiB (default: %(default)s)")
     g.add_argument("--host-kv-tokens", type=_non_negative_int, default=d.host_kv_tokens,
                    help="host-memory KV tier for demoted sessions, in tokens; 0 = off "
                         "(default: %(default)s)")

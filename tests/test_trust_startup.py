@@ -104,3 +104,21 @@ def test_serve_prints_no_traceback_for_a_missing_model(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "not found" in proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_default_cpu_pool_is_what_the_model_can_use(tiny_model_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not half of RAM: context length x max running requests (the tiny model: 256 x 64),
+    and never more than CPU_MAX_BYTES of KV whatever the model."""
+    import torch
+    from radixlm.runtime.engine import pool_size
+    from radixlm.runtime.model import ModelConfig, ModelRunner
+
+    with rl.Engine(str(tiny_model_dir), device="cpu", threads=1) as engine:
+        assert engine.kv_capacity == 256 * 64
+    cfg = ModelConfig.from_dir(tiny_model_dir)
+    monkeypatch.setattr(ModelRunner, "kv_bytes_per_token", staticmethod(lambda c, d: 2**20))
+    monkeypatch.setattr(pool_size, "available_ram", lambda: 64 * 2**30)
+    tokens = pool_size.kv_capacity(0, 0.5, cfg, torch.device("cpu"), torch.float32, 1,
+                                   usable_tokens=10**6)
+    assert tokens == pool_size.CPU_MAX_BYTES // 2**20

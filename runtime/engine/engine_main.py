@@ -62,7 +62,8 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     mcfg = ModelConfig.from_dir(model_dir)
     context = config.context_length or mcfg.max_position_embeddings
     capacity = kv_capacity(
-        config.kv_tokens, config.kv_memory_fraction, mcfg, device, dtype, config.page_size
+        config.kv_tokens, config.kv_memory_fraction, mcfg, device, dtype, config.page_size,
+        usable_tokens=context * config.max_running,
     )
     pool = KVPool(
         mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, capacity, config.page_size, dtype, device

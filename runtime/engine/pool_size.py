@@ -1,5 +1,8 @@
 """How many tokens the KV pool holds: `kv_tokens` if given, else a fraction of the memory
-left once the weights are in (device memory on CUDA, available RAM on CPU, capped)."""
+left once the weights are in (device memory on CUDA, available RAM on CPU). On CPU the
+pool is also bounded by what the engine can use at once (context length x running
+requests) and by `CPU_MAX_BYTES`: RAM beyond that is only wasted (CPU decode is the
+limit), and a small model must not take half of the machine."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from radixlm.runtime.model import ModelConfig, ModelRunner
 log = logging.getLogger(__name__)
 
 CPU_MAX_TOKENS = 262_144  # a CPU pool beyond this only wastes RAM: CPU decode is the limit
+CPU_MAX_BYTES = 2 * 2**30  # nor beyond this many bytes of KV
 MIN_TOKENS = 256
 
 
@@ -43,9 +47,11 @@ def kv_capacity(
     device: torch.device,
     dtype: torch.dtype,
     page_size: int,
+    usable_tokens: int = 0,
 ) -> int:
     """Pool capacity in tokens, a multiple of `page_size`. Call before the weights load:
-    their size is taken out of the free memory measured now."""
+    their size is taken out of the free memory measured now. `usable_tokens`: the most
+    the engine can hold at once (context length x max running requests; 0 = unknown)."""
     if kv_tokens > 0:
         tokens = kv_tokens
     else:
@@ -57,8 +63,8 @@ def kv_capacity(
             free, _total = torch.cuda.mem_get_info(device)
             tokens = int(fraction * max(0, free - weights) // per_token)
         else:
-            budget = fraction * max(0, available_ram() - weights)
-            tokens = min(int(budget // per_token), CPU_MAX_TOKENS)
+            budget = min(fraction * max(0, available_ram() - weights), CPU_MAX_BYTES)
+            tokens = min(int(budget // per_token), CPU_MAX_TOKENS, usable_tokens or CPU_MAX_TOKENS)
         log.info(
             "KV pool sized from memory: %.1f MiB per 1k tokens, weights ~%.0f MiB",
             per_token * 1000 / 2**20, weights / 2**20,

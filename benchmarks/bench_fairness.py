@@ -1,0 +1,140 @@
+"""Fairness between clients, on a real server (engine + frontend, the embedded default
+model on CPU unless told otherwise).
+
+1. Client B sends 8-token requests one after another: its latency alone (the baseline),
+   then while client A floods the server with 256 streaming requests. Target: under the
+   flood, B's latency <= 3x the baseline.
+2. Control requests during a long prefill: A sends a ~4k-token prompt; B sends `stats`
+   one after another until A's answer comes: their latency. Target: < 100 ms.
+
+    .venv/bin/python benchmarks/bench_fairness.py
+    .venv/bin/python benchmarks/bench_fairness.py --model PATH --threads 2
+
+Baseline before the fairness work (issue 14's probe): under the flood, B's 8-token
+request did not finish in 120 s; a `stats` waited 33 s behind a 3.2k-token prefill.
+Results go to benchmarks/results_fairness.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.launcher import start_server
+from radixlm.runtime.protocol import (
+    PROTOCOL_VERSION,
+    Done,
+    Generate,
+    GetStats,
+    Hello,
+    Input,
+    SamplingParams,
+    decode_server,
+    encode,
+)
+from radixlm.runtime.raw_client import RawClient
+
+RESULTS = Path(__file__).with_name("results_fairness.md")
+FLOOD = 256
+PROBES = 5
+
+
+def short_latencies(client: RawClient, n: int) -> list[float]:
+    out = []
+    for i in range(n):
+        started = time.perf_counter()
+        client.generate(Input(text=f"Say a number: {i}"), max_tokens=8, temperature=0.0,
+                        ignore_eos=True)
+        out.append(time.perf_counter() - started)
+    return out
+
+
+def flooder(endpoint: str) -> tuple[zmq.Context[Any], zmq.Socket[Any]]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sock.send(encode(Hello(protocol_version=PROTOCOL_VERSION)))
+    assert sock.poll(60_000)
+    sock.recv()
+    return ctx, sock
+
+
+def run(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
+    config = EngineConfig(model=args.model, device="cpu", kv_tokens=args.kv_tokens,
+                          threads=args.threads, log_level="warning")
+    rows = []
+    with start_server(config) as server, RawClient(server.endpoint, timeout_s=600) as b:
+        short_latencies(b, 1)  # warm-up
+        alone = statistics.median(short_latencies(b, PROBES))
+        ctx, a = flooder(server.endpoint)
+        try:
+            for i in range(FLOOD):
+                a.send(encode(Generate(rid=f"flood{i}", input=Input(text=f"Story {i}:"),
+                                       stream=True, sampling=SamplingParams(
+                                           max_tokens=args.flood_tokens, ignore_eos=True))))
+            assert a.poll(120_000)  # the flood is running
+            flooded = short_latencies(b, PROBES)
+        finally:
+            a.close(0)  # the server aborts the rest of the flood
+            ctx.term()
+        ratio = statistics.median(flooded) / alone
+        rows.append(("8-token request, alone (median of 5)", f"{alone:.3f} s", "baseline", ""))
+        rows.append((f"8-token request during a {FLOOD}-request flood (median of 5; max "
+                     f"{max(flooded):.2f} s)", f"{statistics.median(flooded):.3f} s",
+                     f"{ratio:.1f}x alone", "<= 3x: " + ("met" if ratio <= 3 else "NOT met")))
+        while b.stats().running:  # the flood's aborts land
+            time.sleep(0.1)
+        ctx, a = flooder(server.endpoint)
+        try:
+            prompt = " ".join(f"w{i}" for i in range(args.prefill_words))
+            a.send(encode(Generate(rid="long", input=Input(text=prompt),
+                                   sampling=SamplingParams(max_tokens=1))))
+            latencies = []
+            while True:
+                started = time.perf_counter()
+                reply = b.call(GetStats(rid=b.new_rid("s")))
+                latencies.append(time.perf_counter() - started)
+                if a.poll(0) and isinstance(decode_server(a.recv()), Done):
+                    break
+            tokens = reply.prompt_tokens_total  # type: ignore[attr-defined]
+        finally:
+            a.close(0)
+            ctx.term()
+        worst = max(latencies)
+        rows.append((f"stats during a long prefill (prompt ~{args.prefill_words * 2} tokens; "
+                     f"{len(latencies)} stats, median {statistics.median(latencies) * 1000:.0f} "
+                     f"ms; server prompt tokens so far {tokens})", f"{worst * 1000:.0f} ms max",
+                     "", "< 100 ms: " + ("met" if worst < 0.1 else "NOT met")))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-tokens", type=int, default=32768)
+    parser.add_argument("--flood-tokens", type=int, default=64)
+    parser.add_argument("--prefill-words", type=int, default=2000,
+                        help="words of the long prompt (about two tokens each)")
+    args = parser.parse_args()
+    rows = run(args)
+    table = "\n".join(["| measure | value | vs | target |", "|---|---|---|---|",
+                       *("| " + " | ".join(r) + " |" for r in rows)])
+    command = "  .venv/bin/python benchmarks/bench_fairness.py" + (
+        f" --model {args.model}" if args.model != "default" else "") + f" --threads {args.threads}"
+    text = (f"## Fairness ({time.strftime('%Y-%m-%d %H:%M')}, {platform.node()}, model "
+            f"{args.model})\n\n{command}\n\n{table}\n\n")
+    with RESULTS.open("a") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -18,13 +18,13 @@ Results go to benchmarks/results_fairness.md.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import zmq
+from bench_frames import append_results  # (benchmarks/ is the script's own directory)
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.launcher import start_server
 from radixlm.runtime.protocol import (
@@ -129,11 +129,7 @@ def main() -> None:
                        *("| " + " | ".join(r) + " |" for r in rows)])
     command = "  .venv/bin/python benchmarks/bench_fairness.py" + (
         f" --model {args.model}" if args.model != "default" else "") + f" --threads {args.threads}"
-    text = (f"## Fairness ({time.strftime('%Y-%m-%d %H:%M')}, {platform.node()}, model "
-            f"{args.model})\n\n{command}\n\n{table}\n\n")
-    with RESULTS.open("a") as f:
-        f.write(text)
-    print(text)
+    append_results(RESULTS, "Fairness", args.model, command, table)
 
 
 if __name__ == "__main__":

@@ -140,9 +140,15 @@ def main() -> None:
     table = "\n".join([header, *("| " + " | ".join(str(c) for c in r) + " |" for r in rows)])
     command = "  .venv/bin/python benchmarks/bench_frames.py" + (
         f" --model {args.model}" if args.model != "default" else "")
-    text = (f"## Frames ({time.strftime('%Y-%m-%d %H:%M')}, {platform.node()}, model "
-            f"{args.model})\n\n{command}\n\n{table}\n\n")
-    with RESULTS.open("a") as f:
+    append_results(RESULTS, "Frames", args.model, command, table)
+
+
+def append_results(path: Path, title: str, model: str, command: str, table: str) -> None:
+    """Append a dated section (title, machine, model, the command, the table) to `path`
+    and print it (bench_fairness.py uses this too)."""
+    text = (f"## {title} ({time.strftime('%Y-%m-%d %H:%M')}, {platform.node()}, model "
+            f"{model})\n\n{command}\n\n{table}\n\n")
+    with path.open("a") as f:
         f.write(text)
     print(text)
 

@@ -128,7 +128,7 @@ def test_sampling_under_a_mask_matches_the_regex(compiler, tok, vocab, seed) -> 
         logits = torch.randn(len(live), vocab, generator=gen) * 3
         mask = masker.fill([states[i] for i in live])
         res = sampler.sample(logits, [params[i] for i in live], [outs[i] for i in live],
-                             mask=mask)
+                             generators=[gen] * len(live), mask=mask)
         raw = torch.log_softmax(mask.apply(logits.clone()), dim=-1)
         for row, (i, t) in enumerate(zip(live, res.token_ids, strict=True)):
             assert states[i].accept(t), "sampled a token the grammar forbids"
@@ -181,7 +181,7 @@ LONG_KEYS = {
 }
 
 
-@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("seed", range(12))
 def test_jump_forward_tokens_are_the_tokenizers(compiler, tok, vocab, seed) -> None:
     """Sample a JSON object under a schema with long fixed keys, jumping forward whenever
     the grammar forces text: each jump's tokens equal what the tokenizer makes of the
@@ -195,7 +195,7 @@ def test_jump_forward_tokens_are_the_tokenizers(compiler, tok, vocab, seed) -> N
     while not st.terminated and len(out) < 200:
         mask = masker.fill([st])
         t = sampler.sample(torch.randn(1, vocab, generator=gen), [SamplingParams()], [out],
-                           mask=mask).token_ids[0]
+                           generators=[gen], mask=mask).token_ids[0]
         steps += 1
         assert st.accept(t)
         out.append(t)
@@ -212,9 +212,8 @@ def test_jump_forward_tokens_are_the_tokenizers(compiler, tok, vocab, seed) -> N
     assert out[-1] in tok.eos_token_ids
     jsonschema.validate(json.loads(tok.decode(out[:-1])), LONG_KEYS)
     assert st.accepted == len(out)
-    assert jumped > steps  # the long keys came for free
-    key_tokens = len(tok.encode('"customer_identifier": '))
-    assert jumped >= key_tokens
+    # The long keys came without decode steps (at least their names' tokens).
+    assert jumped >= sum(len(tok.encode(key)) for key in LONG_KEYS["properties"]), (jumped, steps)
 
 
 def test_compile_time_is_measured_not_asserted(compiler) -> None:

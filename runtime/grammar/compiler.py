@@ -13,6 +13,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import xgrammar as xgr
@@ -61,11 +62,13 @@ class GrammarCompiler:
     compilation is not cached.
     """
 
-    def __init__(self, info: xgr.TokenizerInfo, max_entries: int = DEFAULT_CACHE_ENTRIES,
-                 threads: int = 1) -> None:
-        self.info = info
-        # xgrammar's own cache would grow without bound; ours is the bounded one.
-        self._xgr = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+    def __init__(self, info: xgr.TokenizerInfo | Callable[[], xgr.TokenizerInfo],
+                 max_entries: int = DEFAULT_CACHE_ENTRIES, threads: int = 1) -> None:
+        # A callable is called on the worker thread at the first compilation: reading a
+        # large vocabulary takes a while, and the scheduler never waits for it.
+        self._info = info
+        self._threads = threads
+        self._xgr: xgr.GrammarCompiler | None = None  # touched by the worker thread only
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()  # guards _cache against the worker's error eviction
         self._cache: OrderedDict[GrammarSpec, Future[CompiledGrammar]] = OrderedDict()
@@ -101,6 +104,10 @@ class GrammarCompiler:
             raise
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        if self._xgr is None:
+            info = self._info if isinstance(self._info, xgr.TokenizerInfo) else self._info()
+            # xgrammar's own cache would grow without bound; ours is the bounded one.
+            self._xgr = xgr.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
         try:
             grammar = _grammar(spec)
             return self._xgr.compile_grammar(grammar)

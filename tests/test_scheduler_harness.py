@@ -47,6 +47,7 @@ class Harness:
         sessions: bool = False,
         engine_config: EngineConfig | None = None,
         model=None,
+        grammars=None,
         **options,
     ) -> None:
         cfg = ModelConfig.from_dir(model_dir)
@@ -60,7 +61,8 @@ class Harness:
         options.setdefault("context_length", CONTEXT)
         options.setdefault("check_invariants", True)
         self.sched = Scheduler(self.cache, self.runner, Sampler(cfg.vocab_size),
-                               SchedulerOptions(**options), eos_token_ids=eos, sessions=manager)
+                               SchedulerOptions(**options), eos_token_ids=eos, sessions=manager,
+                               grammars=grammars)
         self.tokens: dict[tuple[int, int], list[int]] = defaultdict(list)
         self.final: dict[tuple[int, int], TokenOutput] = {}
         self.logprobs: dict[tuple[int, int], list[float]] = defaultdict(list)

@@ -29,6 +29,7 @@ from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.pool_size import kv_capacity
 from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model import ModelConfig, ModelRunner, resolve_device, resolve_dtype
 from radixlm.runtime.model import resolve_model as _resolve_model
 from radixlm.runtime.sampling import Sampler
@@ -73,10 +74,15 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     cache = PrefixCache(capacity, config.page_size, policy="priority")
     sessions = SessionManager(cache, config, kv_pool=pool)
     eos = set(mcfg.eos_token_ids)
+    grammars = None
     try:
-        eos |= Tokenizer.load(model_dir).eos_token_ids
+        tokenizer = Tokenizer.load(model_dir)
+        eos |= tokenizer.eos_token_ids
+        # Grammars need the vocabulary's text (masks) and the tokenizer (jump-forward).
+        grammars = Grammars(tokenizer, mcfg.vocab_size, eos)
     except Exception as e:  # noqa: BLE001 - a checkpoint without tokenizer files still serves ids
-        log.warning("no tokenizer in %s (%s): EOS ids from config.json only", model_dir, e)
+        log.warning("no tokenizer in %s (%s): EOS ids from config.json only, no grammars",
+                    model_dir, e)
     options = SchedulerOptions.from_config(config, context)
     sched = Scheduler(
         cache,
@@ -85,6 +91,7 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         options,
         eos_token_ids=eos,
         sessions=sessions,
+        grammars=grammars,
     )
     log.info(
         "loaded %s (%s, %d layers, vocab %d) on %s as %s with %s attention in %.1fs",
@@ -133,6 +140,8 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
         inbox.close(linger=0)
         outbox.close(linger=0)
         ctx.term()
+        if sched.grammars is not None:
+            sched.grammars.close()
         log.info("engine stopped")
 
 

@@ -29,6 +29,9 @@ from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
 from radixlm.runtime.engine.session_controller import Intake, SessionController, Turn
 from radixlm.runtime.engine.state import TERMINAL, ReqState
 from radixlm.runtime.engine.table import RequestTable
+from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
+from radixlm.runtime.grammar.runtime import Grammars
+from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.protocol import MAX_N, Error, ErrorCode, SamplingParams, Struct
 from radixlm.runtime.sampling import make_generator, validate_sampling
 
@@ -50,6 +53,7 @@ class MessageHandler:
     eos_token_ids: frozenset[int]
     device: torch.device  # where seeded requests' generators live
     engine_command: Callable[[EngineCommand], Struct]  # stats, flush: the scheduler's
+    grammars: Grammars | None = None  # None: constrained requests are refused
     _arrival: Iterator[int] = field(default_factory=itertools.count)
     _internal_keys: Iterator[int] = field(default_factory=lambda: itertools.count(-1, -1))
 
@@ -113,6 +117,7 @@ class MessageHandler:
                     f"prompt_logprobs_start ({start}) must be in [0, {len(appended)}]",
                 )
             self._check_fits(len(prompt), msg.sampling.max_tokens, history)
+            grammar = self._grammar(msg.grammar)
         except RequestError as e:
             if intake is not None:
                 self.sessions.abort_intake(intake, msg.client)
@@ -125,8 +130,18 @@ class MessageHandler:
             namespace=intake.namespace if intake is not None else msg.namespace,
             turn=intake.turn if intake is not None else None,
             prompt_logprobs_start=None if start is None else history + start,
-            priority=msg.priority,
+            priority=msg.priority, grammar=grammar,
         ))  # fmt: skip
+
+    def _grammar(self, spec: GrammarSpec | None) -> CompiledGrammar | Pending | None:
+        """The compiled grammar, or its compilation in flight (the group then waits in
+        `table.compiling`; a grammar that does not compile fails it there)."""
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise RequestError(ErrorCode.INVALID_PARAMS,
+                               "this engine has no tokenizer: it cannot serve grammars")
+        return self.grammars.get(spec)
 
     def _on_open_session(self, msg: EngineOpenSession) -> None:
         try:
@@ -206,6 +221,7 @@ class MessageHandler:
         seed = g.sampling.seed
         if seed is not None:
             seed = self.sessions.seed_for(g, seed)
+        queue = self.table.compiling if isinstance(g.grammar, Pending) else self.table.waiting
         for i in range(g.n):
             r = Request.new(g, i, next(self._arrival), self.page_size)
             if seed is not None:
@@ -216,7 +232,7 @@ class MessageHandler:
                 r.logprobs = []
                 r.top_logprobs = [] if g.sampling.top_logprobs else None
             g.branches.append(r)
-            self.table.waiting.append(r)
+            queue.append(r)
         self.table.groups[g.key] = g
 
     # ---------------------------------------------------------------- endings

@@ -62,7 +62,7 @@ class Endings:
             if r.state in (ReqState.PREFILLING, ReqState.DECODING):
                 self.table.running.remove(r)
             elif r.state is ReqState.WAITING:
-                self.table.waiting.remove(r)
+                self.table.unqueue(r)
             advance(r, state)
         r.finish_reason, r.matched_stop = reason, matched
         if state is ReqState.FINISHED:

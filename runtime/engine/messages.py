@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Union
 
 import msgspec
+from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.protocol import (
     CloseSession,
     FlushCache,
@@ -43,6 +44,9 @@ class EngineGenerate(_Internal, tag="gen"):
     namespace: Union[str, None] = None
     session: Union[str, None] = None
     n: int = 1
+    # The output's grammar: the request's own regex/json_schema/ebnf, or the tool-call
+    # format tool_choice forces (the frontend builds it; the engine compiles it).
+    grammar: Union[GrammarSpec, None] = None
 
 
 class EngineAbort(_Internal, tag="abort"):

@@ -6,6 +6,10 @@ to the new node), so requests sharing the prefix and a later retraction hit them
 session turn's last token ends its branch one step later (its *tail* row computes that
 token's KV, see `Endings.wait_for_tail`); a plain request ends at once, since its last
 token joins no history.
+
+A constrained branch (its group has a grammar) samples under the batch's grammar mask;
+its token then advances its `GrammarState`, and when the grammar forces the text that
+follows, the jump-forward tokens replace it (computed by the next step as one extend).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from radixlm.runtime.engine.batch import Scheduled
 from radixlm.runtime.engine.cache_manager import CacheManager
+from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.messages import TokenOutput
 from radixlm.runtime.engine.outbox import Outbox
@@ -22,7 +27,9 @@ from radixlm.runtime.engine.request import Request
 from radixlm.runtime.engine.session_controller import SessionController
 from radixlm.runtime.engine.state import ReqState, advance
 from radixlm.runtime.engine.table import Counters
-from radixlm.runtime.protocol import TopLogprob
+from radixlm.runtime.grammar.matcher import GrammarState
+from radixlm.runtime.grammar.runtime import Grammars
+from radixlm.runtime.protocol import ErrorCode, TopLogprob
 from radixlm.runtime.sampling import Sampler, prompt_logprobs
 
 
@@ -36,6 +43,7 @@ class OutputProcessor:
     endings: Endings
     outbox: Outbox
     counters: Counters
+    grammars: Grammars | None = None
 
     def after_forward(self, plan: list[Scheduled], logits: torch.Tensor) -> None:
         to_sample: list[Request] = []
@@ -101,15 +109,25 @@ class OutputProcessor:
         if any(p.repetition_penalty != 1.0 for p in params):
             prompts = [r.tokens[: r.group.prompt_len] for r in reqs]
         gens = [r.generator for r in reqs]
+        states = self._grammar_states(reqs)
         res = self.sampler.sample(
             logits, params, [r.output for r in reqs], prompts,
             gens if any(g is not None for g in gens) else None,
+            mask=self.grammars.mask(states) if states is not None else None,  # type: ignore[union-attr]
         )  # fmt: skip
         self.counters.generated_tokens += len(reqs)
         outputs = self.outbox.outputs
         lps, tops = res.logprobs, res.top_logprobs
         for i, (r, tok) in enumerate(zip(reqs, res.token_ids, strict=True)):
-            out = TokenOutput(key=r.group.key, token_ids=[tok], index=r.index)
+            if r.state is not ReqState.DECODING:
+                continue  # its group failed on an earlier row
+            state = states[i] if states is not None else None
+            n = r.num_tokens
+            g = r.group
+            toks = [tok] if state is None else self._advance(r, state, tok)
+            if toks is None:
+                continue  # failed
+            out = TokenOutput(key=g.key, token_ids=toks, index=r.index)
             if r.logprobs is not None and lps is not None:
                 r.logprobs.append(lps[i])
                 out.logprobs = [lps[i]]
@@ -117,16 +135,44 @@ class OutputProcessor:
                     top = _tops(tops[i])
                     r.top_logprobs.append(top)
                     out.top_logprobs = [top]
-            n = r.num_tokens
-            r.tokens[n] = tok
-            r.num_tokens = n + 1
-            r.output.append(tok)
+            end = n + len(toks)
+            r.tokens[n:end] = toks
+            r.num_tokens = end
+            r.output.extend(toks)
             outputs.append(out)
-            g = r.group
-            if tok in g.stop_ids:
+            if tok in g.stop_ids or (state is not None and state.terminated):
                 self._finish(r, "stop", tok, out)
-            elif n + 1 >= g.token_limit:
+            elif end >= g.token_limit:
                 self._finish(r, "length", None, out)
+
+    def _grammar_states(self, reqs: list[Request]) -> list[GrammarState | None] | None:
+        """Each row's grammar state (a branch gets its own at its first token); None
+        when no row is constrained."""
+        if self.grammars is None or all(r.group.grammar is None for r in reqs):
+            return None
+        states: list[GrammarState | None] = []
+        for r in reqs:
+            g = r.group
+            if g.grammar is not None and r.grammar is None:
+                r.grammar = self.grammars.new_state(g.grammar, g.stop_ids)
+            states.append(r.grammar)
+        return states
+
+    def _advance(self, r: Request, state: GrammarState, tok: int) -> list[int] | None:
+        """The tokens a constrained branch appends for sampled `tok`: itself, or the
+        jump-forward run that starts with it (not when logprobs are asked: forced tokens
+        have none)."""
+        n = r.num_tokens
+        assert self.grammars is not None
+        before = state.accepted
+        toks = self.grammars.advance(state, int(r.tokens[n - 1]), tok, r.group.token_limit - n,
+                                     jump=r.logprobs is None)
+        if toks is None:  # the mask forbids it: a bug, not the client's fault
+            self.endings.fail_group(r.group, RequestError(
+                ErrorCode.INTERNAL, f"sampled token {tok} is not allowed by the grammar"))
+            return None
+        self.counters.jumped_tokens += state.accepted - before - 1
+        return toks
 
     def _finish(self, r: Request, reason: str, matched: int | None, out: TokenOutput) -> None:
         if self.sessions.needs_tail(r.group):

@@ -28,6 +28,8 @@ from radixlm.runtime.protocol import SamplingParams, TopLogprob
 
 if TYPE_CHECKING:
     from radixlm.runtime.engine.session_controller import Turn
+    from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
+    from radixlm.runtime.grammar.matcher import GrammarState
 
 __all__ = ["ReqState", "Request", "RequestGroup", "RequestKind"]
 
@@ -60,6 +62,9 @@ class RequestGroup:
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[TopLogprob]] | None = None
     prefilled: bool = False  # branch 0 has computed the whole prompt once
+    # Constrained output: the compiled grammar (a `Pending` compilation while the group
+    # waits in `RequestTable.compiling`); each branch then owns its `Request.grammar`.
+    grammar: CompiledGrammar | Pending | None = None
     recomputed_tokens: int = 0
     restored_tokens: int = 0
 
@@ -103,6 +108,7 @@ class Request:
     pending_end: tuple[str, int | str | None] | None = None
     # Its Done already went out (before its tail row ran): nothing more is emitted for it.
     reported: bool = False
+    grammar: GrammarState | None = None  # this branch's place in its group's grammar
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 

@@ -1,6 +1,7 @@
 """The scheduler: the request lifecycle over the prefix cache, one step at a time.
 
 Each `step()`:
+0. requests whose grammar finished compiling join the waiting queue (grammar_wait.py);
 1. **decode** (decode.py): every running decode gets the slot of its next token,
    retracting the newest request when the pool is exhausted;
 2. **prefill** (prefill.py) under the chunked-prefill token budget: unfinished chunked
@@ -31,6 +32,7 @@ from radixlm.cache import PrefixCache
 from radixlm.runtime.engine.batch import Scheduled, build_batch
 from radixlm.runtime.engine.cache_manager import CacheManager
 from radixlm.runtime.engine.decode import DecodeManager
+from radixlm.runtime.engine.grammar_wait import release_compiled
 from radixlm.runtime.engine.intake import MessageHandler
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.messages import EngineCommand, ToFrontend
@@ -43,6 +45,7 @@ from radixlm.runtime.engine.session_controller import SessionController
 from radixlm.runtime.engine.sessions import SessionManager
 from radixlm.runtime.engine.stats import stats_reply
 from radixlm.runtime.engine.table import Counters, RequestTable
+from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model.batch import ForwardBatch
 from radixlm.runtime.protocol import Error, ErrorCode, FlushCache, GetStats, Ok, Struct
 from radixlm.runtime.sampling import Sampler
@@ -72,6 +75,7 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         sessions: SessionManager | None = None,  # None: sessions and pins refused
         clock: Callable[[], float] = time.monotonic,
+        grammars: Grammars | None = None,  # None: constrained requests refused
     ) -> None:
         self.cache = cache
         self.model = model
@@ -89,13 +93,14 @@ class Scheduler:
             opt=options, capacity=cache.capacity, page_size=cache.page_size,
             vocab_size=sampler.vocab_size, eos_token_ids=frozenset(int(t) for t in eos_token_ids),
             device=self.device,
-            engine_command=self._engine_command,
+            engine_command=self._engine_command, grammars=grammars,
         )  # fmt: skip
         self.prefill = PrefillManager(self.table, self.kv, self.sessions, self.endings, options,
                                       self.counters)
         self.decode = DecodeManager(self.table, self.kv, self.endings)
         self.outputs = OutputProcessor(self.kv, sampler, self.sessions, self.endings,
-                                       self.outbox, self.counters)
+                                       self.outbox, self.counters, grammars)
+        self.grammars = grammars
         self._last_tick = -math.inf
 
     # ================================================================== messages
@@ -128,7 +133,7 @@ class Scheduler:
 
     # ====================================================================== loop
     def has_work(self) -> bool:
-        return bool(self.table.running or self.table.waiting)
+        return bool(self.table.running or self.table.waiting or self.table.compiling)
 
     def maybe_tick(self, now: float | None = None) -> None:
         """Let the session controller demote idle sessions, at most every
@@ -144,6 +149,7 @@ class Scheduler:
         plan: list[Scheduled] = []
         touched: list[Request] = []
         try:
+            release_compiled(self.table, self.endings)
             self.decode.schedule(plan)
             self.prefill.schedule(plan, touched)
             if not plan:
@@ -179,7 +185,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """The pool invariant plus the cache's own structural checks (debug/tests)."""
         self.cache.check_integrity(self.private_tokens())
-        for r in self.table.waiting:
+        for r in self.table.waiting + self.table.compiling:
             assert r.alloc_len == 0 and r.locked is None, f"waiting request holds KV: {r}"
 
     def flush_cache(self) -> int:

@@ -17,6 +17,7 @@ class Counters:
     cached_tokens: int = 0  # of those, prefix-cache hits
     computed_tokens: int = 0  # prompt tokens actually run through the model (incl. resumes)
     generated_tokens: int = 0
+    jumped_tokens: int = 0  # appended by jump-forward, without a decode step each
     retractions: int = 0
     finished: int = 0
 
@@ -24,12 +25,18 @@ class Counters:
 @dataclass
 class RequestTable:
     """Every live request: `waiting` (no KV; admission order is decided each step by
-    the policy), `running` (holding KV, in admission order: the last is the newest, the
+    the policy), `compiling` (no KV; waiting for a grammar), `running` (holding KV, in admission order: the last is the newest, the
     first to retract) and the groups by their frontend key."""
 
     waiting: list[Request] = field(default_factory=list)
     running: list[Request] = field(default_factory=list)
     groups: dict[int, RequestGroup] = field(default_factory=dict)
+    # Waiting for their grammar to compile (no KV, not admitted until it is ready).
+    compiling: list[Request] = field(default_factory=list)
+
+    def unqueue(self, r: Request) -> None:
+        """Take a request without KV out of its queue."""
+        (self.compiling if r in self.compiling else self.waiting).remove(r)
 
     def private_tokens(self) -> int:
         """Slots running requests hold outside the tree."""

@@ -82,7 +82,6 @@ from radixlm.runtime.frontend.validate import (
     check_input,
     check_input_size,
 )
-from radixlm.runtime.grammar.spec import grammar_fields_given
 from radixlm.runtime.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -471,10 +470,6 @@ class Frontend:
         check_generate(msg, self.model.vocab_size)
         self._check_size(msg.input)
         plan = plan_structured(msg, self.model.tool_format)
-        if plan.grammar is not None:  # the engine does not constrain decoding yet
-            what = "tool_choice" if plan.tools and not grammar_fields_given(msg.sampling) else (
-                grammar_fields_given(msg.sampling)[0])
-            raise RequestError(ErrorCode.INVALID_PARAMS, f"{what} is not supported yet")
         key = next(self._keys)
         history = self._sessions.view(msg.session) if msg.session is not None else None
         stream = RequestStream(key, client.identity, msg.rid, stream=msg.stream, n=msg.n,
@@ -498,6 +493,7 @@ class Frontend:
                 session=msg.session, n=msg.n,
                 namespace=(client.names.namespace(msg.namespace) if msg.session is None
                            else client.names.turn_namespace(msg.namespace)),
+                grammar=plan.grammar,
             ))
 
         model = self.model

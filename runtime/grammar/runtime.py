@@ -31,7 +31,6 @@ class Grammars:
             lambda: tokenizer_info(tokenizer, vocab_size, stop))
         self.masker = BatchMasker(vocab_size)
         self.jump_forward = jump_forward
-        self.jumped_tokens = 0  # tokens appended without a decode step of their own
 
     def get(self, spec: GrammarSpec) -> CompiledGrammar | Pending:
         return self.compiler.get(spec)
@@ -54,10 +53,7 @@ class Grammars:
         if not (jump and self.jump_forward) or budget < 2:
             return [token]
         plan = plan_jump(state, self.tokenizer, prev, token, budget)
-        if plan is None:
-            return [token]
-        self.jumped_tokens += plan.gained
-        return plan.tokens
+        return [token] if plan is None else plan.tokens
 
     def close(self) -> None:
         self.compiler.close()

@@ -1,63 +1,96 @@
-"""A ReAct agent with real Python tools, on a pinned tool prompt.
+"""A tool-using agent whose every step is a well-formed call: JSON-constrained decoding.
 
     python examples/agent.py                 # (`make demo`) on the embedded SmolLM2-135M
     python examples/agent.py --question "What is 12 * (7 + 5)?" --max-steps 3
 
-The tool prompt (instructions + two worked examples) is pinned once: every question's
-session starts from it without recomputing it. Each step the model thinks (`gen`), picks
-a tool with `select` (always a valid tool name), writes the tool's input (`gen`); the SDK
-runs the tool and appends the observation. Only the new tokens of each step are computed:
-the status line of every step shows the share of its prompt served from the cache.
+The tool prompt (the tools' JSON Schemas and two worked examples) is pinned once: every
+question's session starts from it without recomputing it. Each step the model writes one
+call, ``{"name": ..., "arguments": {...}}``, generated under the JSON Schema of "a call of
+one of the tools" (`gen(json_schema=...)`): even a 135M model cannot produce a call that
+does not parse or names no tool, and the engine's jump-forward appends the fixed parts
+(``{"name": "``, ``", "arguments": {"``...) without decoding them. The SDK runs the tool
+and appends the observation; each call and result is printed, with the share of the
+step's prompt served from the cache.
 
-Tools: `calculator` (arithmetic through a whitelist of `ast` nodes, never `eval`) and
+Tools: `calculator` (arithmetic through a whitelist of `ast` nodes, never `eval`),
 `search_files` (lines mentioning a word, in the notes folder; a small one is written to a
-temporary directory unless `--folder` names another).
+temporary directory unless `--folder` names another) and `finish` (the answer).
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import radixlm as rl
 from _common import open_backend, parser
 
-TOOL_PROMPT = """You are a careful assistant that answers questions with tools.
-Tools:
-- calculator: computes an arithmetic expression, for example 12 * (3 + 4)
-- search_files: finds the lines of the notes that mention a word
-- finish: gives the final answer
-Work one step at a time, in this format:
-Thought: what to do next
-Action: one of calculator, search_files, finish
-Action Input: the input of the tool
-Use calculator for arithmetic and search_files for facts about the notes. As soon as an
-observation answers the question, use finish with the answer.
+TOOLS: dict[str, dict[str, Any]] = {
+    "calculator": {
+        "description": "computes an arithmetic expression",
+        "parameters": {"type": "object", "properties": {
+            "expression": {"type": "string", "pattern": "^[0-9+*/(). -]{1,40}$"}},
+            "required": ["expression"], "additionalProperties": False},
+    },
+    "search_files": {
+        "description": "finds the lines of the notes that mention a word",
+        "parameters": {"type": "object", "properties": {
+            "word": {"type": "string", "pattern": "^[A-Za-z]{2,20}$"}},
+            "required": ["word"], "additionalProperties": False},
+    },
+    "finish": {
+        "description": "gives the final answer",
+        "parameters": {"type": "object", "properties": {
+            "answer": {"type": "string", "maxLength": 60}},
+            "required": ["answer"], "additionalProperties": False},
+    },
+}  # fmt: skip
+
+
+def call_schema(names: list[str]) -> dict[str, Any]:
+    """JSON Schema of one call of any tool in `names`."""
+    return {"anyOf": [
+        {"type": "object", "properties": {"name": {"const": n},
+                                          "arguments": TOOLS[n]["parameters"]},
+         "required": ["name", "arguments"], "additionalProperties": False}
+        for n in names
+    ]}  # fmt: skip
+
+
+def _tool_lines() -> str:
+    return "\n".join(json.dumps({"name": n, **spec}) for n, spec in TOOLS.items())
+
+
+TOOL_PROMPT = f"""You are a careful assistant that answers questions with tools.
+Each step, answer with only one JSON call {{"name": ..., "arguments": {{...}}}} of these tools:
+{_tool_lines()}
+Use calculator for arithmetic and search_files for facts in the notes. As soon as an
+observation answers the question, call finish with the answer.
 
 Example 1.
 Question: What is 6 times 7?
-Thought: This is arithmetic, so I use the calculator.
-Action: calculator
-Action Input: 6 * 7
+{{"name": "calculator", "arguments": {{"expression": "6 * 7"}}}}
 Observation: 42
-Thought: The calculator gave the answer.
-Action: finish
-Action Input: 42
+{{"name": "finish", "arguments": {{"answer": "42"}}}}
 
 Example 2.
 Question: Who leads the design team?
-Thought: The notes may say who leads the design team.
-Action: search_files
-Action Input: design
+{{"name": "search_files", "arguments": {{"word": "design"}}}}
 Observation: people.txt: Ana leads the design team.
-Thought: The notes give the answer.
-Action: finish
-Action Input: Ana"""
+{{"name": "finish", "arguments": {{"answer": "Ana"}}}}
+
+Example 3.
+Question: When is the review?
+{{"name": "search_files", "arguments": {{"word": "review"}}}}
+Observation: plan.txt: The review is on June 2.
+{{"name": "finish", "arguments": {{"answer": "June 2"}}}}"""
 
 NOTES = {
     "launch.txt": "The Aurora launch is scheduled for March 14.\nThe launch site is Kourou.\n",
@@ -65,9 +98,8 @@ NOTES = {
     "budget.txt": "The Aurora budget is 1200 dollars per month.\n",
 }
 
-PIN = "react-tools"
+PIN = "json-tools"
 QUESTIONS = ["What is 17 * 23 + 4?", "When is the Aurora launch?"]
-ACTIONS = ["calculator", "search_files", "finish"]
 
 
 # -- tools ---------------------------------------------------------------------------------
@@ -122,38 +154,38 @@ def search_files(folder: Path, query: str) -> str:
 
 
 @rl.function
-def react(s, question: str, folder: Path, max_steps: int, max_tokens: int):
+def agent(s, question: str, folder: Path, max_steps: int, max_tokens: int):
     s += rl.user(f"Question: {question}")
     calls: set[tuple[str, str]] = set()
     for step in range(max_steps):
-        s += rl.assistant_begin()
-        s += "Thought:" + rl.gen(f"thought{step}", max_tokens=max_tokens, stop=["\n"])
         # The first step must use a tool (a small model would otherwise guess an answer).
-        # Greedy token selection: the first token decides, so a long name whose later
-        # tokens are easy to predict does not win on its mean logprob.
-        choices = ACTIONS if step else [a for a in ACTIONS if a != "finish"]
-        s += "\nAction: " + rl.select(f"action{step}", choices=choices,
-                                      choices_method=rl.greedy_token_selection)
-        s += "\nAction Input:" + rl.gen(f"input{step}", max_tokens=max_tokens, stop=["\n"])
-        s += rl.assistant_end()
-        action, arg = s[f"action{step}"], s[f"input{step}"].strip()
-        meta = s.get_meta_info(f"thought{step}")
+        names = list(TOOLS) if step else [n for n in TOOLS if n != "finish"]
+        s += rl.assistant(rl.gen(f"call{step}", max_tokens=max_tokens,
+                                 json_schema=call_schema(names)))
+        meta = s.get_meta_info(f"call{step}")
         share = meta["cached_tokens"] / meta["prompt_tokens"]
-        print(f"  step {step + 1}  Thought:{s[f'thought{step}']}")
-        if action == "finish":
-            print(f"          finish({arg!r})")
+        text = s[f"call{step}"]
+        if meta["finish_reason"]["type"] != "stop":  # max_tokens cut the call short
+            print(f"  step {step + 1}  (call cut at {max_tokens} tokens: {text!r})")
+            return
+        call = json.loads(text)  # always parses: the grammar admitted nothing else
+        name, args = call["name"], call["arguments"]
+        arg = next(iter(args.values()))
+        print(f"  step {step + 1}  {name}({json.dumps(args)})", end="")
+        if name == "finish":
+            print()
             s["answer"] = arg
-        elif (action, arg) in calls:  # a small model can loop: stop instead
-            print(f"          {action}({arg!r}) again: stopping")
+        elif (name, arg) in calls:  # a small model can loop: stop instead
+            print(" again: stopping")
             return
         else:
-            calls.add((action, arg))
-            observation = calculator(arg) if action == "calculator" else search_files(folder, arg)
-            print(f"          {action}({arg!r}) -> {observation}")
+            calls.add((name, arg))
+            observation = calculator(arg) if name == "calculator" else search_files(folder, arg)
+            print(f" -> {observation}")
             s += rl.user(f"Observation: {observation}")
         print(f"          [prompt {meta['prompt_tokens']} tokens, {meta['cached_tokens']} "
               f"cached ({share:.0%})]")
-        if action == "finish":
+        if name == "finish":
             return
 
 
@@ -168,7 +200,8 @@ def pin_tool_prompt(engine: rl.Client) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = parser("A ReAct agent with a calculator and file search.", max_tokens=32)
+    p = parser("An agent whose tool calls are JSON-constrained: calculator, file search.",
+               max_tokens=64)
     p.add_argument("--question", action="append", default=None,
                    help="question to answer (repeatable; default: two built-in ones)")
     p.add_argument("--max-steps", type=int, default=3, help="steps per question (default: 3)")
@@ -189,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for question in args.question or QUESTIONS:
                     print(f"\nQuestion: {question}")
-                    state = react.run(question=question, folder=folder,
+                    state = agent.run(question=question, folder=folder,
                                       max_steps=args.max_steps, max_tokens=args.max_tokens,
                                       backend=engine, pin=PIN, temperature=0)
                     answer = state.get("answer", "(none within the steps)")

@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from radixlm.sdk.structured import schema_text
+
 __all__ = [
     "ChoicesMethod",
     "Expr",
@@ -179,7 +181,7 @@ def _method(method: ChoicesMethod | str | None) -> ChoicesMethod:
 # The protocol's names of gen()'s sampling options, in the order gen() collects them.
 _GEN_OPTIONS = ("max_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k",
                 "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                "ignore_eos", "logprobs", "top_logprobs", "seed")
+                "ignore_eos", "logprobs", "top_logprobs", "seed", "regex", "json_schema", "ebnf")
 
 
 def gen(
@@ -203,22 +205,25 @@ def gen(
     choices: list[str] | None = None,
     choices_method: ChoicesMethod | str | None = None,
     regex: str | None = None,
-    json_schema: str | None = None,
+    json_schema: Any = None,
+    ebnf: str | None = None,
     **unsupported: Any,
 ) -> Expr:
     """Generate text into variable `name` (``s[name]``). Options left as None take the
     run's defaults. ``n=k`` samples k branches from one prefill (``s[name]`` is then a
-    list and the state continues with the first). ``choices=[...]`` is `select`."""
+    list and the state continues with the first). ``choices=[...]`` is `select`.
+
+    At most one of `regex`, `json_schema` (a JSON text, a dict, or a pydantic model
+    class) and `ebnf` (a GBNF grammar with a `root` rule) constrains the output."""
     if choices is not None:
         return select(name, choices, temperature=temperature or 0.0,
                       choices_method=choices_method)
-    if regex is not None or json_schema is not None:
-        raise ValueError("constrained decoding (regex, json_schema) is not supported by radixlm")
+    json_schema = schema_text(json_schema)
     if unsupported:
         raise TypeError(f"gen() got unsupported options: {sorted(unsupported)}")
     values = (max_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p,
               frequency_penalty, presence_penalty, repetition_penalty, ignore_eos,
-              return_logprob, top_logprobs_num, seed)
+              return_logprob, top_logprobs_num, seed, regex, json_schema, ebnf)
     if n is not None and n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     sampling = {k: v for k, v in zip(_GEN_OPTIONS, values, strict=True) if v is not None}

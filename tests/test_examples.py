@@ -8,6 +8,7 @@ invariant and session count are checked after each example.
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,7 +32,8 @@ def default_engine() -> Iterator[rl.Engine]:
 
 CASES = {
     "chat": ["--message", "Hi!", "--message", "And you?"],
-    "agent": ["--max-steps", "1", "--question", "What is 6 * 7?"],
+    # The agent's one step is a whole JSON call (48 tokens), printed as name(arguments).
+    "agent": ["--max-steps", "1", "--question", "What is 6 * 7?", "--max-tokens", "48"],
     "tree_of_thought": ["--width", "2", "--depth", "2"],
     "llm_judge": ["--criteria", "3"],
     "classify": ["--limit", "4"],
@@ -52,6 +54,8 @@ def test_example_runs(default_engine: rl.Engine, name: str) -> None:
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{name} failed:\n{done.stdout}\n{done.stderr}"
     assert EXPECT[name] in done.stdout, done.stdout
+    if name == "agent":
+        assert re.search(r"step 1  (calculator|search_files)\(\{\"", done.stdout), done.stdout
     stats = default_engine.stats()
     assert stats["invariant_ok"] and stats["running"] == 0 and stats["private"] == 0, stats
     assert stats["sessions"] == 0 and stats["pins"] == 0, stats

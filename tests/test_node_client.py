@@ -1,8 +1,8 @@
 """examples/node-client against a live engine: the protocol from another language.
 
-Runs `node demo.js ENDPOINT --json` (open a session, two streamed turns, a fork) and
-checks the cached-token counts it reports: each turn after the first is served its whole
-history from the cache. Skips, with the reason, when node or the client's installed
+Runs `node demo.js ENDPOINT --json` (open a session, two streamed turns, a fork, one
+constrained tool call) and checks the cached-token counts it reports (each turn after
+the first is served its whole history from the cache) and the call's arguments. Skips, with the reason, when node or the client's installed
 node_modules (`npm install` in examples/node-client; `make test` does it) are missing.
 """
 
@@ -59,3 +59,9 @@ def test_node_demo_sessions_and_fork(wire_server) -> None:
     # What streamed is what the turn returned (the demo prints chunks as they come).
     for turn in (first, second, forked):
         assert turn["text"] in proc.stdout
+    # The constrained call: a call of the named tool whose arguments fit its schema.
+    call = summary["tool_call"]
+    args = json.loads(call["arguments"])
+    assert call["name"] == "get_weather" and call["id"].startswith("call_")
+    assert set(args) == {"city", "unit"} and args["unit"] in ("C", "F")
+    assert isinstance(args["city"], str) and len(args["city"]) <= 20

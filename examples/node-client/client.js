@@ -171,12 +171,15 @@ class Client {
    * Generate from `input` ({text} | {input_ids} | {messages, add_generation_prompt}).
    * With `onChunk`, output streams: onChunk(chunk) runs for every `chunk` in order.
    * Resolves with the `done` reply (with n > 1: an array of them, by branch index).
-   * Options: sampling, session, n, namespace, priority, prompt_logprobs_start, rid.
+   * Options: sampling (with regex / json_schema / ebnf to constrain the output), session,
+   * n, namespace, priority, prompt_logprobs_start, tools, tool_choice ("auto", "none",
+   * "required" or {name}), rid. `done.tool_calls` holds the parsed calls.
    */
-  generate(input, { onChunk, sampling, session, n = 1, namespace, priority, prompt_logprobs_start, rid } = {}) {
+  generate(input, { onChunk, sampling, session, n = 1, namespace, priority, prompt_logprobs_start, tools, tool_choice, rid } = {}) {
     rid = rid ?? this._rid("gen");
     const msg = {
       type: "generate", rid, input, sampling, session, namespace, priority, prompt_logprobs_start,
+      tools, tool_choice,
       stream: onChunk !== undefined,
       n: n === 1 ? undefined : n,
     };

@@ -1,5 +1,6 @@
 // Sessions from Node: open a session, run two streamed turns, fork it, and print how
-// many prompt tokens each turn took from the prefix cache.
+// many prompt tokens each turn took from the prefix cache. Then one constrained call:
+// `tool_choice` names a function, so the reply is always a valid call of it.
 //
 //   node demo.js [ENDPOINT] [--max-tokens N] [--ignore-eos] [--json]
 //                [--server-key DIR/server.key --client-key DIR/clients/NAME.key_secret]
@@ -45,6 +46,29 @@ async function streamedTurn(client, session, content, args) {
   return done;
 }
 
+const WEATHER = {
+  name: "get_weather",
+  description: "Current weather in a city",
+  parameters: {
+    type: "object",
+    properties: { city: { type: "string", maxLength: 20 }, unit: { enum: ["C", "F"] } },
+    required: ["city", "unit"],
+    additionalProperties: false,
+  },
+};
+
+// A text prompt keeps this short; with chat messages the model's template shows the tool.
+async function constrainedCall(client) {
+  const done = await client.generate(
+    { text: "Weather in Paris, in Celsius:" },
+    { tools: [WEATHER], tool_choice: { name: "get_weather" }, sampling: { max_tokens: 64, temperature: 0 } },
+  );
+  const [call] = done.tool_calls ?? [];
+  if (!call) throw new Error(`no tool call in ${JSON.stringify(done.text)}`);
+  console.log(`tool call: ${call.name}(${call.arguments})`);
+  return call;
+}
+
 async function main() {
   const args = parseArgs(process.argv.slice(2));
   if (args.help || !args.endpoint) {
@@ -73,12 +97,14 @@ async function main() {
 
     for (const id of [session, fork]) await client.closeSession(id);
 
+    const call = await constrainedCall(client);
     const turns = { first, second, forked };
     if (args.json) {
       const summary = {};
       for (const [name, done] of Object.entries(turns)) {
         summary[name] = { usage: done.usage, session_length: done.session_length, text: done.text };
       }
+      summary.tool_call = call;
       console.log(JSON.stringify(summary));
     }
   } finally {

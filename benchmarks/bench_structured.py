@@ -41,7 +41,7 @@ from radixlm.runtime.frontend.session_state import EMPTY_HISTORY
 from radixlm.runtime.frontend.structured import plan_structured
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.model import resolve_model
-from radixlm.runtime.protocol import Generate, Input, Message, NamedToolChoice, SamplingParams, Tool
+from radixlm.runtime.protocol import Generate, Input, Message, SamplingParams, Tool
 from radixlm.tokenizer import Tokenizer
 from radixlm.tokenizer.tools import parse_tool_calls
 
@@ -276,7 +276,7 @@ def bench_jump(b: Bench, requests: int) -> dict:
 # ------------------------------------------------------------------- 4. compile
 def heavy_schema(fields: int, salt: str) -> dict:
     return {"type": "object", "properties": {
-        f"{salt}_{i}": {"type": "string", "pattern": "[a-z]{2,%d}" % (5 + i % 7)}
+        f"{salt}_{i}": {"type": "string", "pattern": f"[a-z]{{2,{5 + i % 7}}}"}
         for i in range(fields)}}  # fmt: skip
 
 
@@ -299,9 +299,9 @@ def gaps_while(b: Bench, heavy: GrammarSpec | None) -> tuple[float, float, float
         b.sched.step()
         now = time.perf_counter()
         for m in b.sched.take_outbox():
-            if isinstance(m, StepOutputs) and any(o.key == k and o.token_ids for o in m.outputs):
-                if compiling:
-                    arrivals.append(now)
+            if compiling and isinstance(m, StepOutputs) and any(
+                    o.key == k and o.token_ids for o in m.outputs):
+                arrivals.append(now)
         if compiling and heavy is not None and not b.sched.table.compiling:
             compiling = False
             compile_s = now - t_submit

@@ -9,6 +9,7 @@ node_modules (`npm install` in examples/node-client; `make test` does it) are mi
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -64,4 +65,4 @@ def test_node_demo_sessions_and_fork(wire_server) -> None:
     args = json.loads(call["arguments"])
     assert call["name"] == "get_weather" and call["id"].startswith("call_")
     assert set(args) == {"city", "unit"} and args["unit"] in ("C", "F")
-    assert isinstance(args["city"], str) and len(args["city"]) <= 20
+    assert re.fullmatch("[A-Z][a-z]{1,15}", args["city"]), args

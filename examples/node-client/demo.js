@@ -51,7 +51,7 @@ const WEATHER = {
   description: "Current weather in a city",
   parameters: {
     type: "object",
-    properties: { city: { type: "string", maxLength: 20 }, unit: { enum: ["C", "F"] } },
+    properties: { city: { type: "string", pattern: "^[A-Z][a-z]{1,15}$" }, unit: { enum: ["C", "F"] } },
     required: ["city", "unit"],
     additionalProperties: false,
   },
@@ -61,7 +61,7 @@ const WEATHER = {
 async function constrainedCall(client) {
   const done = await client.generate(
     { text: "Weather in Paris, in Celsius:" },
-    { tools: [WEATHER], tool_choice: { name: "get_weather" }, sampling: { max_tokens: 64, temperature: 0 } },
+    { tools: [WEATHER], tool_choice: { name: "get_weather" }, sampling: { max_tokens: 96, temperature: 0 } },
   );
   const [call] = done.tool_calls ?? [];
   if (!call) throw new Error(`no tool call in ${JSON.stringify(done.text)}`);

@@ -16,26 +16,30 @@ import threading
 import jsonschema
 import numpy as np
 import pytest
-import test_scheduler_harness as harness
 import torch
-from radixlm.runtime.engine.messages import EngineAbort, EngineOpenSession
+from radixlm.runtime.engine.messages import EngineAbort
 from radixlm.runtime.grammar.compiler import GrammarCompiler
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.grammar.vocab import tokenizer_info
 from radixlm.runtime.model import ModelConfig
-from radixlm.runtime.protocol import Error, ErrorCode, SamplingParams, SessionOpened
+from radixlm.runtime.protocol import Error, ErrorCode, SamplingParams
 from radixlm.tokenizer import Tokenizer
-from test_scheduler_harness import hf_prompt_logprobs, random_prompt
+from test_scheduler_harness import (
+    hf,
+    hf_prompt_logprobs,
+    make_harness,
+    one_thread,
+    random_prompt,
+    scheduler_pool_integrity,
+    tiny_dir,
+)
+from test_scheduler_sessions import C, open_session
 from tiny_models import EOS_ID
 
-hf = harness.hf
-make_harness = harness.make_harness
-one_thread = harness.one_thread
-scheduler_pool_integrity = harness.scheduler_pool_integrity
-tiny_dir = harness.tiny_dir
+# Fixtures shared with the other scheduler tests (pytest finds them by these names here).
+SHARED_FIXTURES = (hf, make_harness, one_thread, scheduler_pool_integrity, tiny_dir)
 
-C = b"client-1"
 DATE = r"[0-9]{4}-(0[1-9]|1[0-2])-[0-9]{2}"
 ORDER = {
     "type": "object",
@@ -218,21 +222,13 @@ def test_retracted_constrained_requests_resume_in_their_grammar(make_harness, gr
         assert re.fullmatch(pattern, text_of(tok, h, key))
 
 
-def open_session(h, ids) -> str:
-    h.send(EngineOpenSession(client=C, rid="open", input_ids=list(ids)))
-    h.run()
-    reply = h.replies.pop()
-    assert isinstance(reply, SessionOpened)
-    return reply.session
-
-
 def test_jump_forward_in_a_session_keeps_history_token_exact(make_harness, grammars, tok, hf):
     """A constrained turn with jump-forward, then a free turn in the same session: the
     history is prompt + the returned tokens, and the next turn's prompt logprobs (computed
     on the cached KV, jumped tokens included) equal HF's over the same tokens."""
     h = make_harness(grammars=grammars, sessions=True)
     first = tok.encode("Order record:\n")
-    sid = open_session(h, first)
+    sid = open_session(h, first).session
     steps0 = h.sched.counters.steps
     key = h.generate(tok.encode("JSON:"), sampling=sampled(seed=11), grammar=schema(ORDER),
                      client=C, session=sid)

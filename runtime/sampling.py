@@ -144,7 +144,9 @@ class Sampler:
         `output_ids[i]`: tokens row i generated so far (frequency/presence/repetition
         penalties); `prompt_ids[i]`: its prompt (repetition penalty; None = output only);
         `generators[i]`: row i's generator from `make_generator` (None = unseeded);
-        `mask`: the grammar mask of the batch (None: no row is constrained).
+        `mask`: the grammar mask of the batch (None: no row is constrained), applied to
+        `logits` in place (float32 logits of exactly `vocab_size` columns are not copied
+        first: the caller must not reuse them).
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -162,8 +164,8 @@ class Sampler:
             return SampleOutput([], None, None)
 
         logits = logits[:, : self.vocab_size].float()
-        if mask is not None:  # applied in place: on a copy, never on the caller's tensor
-            logits = mask.apply(logits.clone())
+        if mask is not None:  # in place: the caller hands its rows over to sampling
+            logits = mask.apply(logits)
         want_lp = [_wants_logprobs(p) for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
 

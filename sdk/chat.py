@@ -102,19 +102,29 @@ class AsyncChatSession:
     def _turn(self, content: str, role: str, stream: bool, sampling: dict[str, Any]) -> Generate:
         if self.id is None:
             raise ProgramError("the chat session is not open (use `async with client.session()`)")
-        inp = Input(messages=[Message(role=role, content=content)], add_generation_prompt=True)
-        return self._client.generate_message(
-            inp, session=self.id, stream=stream, sampling={**self.sampling, **sampling}
-        )
+        options = {**self.sampling, **sampling}
+        # A tool result answers one call: role="tool", tool_call_id=..., name=...
+        message = Message(role=role, content=content, tool_call_id=options.pop("tool_call_id", None),
+                          name=options.pop("name", None))
+        inp = Input(messages=[message], add_generation_prompt=True)
+        return self._client.generate_message(inp, session=self.id, stream=stream, sampling=options)
 
     def _record(self, content: str, role: str, result: GenerateResult) -> None:
         self.history.append({"role": role, "content": content})
-        self.history.append({"role": "assistant", "content": result.text})
+        reply: dict[str, Any] = {"role": "assistant", "content": result.text}
+        if result.tool_calls:
+            reply["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments}
+                                   for c in result.tool_calls]
+        self.history.append(reply)
         if result.meta_info.get("session_length") is not None:
             self.length = result.meta_info["session_length"]
 
     async def send(self, content: str, *, role: str = "user", **sampling: Any) -> GenerateResult:
-        """Append a message and generate the assistant's reply (a `GenerateResult`)."""
+        """Append a message and generate the assistant's reply (a `GenerateResult`).
+
+        ``tools=`` / ``tool_choice=`` apply to this turn (``result.tool_calls`` holds the
+        calls); answer a call with ``send(result_text, role="tool", tool_call_id=call.id,
+        name=call.name)``. Tools are shown to the model only by the session's first turn."""
         msg = self._turn(content, role, False, sampling)
         start = time.perf_counter()
         dones = await self._client.run_generate(msg)

@@ -64,6 +64,7 @@ from radixlm.sdk.results import (
     sampling_params,
     to_messages,
 )
+from radixlm.sdk.structured import pop_tool_options
 
 __all__ = ["AsyncClient", "TextStream", "make_input"]
 
@@ -352,12 +353,15 @@ class AsyncClient:
         prompt_logprobs_start: int | None = None,
         sampling: dict[str, Any] | SamplingParams,
     ) -> Generate:
+        tool_fields: dict[str, Any] = {}
         if not isinstance(sampling, SamplingParams):
-            sampling = sampling_params(sampling)
+            options = dict(sampling)
+            tool_fields = pop_tool_options(options)
+            sampling = sampling_params(options)
         return Generate(
             rid=self.new_rid(), input=inp, sampling=sampling, stream=stream,
             prompt_logprobs_start=prompt_logprobs_start, priority=priority,
-            namespace=namespace, session=session, n=n,
+            namespace=namespace, session=session, n=n, **tool_fields,
         )
 
     # -- generation -------------------------------------------------------------------------
@@ -380,8 +384,10 @@ class AsyncClient:
 
         Sampling options are `SamplingParams` fields (``max_tokens``, ``temperature``,
         ``top_p``, ``top_k``, ``min_p``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
-        penalties, ``seed``, ``logprobs``/``return_logprob``...). Returns a
-        `GenerateResult`, or a list of them (one per branch) when ``n > 1``.
+        penalties, ``seed``, ``logprobs``/``return_logprob``, and one of ``regex``,
+        ``json_schema`` (JSON text, dict or pydantic model class) or ``ebnf``), plus
+        ``tools`` and ``tool_choice`` (then ``result.tool_calls`` holds the parsed calls).
+        Returns a `GenerateResult`, or a list of them (one per branch) when ``n > 1``.
         """
         msg = self.generate_message(
             make_input(prompt, input_ids, messages, add_generation_prompt), session=session,

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.runtime.protocol import Done, Message, SamplingParams, TopLogprob
+from radixlm.runtime.protocol import Done, Message, SamplingParams, ToolCall, TopLogprob
+from radixlm.sdk.structured import schema_text, to_tool_calls
 
 __all__ = ["GenerateResult", "StreamDelta", "meta_info", "sampling_params", "to_messages"]
 
@@ -29,6 +30,7 @@ class GenerateResult:
     index: int = 0  # branch index when n > 1
     logprobs: list[float] | None = None  # of each output token, when asked for
     prompt_logprobs: list[float] | None = None
+    tool_calls: list[ToolCall] | None = None  # calls parsed from the output (with tools=)
 
     @property
     def finish_reason(self) -> str:
@@ -99,6 +101,7 @@ def result_from_done(done: Done, latency_s: float) -> GenerateResult:
         index=done.index,
         logprobs=done.logprobs,
         prompt_logprobs=done.prompt_logprobs,
+        tool_calls=done.tool_calls,
     )
 
 
@@ -129,18 +132,23 @@ def sampling_params(options: dict[str, Any]) -> SamplingParams:
             value = [value]
         elif name in ("stop", "stop_token_ids"):
             value = list(value)
+        elif name == "json_schema":
+            value = schema_text(value)
         fields[name] = value
     return SamplingParams(**fields)
 
 
 def to_messages(messages: Any) -> list[Message]:
-    """Chat messages as protocol `Message`s, from dicts, `Message`s or (role, content) pairs."""
+    """Chat messages as protocol `Message`s, from dicts (OpenAI's shape, tool calls
+    included), `Message`s or (role, content) pairs."""
     out = []
     for m in messages:
         if isinstance(m, Message):
             out.append(m)
         elif isinstance(m, dict):
-            out.append(Message(role=m["role"], content=m["content"]))
+            out.append(Message(role=m["role"], content=m.get("content"),
+                               tool_calls=to_tool_calls(m.get("tool_calls")),
+                               tool_call_id=m.get("tool_call_id"), name=m.get("name")))
         else:
             role, content = m
             out.append(Message(role=role, content=content))

@@ -8,9 +8,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from radixlm.runtime.protocol import NamedToolChoice, Tool
+from radixlm.runtime.protocol import NamedToolChoice, Tool, ToolCall
 
-__all__ = ["schema_text", "to_tool_choice", "to_tools"]
+__all__ = ["pop_tool_options", "schema_text", "to_tool_calls", "to_tool_choice", "to_tools"]
 
 
 def schema_text(schema: Any) -> str | None:
@@ -54,3 +54,28 @@ def to_tool_choice(choice: Any) -> str | NamedToolChoice:
             return NamedToolChoice(name=fn["name"])
     raise TypeError(f"tool_choice must be 'auto', 'none', 'required' or a named function, "
                     f"got {choice!r}")
+
+
+def to_tool_calls(calls: Sequence[Any] | None) -> list[ToolCall] | None:
+    """`ToolCall`s from themselves, ``{id, name, arguments}`` or OpenAI's ``{id, type,
+    function: {name, arguments}}`` dicts (arguments as JSON text or an object)."""
+    if calls is None:
+        return None
+    out = []
+    for c in calls:
+        if isinstance(c, ToolCall):
+            out.append(c)
+            continue
+        fn = c.get("function", c)
+        args = fn.get("arguments", {})
+        out.append(ToolCall(id=c.get("id", ""), name=fn["name"],
+                            arguments=args if isinstance(args, str) else json.dumps(args)))
+    return out
+
+
+def pop_tool_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Take ``tools`` and ``tool_choice`` out of keyword options (they travel with the
+    sampling keywords of `generate`, `stream` and chat `send`) as `Generate` fields."""
+    tools = to_tools(options.pop("tools", None))
+    choice = to_tool_choice(options.pop("tool_choice", None) or "auto")
+    return {"tools": tools, "tool_choice": choice}

@@ -127,9 +127,9 @@ def test_sampling_under_a_mask_matches_the_regex(compiler, tok, vocab, seed) -> 
             break
         logits = torch.randn(len(live), vocab, generator=gen) * 3
         mask = masker.fill([states[i] for i in live])
+        raw = torch.log_softmax(mask.apply(logits.clone()), dim=-1)
         res = sampler.sample(logits, [params[i] for i in live], [outs[i] for i in live],
                              generators=[gen] * len(live), mask=mask)
-        raw = torch.log_softmax(mask.apply(logits.clone()), dim=-1)
         for row, (i, t) in enumerate(zip(live, res.token_ids, strict=True)):
             assert states[i].accept(t), "sampled a token the grammar forbids"
             outs[i].append(t)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -147,7 +148,8 @@ def add_trust_arguments(p: argparse.ArgumentParser) -> None:
             "require CurveZMQ authentication (and encryption): DIR holds the server key and "
             "the authorized client keys ('radixlm keys DIR' makes them)"))),
         ("--insecure", dict(action="store_true", help=(
-            "allow a TCP endpoint beyond loopback without --auth-dir"))),
+            "allow a TCP endpoint beyond loopback without --auth-dir (and an --http address "
+            "beyond loopback without an API key)"))),
         ("--max-message-bytes", dict(
             type=_non_negative_int, default=d.max_message_bytes, metavar="BYTES", help=(
                 "largest client frame; the server drops a connection that sends a larger one, "
@@ -220,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "its own pid, so an engine it started never outlives it")
     add_engine_arguments(serve)
     add_trust_arguments(serve)
+    from radixlm.runtime.http.main import add_http_arguments
+
+    add_http_arguments(serve, insecure=False)  # the trust group's --insecure covers HTTP too
     serve.set_defaults(run=cmd_serve)
 
     keys = sub.add_parser(
@@ -306,16 +311,37 @@ def _stop_on_sigterm(signum: int, frame: object) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from radixlm.runtime.channel import EndpointError
-    from radixlm.runtime.launcher import ServerStartError, start_server, stop_when_gone
+    from radixlm.runtime.http.config import HttpConfigError
+    from radixlm.runtime.http.launch import HttpStartError, start_http
+    from radixlm.runtime.http.main import http_config
+    from radixlm.runtime.launcher import (
+        ServerStartError,
+        connect_address,
+        start_server,
+        stop_when_gone,
+    )
 
     _setup_logging(args.log_level)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
     if args.parent_pid is not None:
         stop_when_gone(args.parent_pid)
     config = config_from_args(args, endpoint=args.endpoint)
+    http = None
+    if args.http is not None:  # checked before anything starts: a refused bind costs nothing
+        if args.tokenizer is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
+            args.tokenizer = args.model
+        try:
+            http = http_config(args, engine_endpoint="")
+        except HttpConfigError as e:
+            print(f"radixlm serve: {e}", file=sys.stderr)
+            return 2
     server = None
     try:
         server = start_server(config, start_timeout_s=args.start_timeout)
+        if http is not None:
+            http = dataclasses.replace(http, engine_endpoint=connect_address(server.endpoint))
+            server.processes["http"] = start_http(http, log_level=args.log_level)
+            print(f"radixlm serve: HTTP API at http://{args.http}/v1", flush=True)
         print(f"radixlm serve: ready at {server.endpoint}", flush=True)
         if args.endpoint_file:
             _write_endpoint_file(args.endpoint_file, server.endpoint)
@@ -323,7 +349,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"radixlm serve: the {role} process exited with code {code}; stopping",
               file=sys.stderr)
         return 1
-    except (ServerStartError, EndpointError) as e:
+    except (ServerStartError, EndpointError, HttpStartError) as e:
         print(f"radixlm serve: {e}", file=sys.stderr)
         return 1
     except (KeyboardInterrupt, _StopRequested):

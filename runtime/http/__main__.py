@@ -1,0 +1,5 @@
+import sys
+
+from radixlm.runtime.http.main import main
+
+sys.exit(main())

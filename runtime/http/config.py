@@ -1,0 +1,84 @@
+"""The HTTP frontend's configuration: one frozen object built from its flags, plus the
+bind-address rule (a non-loopback address needs an API key unless told otherwise)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass
+
+DEFAULT_RESPONSE_TTL_S = 3600.0
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_TOKENS = 1024
+API_KEY_ENV = "RADIXLM_API_KEY"  # how `radixlm serve` hands the key to the HTTP process
+
+
+class HttpConfigError(ValueError):
+    """A flag value the HTTP frontend cannot start with (the message says which)."""
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    engine_endpoint: str  # the engine's protocol endpoint (ipc:// or tcp://)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    insecure: bool = False  # allow a non-loopback bind without an API key
+    response_ttl_s: float = DEFAULT_RESPONSE_TTL_S
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    served_model_name: str | None = None  # None: the engine's model name
+    tokenizer_dir: str | None = None  # token strings for logprobs ("token_id:N" without)
+    connect_timeout_s: float = 60.0
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6) -> (host, port); a bare port means loopback."""
+    if text.isdigit():
+        host, port_text = "127.0.0.1", text
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host:
+            raise HttpConfigError(f"--http wants HOST:PORT, got {text!r}")
+        host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise HttpConfigError(f"--http port must be an integer in [0, 65535], got {port_text!r}")
+    if host == "*":
+        raise HttpConfigError("--http '*' is ambiguous: write 0.0.0.0 to listen everywhere")
+    return ("127.0.0.1" if host == "localhost" else host), int(port_text)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` only ever resolves to loopback addresses."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
+
+
+def check_bind(host: str, api_key: str | None, insecure: bool) -> None:
+    """Refuse to serve an unauthenticated API beyond this machine unless asked to."""
+    if api_key is None and not insecure and not is_loopback(host):
+        raise HttpConfigError(
+            f"refusing to serve HTTP on {host} (not loopback) without an API key: give "
+            "--api-key/--api-key-file, or --insecure to serve it unauthenticated on purpose")
+
+
+def read_api_key(key: str | None, key_file: str | None) -> str | None:
+    """The API key from --api-key or the first line of --api-key-file (not both)."""
+    if key is not None and key_file is not None:
+        raise HttpConfigError("give --api-key or --api-key-file, not both")
+    if key_file is not None:
+        try:
+            with open(key_file, encoding="utf-8") as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise HttpConfigError(f"cannot read --api-key-file: {e}") from None
+    if key is not None and not key:
+        raise HttpConfigError("the API key is empty")
+    return key

@@ -1,0 +1,202 @@
+"""OpenAI request fields -> protocol fields: messages, tools, sampling, output formats.
+
+Everything here is pure data mapping; the routes call it and send the result.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Union
+
+import msgspec
+from radixlm.runtime.http.errors import ApiError, invalid
+from radixlm.runtime.http.schemas import (
+    ChatMessage,
+    ChatTool,
+    ChatToolChoice,
+    ContentPart,
+    InputContent,
+    InputItem,
+    ResponseFormat,
+    ResponseTool,
+    ResponseToolChoice,
+    SamplingExtras,
+    TextFormat,
+)
+from radixlm.runtime.protocol import Message, NamedToolChoice, SamplingParams, Tool, ToolCall
+
+# Roles the chat templates know; OpenAI's "developer" is the newer name of "system".
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}
+# A JSON object of any shape: what response_format json_object constrains to.
+ANY_OBJECT_SCHEMA = {"type": "object"}
+ToolChoice = Union[str, NamedToolChoice]
+
+
+def _text_of(content: Union[str, list[ContentPart], list[InputContent], None], where: str) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    texts = []
+    for i, part in enumerate(content):
+        if part.type not in ("text", "input_text", "output_text") or part.text is None:
+            raise invalid(f"{where}.content[{i}]: only text parts are supported (got "
+                          f"{part.type!r})", f"{where}.content")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[Message]:
+    """OpenAI chat messages -> protocol messages (tool calls and tool answers included)."""
+    if not messages:
+        raise invalid("messages must not be empty", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = _ROLES.get(m.role)
+        if role is None:
+            raise invalid(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m.role!r}",
+                          f"messages[{i}].role")
+        calls = None
+        if m.tool_calls:
+            calls = [ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+                     for c in m.tool_calls]
+        content = _text_of(m.content, f"messages[{i}]")
+        if content is None and calls is None:
+            raise invalid(f"messages[{i}] has no content", f"messages[{i}].content")
+        out.append(Message(role=role, content=content, tool_calls=calls,
+                           tool_call_id=m.tool_call_id, name=m.name if role == "tool" else None))
+    return out
+
+
+def response_input(items: Union[str, list[InputItem]], instructions: str | None) -> list[Message]:
+    """A Responses ``input`` (text or items) and ``instructions`` -> protocol messages."""
+    out = [Message(role="system", content=instructions)] if instructions else []
+    if isinstance(items, str):
+        return [*out, Message(role="user", content=items)]
+    for i, item in enumerate(items):
+        kind = item.type or "message"
+        if kind == "message":
+            role = _ROLES.get(item.role or "")
+            if role is None or role == "tool":
+                raise invalid(f"input[{i}].role must be system, developer, user or assistant",
+                              f"input[{i}].role")
+            content = _text_of(item.content, f"input[{i}]")
+            out.append(Message(role=role, content=content or ""))
+        elif kind == "function_call":
+            if not item.call_id or not item.name:
+                raise invalid(f"input[{i}]: a function_call needs call_id and name", f"input[{i}]")
+            out.append(Message(role="assistant", tool_calls=[ToolCall(
+                id=item.call_id, name=item.name, arguments=item.arguments or "{}")]))
+        elif kind == "function_call_output":
+            if not item.call_id or item.output is None:
+                raise invalid(f"input[{i}]: a function_call_output needs call_id and output",
+                              f"input[{i}]")
+            out.append(Message(role="tool", content=item.output, tool_call_id=item.call_id))
+        else:
+            raise invalid(f"input[{i}].type {kind!r} is not supported", f"input[{i}].type")
+    if not out:
+        raise invalid("input must not be empty", "input")
+    return out
+
+
+def chat_tools(tools: list[ChatTool] | None, choice: str | ChatToolChoice | None) -> tuple[list[Tool] | None, ToolChoice]:
+    defs = None
+    if tools:
+        for i, t in enumerate(tools):
+            if t.type != "function":
+                raise invalid(f"tools[{i}].type must be 'function'", f"tools[{i}].type")
+        defs = [Tool(name=t.function.name, description=t.function.description or "",
+                     parameters=t.function.parameters or dict(ANY_OBJECT_SCHEMA)) for t in tools]
+    named = choice.function.name if isinstance(choice, ChatToolChoice) else None
+    return defs, _tool_choice(choice, named, defs)
+
+
+def response_tools(tools: list[ResponseTool] | None, choice: str | ResponseToolChoice | None) -> tuple[list[Tool] | None, ToolChoice]:
+    defs = None
+    if tools:
+        for i, t in enumerate(tools):
+            if t.type != "function":
+                raise invalid(f"tools[{i}].type {t.type!r} is not supported (only 'function')",
+                              f"tools[{i}].type")
+        defs = [Tool(name=t.name, description=t.description or "",
+                     parameters=t.parameters or dict(ANY_OBJECT_SCHEMA)) for t in tools]
+    named = choice.name if isinstance(choice, ResponseToolChoice) else None
+    if isinstance(choice, ResponseToolChoice) and not named:
+        raise invalid("tool_choice needs the function's name", "tool_choice")
+    return defs, _tool_choice(choice, named, defs)
+
+
+def _tool_choice(choice: object, named: str | None, defs: list[Tool] | None) -> ToolChoice:
+    if named is not None:
+        if defs is None:
+            raise invalid("tool_choice names a function but no tools were given", "tool_choice")
+        return NamedToolChoice(name=named)
+    if choice is None:
+        return "auto"
+    if choice not in ("auto", "none", "required"):
+        raise invalid(f"tool_choice must be 'auto', 'none', 'required' or a named function, "
+                      f"got {choice!r}", "tool_choice")
+    if choice == "required" and defs is None:
+        raise invalid("tool_choice 'required' needs tools", "tool_choice")
+    return choice  # type: ignore[return-value]
+
+
+def chat_json_schema(fmt: ResponseFormat | None) -> str | None:
+    """response_format -> the JSON Schema text the engine constrains to (None: free text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return json.dumps(ANY_OBJECT_SCHEMA)
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema is None:
+            raise invalid("response_format json_schema needs json_schema.schema",
+                          "response_format.json_schema")
+        return json.dumps(fmt.json_schema.schema)
+    raise invalid(f"response_format.type must be text, json_object or json_schema, got "
+                  f"{fmt.type!r}", "response_format.type")
+
+
+def text_json_schema(fmt: TextFormat | None) -> str | None:
+    """Responses ``text.format`` -> the JSON Schema text (None: free text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return json.dumps(ANY_OBJECT_SCHEMA)
+    if fmt.type == "json_schema":
+        if fmt.schema is None:
+            raise invalid("text.format json_schema needs a schema", "text.format.schema")
+        return json.dumps(fmt.schema)
+    raise invalid(f"text.format.type must be text, json_object or json_schema, got "
+                  f"{fmt.type!r}", "text.format.type")
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if len(stops) > 16:
+        raise invalid("at most 16 stop sequences", "stop")
+    return [s for s in stops if s]
+
+
+def sampling(req: SamplingExtras, *, max_tokens: int, stop: list[str], logprobs: bool = False,
+             top_logprobs: int = 0, json_schema: str | None = None) -> SamplingParams:
+    """The engine's SamplingParams; the engine validates ranges and names the bad field."""
+    given: dict[str, Any] = {
+        name: getattr(req, name)
+        for name in ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty",
+                     "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids")
+        if getattr(req, name) is not None
+    }
+    try:
+        return SamplingParams(max_tokens=max_tokens, stop=stop, logprobs=logprobs,
+                              top_logprobs=top_logprobs, json_schema=json_schema, **given)
+    except (TypeError, msgspec.ValidationError) as e:
+        raise ApiError(400, f"invalid sampling options: {e}") from None
+
+
+def max_tokens_of(value: int | None, default: int, param: str) -> int:
+    if value is None:
+        return default
+    if value < 0:
+        raise invalid(f"{param} must be >= 0, got {value}", param)
+    return value

@@ -1,0 +1,61 @@
+"""Running a Generate for a route: to its end, or streamed reply by reply.
+
+A streamed generation is aborted in the engine when its consumer stops early (the HTTP
+client disconnected: the server cancels the response's task), so nothing is left running.
+Usage, time to first token and inter-token latency go to the metrics here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Union
+
+from radixlm.runtime.http.context import HttpContext
+from radixlm.runtime.http.errors import from_engine
+from radixlm.runtime.protocol import Chunk, Done, Generate
+from radixlm.sdk.errors import EngineError
+
+
+def count(ctx: HttpContext, dones: list[Done]) -> None:
+    if dones:
+        ctx.metrics.count_usage(dones[0].usage, sum(d.usage.completion_tokens for d in dones))
+
+
+async def run(ctx: HttpContext, msg: Generate) -> list[Done]:
+    """One Done per branch (by index); engine refusals become `ApiError`s."""
+    try:
+        dones = await ctx.link.generate(msg)
+    except EngineError as e:
+        raise from_engine(e) from None
+    count(ctx, dones)
+    return dones
+
+
+async def replies(ctx: HttpContext, msg: Generate) -> AsyncIterator[Union[Chunk, Done]]:
+    """The Chunks and Dones of a streamed Generate (``msg.stream`` must be set)."""
+    started = last = time.perf_counter()
+    first = True
+    ttft, itl = ctx.metrics.ttft, ctx.metrics.itl
+    try:
+        req = ctx.link.start(msg)
+    except EngineError as e:
+        raise from_engine(e) from None
+    try:
+        while not req.finished:
+            try:
+                reply = await req.receive()
+            except EngineError as e:
+                raise from_engine(e) from None
+            if type(reply) is Chunk:
+                t = time.perf_counter()
+                if first:
+                    ttft.observe(t - started)
+                    first = False
+                else:
+                    itl.observe(t - last)
+                last = t
+            yield reply  # type: ignore[misc]
+        count(ctx, req.dones)
+    finally:
+        await req.aclose()  # aborts it in the engine if it has not finished

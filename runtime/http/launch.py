@@ -1,0 +1,76 @@
+"""Starting the HTTP frontend as a child process of `radixlm serve`, and waiting for it."""
+
+from __future__ import annotations
+
+import http.client
+import os
+import subprocess
+import sys
+import time
+
+from radixlm.runtime.http.config import API_KEY_ENV, HttpConfig
+
+_PROBE_INTERVAL_S = 0.1
+
+
+class HttpStartError(RuntimeError):
+    """The HTTP frontend did not come up (the message says why)."""
+
+
+def child_command(config: HttpConfig, parent_pid: int, log_level: str) -> list[str]:
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    command = [
+        sys.executable, "-m", "radixlm.runtime.http", "--engine", config.engine_endpoint,
+        "--http", f"{host}:{config.port}", "--parent-pid", str(parent_pid),
+        "--log-level", log_level, "--response-ttl", str(config.response_ttl_s),
+        "--max-body-bytes", str(config.max_body_bytes),
+        "--default-max-tokens", str(config.default_max_tokens),
+    ]
+    if config.insecure:
+        command.append("--insecure")
+    if config.served_model_name:
+        command += ["--served-model-name", config.served_model_name]
+    if config.tokenizer_dir:
+        command += ["--tokenizer", config.tokenizer_dir]
+    return command
+
+
+def start_http(config: HttpConfig, *, log_level: str = "warning",
+               timeout_s: float = 60.0) -> subprocess.Popen[bytes]:
+    """Start the HTTP frontend (the key travels in its environment, not its argv) and
+    return once /health answers."""
+    env = dict(os.environ)
+    env.pop(API_KEY_ENV, None)
+    if config.api_key is not None:
+        env[API_KEY_ENV] = config.api_key
+    proc = subprocess.Popen(child_command(config, os.getpid(), log_level), env=env,
+                            stdin=subprocess.DEVNULL)
+    try:
+        wait_ready(config.host, config.port, proc, timeout_s)
+    except BaseException:
+        proc.terminate()
+        proc.wait()
+        raise
+    return proc
+
+
+def wait_ready(host: str, port: int, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    probe_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise HttpStartError(f"the HTTP frontend exited with code {proc.returncode} "
+                                 "during start-up (see its log above)")
+        try:
+            conn = http.client.HTTPConnection(probe_host, port, timeout=2)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        if time.monotonic() > deadline:
+            raise HttpStartError(f"the HTTP frontend did not answer on {host}:{port} within "
+                                 f"{timeout_s:.0f} s")
+        time.sleep(_PROBE_INTERVAL_S)

@@ -1,0 +1,116 @@
+"""``python -m radixlm.runtime.http``: the HTTP frontend process (uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from radixlm.runtime.http.config import (
+    API_KEY_ENV,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_RESPONSE_TTL_S,
+    HttpConfig,
+    HttpConfigError,
+    check_bind,
+    parse_listen,
+    read_api_key,
+)
+
+
+def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True) -> None:
+    """The HTTP flags, shared by `radixlm serve` and this module's own command line
+    (`insecure`: also add --insecure, which `radixlm serve` has already)."""
+    g = p.add_argument_group("HTTP (OpenAI-compatible API)")
+    g.add_argument("--http", default=None, metavar="HOST:PORT",
+                   help="also serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every HTTP route but /health "
+                        f"(also read from ${API_KEY_ENV})")
+    g.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="read the API key from the first line of this file")
+    if insecure:
+        g.add_argument("--insecure", action="store_true",
+                       help="allow a non-loopback --http address without an API key")
+    g.add_argument("--response-ttl", type=float, default=DEFAULT_RESPONSE_TTL_S,
+                   metavar="SECONDS",
+                   help="idle time after which a stored response or chat session expires "
+                        "(its id then gets 404) (default: %(default)s)")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted (413 beyond) (default: %(default)s)")
+    g.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="output limit of requests that name none, capped at half the context "
+                        "(default: %(default)s)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model id of /v1/models and of requests (default: the engine's)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a model directory whose tokenizer names tokens in logprobs and echoes "
+                        "token-id prompts (without it: 'token_id:N')")
+
+
+def http_config(args: argparse.Namespace, engine_endpoint: str) -> HttpConfig:
+    """The HttpConfig for parsed flags (raises HttpConfigError for a bad value)."""
+    host, port = parse_listen(args.http)
+    key = read_api_key(args.api_key or os.environ.get(API_KEY_ENV) or None, args.api_key_file)
+    check_bind(host, key, args.insecure)
+    if args.response_ttl <= 0 or args.max_body_bytes <= 0 or args.default_max_tokens <= 0:
+        raise HttpConfigError("--response-ttl, --max-body-bytes and --default-max-tokens must "
+                              "be > 0")
+    return HttpConfig(engine_endpoint=engine_endpoint, host=host, port=port, api_key=key,
+                      insecure=args.insecure, response_ttl_s=args.response_ttl,
+                      max_body_bytes=args.max_body_bytes,
+                      default_max_tokens=args.default_max_tokens,
+                      served_model_name=args.served_model_name, tokenizer_dir=args.tokenizer)
+
+
+def serve(config: HttpConfig, log_level: str = "warning") -> None:
+    """Run the HTTP frontend until SIGTERM/SIGINT."""
+    import uvicorn
+    from radixlm.runtime.http.app import build_app
+
+    try:
+        import uvloop  # noqa: F401
+
+        loop = "uvloop"
+    except ImportError:
+        loop = "asyncio"
+    server = uvicorn.Server(uvicorn.Config(
+        build_app(config), host=config.host, port=config.port, loop=loop, http="httptools",
+        lifespan="on", log_level=log_level, access_log=log_level == "debug",
+        timeout_graceful_shutdown=5,
+    ))
+    server.run()
+    if not server.started:
+        sys.exit(1)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m radixlm.runtime.http",
+        description="The OpenAI-compatible HTTP frontend of a running radixlm server.")
+    parser.add_argument("--engine", required=True, metavar="ENDPOINT",
+                        help="the server's protocol endpoint (ipc://... or tcp://...)")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="stop once this process has exited")
+    parser.add_argument("--log-level", default="warning",
+                        choices=("debug", "info", "warning", "error"))
+    add_http_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.http is None:
+        parser.error("--http HOST:PORT is required")
+    try:
+        config = http_config(args, args.engine)
+    except HttpConfigError as e:
+        print(f"radixlm http: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s radixlm-http %(levelname)s %(name)s: %(message)s")
+    if args.parent_pid is not None:
+        from radixlm.runtime.launcher import stop_when_gone
+
+        stop_when_gone(args.parent_pid)
+    serve(config, args.log_level)
+    return 0

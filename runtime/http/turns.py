@@ -1,0 +1,70 @@
+"""One generation in a stored conversation: which engine session it runs in, and what is
+stored after it.
+
+- a new conversation opens a soft-retained engine session;
+- continuing stored id X *forks* X's session (X stays as it was: several continuations
+  of X may run at once) -- or, for a chat session continued in place, appends to it;
+- nothing stored (Responses ``store: false`` without a previous id): no session at all.
+The new input is appended to the held history: the engine renders only the new
+messages, and the whole history is a prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from radixlm.runtime.http.context import HttpContext
+from radixlm.runtime.http.errors import ApiError
+from radixlm.runtime.http.store import Stored
+from radixlm.runtime.protocol import Done
+
+
+@dataclass
+class Turn:
+    session: str | None  # the engine session the Generate appends to
+    in_place: Stored | None = None  # the stored entry this turn advances (chat, no fork)
+    fresh: bool = False  # the session was opened or forked for this turn
+    keep: bool = True  # store the result
+
+
+def unknown(kind: str, id: str) -> ApiError:
+    return ApiError(404, f"{kind} '{id}' not found (expired, deleted, or never stored)",
+                    type="invalid_request_error", code="not_found")
+
+
+async def begin(ctx: HttpContext, previous: str | None, *, fork: bool, keep: bool,
+                kind: str) -> Turn:
+    """The engine session for a turn continuing `previous` (None: a new conversation)."""
+    if previous is None:
+        if not keep:
+            return Turn(None, keep=False)
+        return Turn(await ctx.link.open_session(), fresh=True)
+    entry = ctx.store.get(previous)
+    if entry is None:
+        raise unknown(kind, previous)
+    if not fork:
+        if entry.busy:
+            raise ApiError(409, f"{kind} '{previous}' already has a turn running (fork it, "
+                                "or wait)", type="conflict_error", code="busy")
+        entry.busy = True
+        return Turn(entry.session, in_place=entry)
+    return Turn(await ctx.link.fork_session(entry.session), fresh=True, keep=keep)
+
+
+def finish(ctx: HttpContext, turn: Turn, done: Done | None, new_id: str) -> Stored | None:
+    """Store the turn's result under `new_id` (or under the entry it advanced); on failure
+    (`done` None, or aborted) close what was opened for it."""
+    ok = done is not None and done.finish_reason != "abort" and done.session is not None
+    if turn.in_place is not None:
+        turn.in_place.busy = False
+        if ok:
+            assert done is not None and done.session_length is not None
+            turn.in_place.length = done.session_length
+        return turn.in_place
+    if turn.session is None or not turn.fresh:
+        return None
+    if not ok or not turn.keep:
+        ctx.link.close_sessions([turn.session])
+        return None
+    assert done is not None
+    return ctx.store.put(new_id, turn.session, done.session_length or 0)

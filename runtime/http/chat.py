@@ -50,7 +50,7 @@ def session_json(entry: Stored | None) -> dict[str, Any] | None:
 async def chat_completions(ctx: HttpContext, request: Request) -> Response:
     req = decode_body(await read_body(request, ctx.config.max_body_bytes), ChatCompletionRequest)
     ctx.check_model(req.model)
-    n = 1 if req.n is None else req.n
+    n = convert.n_of(req.n)
     if req.top_logprobs and not req.logprobs:
         raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
     if req.session is not None and n != 1:

@@ -49,7 +49,7 @@ async def completions(ctx: HttpContext, request: Request) -> Response:
     req = decode_body(await read_body(request, ctx.config.max_body_bytes), CompletionRequest)
     ctx.check_model(req.model)
     prompts = prompts_of(req.prompt)
-    n = 1 if req.n is None else req.n
+    n = convert.n_of(req.n)
     top = req.logprobs
     if top is not None and not 0 <= top <= 20:
         raise invalid(f"logprobs must be in [0, 20], got {top}", "logprobs")

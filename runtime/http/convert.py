@@ -194,6 +194,17 @@ def sampling(req: SamplingExtras, *, max_tokens: int, stop: list[str], logprobs:
         raise ApiError(400, f"invalid sampling options: {e}") from None
 
 
+MAX_N = 64  # the protocol's limit on branches
+
+
+def n_of(value: int | None) -> int:
+    if value is None:
+        return 1
+    if not 1 <= value <= MAX_N:
+        raise invalid(f"n must be in [1, {MAX_N}], got {value}", "n")
+    return value
+
+
 def max_tokens_of(value: int | None, default: int, param: str) -> int:
     if value is None:
         return default

@@ -58,4 +58,6 @@ async def replies(ctx: HttpContext, msg: Generate) -> AsyncIterator[Union[Chunk,
             yield reply  # type: ignore[misc]
         count(ctx, req.dones)
     finally:
+        if not req.finished:
+            ctx.metrics.aborted.inc()
         await req.aclose()  # aborts it in the engine if it has not finished

@@ -29,6 +29,9 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS)
         self.itl = Histogram("radixlm_inter_token_latency_seconds",
                              "Time between streamed tokens", registry=r, buckets=_LATENCY_BUCKETS)
+        self.aborted = Counter("radixlm_http_streams_aborted",
+                               "Streams whose client left before the end (aborted in the engine)",
+                               registry=r)
         self.hit_rate = Gauge("radixlm_cache_hit_rate",
                               "Engine prefix-cache hit rate (cached / prompt tokens)", registry=r)
         self.pool = Gauge("radixlm_kv_pool_tokens", "KV pool tokens by state", ["state"],

@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import msgspec
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
@@ -22,8 +24,34 @@ def event(kind: str, obj: Any) -> bytes:
     return b"event: " + kind.encode() + b"\ndata: " + _json.encode(obj) + b"\n\n"
 
 
+class EventStream(StreamingResponse):
+    """A streaming response that stops -- closing its body, which aborts the generation
+    behind it -- as soon as the client disconnects, even while no event is being written
+    (a long prefill, a reply held back until its end)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body: Any = self.body_iterator
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch, receive, tg.cancel_scope)
+                try:
+                    await self.stream_response(send)
+                except OSError:  # the client went away while we wrote
+                    pass
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await body.aclose()
+
+    @staticmethod
+    async def _watch(receive: Receive, scope: anyio.CancelScope) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        scope.cancel()
+
+
 def response(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers=HEADERS)
+    return EventStream(body, media_type="text/event-stream", headers=HEADERS)
 
 
 async def first_then_rest(replies: AsyncIterator[Any]) -> tuple[Any, AsyncIterator[Any]]:

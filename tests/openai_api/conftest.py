@@ -37,6 +37,7 @@ class HttpServer:
     url: str
     model: str
     model_dir: Path
+    api_key: str = API_KEY
 
     @property
     def base_url(self) -> str:

@@ -1,0 +1,82 @@
+"""The HTTP frontend's flags, bind rule and stored-conversation expiry (no server)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from radixlm.runtime.http.config import HttpConfigError, check_bind, parse_listen, read_api_key
+from radixlm.runtime.http.store import ConversationStore
+
+
+@pytest.mark.parametrize(("text", "expect"), [
+    ("127.0.0.1:8000", ("127.0.0.1", 8000)),
+    ("localhost:80", ("127.0.0.1", 80)),
+    ("[::1]:9000", ("::1", 9000)),
+    ("0.0.0.0:1", ("0.0.0.0", 1)),
+    ("8080", ("127.0.0.1", 8080)),
+])
+def test_parse_listen(text: str, expect: tuple[str, int]) -> None:
+    assert parse_listen(text) == expect
+
+
+@pytest.mark.parametrize("text", ["nohost", ":80", "h:99999", "h:x", "*:80"])
+def test_parse_listen_refuses(text: str) -> None:
+    with pytest.raises(HttpConfigError):
+        parse_listen(text)
+
+
+def test_non_loopback_needs_a_key_or_insecure() -> None:
+    for host in ("127.0.0.1", "::1", "localhost"):
+        check_bind(host, None, False)
+    for host in ("0.0.0.0", "::", "192.0.2.7"):
+        with pytest.raises(HttpConfigError, match="--insecure"):
+            check_bind(host, None, False)
+        check_bind(host, "k", False)
+        check_bind(host, None, True)
+
+
+def test_api_key_file(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "key"
+    path.write_text("s3cret\nignored\n")
+    assert read_api_key(None, str(path)) == "s3cret"
+    assert read_api_key("k", None) == "k"
+    assert read_api_key(None, None) is None
+    with pytest.raises(HttpConfigError, match="not both"):
+        read_api_key("k", str(path))
+    with pytest.raises(HttpConfigError, match="cannot read"):
+        read_api_key(None, str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(HttpConfigError, match="empty"):
+        read_api_key(None, str(tmp_path / "empty"))
+
+
+def test_serve_refuses_a_public_bind_without_a_key_before_loading() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "radixlm.runtime.cli", "serve", "--model", "/nonexistent",
+         "--http", "0.0.0.0:8999"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "without an API key" in result.stderr and "--insecure" in result.stderr
+
+
+def test_store_expires_and_closes_sessions() -> None:
+    closed: list[str] = []
+    now = [100.0]
+    store = ConversationStore(10.0, closed.extend, clock=lambda: now[0])
+    store.put("a", "sa", 5)
+    store.put("b", "sb", 7)
+    now[0] = 105.0
+    assert store.get("a") is not None  # use restarts the TTL
+    now[0] = 112.0
+    assert store.sweep() == 1 and closed == ["sb"]
+    assert store.get("b") is None and store.get("a") is not None
+    busy = store.get("a")
+    assert busy is not None
+    busy.busy = True  # a turn running on it: never expired under it
+    now[0] = 200.0
+    assert store.sweep() == 0 and store.get("a") is not None
+    busy.busy = False
+    now[0] = 300.0
+    assert store.get("a") is None and closed == ["sb", "sa"]
+    assert store.delete("a") is False and len(store) == 0

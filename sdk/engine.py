@@ -5,6 +5,9 @@
 
     engine = rl.Engine("path/to/model", kv_tokens=8192, device="cpu")   # flags of `serve`
 
+    engine = rl.Engine(http="127.0.0.1:8000")   # also the OpenAI-compatible HTTP API:
+    openai.OpenAI(base_url=engine.http_url, api_key="unused")
+
 The server listens on an ipc socket in a private (0700) directory of its own. It stops
 when the Engine is closed, when it is garbage collected, or at interpreter exit; a call
 made after it died fails at once with `EngineDeadError` carrying its exit code and the
@@ -13,12 +16,14 @@ end of its log.
 
 from __future__ import annotations
 
+import http.client
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -118,6 +123,8 @@ class Engine(Client):
     model to load. The process is watched, so calls fail within a second of its exit;
     `heartbeat_timeout` only covers a process that is alive but stopped answering. Use it
     as a context manager, or call `close` (alias `shutdown`).
+    ``http="HOST:PORT"`` also serves the OpenAI-compatible HTTP API there (`http_url` is
+    its ``.../v1`` base URL; ``api_key=`` sets its key).
     """
 
     def __init__(
@@ -143,6 +150,16 @@ class Engine(Client):
         except BaseException:
             self._process_finalizer()
             raise
+        self.http_url: str | None = None
+        if engine_flags.get("http"):
+            host, _, port = str(engine_flags["http"]).rpartition(":")
+            host = {"localhost": "127.0.0.1", "0.0.0.0": "127.0.0.1"}.get(host, host)
+            try:
+                _wait_http(host.strip("[]"), int(port), startup_timeout, self.process)
+            except BaseException:
+                self.close()
+                raise
+            self.http_url = f"http://{host}:{port}/v1"
 
     def close(self) -> None:
         """Disconnect, then stop the engine process (idempotent)."""
@@ -154,6 +171,28 @@ class Engine(Client):
     @property
     def pid(self) -> int:
         return self.process.pid
+
+
+def _wait_http(host: str, port: int, timeout_s: float, process: EngineProcess) -> None:
+    """Until the HTTP API answers /health (it starts just after the protocol endpoint)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reason = process.exit_reason()
+        if reason is not None:
+            raise EngineStartError(f"the HTTP API did not start: {reason}")
+        conn = http.client.HTTPConnection(host, port, timeout=2)
+        try:
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        if time.monotonic() > deadline:
+            raise EngineStartError(f"the HTTP API did not answer on {host}:{port} "
+                                   f"within {timeout_s:.0f} s")
+        time.sleep(0.1)
 
 
 def Runtime(model_path: str = "default", **kwargs: Any) -> Engine:  # noqa: N802 - SGLang's name

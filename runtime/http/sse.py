@@ -3,6 +3,7 @@ its first reply still gets its own HTTP status (not a 200 with an error event)."
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -34,10 +35,8 @@ class EventStream(StreamingResponse):
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch, receive, tg.cancel_scope)
-                try:
+                with contextlib.suppress(OSError):  # the client went away while we wrote
                     await self.stream_response(send)
-                except OSError:  # the client went away while we wrote
-                    pass
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):

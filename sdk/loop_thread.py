@@ -55,6 +55,7 @@ class LoopThread:
             self._ready.set()
 
     async def _main(self) -> None:
+        _declare_asyncio_thread()
         async with BlockingPortal() as portal, TaskSet() as tasks:
             self.portal = portal
             self.token = current_token()
@@ -119,6 +120,18 @@ class LoopThread:
             with contextlib.suppress(RuntimeError):  # already stopping
                 self.portal.call(self.portal.stop, True)
             self._thread.join(timeout=10)
+
+
+def _declare_asyncio_thread() -> None:
+    """`spawn`'s hop runs in a loop callback, outside any task, and makes an anyio cancel
+    scope there. anyio finds its backend through sniffio when sniffio is installed (the
+    `openai` package brings it), and sniffio recognises asyncio only inside a task unless
+    the thread is declared: declare this thread's loop."""
+    try:
+        import sniffio
+    except ImportError:
+        return
+    sniffio.thread_local.name = "asyncio"
 
 
 def _backend_options() -> dict[str, Any]:

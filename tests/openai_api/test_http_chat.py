@@ -111,18 +111,17 @@ def test_logprobs_are_the_engines(http_server, api) -> None:  # noqa: ANN001
     assert lps == pytest.approx(done.logprobs)
 
 
-def test_tool_and_assistant_history_messages_render(http_server, api) -> None:  # noqa: ANN001
-    messages = [
-        {"role": "developer", "content": "Use tools."},
-        {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
-        {"role": "assistant", "content": "Let me look.",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "weather", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-    ]
-    r = api.chat.completions.create(model=http_server.model, messages=messages, max_tokens=4,
+def test_developer_role_and_text_parts(http_server, api) -> None:  # noqa: ANN001
+    parts = [{"role": "developer", "content": "Be brief."},
+             {"role": "user", "content": [{"type": "text", "text": "Wea"},
+                                          {"type": "text", "text": "ther?"}]}]
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"}]
+    a = api.chat.completions.create(model=http_server.model, messages=parts, max_tokens=4,
                                     temperature=0)
-    assert r.usage.prompt_tokens > 0 and r.choices[0].finish_reason in ("stop", "length")
+    b = api.chat.completions.create(model=http_server.model, messages=plain, max_tokens=4,
+                                    temperature=0)
+    assert a.usage.prompt_tokens == _hf_prompt_len(http_server.model_dir, plain)
+    assert a.choices[0].message.content == b.choices[0].message.content
 
 
 def test_completions_text_ids_echo_and_logprobs(http_server, api) -> None:  # noqa: ANN001

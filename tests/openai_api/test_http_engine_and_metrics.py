@@ -70,3 +70,18 @@ def test_metrics(http_server, api) -> None:  # noqa: ANN001
     for name in ("radixlm_cache_hit_rate", "radixlm_engine_sessions", "radixlm_requests_running",
                  "radixlm_requests_waiting", "radixlm_http_stored_conversations"):
         _metric(after, name)
+
+
+def test_openai_example_runs(http_server) -> None:  # noqa: ANN001
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "openai_client.py"
+    done = subprocess.run(
+        [sys.executable, str(example), "--base-url", http_server.base_url, "--api-key",
+         http_server.api_key, "--max-tokens", "4", "--turn", "One", "--turn", "Two"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    cached = re.findall(r"\[input (\d+) tokens, (\d+) cached\]", done.stdout)
+    assert len(cached) == 2 and int(cached[1][1]) > 0, done.stdout

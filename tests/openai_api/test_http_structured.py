@@ -113,3 +113,21 @@ def test_responses_function_call_round_trip(http_server, api) -> None:  # noqa: 
                                     "output": "cold"}])
     assert nxt.usage.input_tokens_details.cached_tokens == (r.usage.input_tokens
                                                              + r.usage.output_tokens)
+
+
+def test_tool_call_history_messages_render(http_server, api) -> None:  # noqa: ANN001
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    try:
+        r = api.chat.completions.create(model=http_server.model, messages=messages,
+                                        tools=[WEATHER], max_tokens=4, temperature=0)
+    except openai.BadRequestError as e:
+        _skip_if_unsupported(e, "tool-call messages (Message.tool_calls)")
+        raise
+    assert r.usage.prompt_tokens > 0 and r.choices[0].finish_reason in ("stop", "length",
+                                                                          "tool_calls")

@@ -330,6 +330,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.http is not None:  # checked before anything starts: a refused bind costs nothing
         if args.tokenizer is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
             args.tokenizer = args.model
+        if args.served_model_name is None and args.model == "default":
+            args.served_model_name = "SmolLM2-135M-Instruct"  # "default" is accepted too
         try:
             http = http_config(args, engine_endpoint="")
         except HttpConfigError as e:

@@ -1,6 +1,7 @@
-"""Fixtures of the HTTP API tests: one `radixlm serve --http` on the tiny model, with an
+"""Fixtures of the HTTP API tests: one `radixlm serve --http` on a tiny model, with an
 API key, shared by the whole session, and `openai` clients pointed at it.
 
+- ``http_model_dir`` (session): the tests' tiny Llama with a 2,048-token context.
 - ``http_server`` (session, `HttpServer`): ``base_url`` (…/v1), ``url`` (root),
   ``server`` (the `ServerHandle` of conftest: ``endpoint``, ``log()``, ``client()``),
   ``model`` (the served model id), ``model_dir``.
@@ -68,12 +69,21 @@ class HttpServer:
 
 
 @pytest.fixture(scope="session")
-def http_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[HttpServer]:
+def http_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a 2,048-token context: room for rendered tool definitions."""
+    from tiny_models import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("http-model"), "llama",
+                                name="tiny-llama-2k", max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="session")
+def http_server(tmp_path_factory: pytest.TempPathFactory, http_model_dir: Path) -> Iterator[HttpServer]:
     port = free_port()
-    with start_test_server(tmp_path_factory.mktemp("http-server"), tiny_model_dir,
+    with start_test_server(tmp_path_factory.mktemp("http-server"), http_model_dir,
                            "--http", f"127.0.0.1:{port}", "--api-key", API_KEY,
                            "--max-body-bytes", "65536") as handle:
-        yield HttpServer(handle, f"http://127.0.0.1:{port}", tiny_model_dir.name, tiny_model_dir)
+        yield HttpServer(handle, f"http://127.0.0.1:{port}", http_model_dir.name, http_model_dir)
 
 
 @pytest.fixture

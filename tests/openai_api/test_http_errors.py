@@ -88,7 +88,7 @@ def test_huge_bodies_are_refused(http_server) -> None:  # noqa: ANN001
     s, b = http_server.request("POST", "/v1/responses", big)  # every route has the limit
     _assert_error(s, b, 413)
     # A body under the byte limit but far over the context: the engine's too_long, a 400.
-    long = _chat(http_server.model, messages=[{"role": "user", "content": "word " * 2000}])
+    long = _chat(http_server.model, messages=[{"role": "user", "content": "word " * 5000}])
     s, b = http_server.request("POST", "/v1/chat/completions", long)
     _assert_error(s, b, 400)
     assert b["error"]["code"] == "context_length_exceeded"

@@ -125,7 +125,7 @@ def test_tool_call_history_messages_render(http_server, api) -> None:  # noqa: A
     ]
     try:
         r = api.chat.completions.create(model=http_server.model, messages=messages,
-                                        tools=[WEATHER], max_tokens=4, temperature=0)
+                                        max_tokens=4, temperature=0)
     except openai.BadRequestError as e:
         _skip_if_unsupported(e, "tool-call messages (Message.tool_calls)")
         raise

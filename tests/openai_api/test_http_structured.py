@@ -131,3 +131,27 @@ def test_tool_call_history_messages_render(http_server, api) -> None:  # noqa: A
         raise
     assert r.usage.prompt_tokens > 0 and r.choices[0].finish_reason in ("stop", "length",
                                                                           "tool_calls")
+
+
+def test_auto_tools_reply_or_call(http_server, api) -> None:  # noqa: ANN001
+    messages = [{"role": "user", "content": "Weather in Rome?"}]
+    try:
+        r = api.chat.completions.create(model=http_server.model, messages=messages,
+                                        tools=[WEATHER], max_tokens=24, temperature=0)
+    except openai.BadRequestError as e:
+        _skip_if_unsupported(e, "tools with tool_choice auto (Generate.tools)")
+        raise
+    choice = r.choices[0]
+    streamed = list(api.chat.completions.create(model=http_server.model, messages=messages,
+                                                tools=[WEATHER], max_tokens=24, temperature=0,
+                                                stream=True))
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls"
+        calls = [tc for d in deltas for tc in d.tool_calls or []]
+        assert [c.function.name for c in calls] == [c.function.name
+                                                     for c in choice.message.tool_calls]
+    else:
+        # A plain reply: held back while it might still become a call, sent at the end.
+        assert "".join(d.content or "" for d in deltas) == choice.message.content
+        assert streamed[-1].choices[0].finish_reason == choice.finish_reason

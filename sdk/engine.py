@@ -16,10 +16,10 @@ end of its log.
 
 from __future__ import annotations
 
-import http.client
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -174,25 +174,19 @@ class Engine(Client):
 
 
 def _wait_http(host: str, port: int, timeout_s: float, process: EngineProcess) -> None:
-    """Until the HTTP API answers /health (it starts just after the protocol endpoint)."""
+    """Until the HTTP API accepts connections: it starts just after the protocol endpoint,
+    and listens only once its engine connection is up."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        reason = process.exit_reason()
-        if reason is not None:
-            raise EngineStartError(f"the HTTP API did not start: {reason}")
-        conn = http.client.HTTPConnection(host, port, timeout=2)
+    while (reason := process.exit_reason()) is None:
         try:
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
+            socket.create_connection((host, port), timeout=2).close()
+            return
         except OSError:
-            pass
-        finally:
-            conn.close()
-        if time.monotonic() > deadline:
-            raise EngineStartError(f"the HTTP API did not answer on {host}:{port} "
-                                   f"within {timeout_s:.0f} s")
-        time.sleep(0.1)
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"the HTTP API did not answer on {host}:{port} "
+                                       f"within {timeout_s:.0f} s") from None
+            time.sleep(0.1)
+    raise EngineStartError(f"the HTTP API did not start: {reason}")
 
 
 def Runtime(model_path: str = "default", **kwargs: Any) -> Engine:  # noqa: N802 - SGLang's name

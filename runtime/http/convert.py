@@ -142,31 +142,29 @@ def _tool_choice(choice: object, named: str | None, defs: list[Tool] | None) -> 
 
 def chat_json_schema(fmt: ResponseFormat | None) -> str | None:
     """response_format -> the JSON Schema text the engine constrains to (None: free text)."""
-    if fmt is None or fmt.type == "text":
+    if fmt is None:
         return None
-    if fmt.type == "json_object":
-        return json.dumps(ANY_OBJECT_SCHEMA)
-    if fmt.type == "json_schema":
-        if fmt.json_schema is None or fmt.json_schema.schema is None:
-            raise invalid("response_format json_schema needs json_schema.schema",
-                          "response_format.json_schema")
-        return json.dumps(fmt.json_schema.schema)
-    raise invalid(f"response_format.type must be text, json_object or json_schema, got "
-                  f"{fmt.type!r}", "response_format.type")
+    spec = fmt.json_schema
+    return _json_schema(fmt.type, spec.schema if spec else None, "response_format")
 
 
 def text_json_schema(fmt: TextFormat | None) -> str | None:
     """Responses ``text.format`` -> the JSON Schema text (None: free text)."""
-    if fmt is None or fmt.type == "text":
+    return None if fmt is None else _json_schema(fmt.type, fmt.schema, "text.format")
+
+
+def _json_schema(kind: str, schema: dict[str, Any] | None, param: str) -> str | None:
+    if kind == "text":
         return None
-    if fmt.type == "json_object":
+    if kind == "json_object":
         return json.dumps(ANY_OBJECT_SCHEMA)
-    if fmt.type == "json_schema":
-        if fmt.schema is None:
-            raise invalid("text.format json_schema needs a schema", "text.format.schema")
-        return json.dumps(fmt.schema)
-    raise invalid(f"text.format.type must be text, json_object or json_schema, got "
-                  f"{fmt.type!r}", "text.format.type")
+    if kind == "json_schema":
+        if schema is None:
+            where = f"{param}.json_schema" if param == "response_format" else f"{param}.schema"
+            raise invalid(f"{param} json_schema needs a schema", where)
+        return json.dumps(schema)
+    raise invalid(f"{param}.type must be text, json_object or json_schema, got {kind!r}",
+                  f"{param}.type")
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:

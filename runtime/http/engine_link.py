@@ -11,22 +11,7 @@ import itertools
 from typing import Any, TypeVar
 
 from anyio.abc import TaskGroup
-from radixlm.runtime.protocol import (
-    CloseSession,
-    Done,
-    ForkSession,
-    Generate,
-    GetStats,
-    Input,
-    OpenSession,
-    SessionOpened,
-    SessionsForked,
-    StatsReply,
-    Struct,
-    Tokenize,
-    Tokens,
-    Welcome,
-)
+from radixlm.runtime import protocol as p
 from radixlm.sdk.connection import Connection, Request
 from radixlm.sdk.errors import InternalError
 
@@ -38,9 +23,9 @@ class EngineLink:
         self.conn = Connection(endpoint, client_name="radixlm-http",
                                heartbeat_timeout=heartbeat_timeout)
         self._rids = itertools.count()
-        self.welcome: Welcome | None = None
+        self.welcome: p.Welcome | None = None
 
-    async def open(self, tg: TaskGroup, timeout_s: float) -> Welcome:
+    async def open(self, tg: TaskGroup, timeout_s: float) -> p.Welcome:
         self.welcome = await self.conn.open(tg, timeout_s)
         return self.welcome
 
@@ -54,12 +39,12 @@ class EngineLink:
     def rid(self) -> str:
         return f"h{next(self._rids):x}"
 
-    def start(self, msg: Generate) -> Request:
+    def start(self, msg: p.Generate) -> Request:
         """Send a Generate; read its replies from the returned `Request` (close it after:
         `aclose` aborts a generation that has not finished)."""
         return self.conn.request(msg, branches=msg.n, generate=True)
 
-    async def generate(self, msg: Generate) -> list[Done]:
+    async def generate(self, msg: p.Generate) -> list[p.Done]:
         """Run a Generate to its end; one Done per branch, by branch index."""
         req = self.start(msg)
         try:
@@ -69,7 +54,7 @@ class EngineLink:
             await req.aclose()
         return sorted(req.dones, key=lambda d: d.index)
 
-    async def call(self, msg: Struct, expect: type[R]) -> R:
+    async def call(self, msg: p.Struct, expect: type[R]) -> R:
         req = self.conn.request(msg)
         try:
             reply: Any = await req.receive()
@@ -80,21 +65,21 @@ class EngineLink:
         return reply
 
     async def open_session(self, ttl_s: float | None = None) -> str:
-        reply = await self.call(OpenSession(rid=self.rid(), retention="soft", ttl_s=ttl_s),
-                                SessionOpened)
+        reply = await self.call(p.OpenSession(rid=self.rid(), retention="soft", ttl_s=ttl_s),
+                                p.SessionOpened)
         return reply.session
 
     async def fork_session(self, session: str) -> str:
-        reply = await self.call(ForkSession(rid=self.rid(), session=session), SessionsForked)
+        reply = await self.call(p.ForkSession(rid=self.rid(), session=session), p.SessionsForked)
         return reply.sessions[0]
 
     def close_sessions(self, sessions: list[str]) -> None:
         """Close sessions without waiting (their KV stays as ordinary evictable cache)."""
         if sessions and self.alive:
-            self.conn.send_unawaited(CloseSession(rid=self.rid(), sessions=sessions))
+            self.conn.send_unawaited(p.CloseSession(rid=self.rid(), sessions=sessions))
 
-    async def stats(self) -> StatsReply:
-        return await self.call(GetStats(rid=self.rid()), StatsReply)
+    async def stats(self) -> p.StatsReply:
+        return await self.call(p.GetStats(rid=self.rid()), p.StatsReply)
 
-    async def tokenize(self, inp: Input) -> list[int]:
-        return (await self.call(Tokenize(rid=self.rid(), input=inp), Tokens)).input_ids
+    async def tokenize(self, inp: p.Input) -> list[int]:
+        return (await self.call(p.Tokenize(rid=self.rid(), input=inp), p.Tokens)).input_ids

@@ -96,23 +96,28 @@ class SamplingExtras(Body, kw_only=True):
     seed: Union[int, None] = None
     presence_penalty: Union[float, None] = None
     frequency_penalty: Union[float, None] = None
+    stop_token_ids: Union[list[int], None] = None
     top_k: Union[int, None] = None
     min_p: Union[float, None] = None
     repetition_penalty: Union[float, None] = None
     ignore_eos: Union[bool, None] = None
-    stop_token_ids: Union[list[int], None] = None
     user: Union[str, None] = None
 
 
-class ChatCompletionRequest(SamplingExtras, kw_only=True):
+class CompletionOptions(SamplingExtras, kw_only=True):
+    """What chat and plain completions share."""
+
     model: str
-    messages: list[ChatMessage]
     stream: Union[bool, None] = None
     stream_options: Union[StreamOptions, None] = None
     n: Union[int, None] = None
     max_tokens: Union[int, None] = None
-    max_completion_tokens: Union[int, None] = None
     stop: Union[str, list[str], None] = None
+
+
+class ChatCompletionRequest(CompletionOptions, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: Union[int, None] = None
     logprobs: Union[bool, None] = None
     top_logprobs: Union[int, None] = None
     response_format: Union[ResponseFormat, None] = None
@@ -124,14 +129,8 @@ class ChatCompletionRequest(SamplingExtras, kw_only=True):
 # -- completions -----------------------------------------------------------------------
 
 
-class CompletionRequest(SamplingExtras, kw_only=True):
-    model: str
+class CompletionRequest(CompletionOptions, kw_only=True):
     prompt: Union[str, list[Any]]  # text, token ids, or a batch of either (checked later)
-    stream: Union[bool, None] = None
-    stream_options: Union[StreamOptions, None] = None
-    n: Union[int, None] = None
-    max_tokens: Union[int, None] = None
-    stop: Union[str, list[str], None] = None
     echo: Union[bool, None] = None
     logprobs: Union[int, None] = None  # this many alternatives per token (0-20)
 
@@ -186,10 +185,10 @@ class ResponsesRequest(SamplingExtras, kw_only=True):
     instructions: Union[str, None] = None
     previous_response_id: Union[str, None] = None
     store: Union[bool, None] = None
+    tool_choice: Union[str, ResponseToolChoice, None] = None
+    tools: Union[list[ResponseTool], None] = None
     stream: Union[bool, None] = None
     max_output_tokens: Union[int, None] = None
     text: Union[TextConfig, None] = None
-    tools: Union[list[ResponseTool], None] = None
-    tool_choice: Union[str, ResponseToolChoice, None] = None
     metadata: Union[dict[str, str], None] = None
     top_logprobs: Union[int, None] = None

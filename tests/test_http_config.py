@@ -80,3 +80,28 @@ def test_store_expires_and_closes_sessions() -> None:
     now[0] = 300.0
     assert store.get("a") is None and closed == ["sb", "sa"]
     assert store.delete("a") is False and len(store) == 0
+
+
+def test_an_error_after_the_first_event_is_the_last_event() -> None:
+    import json
+
+    import anyio
+    from radixlm.runtime.http import sse
+    from radixlm.runtime.http.errors import ApiError
+
+    async def body():  # noqa: ANN202
+        yield b"data: {}\n\n"
+        raise ApiError(503, "the engine went away", type="server_error", code="engine_dead")
+
+    async def collect(error_event: bool) -> list[bytes]:
+        return [chunk async for chunk in sse._errors_as_events(body(), error_event)]
+
+    chat = anyio.run(collect, False)
+    assert chat[0] == b"data: {}\n\n" and len(chat) == 2
+    assert json.loads(chat[1].removeprefix(b"data: ")) == {"error": {
+        "message": "the engine went away", "type": "server_error", "param": None,
+        "code": "engine_dead"}}
+    kind, payload = anyio.run(collect, True)[1].split(b"\n", 1)
+    assert kind == b"event: error"
+    assert json.loads(payload.removeprefix(b"data: ")) == {
+        "type": "error", "code": "engine_dead", "message": "the engine went away", "param": None}

@@ -110,7 +110,8 @@ async def create(ctx: HttpContext, request: Request) -> Response:
         except BaseException:
             turns.finish(ctx, turn, None, rid)
             raise
-        return sse.response(_stream(ctx, shape, msg_id, first, rest, turn, tools is not None))
+        return sse.response(_stream(ctx, shape, msg_id, first, rest, turn, tools is not None),
+                            error_event=True)
     done = None
     try:
         done = (await generation.run(ctx, msg))[0]

@@ -9,6 +9,7 @@ from typing import Any
 
 import anyio
 import msgspec
+from radixlm.runtime.http.errors import ApiError
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -49,8 +50,27 @@ class EventStream(StreamingResponse):
         scope.cancel()
 
 
-def response(body: AsyncIterator[bytes]) -> StreamingResponse:
-    return EventStream(body, media_type="text/event-stream", headers=HEADERS)
+def response(body: AsyncIterator[bytes], *, error_event: bool = False) -> StreamingResponse:
+    """The event stream of `body`. An error after the first event (the engine went away)
+    can no longer change the status: it is sent as a last event, OpenAI's error object
+    (``event: error`` in the Responses API's format with `error_event`), then the end."""
+    return EventStream(_errors_as_events(body, error_event), media_type="text/event-stream",
+                       headers=HEADERS)
+
+
+async def _errors_as_events(body: AsyncIterator[bytes], error_event: bool) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in body:
+            yield chunk
+    except ApiError as e:
+        if error_event:
+            err = e.body()["error"]
+            yield event("error", {"type": "error", "code": err["code"],
+                                  "message": err["message"], "param": err["param"]})
+        else:
+            yield data(e.body())
+    finally:
+        await body.aclose()  # type: ignore[attr-defined]
 
 
 async def first_then_rest(replies: AsyncIterator[Any]) -> tuple[Any, AsyncIterator[Any]]:

@@ -333,6 +333,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.served_model_name is None and args.model == "default":
             args.served_model_name = "SmolLM2-135M-Instruct"  # "default" is accepted too
         try:
+            if args.auth_dir:  # its engine link would need a client key of its own
+                raise HttpConfigError("--http cannot be combined with --auth-dir yet")
             http = http_config(args, engine_endpoint="")
         except HttpConfigError as e:
             print(f"radixlm serve: {e}", file=sys.stderr)

@@ -25,6 +25,8 @@ _ENGINE_STATUS: dict[str, tuple[int, str]] = {
     "busy": (409, "conflict_error"),
     "capacity": (503, "server_overloaded"),
     "engine_dead": (503, "server_error"),
+    "engine_unavailable": (503, "server_error"),
+    "forbidden": (403, "permission_error"),
 }
 # protocol code -> the code OpenAI's own servers use for the same refusal
 _OPENAI_CODE = {"too_long": "context_length_exceeded", "invalid_params": "invalid_value"}

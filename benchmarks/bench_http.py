@@ -256,7 +256,8 @@ async def agents_resend(client: Any, model: str, agents: int, turns: int,
             r = await client.chat.completions.create(model=model, messages=messages,
                                                      max_tokens=max_tokens, temperature=0)
             messages.append({"role": "assistant", "content": r.choices[0].message.content})
-            usages.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+            usages.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens,
+                           r.usage.prompt_tokens))  # the whole conversation re-rendered
         return usages
 
     return [u for us in await asyncio.gather(*(agent(i) for i in range(agents))) for u in us]
@@ -265,14 +266,17 @@ async def agents_resend(client: Any, model: str, agents: int, turns: int,
 async def agents_responses(client: Any, model: str, agents: int, turns: int,
                            max_tokens: int) -> list[Any]:
     async def agent(i: int) -> list[Any]:
-        previous, usages = None, []
+        previous, usages, history = None, [], 0
         for t in range(turns):
             r = await client.responses.create(
                 model=model, input=QUESTIONS[t % len(QUESTIONS)], previous_response_id=previous,
                 instructions=f"You are agent {i}. Answer briefly." if previous is None else None,
                 max_output_tokens=max_tokens, temperature=0)
             previous = r.id
-            usages.append((r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens))
+            # Only the new input is rendered and tokenized: input minus the held history.
+            usages.append((r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens,
+                           r.usage.input_tokens - history))
+            history = r.usage.input_tokens + r.usage.output_tokens
         return usages
 
     return [u for us in await asyncio.gather(*(agent(i) for i in range(agents))) for u in us]
@@ -285,7 +289,7 @@ def agents(args: argparse.Namespace) -> list[str]:
     port = free_port()
     rows = []
     with rl.Engine("default", device="cpu", kv_tokens=args.kv_tokens, http=f"127.0.0.1:{port}",
-                   startup_timeout=600) as engine:
+                   threads=args.threads, startup_timeout=600) as engine:
         assert engine.http_url is not None
         for name, run in (("chat completions, history re-sent", agents_resend),
                           ("responses + previous_response_id", agents_responses)):
@@ -302,12 +306,13 @@ def agents(args: argparse.Namespace) -> list[str]:
             t0 = time.perf_counter()
             usages = asyncio.run(go())
             wall = time.perf_counter() - t0
-            prompt = sum(p for p, _ in usages)
-            computed = sum(p - c for p, c in usages)
-            rows.append((name, prompt, computed, wall))
-    lines = ["| mode | prompt tokens | computed (prompt - cached) | wall |",
-             "|---|---:|---:|---:|"]
-    lines += [f"| {n} | {p:,} | {c:,} | {w:.1f} s |" for n, p, c, w in rows]
+            prompt = sum(u[0] for u in usages)
+            computed = sum(u[0] - u[1] for u in usages)
+            rendered = sum(u[2] for u in usages)
+            rows.append((name, prompt, computed, rendered, wall))
+    lines = ["| mode | prompt tokens | computed (prompt - cached) | rendered + tokenized | wall |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {n} | {p:,} | {c:,} | {r:,} | {w:.1f} s |" for n, p, c, r, w in rows]
     lines.append(f"\n{args.agents} agents x {args.turns} turns, {args.max_tokens} tokens per "
                  "reply (greedy), all agents concurrent, through `openai.AsyncOpenAI`; "
                  "SmolLM2-135M-Instruct on CPU; cache flushed between the two modes.")
@@ -328,6 +333,7 @@ def main() -> int:
     b.add_argument("--turns", type=int, default=6)
     b.add_argument("--max-tokens", type=int, default=32)
     b.add_argument("--kv-tokens", type=int, default=32768)
+    b.add_argument("--threads", type=int, default=0, help="engine CPU threads (0: torch's)")
     p.add_argument("--no-write", action="store_true", help="do not append to the results file")
     args = p.parse_args()
     lines = overhead(args) if args.part == "overhead" else agents(args)

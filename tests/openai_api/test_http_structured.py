@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(180)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
                    "required": ["city"], "additionalProperties": False}}}
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer"}},
@@ -65,7 +65,7 @@ def test_required_tool_call(http_server, api) -> None:  # noqa: ANN001
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     try:
         r = api.chat.completions.create(model=http_server.model, messages=messages,
-                                        tools=[WEATHER], tool_choice="required", max_tokens=60,
+                                        tools=[WEATHER], tool_choice="required", max_tokens=120,
                                         temperature=0)
     except openai.BadRequestError as e:
         _skip_if_unsupported(e, "tools / tool_choice (Generate.tools, Done.tool_calls)")
@@ -86,7 +86,7 @@ def test_required_tool_call(http_server, api) -> None:  # noqa: ANN001
     # Streamed: the calls arrive in the finish chunk.
     chunks = list(api.chat.completions.create(
         model=http_server.model, messages=messages, tools=[WEATHER], tool_choice="required",
-        max_tokens=60, temperature=0, stream=True))
+        max_tokens=120, temperature=0, stream=True))
     calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls
              for tc in c.choices[0].delta.tool_calls]
     assert [c.function.name for c in calls] == ["get_weather"]
@@ -97,7 +97,7 @@ def test_responses_function_call_round_trip(http_server, api) -> None:  # noqa: 
     tool = {"type": "function", **WEATHER["function"]}
     try:
         r = api.responses.create(model=http_server.model, input="Weather in Oslo?",
-                                 tools=[tool], tool_choice="required", max_output_tokens=60,
+                                 tools=[tool], tool_choice="required", max_output_tokens=120,
                                  temperature=0)
     except openai.BadRequestError as e:
         _skip_if_unsupported(e, "tools / tool_choice (Generate.tools, Done.tool_calls)")

@@ -291,8 +291,9 @@ def agents(args: argparse.Namespace) -> list[str]:
     with rl.Engine("default", device="cpu", kv_tokens=args.kv_tokens, http=f"127.0.0.1:{port}",
                    threads=args.threads, startup_timeout=600) as engine:
         assert engine.http_url is not None
-        for name, run in (("chat completions, history re-sent", agents_resend),
-                          ("responses + previous_response_id", agents_responses)):
+        modes = [("chat completions, history re-sent", agents_resend),
+                 ("responses + previous_response_id", agents_responses)]
+        for name, run in (modes[::-1] if args.responses_first else modes):
             engine.flush_cache()
 
             async def go(run: Any = run) -> list[Any]:
@@ -334,6 +335,8 @@ def main() -> int:
     b.add_argument("--max-tokens", type=int, default=32)
     b.add_argument("--kv-tokens", type=int, default=32768)
     b.add_argument("--threads", type=int, default=0, help="engine CPU threads (0: torch's)")
+    b.add_argument("--responses-first", action="store_true",
+                   help="run the responses mode first (wall times drift with the host's load)")
     p.add_argument("--no-write", action="store_true", help="do not append to the results file")
     args = p.parse_args()
     lines = overhead(args) if args.part == "overhead" else agents(args)

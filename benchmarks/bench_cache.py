@@ -1,6 +1,6 @@
 """Benchmark of radixlm.cache on seeded request traces, against a naive per-token trie.
 
-Every request goes through the whole §4.2 lifecycle, eight in flight at a time (admit
+Every request goes through the whole cache lifecycle, eight in flight at a time (admit
 eight: match, lock, allocate the uncached suffix; then prefill: insert the prompt, free
 duplicates, move the lock to the prompt's node, allocate the output; then finish:
 insert prompt+output, free duplicates and the unaligned tail, unlock). Traces:

@@ -47,13 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true", help="measure ours only")
     p.add_argument("--out", default=str(Path(__file__).with_name("results_model.md")))
     p.add_argument("--no-write", action="store_true")
-    p.add_argument(
-        "--clock",
-        choices=["wall", "cpu"],
-        default="wall",
-        help="wall: elapsed time; cpu: this process's CPU time, which on a machine shared "
-        "with other work estimates the unloaded figures (use with --threads 1)",
-    )
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall: elapsed time; cpu: this process's CPU time, which on a machine "
+                        "shared with other work estimates the unloaded figures (use with "
+                        "--threads 1)")
     p.add_argument("--append", action="store_true", help="append to --out instead of replacing")
     return p.parse_args(argv)
 

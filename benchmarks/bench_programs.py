@@ -21,7 +21,7 @@ output, each request computing only what no earlier sequence covered; a generati
 last token counts as not computed, since its KV exists only once a later request
 computes it).
 
-SDK overhead: the same programs run against `radixlm.sdk.testing.StubServer` in another
+SDK overhead: the same programs run against `radixlm.testing.StubServer` in another
 process, which answers instantly; the SDK's cost per gen is the client's wall time (and
 its CPU time) divided by the number of gens. Target: < 200 us per gen. The host may be
 shared, so each row is the best of several rounds (``--overhead-rounds``): other work
@@ -272,7 +272,7 @@ def _overhead_round(reps: int) -> dict[str, Overhead]:
     out: dict[str, Overhead] = {}
     with tempfile.TemporaryDirectory(prefix="radixlm-bench-") as tmp:
         endpoint = f"ipc://{os.path.join(tmp, 'stub.sock')}"
-        stub = subprocess.Popen([sys.executable, "-m", "radixlm.sdk.testing", "--endpoint",
+        stub = subprocess.Popen([sys.executable, "-m", "radixlm.testing", "--endpoint",
                                  endpoint], stdout=subprocess.PIPE)
         try:
             assert stub.stdout is not None

@@ -40,22 +40,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-from radixlm.cache import KVPool, PrefixCache
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.engine.messages import (
-    EngineCommand,
-    EngineGenerate,
-    EngineOpenSession,
-    EnginePin,
-    StepOutputs,
-    ToClient,
-)
-from radixlm.runtime.engine.options import SchedulerOptions
-from radixlm.runtime.engine.scheduler import Scheduler
-from radixlm.runtime.engine.sessions import SessionManager
-from radixlm.runtime.model.config import ModelConfig
+from radixlm.runtime.engine import messages as engine_msg
+from radixlm.runtime.engine.engine_main import build_engine
 from radixlm.runtime.model.resolve import resolve_model
-from radixlm.runtime.model.runner import ModelRunner
 from radixlm.runtime.protocol import (
     Error,
     ForkSession,
@@ -65,7 +53,6 @@ from radixlm.runtime.protocol import (
     Usage,
     decode_server,
 )
-from radixlm.runtime.sampling import Sampler
 from radixlm.tokenizer import Tokenizer
 
 CLIENT = b"bench"
@@ -211,30 +198,19 @@ def make_plans(w: Workload, tok: Tokenizer) -> tuple[str, list[AgentPlan]]:
 
 # ------------------------------------------------------------------- engine
 class InProcessEngine:
-    """Scheduler + SessionManager + SmolLM2 on CPU, fed messages directly."""
+    """The engine process's scheduler (sessions, cache, SmolLM2 on CPU), fed messages
+    directly, without sockets."""
 
     def __init__(
         self, model_dir, kv_tokens: int, *, host_kv_tokens: int = 0, retained_cap: int = 0
     ) -> None:
-        cfg = ModelConfig.from_dir(model_dir)
-        self.pool = KVPool(
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_tokens, 1, torch.float32, "cpu"
-        )
-        runner = ModelRunner(model_dir, "cpu", torch.float32, self.pool, attention="torch")
-        self.cache = PrefixCache(kv_tokens, 1, "priority")
+        # Built as `radixlm serve` builds its engine (CPU, float32, torch attention).
         config = EngineConfig(
-            kv_tokens=kv_tokens, retained_cap=retained_cap, host_kv_tokens=host_kv_tokens
+            model=str(model_dir), device="cpu", dtype="float32", attention="torch",
+            page_size=1, kv_tokens=kv_tokens, retained_cap=retained_cap,
+            host_kv_tokens=host_kv_tokens,
         )
-        self.sessions = SessionManager(self.cache, config, kv_pool=self.pool)
-        options = SchedulerOptions.from_config(config, cfg.max_position_embeddings)
-        self.sched = Scheduler(
-            self.cache,
-            runner,
-            Sampler(cfg.vocab_size),
-            options,
-            eos_token_ids=cfg.eos_token_ids,
-            sessions=self.sessions,
-        )
+        self.sched = build_engine(config, model_dir).scheduler
         self._keys = itertools.count(1)
         self._rids = itertools.count(1)
         self.replies: dict[str, object] = {}
@@ -261,7 +237,7 @@ class InProcessEngine:
         self.on_done[key] = done
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.sched.handle(
-            EngineGenerate(
+            engine_msg.EngineGenerate(
                 key=key,
                 client=CLIENT,
                 rid=f"g{key}",
@@ -276,7 +252,7 @@ class InProcessEngine:
     def call(self, msg) -> object:
         """A message answered with one reply (pin, open, fork); runs until it comes."""
         self.sched.handle(msg)
-        rid = msg.rid if not isinstance(msg, EngineCommand) else msg.msg.rid
+        rid = msg.rid if not isinstance(msg, engine_msg.EngineCommand) else msg.msg.rid
         self._collect()
         while rid not in self.replies:
             self.step()
@@ -293,12 +269,12 @@ class InProcessEngine:
 
     def _collect(self) -> None:
         for out in self.sched.take_outbox():
-            if isinstance(out, ToClient):
+            if isinstance(out, engine_msg.ToClient):
                 reply = decode_server(out.data)
                 if isinstance(reply, Error) and reply.rid and reply.rid.startswith("g"):
                     raise RuntimeError(f"request {reply.rid} failed: {reply.code}: {reply.message}")
                 self.replies[reply.rid] = reply
-            elif isinstance(out, StepOutputs):
+            elif isinstance(out, engine_msg.StepOutputs):
                 for o in out.outputs:
                     self.outputs[o.key] += o.token_ids
                     if o.finish_reason is not None:
@@ -379,7 +355,8 @@ def run_mode(
     sequences: list[tuple[list[int], list[int]]] = [(list(system_ids), [])]
     pin = None
     if mode == "sessions":
-        eng.call(EnginePin(client=CLIENT, rid=eng.rid(), name="tools", input_ids=system_ids))
+        eng.call(engine_msg.EnginePin(client=CLIENT, rid=eng.rid(), name="tools",
+                                      input_ids=system_ids))
         pin = "tools"
     ready: deque[Agent] = deque()
     active = 0
@@ -393,8 +370,8 @@ def run_mode(
         sid = None
         if mode == "sessions":
             opened = eng.call(
-                EngineOpenSession(client=CLIENT, rid=eng.rid(), pinned=pin, input_ids=[],
-                                  retention=retention)
+                engine_msg.EngineOpenSession(client=CLIENT, rid=eng.rid(), pinned=pin,
+                                             input_ids=[], retention=retention)
             )  # fmt: skip
             assert isinstance(opened, SessionOpened)
             sid = opened.session
@@ -409,7 +386,7 @@ def run_mode(
                 sids: list[str | None] = [None] * len(plan.children)
                 if mode == "sessions":
                     forked = eng.call(
-                        EngineCommand(
+                        engine_msg.EngineCommand(
                             client=CLIENT,
                             msg=ForkSession(rid=eng.rid(), session=agent.session,
                                             n=len(plan.children)),
@@ -498,28 +475,11 @@ def ideal_prefill(sequences: list[tuple[list[int], list[int]]]) -> tuple[int, in
     return computed, len(seen)
 
 
-WORK = Workload(
-    agents=8,
-    turns=6,
-    reply=32,
-    tool_prompt=1500,
-    tool_result=(100, 300),
-    forking_agents=2,
-    fork_width=3,
-    fork_after=3,
-    fork_turns=2,
-)
-QUICK = Workload(
-    agents=3,
-    turns=3,
-    reply=8,
-    tool_prompt=150,
-    tool_result=(30, 60),
-    forking_agents=1,
-    fork_width=2,
-    fork_after=1,
-    fork_turns=1,
-)
+WORK = Workload(agents=8, turns=6, reply=32, tool_prompt=1500, tool_result=(100, 300),
+                forking_agents=2, fork_width=3, fork_after=3, fork_turns=2)
+# --quick: the same shape, small enough for a smoke run.
+QUICK = replace(WORK, agents=3, turns=3, reply=8, tool_prompt=150, tool_result=(30, 60),
+                forking_agents=1, fork_width=2, fork_after=1, fork_turns=1)
 
 
 # ------------------------------------------------------------------- report

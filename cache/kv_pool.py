@@ -22,65 +22,9 @@ def _index(slots: SlotIndex, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(np.asarray(slots, dtype=np.int64), device=device)
 
 
-class _Pool:
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity_tokens: int,
-        page_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        pin_memory: bool = False,
-    ) -> None:
-        if page_size < 1 or capacity_tokens % page_size:
-            raise ValueError(
-                f"capacity_tokens ({capacity_tokens}) must be a multiple of page_size "
-                f"({page_size} >= 1)"
-            )
-        self.num_layers = num_layers
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.capacity = capacity_tokens
-        self.page_size = page_size
-        self.num_pages = capacity_tokens // page_size
-        self.dtype = dtype
-        self.device = torch.device(device)
-        shape = (num_layers, capacity_tokens, num_kv_heads, head_dim)
-        # zeros, not empty: padded/masked reads of never-written slots stay finite.
-        self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
-        self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
-        self.k: list[torch.Tensor] = list(self.k_buffer.unbind(0))  # k[layer]: [cap, H, D]
-        self.v: list[torch.Tensor] = list(self.v_buffer.unbind(0))
-
-    @property
-    def bytes_per_token(self) -> int:
-        """K+V bytes of one token over all layers."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
-
-    @property
-    def nbytes(self) -> int:
-        return self.bytes_per_token * self.capacity
-
-    def k_pages(self, layer: int) -> torch.Tensor:
-        """Layer K as `[num_pages, P, H, D]` (FlashInfer's NHD paged layout); a view."""
-        return self.k[layer].view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-
-    def v_pages(self, layer: int) -> torch.Tensor:
-        return self.v[layer].view(self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, capacity={self.capacity}, page_size={self.page_size}, "
-            f"dtype={self.dtype}, device={self.device})"
-        )
-
-
-class KVPool(_Pool):
-    """Device KV pool: `k[layer]`, `v[layer]` of shape `[capacity, H, D]`."""
+class KVPool:
+    """Per-layer K/V tensors addressed by slot: `k[layer]`, `v[layer]` of shape
+    `[capacity, H, D]`, views into one `k_buffer` / `v_buffer` of `[layers, capacity, H, D]`."""
 
     def __init__(
         self,
@@ -91,50 +35,45 @@ class KVPool(_Pool):
         page_size: int = 1,
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
+        pin_memory: bool = False,
     ) -> None:
-        super().__init__(
-            num_layers, num_kv_heads, head_dim, capacity_tokens, page_size, dtype, device
+        if page_size < 1 or capacity_tokens % page_size:
+            raise ValueError(
+                f"capacity_tokens ({capacity_tokens}) must be a multiple of page_size "
+                f"({page_size} >= 1)"
+            )
+        shape = (num_layers, capacity_tokens, num_kv_heads, head_dim)
+        self.num_layers, self.capacity, self.num_kv_heads, self.head_dim = shape
+        self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
+        # zeros, not empty: padded/masked reads of never-written slots stay finite.
+        self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+        self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+        self.k: list[torch.Tensor] = list(self.k_buffer.unbind(0))  # k[layer]: [cap, H, D]
+        self.v: list[torch.Tensor] = list(self.v_buffer.unbind(0))
+
+    @property
+    def nbytes(self) -> int:
+        """K+V bytes of the whole pool."""
+        return self.k_buffer.nbytes + self.v_buffer.nbytes
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, capacity={self.capacity}, page_size={self.page_size}, "
+            f"dtype={self.dtype}, device={self.device})"
         )
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new tokens' K/V (`[n, H, D]`) at `slots` (int64 tensor on this device)."""
-        self.k[layer][slots] = k
-        self.v[layer][slots] = v
 
-
-class HostKVPool(_Pool):
-    """CPU copy of a KV pool's layout for a host-memory tier; slots are its own."""
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        capacity_tokens: int,
-        page_size: int = 1,
-        dtype: torch.dtype = torch.float16,
-        pin_memory: bool | None = None,
-    ) -> None:
-        if pin_memory is None:
-            pin_memory = torch.cuda.is_available()
-        super().__init__(
-            num_layers,
-            num_kv_heads,
-            head_dim,
-            capacity_tokens,
-            page_size,
-            dtype,
-            "cpu",
-            pin_memory,
-        )
+class HostKVPool(KVPool):
+    """A CPU pool with a device pool's layout (`like`), for the host tier; slots are its own.
+    Pinned when CUDA is present, so copies to and from the device can be asynchronous."""
 
     @classmethod
     def like(cls, pool: KVPool, capacity_tokens: int | None = None) -> HostKVPool:
         """A host pool with `pool`'s layer/head/dtype layout."""
         cap = pool.capacity if capacity_tokens is None else capacity_tokens
-        return cls(
-            pool.num_layers, pool.num_kv_heads, pool.head_dim, cap, pool.page_size, pool.dtype
-        )
+        return cls(pool.num_layers, pool.num_kv_heads, pool.head_dim, cap, pool.page_size,
+                   pool.dtype, "cpu", pin_memory=torch.cuda.is_available())
 
     def _check(self, pool: KVPool) -> None:
         same = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)

@@ -1,4 +1,4 @@
-"""Shared command-line plumbing of the examples: which engine to run on."""
+"""Shared plumbing of the examples: which engine to run on, and the cache report."""
 
 from __future__ import annotations
 
@@ -27,3 +27,9 @@ def open_backend(args: argparse.Namespace) -> rl.Client:
         return rl.connect(args.endpoint)
     print(f"starting the engine ({args.model}) ...", file=sys.stderr, flush=True)
     return rl.Engine(args.model, **({"device": args.device} if args.device else {}))
+
+
+def cache_report(stats: dict) -> str:
+    """How much of all prompts the engine served from its prefix cache so far."""
+    return (f"cache hit rate {stats['hit_rate']:.0%} ({stats['cached_tokens_total']} of "
+            f"{stats['prompt_tokens_total']} prompt tokens served from the cache)")

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import radixlm as rl
-from _common import open_backend, parser
+from _common import cache_report, open_backend, parser
 
 TOOLS: dict[str, dict[str, Any]] = {
     "calculator": {
@@ -230,9 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 stats = engine.stats()
             finally:
                 engine.unpin(PIN)
-        print(f"\ndone in {time.perf_counter() - start:.1f} s; engine cache hit rate "
-              f"{stats['hit_rate']:.0%} ({stats['cached_tokens_total']} of "
-              f"{stats['prompt_tokens_total']} prompt tokens served from the cache)")
+        print(f"\ndone in {time.perf_counter() - start:.1f} s; engine {cache_report(stats)}")
     return 0
 
 

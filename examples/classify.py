@@ -14,7 +14,7 @@ import sys
 import time
 
 import radixlm as rl
-from _common import open_backend, parser
+from _common import cache_report, open_backend, parser
 
 LABELS = ["positive", "negative", "neutral"]
 INSTRUCTIONS = """Classify the sentiment of a product review as positive, negative or neutral. Answer with
@@ -58,10 +58,9 @@ def main(argv: list[str] | None = None) -> int:
             scores = state.get_meta_info("label")["normalized_prompt_logprobs"]
             confidence = max(scores)
             print(f"  {state['label']:<9} ({confidence:6.2f})  {review}")
-        stats = engine.stats()
         print(f"\n{len(reviews)} reviews in {elapsed:.1f} s "
               f"({len(reviews) / elapsed:.1f}/s, up to {engine.aclient.peak_generating} "
-              f"requests in flight); cache hit rate {stats['hit_rate']:.0%}")
+              f"requests in flight); {cache_report(engine.stats())}")
     return 0
 
 

@@ -44,10 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     p = parser("Judge an answer on six criteria with forks.", max_tokens=40)
     p.add_argument("--question", default=QUESTION)
     p.add_argument("--answer", default=ANSWER)
-    p.add_argument("--criteria", type=int, default=len(CRITERIA),
-                   help=f"how many of the {len(CRITERIA)} criteria to judge (default: all)")
+    p.add_argument("--criteria", type=lambda k: CRITERIA[: int(k)], default=CRITERIA,
+                   metavar="K", help=f"judge only the first K of the {len(CRITERIA)} criteria "
+                                     "(default: all)")
     args = p.parse_args(argv)
-    criteria = CRITERIA[: args.criteria]
+    criteria = args.criteria
     with open_backend(args) as engine:
         start = time.perf_counter()
         state = judge.run(question=args.question, answer=args.answer, criteria=criteria,

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from radixlm import __version__
 from radixlm.runtime.config import EngineConfig
 
 _DEFAULTS = EngineConfig()
@@ -205,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="radixlm",
         description="A local LLM engine with a radix prefix KV cache and persistent sessions.",
     )
+    parser.add_argument("--version", action="version", version=f"radixlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser(

@@ -167,38 +167,19 @@ class RawClient:
         stream: bool = False,
         on_chunk: Callable[[Chunk], None] | None = None,
         session: str | None = None,
-        n: int = 1,
         timeout_s: float | None = None,
         **sampling: Any,
     ) -> Done:
-        """Run one request (``n == 1``) to its end and return its `Done`.
+        """Run one request (one branch) to its end and return its `Done`.
 
         `prompt` is text or an `Input`; `sampling` are `SamplingParams` fields. With
         ``stream=True`` every `Chunk` goes to `on_chunk`. Raises `ServerError`.
         """
-        if n != 1:
-            raise ValueError("generate() runs n == 1; use generate_n() for branches")
-        return self.generate_n(prompt, rid=rid, stream=stream, on_chunk=on_chunk,
-                               session=session, n=1, timeout_s=timeout_s, **sampling)[0]
-
-    def generate_n(
-        self,
-        prompt: str | Input,
-        *,
-        rid: str | None = None,
-        stream: bool = False,
-        on_chunk: Callable[[Chunk], None] | None = None,
-        session: str | None = None,
-        n: int = 1,
-        timeout_s: float | None = None,
-        **sampling: Any,
-    ) -> list[Done]:
-        """Like `generate` for ``n`` branches: their `Done`s, by branch index."""
         rid = rid or self.new_rid("gen")
         inp = prompt if isinstance(prompt, Input) else Input(text=prompt)
         self.send(Generate(rid=rid, input=inp, sampling=msgspec.convert(sampling, SamplingParams),
-                           stream=stream, session=session, n=n))
-        return self.collect(rid, n=n, on_chunk=on_chunk, timeout_s=timeout_s)
+                           stream=stream, session=session))
+        return self.collect(rid, on_chunk=on_chunk, timeout_s=timeout_s)[0]
 
     def collect(self, rid: str, *, n: int = 1, on_chunk: Callable[[Chunk], None] | None = None,
                 timeout_s: float | None = None) -> list[Done]:

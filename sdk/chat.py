@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -25,6 +26,8 @@ from radixlm.sdk.results import GenerateResult, result_from_done
 
 if TYPE_CHECKING:
     from radixlm.sdk.client import AsyncClient, TextStream
+    from radixlm.sdk.options import TurnOptions
+    from typing_extensions import Unpack
 
 __all__ = ["AsyncChatSession"]
 
@@ -99,15 +102,17 @@ class AsyncChatSession:
 
     # -- turns ----------------------------------------------------------------------------
 
-    def _turn(self, content: str, role: str, stream: bool, sampling: dict[str, Any]) -> Generate:
+    def _turn(self, content: str, role: str, stream: bool, sampling: Mapping[str, Any]
+              ) -> Generate:
         if self.id is None:
             raise ProgramError("the chat session is not open (use `async with client.session()`)")
         options = {**self.sampling, **sampling}
         # A tool result answers one call: role="tool", tool_call_id=..., name=...
-        message = Message(role=role, content=content, tool_call_id=options.pop("tool_call_id", None),
+        message = Message(role=role, content=content,
+                          tool_call_id=options.pop("tool_call_id", None),
                           name=options.pop("name", None))
         inp = Input(messages=[message], add_generation_prompt=True)
-        return self._client.generate_message(inp, session=self.id, stream=stream, sampling=options)
+        return self._client.generate_message(inp, options, session=self.id, stream=stream)
 
     def _record(self, content: str, role: str, result: GenerateResult) -> None:
         self.history.append({"role": role, "content": content})
@@ -119,7 +124,8 @@ class AsyncChatSession:
         if result.meta_info.get("session_length") is not None:
             self.length = result.meta_info["session_length"]
 
-    async def send(self, content: str, *, role: str = "user", **sampling: Any) -> GenerateResult:
+    async def send(self, content: str, *, role: str = "user",
+                   **sampling: Unpack[TurnOptions]) -> GenerateResult:
         """Append a message and generate the assistant's reply (a `GenerateResult`).
 
         ``tools=`` / ``tool_choice=`` apply to this turn (``result.tool_calls`` holds the
@@ -132,7 +138,8 @@ class AsyncChatSession:
         self._record(content, role, result)
         return result
 
-    def stream(self, content: str, *, role: str = "user", **sampling: Any) -> TextStream:
+    def stream(self, content: str, *, role: str = "user",
+               **sampling: Unpack[TurnOptions]) -> TextStream:
         """Like `send`, streaming the reply; the history is updated when it finishes."""
         from radixlm.sdk.client import TextStream
 

@@ -20,9 +20,9 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import anyio
 import msgspec
@@ -52,23 +52,25 @@ from radixlm.runtime.protocol import (
     Tokens,
     TruncateSession,
     Unpin,
+    Welcome,
 )
 from radixlm.sdk.connection import Connection, Liveness, Request
 from radixlm.sdk.curve import load_curve_keys
 from radixlm.sdk.errors import EngineDeadError, InternalError, InvalidParamsError, ProgramError
 from radixlm.sdk.mailbox import Waiter
-from radixlm.sdk.results import (
-    GenerateResult,
-    StreamDelta,
-    result_from_done,
-    sampling_params,
-    to_messages,
-)
+from radixlm.sdk.options import SamplingOptions, sampling_params
+from radixlm.sdk.results import GenerateResult, StreamDelta, result_from_done, to_messages
+from radixlm.sdk.signatures import same_parameters
 from radixlm.sdk.structured import pop_tool_options
 
-__all__ = ["AsyncClient", "TextStream", "make_input"]
+if TYPE_CHECKING:
+    from radixlm.sdk.chat import AsyncChatSession
+    from typing_extensions import Unpack
+
+__all__ = ["AsyncClient", "EngineFacts", "TextStream", "make_input"]
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 def make_input(
@@ -116,12 +118,14 @@ class TextStream:
 
     @property
     def results(self) -> list[GenerateResult]:
+        """Every branch's finished generation, by branch index (once the stream ended)."""
         if self._results is None:
             raise RuntimeError("the stream has not finished yet")
         return self._results
 
     @property
     def result(self) -> GenerateResult:
+        """The finished generation (branch 0), once the stream ended."""
         return self.results[0]
 
     def __aiter__(self) -> TextStream:
@@ -151,6 +155,7 @@ class TextStream:
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
+        """Stop the stream: a generation still running is aborted in the engine."""
         if self._req is not None:
             await self._req.aclose()
 
@@ -161,7 +166,49 @@ class TextStream:
         await self.aclose()
 
 
-class AsyncClient:
+class _Read(Generic[T]):
+    """A read-only attribute of a client, read from one of its parts: ``source(client)``'s
+    attribute `field` (by default, the attribute's own name)."""
+
+    def __init__(self, source: Callable[[Any], Any], doc: str, field: str = "") -> None:
+        self.source, self.field, self.__doc__ = source, field, doc
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.field = self.field or name
+
+    @overload
+    def __get__(self, client: None, owner: type) -> _Read[T]: ...
+    @overload
+    def __get__(self, client: object, owner: type) -> T: ...
+
+    def __get__(self, client: object, owner: type) -> Any:
+        return self if client is None else getattr(self.source(client), self.field)
+
+
+def _welcome_of(client: EngineFacts) -> Welcome:
+    return client._welcome()
+
+
+def _connection_of(client: AsyncClient) -> Connection:
+    return client._conn
+
+
+class EngineFacts:
+    """What the engine said about itself when the client connected (its ``Welcome``)."""
+
+    model = _Read[str](_welcome_of, "The model the engine serves (its name or path).")
+    context_length = _Read[int](
+        _welcome_of, "The most tokens one sequence may hold (prompt, history and output).")
+    page_size = _Read[int](
+        _welcome_of, "Tokens per KV page: the cache keeps and shares whole pages.")
+    kv_capacity = _Read[int](_welcome_of, "The KV pool's size in tokens.")
+    server_version = _Read[str](_welcome_of, "The engine's radixlm version.")
+
+    def _welcome(self) -> Welcome:
+        raise NotImplementedError
+
+
+class AsyncClient(EngineFacts):
     """An async client of one radixlm engine (one DEALER socket, one reader task).
 
     `endpoint`: the engine's client endpoint (``ipc://...`` or ``tcp://host:port``).
@@ -225,52 +272,23 @@ class AsyncClient:
         if stack is not None:
             await stack.__aexit__(*exc)
 
-    # -- engine facts (from the Welcome) ---------------------------------------------------
+    # -- engine facts (`EngineFacts`, from the Welcome) ------------------------------------
 
-    @property
-    def model(self) -> str:
-        return self._welcome().model
-
-    @property
-    def context_length(self) -> int:
-        return self._welcome().context_length
-
-    @property
-    def page_size(self) -> int:
-        return self._welcome().page_size
-
-    @property
-    def kv_capacity(self) -> int:
-        return self._welcome().kv_capacity
-
-    @property
-    def server_version(self) -> str:
-        return self._welcome().server_version
-
-    def _welcome(self) -> Any:
+    def _welcome(self) -> Welcome:
         if self._conn.welcome is None:
             raise ProgramError("the client is not connected (use `async with AsyncClient(...)`)")
         return self._conn.welcome
 
-    @property
-    def alive(self) -> bool:
-        """False once the engine was found dead or the client closed."""
-        return self._conn.alive
+    # -- the connection's counters ----------------------------------------------------------
 
-    @property
-    def in_flight(self) -> int:
-        """Requests waiting for replies now."""
-        return self._conn.in_flight
-
-    @property
-    def messages_sent(self) -> int:
-        """Messages this client has sent (requests, aborts, heartbeat pings)."""
-        return self._conn.sent
-
-    @property
-    def peak_generating(self) -> int:
-        """The most generations this client had in flight at once."""
-        return self._conn.peak_generating
+    alive = _Read[bool](_connection_of, "False once the engine was found dead or the client "
+                                        "closed.")
+    in_flight = _Read[int](_connection_of, "Requests waiting for replies now.")
+    messages_sent = _Read[int](
+        _connection_of, "Messages this client has sent (requests, aborts, heartbeat pings).",
+        "sent")
+    peak_generating = _Read[int](_connection_of,
+                                 "The most generations this client had in flight at once.")
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -301,6 +319,7 @@ class AsyncClient:
         self._conn.cork()
 
     def new_rid(self) -> str:
+        """A request id unused by this client (hex counter)."""
         return f"{next(self._rids):x}"
 
     def _request(self, msg: Any, *, branches: int = 1, generate: bool = False) -> Request:
@@ -342,82 +361,67 @@ class AsyncClient:
         return dones
 
     def generate_message(
+        self, inp: Input, sampling: Mapping[str, Any] | SamplingParams, **fields: Any
+    ) -> Generate:
+        """A `Generate` with a new rid; `fields` are its other fields (``session``, ``n``,
+        ``stream``...). `sampling`: a `SamplingParams` or keyword sampling options."""
+        if not isinstance(sampling, SamplingParams):
+            options = dict(sampling)
+            fields.update(pop_tool_options(options))  # tools travel with the keywords
+            sampling = sampling_params(options)
+        return Generate(rid=self.new_rid(), input=inp, sampling=sampling, **fields)
+
+    def _message(
         self,
-        inp: Input,
+        prompt: str | None = None,
         *,
+        input_ids: Sequence[int] | None = None,
+        messages: Sequence[Any] | None = None,
+        add_generation_prompt: bool = True,
         session: str | None = None,
         n: int = 1,
-        stream: bool = False,
         namespace: str | None = None,
         priority: int = 0,
         prompt_logprobs_start: int | None = None,
-        sampling: dict[str, Any] | SamplingParams,
+        **sampling: Unpack[SamplingOptions],
     ) -> Generate:
-        tool_fields: dict[str, Any] = {}
-        if not isinstance(sampling, SamplingParams):
-            options = dict(sampling)
-            tool_fields = pop_tool_options(options)
-            sampling = sampling_params(options)
-        return Generate(
-            rid=self.new_rid(), input=inp, sampling=sampling, stream=stream,
-            prompt_logprobs_start=prompt_logprobs_start, priority=priority,
-            namespace=namespace, session=session, n=n, **tool_fields,
+        """The `Generate` that `generate` and `stream` send (they take these parameters)."""
+        return self.generate_message(
+            make_input(prompt, input_ids, messages, add_generation_prompt), sampling,
+            session=session, n=n, namespace=namespace, priority=priority,
+            prompt_logprobs_start=prompt_logprobs_start,
         )
 
     # -- generation -------------------------------------------------------------------------
 
-    async def generate(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: Sequence[int] | None = None,
-        messages: Sequence[Any] | None = None,
-        add_generation_prompt: bool = True,
-        session: str | None = None,
-        n: int = 1,
-        namespace: str | None = None,
-        priority: int = 0,
-        prompt_logprobs_start: int | None = None,
-        **sampling: Any,
-    ) -> Any:
-        """Generate from a text prompt, token ids or chat messages.
+    @same_parameters(_message)
+    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Generate from a text prompt (`prompt`), token ids (`input_ids`) or chat
+        `messages`; with `session`, the input is appended to that session's history.
 
-        Sampling options are `SamplingParams` fields (``max_tokens``, ``temperature``,
-        ``top_p``, ``top_k``, ``min_p``, ``stop``, ``stop_token_ids``, ``ignore_eos``,
-        penalties, ``seed``, ``logprobs``/``return_logprob``, and one of ``regex``,
-        ``json_schema`` (JSON text, dict or pydantic model class) or ``ebnf``), plus
-        ``tools`` and ``tool_choice`` (then ``result.tool_calls`` holds the parsed calls).
+        ``n > 1`` samples n branches from one prefill; `namespace` salts the cache keys;
+        higher `priority` is scheduled first; `prompt_logprobs_start` asks for the
+        logprobs of the input from that position on. Sampling options are `SamplingParams`
+        fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``stop``,
+        ``stop_token_ids``, ``ignore_eos``, penalties, ``seed``, ``logprobs``..., and one of
+        ``regex``, ``json_schema`` (JSON text, dict or pydantic model class) or ``ebnf``)
+        or SGLang's names for them (``max_new_tokens``, ``return_logprob``,
+        ``top_logprobs_num``), plus ``tools`` and ``tool_choice`` (then
+        ``result.tool_calls`` holds the parsed calls).
         Returns a `GenerateResult`, or a list of them (one per branch) when ``n > 1``.
         """
-        msg = self.generate_message(
-            make_input(prompt, input_ids, messages, add_generation_prompt), session=session,
-            n=n, namespace=namespace, priority=priority,
-            prompt_logprobs_start=prompt_logprobs_start, sampling=sampling,
-        )
+        msg = self._message(*args, **kwargs)
         start = time.perf_counter()
         dones = await self.run_generate(msg)
         latency = time.perf_counter() - start
         results = [result_from_done(d, latency) for d in dones]
-        return results[0] if n == 1 else results
+        return results[0] if msg.n == 1 else results
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        input_ids: Sequence[int] | None = None,
-        messages: Sequence[Any] | None = None,
-        add_generation_prompt: bool = True,
-        session: str | None = None,
-        n: int = 1,
-        namespace: str | None = None,
-        priority: int = 0,
-        **sampling: Any,
-    ) -> TextStream:
+    @same_parameters(_message)
+    def stream(self, *args: Any, **kwargs: Any) -> TextStream:
         """Like `generate`, but yields `StreamDelta`s as the engine produces them."""
-        msg = self.generate_message(
-            make_input(prompt, input_ids, messages, add_generation_prompt), session=session,
-            n=n, stream=True, namespace=namespace, priority=priority, sampling=sampling,
-        )
+        msg = self._message(*args, **kwargs)
+        msg.stream = True
         return TextStream(self, msg)
 
     async def tokenize(
@@ -462,9 +466,11 @@ class AsyncClient:
         return reply.sessions
 
     async def truncate_session(self, session: str, length: int) -> None:
+        """Cut `session`'s history back to its first `length` tokens."""
         await self.call(TruncateSession(rid=self.new_rid(), session=session, length=length), Ok)
 
     async def close_session(self, session: str) -> None:
+        """Close `session`: its history goes back to the ordinary cache."""
         await self.call(CloseSession(rid=self.new_rid(), session=session), Ok)
 
     def close_session_unawaited(self, session: str) -> None:
@@ -473,6 +479,7 @@ class AsyncClient:
         self._conn.send_unawaited(CloseSession(rid=self.new_rid(), session=session))
 
     async def list_sessions(self) -> list[dict[str, Any]]:
+        """This client's open sessions (id, length, idle time, retention, busy)."""
         reply = await self.call(ListSessions(rid=self.new_rid()), SessionList)
         return [msgspec.structs.asdict(s) for s in reply.sessions]
 
@@ -493,6 +500,7 @@ class AsyncClient:
         return reply.length
 
     async def unpin(self, name: str) -> None:
+        """Release the pinned prefix `name` (sessions started from it keep theirs)."""
         await self.call(Unpin(rid=self.new_rid(), name=name), Ok)
 
     def session(
@@ -503,8 +511,8 @@ class AsyncClient:
         retention: Retention = "hard",
         ttl_s: float | None = None,
         namespace: str | None = None,
-        **sampling: Any,
-    ) -> Any:
+        **sampling: Unpack[SamplingOptions],
+    ) -> AsyncChatSession:
         """A chat session (``async with client.session(...) as chat``); `sampling` are the
         defaults of its sends."""
         from radixlm.sdk.chat import AsyncChatSession
@@ -522,4 +530,6 @@ class AsyncClient:
         return out
 
     async def flush_cache(self) -> None:
+        """Evict everything evictable from the prefix cache; sessions and pins keep
+        what they hold."""
         await self.call(FlushCache(rid=self.new_rid()), Ok)

@@ -26,6 +26,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup
 from radixlm.runtime.protocol import (
+    MAX_CLOSE,
     PROTOCOL_VERSION,
     Abort,
     Chunk,
@@ -33,10 +34,11 @@ from radixlm.runtime.protocol import (
     Error,
     Hello,
     Input,
-    ServerMessage,
     Struct,
     Tokenize,
     Welcome,
+    decode_server,
+    encode,
 )
 from radixlm.sdk.curve import CurveKeys
 from radixlm.sdk.errors import EngineDeadError, TooLongError, error_from_reply
@@ -45,7 +47,7 @@ from radixlm.sdk.request import Failed, Request
 from radixlm.sdk.zmq_dealer import ZmqDealer
 from radixlm.sdk.zmtp import ZmtpDealer, native_endpoint
 
-__all__ = ["Connection", "Request"]
+__all__ = ["Connection", "Request", "check_endpoint"]
 
 log = logging.getLogger("radixlm.sdk")
 
@@ -53,13 +55,9 @@ Liveness = Callable[[], "str | None"]  # None while alive, else why it is dead
 # How long an unawaited message (a session close) may wait for a request to leave with:
 # sent alone, its reply would wake the loop again just to be dropped.
 _DEFER_S = 0.02
-_MAX_CLOSE = 1024  # sessions one merged CloseSession may name (the server's limit)
 # After the link drops, how often and how many times to ask `liveness` why: a server
 # whose frontend died needs a moment to notice, stop the engine and exit with the reason.
 _LOST_CHECK_S, _LOST_CHECKS = 0.1, 50
-# Built once: every frame in and out goes through these.
-_decode = msgspec.msgpack.Decoder(ServerMessage).decode
-_encode = msgspec.msgpack.Encoder().encode
 
 
 def _running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
@@ -67,6 +65,27 @@ def _running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
+
+
+def check_endpoint(endpoint: str) -> None:
+    """Refuse, with a hint, an address that cannot be an engine's: engines speak ZeroMQ at
+    ``ipc://PATH`` or ``tcp://HOST:PORT`` (a bare ``host:port`` or an HTTP URL would reach
+    libzmq as an unexplained "Invalid argument")."""
+    scheme, sep, rest = endpoint.partition("://")
+    if sep and scheme in ("ipc", "inproc") and rest:
+        return
+    host, colon, port = rest.rpartition(":")
+    if sep and scheme == "tcp" and colon and host and port.isdigit():
+        return
+    if scheme in ("http", "https"):
+        hint = "radixlm engines speak ZeroMQ, not HTTP"
+    else:
+        hint = "an engine endpoint is ipc://PATH or tcp://HOST:PORT"
+    bare_host, _, bare_port = endpoint.rpartition(":")
+    if not sep and bare_host and bare_port.isdigit():
+        hint += f" (did you mean 'tcp://{endpoint}'?)"
+    raise ValueError(f"cannot connect to {endpoint!r}: {hint}; pass the endpoint "
+                     f"`radixlm serve` printed")
 
 
 class _Link(Protocol):
@@ -97,12 +116,11 @@ class Connection:
         native: bool = True,
         curve: CurveKeys | None = None,
     ) -> None:
-        self.endpoint = endpoint
+        check_endpoint(endpoint)
+        self.endpoint, self.client_name = endpoint, client_name
         self.native = native and curve is None  # CURVE needs libzmq
         self.curve = curve
-        self.client_name = client_name
-        self.heartbeat_interval = heartbeat_interval
-        self.heartbeat_timeout = heartbeat_timeout
+        self.heartbeat_interval, self.heartbeat_timeout = heartbeat_interval, heartbeat_timeout
         self.abort_timeout = abort_timeout
         self._liveness = liveness
         self._link: _Link | None = None
@@ -261,7 +279,7 @@ class Connection:
             return
         last = self._deferred[-1] if self._deferred else None
         if (isinstance(msg, CloseSession) and isinstance(last, CloseSession)
-                and len(last.ids()) < _MAX_CLOSE):
+                and len(last.ids()) < MAX_CLOSE):
             last.sessions, last.session = last.ids() + msg.ids(), None
             self._unawaited.discard(msg.rid)  # answered under `last`'s rid
         else:
@@ -275,7 +293,7 @@ class Connection:
         timer, self._flush_timer = self._flush_timer, None
         if timer is not None:
             timer.cancel()
-        frames, self._deferred = [_encode(m) for m in self._deferred], []
+        frames, self._deferred = [encode(m) for m in self._deferred], []
         if then is not None:
             frames.append(then)
         link = self._link
@@ -309,7 +327,7 @@ class Connection:
         link = self._link
         if link is None:
             raise EngineDeadError(f"cannot send to {self.endpoint}: not connected")
-        data = _encode(msg)
+        data = encode(msg)
         if self._max_bytes and len(data) > self._max_bytes:
             # The server would drop the connection (libzmq's frame limit): refuse it here.
             raise TooLongError(
@@ -329,7 +347,7 @@ class Connection:
     def _dispatch(self, frame: bytes) -> None:
         self._last_heard = time.monotonic()
         try:
-            msg = _decode(frame)
+            msg = decode_server(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             log.warning("dropping an undecodable reply from the engine: %s", e)
             return

@@ -170,6 +170,7 @@ class Engine(Client):
 
     @property
     def pid(self) -> int:
+        """The engine server's process id."""
         return self.process.pid
 
 

@@ -33,8 +33,6 @@ __all__ = [
     "TooLongError",
     "UnknownTypeError",
     "UnsupportedVersionError",
-    "error_from_reply",
-    "plain_errors",
 ]
 
 
@@ -56,58 +54,89 @@ class EngineError(Exception):
 
 
 class BadMessageError(EngineError):
+    """A message the engine could not decode (not msgpack, or not a valid message)."""
+
     code = ErrorCode.BAD_MESSAGE
 
 
 class UnknownTypeError(EngineError):
+    """A message ``type`` this engine does not know (a newer client?)."""
+
     code = ErrorCode.UNKNOWN_TYPE
 
 
 class UnsupportedVersionError(EngineError):
+    """The engine speaks another protocol version than this SDK."""
+
     code = ErrorCode.UNSUPPORTED_VERSION
 
 
 class HandshakeRequiredError(EngineError):
+    """A request sent before the ``Hello`` / ``Welcome`` handshake."""
+
     code = ErrorCode.HANDSHAKE_REQUIRED
 
 
 class InvalidParamsError(EngineError, ValueError):
+    """A value out of range: sampling options, ``n``, lengths, session
+    arguments. The message names the value."""
+
     code = ErrorCode.INVALID_PARAMS
 
 
 class EmptyPromptError(EngineError, ValueError):
+    """A generation with nothing to start from (empty text and history)."""
+
     code = ErrorCode.EMPTY_PROMPT
 
 
 class TooLongError(EngineError, ValueError):
+    """Prompt plus ``max_tokens`` beyond the model's context, more than the KV pool
+    could ever hold, or a request larger than the server's message size limit."""
+
     code = ErrorCode.TOO_LONG
 
 
 class NotFoundError(EngineError, LookupError):
+    """An unknown (or closed, or another client's) session, pin or request id."""
+
     code = ErrorCode.NOT_FOUND
 
 
 class DuplicateIdError(EngineError):
+    """A request id already in flight, or a pin name already taken."""
+
     code = ErrorCode.DUPLICATE_ID
 
 
 class BusyError(EngineError):
+    """The session already has a request in flight: one turn at a time."""
+
     code = ErrorCode.BUSY
 
 
 class CapacityError(EngineError):
+    """The retention cap is reached (sessions and pins hold too much), or the
+    pool cannot fit the request next to what they hold."""
+
     code = ErrorCode.CAPACITY
 
 
 class NoTemplateError(EngineError):
+    """Chat messages given, but the model has no chat template."""
+
     code = ErrorCode.NO_TEMPLATE
 
 
 class InternalError(EngineError):
+    """A fault inside the engine; the engine keeps serving other requests."""
+
     code = ErrorCode.INTERNAL
 
 
 class ForbiddenError(EngineError, PermissionError):
+    """Not allowed on this server (e.g. flushing the cache of a server shared by tenants)."""
+
     code = ErrorCode.FORBIDDEN
 
 

@@ -29,10 +29,20 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from radixlm.runtime.protocol import Chunk, Done, Input, Message, OpenSession, SessionOpened
+import msgspec
+from radixlm.runtime.protocol import (
+    Chunk,
+    Done,
+    Input,
+    Message,
+    OpenSession,
+    SamplingParams,
+    SessionOpened,
+)
 from radixlm.sdk.errors import ProgramError, plain_errors
 from radixlm.sdk.lang import Gen, RoleBegin, RoleEnd, Select, Text
 from radixlm.sdk.mailbox import EMPTY, Latch, Mailbox
+from radixlm.sdk.options import branch_seed
 from radixlm.sdk.results import meta_info
 from radixlm.sdk.text_buffer import TextBuffer
 
@@ -79,7 +89,8 @@ class StateCore:
     __slots__ = ("run", "client", "submitted", "end_submitted", "ops", "started", "done_ops",
                  "resolved", "finished", "_on_finish", "error", "session", "session_length",
                  "owned", "handed_over", "_text", "fork_text_pos", "messages", "variables",
-                 "meta", "var_done", "pending", "role", "role_open", "role_content")
+                 "meta", "var_done", "pending", "role", "role_open", "role_content",
+                 "seed_offset")
 
     def __init__(self, run: ProgramRun, *, forked: bool = False) -> None:
         self.run = run
@@ -109,6 +120,9 @@ class StateCore:
         self.role: str | None = None
         self.role_open = False  # the assistant header was sent: generated text follows it
         self.role_content: list[str] = []
+        # Fork child i samples with the run's seed + its parent's offset + i, as branch i
+        # of a ``gen(n=k)`` does: seeded forks differ from each other and rerun the same.
+        self.seed_offset = 0
 
     @property
     def text(self) -> str:
@@ -272,8 +286,7 @@ class StateCore:
             self.owned.add(opened.session)
             self.session_length = opened.length
         for inp in inputs:  # pieces of different kinds (text, messages): one append each
-            msg = self.client.generate_message(inp, session=self.session,
-                                               sampling={"max_tokens": 0})
+            msg = self.client.generate_message(inp, _APPEND_ONLY, session=self.session)
             done = (await self.client.run_generate(msg))[0]
             self._took(done)
         return last
@@ -298,11 +311,12 @@ class StateCore:
         else:
             last = await self._push(keep_last=True)
         sampling = self.run.sampling_for(op.sampling)
+        if self.seed_offset and sampling.seed is not None:
+            sampling = msgspec.structs.replace(
+                sampling, seed=branch_seed(sampling.seed, self.seed_offset))
         stream = self.run.stream and op.n == 1
-        msg = self.client.generate_message(
-            last or Input(input_ids=[]), session=self.session, n=op.n, stream=stream,
-            sampling=sampling,
-        )
+        msg = self.client.generate_message(last or Input(input_ids=[]), sampling,
+                                           session=self.session, n=op.n, stream=stream)
         name = op.name
         start = time.perf_counter()
         if op.n > 1:
@@ -357,10 +371,8 @@ class StateCore:
         start = time.perf_counter()
 
         async def score(i: int) -> None:
-            msg = self.client.generate_message(
-                Input(text=op.choices[i]), session=forks[i], prompt_logprobs_start=0,
-                sampling={"max_tokens": 0},
-            )
+            msg = self.client.generate_message(Input(text=op.choices[i]), _APPEND_ONLY,
+                                               session=forks[i], prompt_logprobs_start=0)
             dones[i] = (await self.client.run_generate(msg))[0]
 
         with plain_errors():
@@ -414,8 +426,8 @@ class StateCore:
             self.owned.discard(self.session)
             self.session = None
             self.handed_over = True
-        for child, sid in zip(children, ids, strict=False):
-            child._adopt(self, sid)
+        for i, (child, sid) in enumerate(zip(children, ids, strict=False)):
+            child._adopt(self, sid, self.seed_offset + i)
         if len(children) > 1:
             self.client.cork()  # their executors start now: their first requests, one write
         self.run.notify()
@@ -430,8 +442,9 @@ class StateCore:
                 return True
         return True
 
-    def _adopt(self, parent: StateCore, session: str) -> None:
+    def _adopt(self, parent: StateCore, session: str, seed_offset: int) -> None:
         self.session = session
+        self.seed_offset = seed_offset
         self.owned.add(session)
         self.session_length = parent.session_length
         self._text = parent._text.copy()
@@ -509,6 +522,9 @@ class StateCore:
         )
         return self._stream_source(var)[cursor:], self._stream_done(var)
 
+
+# Appending input to a session without generating (and scoring select's choices).
+_APPEND_ONLY = SamplingParams(max_tokens=0)
 
 # Ops that never talk to the engine, applied without a coroutine: (state, op) -> None.
 _LOCAL_OPS: dict[type, Callable[[StateCore, Any], None]] = {

@@ -7,23 +7,20 @@ concatenate with ``+`` (``"Q: " + rl.gen("a", stop="\\n")``), as in SGLang.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
-from radixlm.sdk.structured import schema_text
+from radixlm.sdk.options import SamplingOptions, protocol_options
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+# The program vocabulary, re-exported as `radixlm` (the classes here are the SDK's own).
 __all__ = [
-    "ChoicesMethod",
-    "Expr",
-    "Gen",
-    "RoleBegin",
-    "RoleEnd",
-    "Select",
-    "Text",
     "assistant",
     "assistant_begin",
     "assistant_end",
-    "flatten",
     "gen",
     "greedy_token_selection",
     "select",
@@ -158,10 +155,17 @@ def _greedy(logprobs: list[list[float]]) -> tuple[int, list[float]]:
 
 
 token_length_normalized = ChoicesMethod("token_length_normalized")
+"""Choose the choice with the highest mean token logprob (the default)."""
 greedy_token_selection = ChoicesMethod("greedy")
+"""SGLang's greedy token selection: compare the choices token by token."""
 sum_logprobs = ChoicesMethod("sum")
-_METHODS = {m.name: m for m in (token_length_normalized, greedy_token_selection, sum_logprobs)}
-_METHODS["greedy_token_selection"] = greedy_token_selection
+"""Choose the choice with the highest total logprob (favours short choices)."""
+# By the exported objects' names, as SGLang programs spell them, and by short names.
+_METHODS = {
+    "token_length_normalized": token_length_normalized,
+    "greedy_token_selection": greedy_token_selection, "greedy": greedy_token_selection,
+    "sum_logprobs": sum_logprobs, "sum": sum_logprobs,
+}
 
 
 def _method(method: ChoicesMethod | str | None) -> ChoicesMethod:
@@ -178,56 +182,30 @@ def _method(method: ChoicesMethod | str | None) -> ChoicesMethod:
 # -- constructors ---------------------------------------------------------------------------
 
 
-# The protocol's names of gen()'s sampling options, in the order gen() collects them.
-_GEN_OPTIONS = ("max_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k",
-                "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                "ignore_eos", "logprobs", "top_logprobs", "seed", "regex", "json_schema", "ebnf")
-
 
 def gen(
     name: str | None = None,
     max_tokens: int | None = None,
     *,
-    stop: str | list[str] | None = None,
-    stop_token_ids: list[int] | None = None,
-    temperature: float | None = None,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    min_p: float | None = None,
-    frequency_penalty: float | None = None,
-    presence_penalty: float | None = None,
-    repetition_penalty: float | None = None,
-    ignore_eos: bool | None = None,
-    return_logprob: bool | None = None,
-    top_logprobs_num: int | None = None,
-    seed: int | None = None,
     n: int | None = None,
     choices: list[str] | None = None,
     choices_method: ChoicesMethod | str | None = None,
-    regex: str | None = None,
-    json_schema: Any = None,
-    ebnf: str | None = None,
-    **unsupported: Any,
+    **sampling: Unpack[SamplingOptions],
 ) -> Expr:
-    """Generate text into variable `name` (``s[name]``). Options left as None take the
-    run's defaults. ``n=k`` samples k branches from one prefill (``s[name]`` is then a
-    list and the state continues with the first). ``choices=[...]`` is `select`.
+    """Generate text into variable `name` (``s[name]``). Sampling options (those of
+    `SamplingOptions`; ``max_new_tokens`` is SGLang's name for ``max_tokens``) left out
+    take the run's defaults. ``n=k`` samples k branches from one prefill (``s[name]`` is
+    then a list and the state continues with the first). ``choices=[...]`` is `select`.
 
     At most one of `regex`, `json_schema` (a JSON text, a dict, or a pydantic model
     class) and `ebnf` (a GBNF grammar with a `root` rule) constrains the output."""
     if choices is not None:
-        return select(name, choices, temperature=temperature or 0.0,
+        return select(name, choices, temperature=sampling.get("temperature") or 0.0,
                       choices_method=choices_method)
-    json_schema = schema_text(json_schema)
-    if unsupported:
-        raise TypeError(f"gen() got unsupported options: {sorted(unsupported)}")
-    values = (max_tokens, stop, stop_token_ids, temperature, top_p, top_k, min_p,
-              frequency_penalty, presence_penalty, repetition_penalty, ignore_eos,
-              return_logprob, top_logprobs_num, seed, regex, json_schema, ebnf)
     if n is not None and n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
-    sampling = {k: v for k, v in zip(_GEN_OPTIONS, values, strict=True) if v is not None}
-    return Gen(name, sampling, n or 1)
+    options = protocol_options("gen()", {"max_tokens": max_tokens, **sampling})
+    return Gen(name, options, n or 1)
 
 
 def select(
@@ -252,43 +230,31 @@ _BEGIN = {role: RoleBegin(role) for role in ("system", "user", "assistant")}
 _END = {role: RoleEnd(role) for role in ("system", "user", "assistant")}
 
 
-def _role(role: str, expr: Any) -> ExprList:
-    if expr is None:
-        return ExprList((_BEGIN[role], _END[role]))
-    return ExprList((_BEGIN[role], as_expr(expr), _END[role]))
+def _role_functions(
+    role: str,
+) -> tuple[Callable[[Any], ExprList], Callable[[], RoleBegin], Callable[[], RoleEnd]]:
+    """`role(expr)`, `role_begin()` and `role_end()` for one chat role."""
+
+    def whole(expr: Any = None) -> ExprList:
+        if expr is None:
+            return ExprList((_BEGIN[role], _END[role]))
+        return ExprList((_BEGIN[role], as_expr(expr), _END[role]))
+
+    def begin() -> RoleBegin:
+        return _BEGIN[role]
+
+    def end() -> RoleEnd:
+        return _END[role]
+
+    made = ((whole, role, f"A whole {role} message: ``rl.{role}(text + rl.gen(...))``."),
+            (begin, f"{role}_begin", f"Start a {role} message (end it with ``{role}_end()``)."),
+            (end, f"{role}_end", f"End the {role} message ``{role}_begin()`` started."))
+    for fn, name, doc in made:
+        fn.__name__ = fn.__qualname__ = name
+        fn.__doc__ = doc
+    return whole, begin, end
 
 
-def system(expr: Any = None) -> ExprList:
-    return _role("system", expr)
-
-
-def user(expr: Any = None) -> ExprList:
-    return _role("user", expr)
-
-
-def assistant(expr: Any = None) -> ExprList:
-    return _role("assistant", expr)
-
-
-def system_begin() -> RoleBegin:
-    return _BEGIN["system"]
-
-
-def system_end() -> RoleEnd:
-    return _END["system"]
-
-
-def user_begin() -> RoleBegin:
-    return _BEGIN["user"]
-
-
-def user_end() -> RoleEnd:
-    return _END["user"]
-
-
-def assistant_begin() -> RoleBegin:
-    return _BEGIN["assistant"]
-
-
-def assistant_end() -> RoleEnd:
-    return _END["assistant"]
+system, system_begin, system_end = _role_functions("system")
+user, user_begin, user_end = _role_functions("user")
+assistant, assistant_begin, assistant_end = _role_functions("assistant")

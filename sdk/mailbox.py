@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
@@ -85,15 +85,9 @@ class Mailbox(Generic[T]):
 
     def put(self, item: T) -> bool:
         """Queue `item` (False, dropping it, once the mailbox is closed)."""
-        if self.closed:
-            return False
-        self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-        return True
+        return self.put_many((item,))
 
-    def put_many(self, items: list[T]) -> bool:
+    def put_many(self, items: Sequence[T]) -> bool:
         """Queue `items` in order, with one wake-up (False, dropping them, once closed)."""
         if self.closed:
             return False

@@ -34,12 +34,12 @@ from anyio.from_thread import BlockingPortal
 from anyio.lowlevel import current_token
 from radixlm.sdk.client import AsyncClient
 from radixlm.sdk.errors import ProgramError, plain_errors
-from radixlm.sdk.results import SAMPLING_FIELDS
+from radixlm.sdk.options import SAMPLING_FIELDS, unknown_keyword
 from radixlm.sdk.run import ProgramRun, await_future
 from radixlm.sdk.state import ProgramState
 from radixlm.sdk.sync import Client
 
-__all__ = ["Program", "function", "get_default_backend", "set_default_backend"]
+__all__ = ["Program", "flush_cache", "function", "get_default_backend", "set_default_backend"]
 
 Backend = Union[Client, AsyncClient]
 _CANCEL_WAIT_S = 10.0
@@ -59,7 +59,17 @@ def set_default_backend(backend: Backend | None) -> None:
 
 
 def get_default_backend() -> Backend | None:
+    """The backend set with `set_default_backend` (None if none is)."""
     return _DefaultBackend.backend
+
+
+def flush_cache(backend: Backend | None = None) -> None:
+    """SGLang's ``sgl.flush_cache()``: evict everything evictable from the prefix cache of
+    `backend` (default: the default backend); sessions and pins keep what they hold."""
+    client = _resolve(backend)
+    if isinstance(client, AsyncClient):
+        raise ProgramError("with an AsyncClient use `await client.flush_cache()`")
+    client.flush_cache()
 
 
 def _resolve(backend: Backend | None) -> Backend:
@@ -109,10 +119,23 @@ class Program:
         self.bind_arguments = dict(bind_arguments or {})
         self.__name__ = getattr(func, "__name__", "program")
         self.__doc__ = func.__doc__
-        params = list(inspect.signature(func).parameters)
+        params = list(inspect.signature(func).parameters.values())
         if not params:
             raise TypeError(f"{self.__name__}: a program's first parameter is its state `s`")
-        self.params = frozenset(params[1:])
+        self.params = frozenset(p.name for p in params[1:])
+        # A body taking **kwargs accepts any argument name; otherwise a run's unknown
+        # keyword is the SDK's error, named before the body runs.
+        self.any_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
+
+    def _body_kwargs(self, where: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The body's keyword arguments: the bound ones updated with `kwargs` (the run's
+        keywords that are not sampling options), each checked against the body's."""
+        if not self.any_keyword:
+            for key in kwargs:
+                if key not in self.params:
+                    raise unknown_keyword(f"{self.__name__}.{where}()", key,
+                                          self.params | SAMPLING_FIELDS)
+        return {**self.bind_arguments, **kwargs}
 
     def bind(self, **kwargs: Any) -> Program:
         """A copy with some arguments fixed."""
@@ -148,7 +171,7 @@ class Program:
         `namespace`: the cache namespace of its sessions."""
         client = _resolve(backend)
         sampling, kwargs = _split(kwargs, self.params)
-        kwargs = {**self.bind_arguments, **kwargs}
+        kwargs = self._body_kwargs("run", kwargs)
         if isinstance(client, AsyncClient):
             raise ProgramError("run() needs a synchronous backend (rl.Engine, rl.connect); "
                                "with an AsyncClient use `await program.arun(...)`")
@@ -204,7 +227,7 @@ class Program:
             max_concurrency = num_threads
         defaults, extra = _split(sampling)
         if extra:
-            raise TypeError(f"run_batch() got unexpected options {sorted(extra)}")
+            raise unknown_keyword("run_batch()", sorted(extra)[0], SAMPLING_FIELDS)
         pbar = _progress(len(batch_kwargs)) if progress_bar else None
         try:
             if self.is_async:
@@ -256,7 +279,7 @@ class Program:
                     self.arun, *args, backend=client.aclient, stream=stream, pin=pin,
                     namespace=namespace, _portal=client.portal, **kwargs)))
         sampling, kwargs = _split(kwargs, self.params)
-        kwargs = {**self.bind_arguments, **kwargs}
+        kwargs = self._body_kwargs("arun", kwargs)
         run = self._new_run(client, sampling, stream=stream, pin=pin, namespace=namespace,
                             loop_thread=threading.get_ident(), token=current_token(),
                             portal=_portal)
@@ -301,7 +324,7 @@ class Program:
             raise ProgramError("astream() needs an AsyncClient; with a synchronous client use "
                                "run(stream=True) and state.text_iter()")
         sampling, kwargs = _split(kwargs, self.params)
-        kwargs = {**self.bind_arguments, **kwargs}
+        kwargs = self._body_kwargs("astream", kwargs)
         run = self._new_run(client, sampling, stream=True, pin=pin, namespace=namespace,
                             loop_thread=threading.get_ident(), token=current_token(), portal=None)
         with plain_errors():
@@ -334,7 +357,7 @@ class Program:
                 _portal=client.portal, _on_done=_on_done, **sampling)))
         defaults, extra = _split(sampling)
         if extra:
-            raise TypeError(f"arun_batch() got unexpected options {sorted(extra)}")
+            raise unknown_keyword("arun_batch()", sorted(extra)[0], SAMPLING_FIELDS)
         limiter = anyio.CapacityLimiter(max_concurrency) if max_concurrency else None
         runs = [self._new_run(client, defaults, stream=False, pin=pin, namespace=namespace,
                               loop_thread=threading.get_ident(), token=current_token(),

@@ -5,8 +5,8 @@
     radixlm chat --message "Hi" --message "And then?"   # scripted, non-interactive
 
 Each turn appends only the new user message to the session; the status line after each
-reply shows how much of the prompt the engine served from its cache. Commands: ``/reset``
-(a new session), ``/stats`` (the engine's counters), ``/exit``.
+reply shows how much of the prompt the engine served from its cache. Commands: ``/help``,
+``/reset`` (a new session), ``/stats`` (the engine's counters), ``/exit``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,15 @@ from typing import TextIO
 from radixlm.sdk.errors import EngineError
 from radixlm.sdk.sync import ChatSession, Client, connect
 
-__all__ = ["build_parser", "main"]
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+# What the REPL does with a line that is one of these, instead of sending it.
+COMMANDS = {
+    "/help": "list these commands",
+    "/reset": "start a new session (the history is dropped)",
+    "/stats": "the engine's counters: sessions, cache hit rate, free KV",
+    "/exit": "leave (also /quit, or end of input)",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,13 +99,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     with backend:
         chat = backend.session(system=args.system).open()
         try:
-            print(f"chatting with {backend.model} (/reset, /stats, /exit)", file=sys.stderr)
+            print(f"chatting with {backend.model} (/help for commands)", file=sys.stderr)
             for line in _lines(args):
                 text = line.strip()
                 if not text:
                     continue
                 if text in ("/exit", "/quit"):
                     break
+                if text == "/help":
+                    for command, what in COMMANDS.items():
+                        print(f"  {command:<8} {what}")
+                    continue
                 if text == "/reset":
                     chat.close()
                     chat = backend.session(system=args.system).open()

@@ -54,7 +54,7 @@ class Request:
         self.rid = rid
         self._conn = conn
         self._box: Mailbox[Any] = Mailbox(conn.new_waiter)
-        self._dones_left = branches
+        self._dones_left = max(branches, 1)  # n < 1: wait for the engine's refusal
         self._generate = generate
         self.started_at = time.perf_counter()
         self.on_close: Callable[[], None] | None = None

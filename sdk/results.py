@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from radixlm.runtime.protocol import Done, Message, SamplingParams, ToolCall, TopLogprob
-from radixlm.sdk.structured import schema_text, to_tool_calls
+from radixlm.runtime.protocol import Done, Message, ToolCall, TopLogprob
+from radixlm.sdk.structured import to_tool_calls
 
-__all__ = ["GenerateResult", "StreamDelta", "meta_info", "sampling_params", "to_messages"]
+__all__ = ["GenerateResult", "StreamDelta", "meta_info", "to_messages"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,7 @@ class GenerateResult:
 
     @property
     def finish_reason(self) -> str:
+        """Why it ended: ``stop``, ``length`` or ``abort``."""
         return self.meta_info["finish_reason"]["type"]
 
 
@@ -106,36 +107,6 @@ def result_from_done(done: Done, latency_s: float) -> GenerateResult:
 
 
 # -- inputs -------------------------------------------------------------------------------
-
-# SGLang spellings accepted next to the protocol's field names.
-_ALIASES = {
-    "max_new_tokens": "max_tokens",
-    "return_logprob": "logprobs",
-    "top_logprobs_num": "top_logprobs",
-}
-SAMPLING_FIELDS: frozenset[str] = frozenset(SamplingParams.__struct_fields__) | frozenset(_ALIASES)
-
-
-def sampling_params(options: dict[str, Any]) -> SamplingParams:
-    """A `SamplingParams` from keyword options (``None`` means "default"); ``stop`` may be
-    a single string. Unknown names raise ``TypeError``; values are checked by the engine."""
-    fields: dict[str, Any] = {}
-    for key, value in options.items():
-        if value is None:
-            continue
-        name = _ALIASES.get(key, key)
-        if name not in SamplingParams.__struct_fields__:
-            raise TypeError(
-                f"unknown sampling option {key!r}; expected one of {sorted(SAMPLING_FIELDS)}"
-            )
-        if name == "stop" and isinstance(value, str):
-            value = [value]
-        elif name in ("stop", "stop_token_ids"):
-            value = list(value)
-        elif name == "json_schema":
-            value = schema_text(value)
-        fields[name] = value
-    return SamplingParams(**fields)
 
 
 def to_messages(messages: Any) -> list[Message]:

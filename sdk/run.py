@@ -28,7 +28,7 @@ from anyio.lowlevel import EventLoopToken, checkpoint
 from radixlm.sdk.errors import EngineDeadError, ProgramError
 from radixlm.sdk.executor import END, StateCore
 from radixlm.sdk.mailbox import Latch
-from radixlm.sdk.results import sampling_params
+from radixlm.sdk.options import protocol_options, sampling_params
 from radixlm.sdk.tasks import TaskSet
 
 if TYPE_CHECKING:
@@ -58,13 +58,11 @@ class ProgramRun:
         portal: BlockingPortal | None = None,
     ) -> None:
         self.client = client
-        self.defaults = defaults
-        self.stream = stream
-        self.pin = pin
-        self.namespace = namespace
-        self.loop_thread = loop_thread
-        self.token = token
-        self.portal = portal
+        # What the program's gens default to, and where its sessions start.
+        self.defaults = protocol_options("run()", defaults)  # a gen's options override them
+        self.stream, self.pin, self.namespace = stream, pin, namespace
+        # The loop its executors run in.
+        self.loop_thread, self.token, self.portal = loop_thread, token, portal
         self.new_waiter = client.new_waiter
         self.cores: list[StateCore] = []
         # Ops appended and not yet handed over, as runs of consecutive ops for one state:

@@ -42,6 +42,7 @@ class ProgramState:
         return self
 
     def __setitem__(self, name: str, value: Any) -> None:
+        """Set variable `name` (``s[name] = value``; SGLang's ``set_var``)."""
         self._run.submit(self._core, SetVarOp(name, value))
 
     set_var = __setitem__
@@ -77,6 +78,7 @@ class ProgramState:
         self._run.block_until(lambda: core.settled(target))
 
     def get_var(self, name: Any) -> Any:
+        """``s[name]``: the variable's value, waiting until the gen/select that sets it ran."""
         core, target = self._core, self._target()
         self._run.block_until(lambda: name in core.var_done or core.settled(target))
         return self._value(name)
@@ -106,17 +108,20 @@ class ProgramState:
         return self._core.meta.get(name)
 
     def text(self) -> str:
+        """The state's whole text so far (waits for every appended operation)."""
         self.sync()
         self._raise_if_failed()
         return self._core.text
 
     def messages(self) -> list[dict[str, str]]:
+        """The chat messages so far, as role/content dicts (waits like `text`)."""
         self.sync()
         self._raise_if_failed()
         return list(self._core.messages)
 
     @property
     def variables(self) -> dict[Any, Any]:
+        """Every variable set so far (waits like `text`)."""
         self.sync()
         return {k: v for k, v in self._core.variables.items() if k in self._core.var_done}
 
@@ -133,11 +138,13 @@ class ProgramState:
         await self._run.await_until(lambda: core.settled(target))
 
     async def aget(self, name: Any) -> Any:
+        """Like ``s[name]``, from async code."""
         core, target = self._core, self._target()
         await self._run.await_until(lambda: name in core.var_done or core.settled(target))
         return self._value(name)
 
     async def atext(self) -> str:
+        """Like `text`, from async code."""
         await self.wait()
         self._raise_if_failed()
         return self._core.text

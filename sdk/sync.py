@@ -10,23 +10,21 @@ interpreter exit; a ``weakref.finalize`` (which also runs at exit) closes it cle
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
-from functools import partial
 from typing import Any
 
 import anyio
 from anyio.from_thread import BlockingPortal
-from radixlm.runtime.protocol import Retention, SessionOpened
+from radixlm.runtime.protocol import Welcome
 from radixlm.sdk.chat import AsyncChatSession
-from radixlm.sdk.client import AsyncClient, TextStream
-from radixlm.sdk.connection import Liveness
+from radixlm.sdk.client import AsyncClient, EngineFacts, TextStream
 from radixlm.sdk.loop_thread import LoopThread
 from radixlm.sdk.results import GenerateResult, StreamDelta
+from radixlm.sdk.signatures import blocking, constructor_parameters, facing, same_parameters
 
-__all__ = ["ChatSession", "Client", "LoopThread", "SyncTextStream", "connect"]
+__all__ = ["ChatSession", "Client", "SyncTextStream", "connect"]
 
 
 async def _hold_client(client: AsyncClient, *, task_status: Any) -> None:
@@ -46,139 +44,6 @@ def _close_client(loop: LoopThread, stop: anyio.Event, held: Future[None]) -> No
     except Exception:  # noqa: BLE001 - closing: the loop is stopped below regardless
         pass
     loop.close()
-
-
-class Client:
-    """A synchronous client of a running engine (see `connect`); also the base of
-    `rl.Engine`. The same calls as `AsyncClient`, blocking; programs run on it."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        name: str = "radixlm-python",
-        connect_timeout: float = 30.0,
-        heartbeat_timeout: float = 30.0,
-        liveness: Liveness | None = None,
-        server_key: str | os.PathLike[str] | None = None,
-        client_key: str | os.PathLike[str] | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self._loop = LoopThread("radixlm-client")
-        self.aclient = AsyncClient(endpoint, name=name, connect_timeout=connect_timeout,
-                                   heartbeat_timeout=heartbeat_timeout, liveness=liveness,
-                                   server_key=server_key, client_key=client_key)
-        try:
-            held, stop = self._loop.portal.start_task(_hold_client, self.aclient)
-        except BaseException:
-            self._loop.close()
-            raise
-        self._finalizer = weakref.finalize(self, _close_client, self._loop, stop, held)
-
-    # -- plumbing -------------------------------------------------------------------------
-
-    @property
-    def portal(self) -> BlockingPortal:
-        return self._loop.portal
-
-    @property
-    def loop(self) -> LoopThread:
-        return self._loop
-
-    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return self._loop.call(partial(fn, *args, **kwargs))
-
-    def close(self) -> None:
-        """Close the connection and stop the client's thread (idempotent)."""
-        self._finalizer()
-
-    @property
-    def alive(self) -> bool:
-        """False once the engine was found dead or the client closed."""
-        return not self.closed and self.aclient.alive
-
-    @property
-    def closed(self) -> bool:
-        return not self._finalizer.alive
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- engine facts ---------------------------------------------------------------------
-
-    @property
-    def model(self) -> str:
-        return self.aclient.model
-
-    @property
-    def context_length(self) -> int:
-        return self.aclient.context_length
-
-    @property
-    def page_size(self) -> int:
-        return self.aclient.page_size
-
-    @property
-    def kv_capacity(self) -> int:
-        return self.aclient.kv_capacity
-
-    # -- calls ----------------------------------------------------------------------------
-
-    def generate(self, prompt: str | None = None, **kwargs: Any) -> Any:
-        """See `AsyncClient.generate`."""
-        return self._call(self.aclient.generate, prompt, **kwargs)
-
-    def stream(self, prompt: str | None = None, **kwargs: Any) -> SyncTextStream:
-        """See `AsyncClient.stream`; iterate the result for `StreamDelta`s."""
-        return SyncTextStream(self._loop, self.aclient.stream(prompt, **kwargs))
-
-    def tokenize(self, prompt: str | None = None, **kwargs: Any) -> list[int]:
-        return self._call(self.aclient.tokenize, prompt, **kwargs)
-
-    def open_session(self, prompt: str | None = None, **kwargs: Any) -> SessionOpened:
-        return self._call(self.aclient.open_session, prompt, **kwargs)
-
-    def fork_session(self, session: str, n: int = 1) -> list[str]:
-        return self._call(self.aclient.fork_session, session, n)
-
-    def truncate_session(self, session: str, length: int) -> None:
-        self._call(self.aclient.truncate_session, session, length)
-
-    def close_session(self, session: str) -> None:
-        self._call(self.aclient.close_session, session)
-
-    def list_sessions(self) -> list[dict[str, Any]]:
-        return self._call(self.aclient.list_sessions)
-
-    def pin(self, name: str, prompt: str | None = None, **kwargs: Any) -> int:
-        return self._call(self.aclient.pin, name, prompt, **kwargs)
-
-    def unpin(self, name: str) -> None:
-        self._call(self.aclient.unpin, name)
-
-    def stats(self) -> dict[str, Any]:
-        return self._call(self.aclient.stats)
-
-    def flush_cache(self) -> None:
-        self._call(self.aclient.flush_cache)
-
-    def session(
-        self,
-        system: str | None = None,
-        *,
-        pin: str | None = None,
-        retention: Retention = "hard",
-        ttl_s: float | None = None,
-        namespace: str | None = None,
-        **sampling: Any,
-    ) -> ChatSession:
-        """A chat session: ``with engine.session(system=...) as chat: chat.send(...)``."""
-        return ChatSession(self._loop, self.aclient.session(
-            system, pin=pin, retention=retention, ttl_s=ttl_s, namespace=namespace, **sampling
-        ))
 
 
 async def _next_or_end(stream: TextStream) -> tuple[bool, StreamDelta | None]:
@@ -212,13 +77,16 @@ class SyncTextStream:
 
     @property
     def result(self) -> GenerateResult:
+        """The finished generation (branch 0), once the stream ended."""
         return self._stream.result
 
     @property
     def results(self) -> list[GenerateResult]:
+        """Every branch's finished generation, by branch index."""
         return self._stream.results
 
     def close(self) -> None:
+        """Stop the stream: a generation still running is aborted in the engine."""
         if not self._done:
             self._done = True
             self._loop.call(self._stream.aclose)
@@ -244,21 +112,26 @@ class ChatSession:
 
     @property
     def id(self) -> str | None:
+        """The engine session's id (None until opened, and after closing)."""
         return self._chat.id
 
     @property
     def history(self) -> list[dict[str, str]]:
+        """The conversation so far, as role/content dicts."""
         return self._chat.history
 
     @property
     def length(self) -> int:
+        """Tokens of history the engine holds for this session."""
         return self._chat.length
 
     def open(self) -> ChatSession:
+        """Open the engine session (``with`` does it); returns this chat."""
         self._loop.call(self._chat.open)
         return self
 
     def close(self) -> None:
+        """Close this session and every session forked from it (idempotent)."""
         self._loop.call(self._chat.close)
 
     def __enter__(self) -> ChatSession:
@@ -267,35 +140,88 @@ class ChatSession:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def send(self, content: str, *, role: str = "user", **sampling: Any) -> GenerateResult:
-        return self._loop.call(partial(self._chat.send, content, role=role, **sampling))
-
-    def stream(self, content: str, *, role: str = "user", **sampling: Any) -> SyncTextStream:
-        return SyncTextStream(self._loop, self._chat.stream(content, role=role, **sampling))
+    send = blocking(AsyncChatSession.send, "_chat")
+    stream = facing(AsyncChatSession.stream, "_chat", SyncTextStream)
 
     def fork(self, n: int = 1) -> list[ChatSession]:
+        """`n` sessions continuing this conversation independently (closed with this one)."""
         children = self._loop.call(self._chat.fork, n)
         return [ChatSession(self._loop, c) for c in children]
 
 
-def connect(
-    endpoint: str,
-    *,
-    connect_timeout: float = 30.0,
-    heartbeat_timeout: float = 30.0,
-    name: str = "radixlm-python",
-    server_key: str | os.PathLike[str] | None = None,
-    client_key: str | os.PathLike[str] | None = None,
-) -> Client:
-    """Attach to a running engine (``radixlm serve``) at `endpoint`; a synchronous `Client`.
-    For async code use ``async with rl.AsyncClient(endpoint) as client``. For a server
-    started with ``--auth-dir DIR``: ``server_key="DIR/server.key"``,
+class Client(EngineFacts):
+    """A synchronous client of a running engine (see `connect`); also the base of
+    `rl.Engine`. The same calls as `AsyncClient`, blocking; programs run on it."""
+
+    @same_parameters(AsyncClient.__init__)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.aclient = AsyncClient(*args, **kwargs)
+        self.endpoint = self.aclient.endpoint
+        self._loop = LoopThread("radixlm-client")
+        try:
+            held, stop = self._loop.portal.start_task(_hold_client, self.aclient)
+        except BaseException:
+            self._loop.close()
+            raise
+        self._finalizer = weakref.finalize(self, _close_client, self._loop, stop, held)
+
+    # -- plumbing -------------------------------------------------------------------------
+
+    @property
+    def portal(self) -> BlockingPortal:
+        """The anyio portal into the client's event loop (for code that needs one)."""
+        return self._loop.portal
+
+    @property
+    def loop(self) -> LoopThread:
+        """The event loop thread this client (and programs run on it) uses."""
+        return self._loop
+
+    def close(self) -> None:
+        """Close the connection and stop the client's thread (idempotent)."""
+        self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine was found dead or the client closed."""
+        return not self.closed and self.aclient.alive
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called (or the client was garbage collected)."""
+        return not self._finalizer.alive
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _welcome(self) -> Welcome:
+        return self.aclient._welcome()
+
+    # -- calls: `AsyncClient`'s, blocking --------------------------------------------------
+
+    generate = blocking(AsyncClient.generate, "aclient")
+    tokenize = blocking(AsyncClient.tokenize, "aclient")
+    open_session = blocking(AsyncClient.open_session, "aclient")
+    fork_session = blocking(AsyncClient.fork_session, "aclient")
+    truncate_session = blocking(AsyncClient.truncate_session, "aclient")
+    close_session = blocking(AsyncClient.close_session, "aclient")
+    list_sessions = blocking(AsyncClient.list_sessions, "aclient")
+    pin = blocking(AsyncClient.pin, "aclient")
+    unpin = blocking(AsyncClient.unpin, "aclient")
+    stats = blocking(AsyncClient.stats, "aclient")
+    flush_cache = blocking(AsyncClient.flush_cache, "aclient")
+    stream = facing(AsyncClient.stream, "aclient", SyncTextStream)
+    session = facing(AsyncClient.session, "aclient", ChatSession)
+
+
+@constructor_parameters(AsyncClient)
+def connect(*args: Any, **kwargs: Any) -> Client:
+    """Attach to a running engine (``radixlm serve``) at `endpoint` (``ipc://PATH`` or
+    ``tcp://HOST:PORT``, as the server printed it); a synchronous `Client`. For async code
+    use ``async with rl.AsyncClient(endpoint) as client``. For a server started with
+    ``--auth-dir DIR``: ``server_key="DIR/server.key"``,
     ``client_key="DIR/clients/NAME.key_secret"`` (CurveZMQ, over pyzmq's libzmq socket)."""
-    if endpoint.startswith(("http://", "https://")):
-        raise ValueError(
-            f"radixlm engines speak ZeroMQ, not HTTP: pass the endpoint `radixlm serve` "
-            f"printed (ipc://... or tcp://HOST:PORT), not {endpoint!r}"
-        )
-    return Client(endpoint, connect_timeout=connect_timeout,
-                  heartbeat_timeout=heartbeat_timeout, name=name, server_key=server_key,
-                  client_key=client_key)
+    return Client(*args, **kwargs)

@@ -48,6 +48,8 @@ import pytest
 from radixlm.runtime.protocol import StatsReply, Welcome
 from radixlm.runtime.raw_client import RawClient
 
+pytest.register_assert_rewrite("toy_stub")  # fixtures shared by the SDK's stub tests
+
 SERVER_KV_TOKENS = 4096
 SERVER_START_TIMEOUT_S = 240.0
 SERVER_STOP_TIMEOUT_S = 20.0
@@ -99,6 +101,23 @@ def process_alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+def pid_from_file(path: Path, proc: subprocess.Popen, timeout_s: float, what: str) -> int:
+    """The pid written to `path` by `proc` (or a process it starts), once it is there."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() or not path.read_text():
+        assert proc.poll() is None, f"{what}: its starter exited first"
+        assert time.monotonic() < deadline, f"{what} never started"
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def wait_until_gone(pids: list[int], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(process_alive(p) for p in pids):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
 
 
 @dataclass

@@ -139,14 +139,13 @@ def test_kv_pool_layout_and_host_round_trip() -> None:
 
     pool = KVPool(2, 3, 4, capacity_tokens=16, page_size=4, dtype=torch.float32)
     assert len(pool.k) == 2 and pool.k[0].shape == (16, 3, 4)
-    assert pool.k_pages(1).shape == (4, 4, 3, 4)
-    assert pool.k_pages(1).data_ptr() == pool.k[1].data_ptr()
-    assert pool.bytes_per_token == 2 * 2 * 3 * 4 * 4
+    assert pool.k[1].data_ptr() == pool.k_buffer[1].data_ptr()  # views, not copies
+    assert pool.nbytes == 2 * 2 * 16 * 3 * 4 * 4  # K and V, layers, tokens, heads, dim, fp32
     slots = torch.tensor([4, 5, 6])
     k = torch.randn(3, 3, 4)
     v = torch.randn(3, 3, 4)
-    pool.write(1, slots, k, v)
-    assert torch.equal(pool.k_pages(1)[1, :3], k)
+    pool.k[1][slots], pool.v[1][slots] = k, v
+    assert torch.equal(pool.k_buffer[1, 4:7], k)
 
     host = HostKVPool.like(pool, capacity_tokens=8)
     assert host.device.type == "cpu" and host.k[0].shape == (8, 3, 4)
@@ -174,7 +173,7 @@ def test_kv_pool_on_cuda() -> None:
     assert host.k_buffer.is_pinned()
     idx = torch.arange(10, 20, device="cuda")
     k = torch.randn(10, 2, 8, device="cuda", dtype=torch.bfloat16)
-    pool.write(0, idx, k, k)
+    pool.k[0][idx], pool.v[0][idx] = k, k
     host.copy_from_device(pool, idx, np.arange(10))
     host.copy_to_device(pool, np.arange(10), np.arange(40, 50))
     torch.cuda.synchronize()

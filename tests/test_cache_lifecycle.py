@@ -1,5 +1,5 @@
-"""The seed chapter's §4.2 lifecycle, step by step, on a PrefixCache: match, lock,
-allocate only the suffix, insert, unlock, and evict/free under pressure."""
+"""A request's cache lifecycle, step by step, on a PrefixCache: match, lock, allocate
+only the suffix, insert, unlock, and evict/free under pressure."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ def ns_root(tree: RadixCache, namespace=None) -> TreeNode:
     return tree.root.children[namespace]
 
 
-# --------------------------------------------------------------- seed §3.3 example
+# ------------------- three requests sharing ever shorter prefixes: A, B, then C
 A = [101, 11, 12, 21, 22]
 B = [101, 11, 12, 31, 32]
 C = [101, 11, 99]

@@ -24,6 +24,7 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from message_mutations import mutated, nested_values
 from radixlm.runtime import protocol
 
 PING_TIMEOUT_S = 20.0
@@ -89,37 +90,12 @@ _scalars = st.one_of(
     st.none(), st.booleans(), _ints, st.floats(), st.text(max_size=12), st.binary(max_size=12),
     st.sampled_from([RID, SESSION, "hard", "soft", "user", "generate", "stats", ""]),
 )  # fmt: skip
-_values = st.recursive(
-    _scalars,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
-    max_leaves=10,
-)
+_values = nested_values(_scalars, max_size=4, max_leaves=10)
 
 
-@st.composite
-def mutated_message(draw: st.DrawFn) -> dict[str, Any]:
+def mutated_message() -> st.SearchStrategy[dict[str, Any]]:
     """A valid message with 0-3 fields replaced, dropped or added, at any depth."""
-    message = msgpack.unpackb(msgpack.packb(draw(st.sampled_from(BASE_MESSAGES))))  # deep copy
-    for _ in range(draw(st.integers(0, 3))):
-        target = message
-        while True:
-            nested = [k for k, v in target.items() if isinstance(v, dict)]
-            if not nested or not draw(st.booleans()):
-                break
-            target = target[draw(st.sampled_from(sorted(nested)))]
-        keys = sorted(target)
-        action = draw(st.sampled_from(["replace", "drop", "add"]))
-        if action == "replace" and keys:
-            target[draw(st.sampled_from(keys))] = draw(_values)
-        elif action == "drop" and keys:
-            del target[draw(st.sampled_from(keys))]
-        else:
-            target[draw(st.sampled_from(["x", "rid", "type", "n", "session", "input"]))] = draw(
-                _values
-            )
-    return message
+    return mutated(BASE_MESSAGES, _values, ["x", "rid", "type", "n", "session", "input"], (0, 3))
 
 
 # One multipart message: a list of frames (dicts are packed at send time, placeholders

@@ -2,14 +2,19 @@
 
 Every message type, every field of every wire struct and every error code must be
 documented, and every message of the worked exchange must be a valid message in its
-direction (the exchange itself was captured from a live server; see the page).
+direction. The exchange was captured from a live server by docs/worked_exchange.py; the
+same script runs here against the test server, and the page must show the same frames
+(types, request ids, fields, error codes) and the same cache behaviour: every session
+turn finds its session's whole history cached.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import msgspec
@@ -17,6 +22,7 @@ import pytest
 from radixlm.runtime import protocol
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "protocol.md"
+EXCHANGE_SCRIPT = DOC.with_name("worked_exchange.py")
 WIRE_STRUCTS = [
     protocol.Message, protocol.SamplingParams, protocol.Input, protocol.TopLogprob,
     protocol.Usage, protocol.SessionInfo, protocol.Tool, protocol.ToolCall,
@@ -89,3 +95,65 @@ def test_worked_exchange_messages_are_valid(doc: str) -> None:
         ("S", "error"),
     ]:
         assert wanted in seen, f"the worked exchange has no {wanted}"
+
+
+def documented_frames(doc: str) -> list[tuple[str, Any]]:
+    """The worked exchange's frames, as (direction, decoded map or raw bytes)."""
+    exchange = doc.split("## A worked exchange", 1)[1]
+    frames: list[tuple[str, Any]] = []
+    for direction, text in re.findall(r"^([CS]): (.*)$", exchange, flags=re.MULTILINE):
+        raw = re.fullmatch(r"<the \d+ bytes ([0-9a-f ]+): not msgpack>", text)
+        frames.append((direction, bytes.fromhex(raw[1]) if raw else json.loads(text)))
+    return frames
+
+
+def structure(frames: list[tuple[str, Any]]) -> list[tuple[Any, ...]]:
+    """What must not change between runs: each frame's direction, type, rid, fields and
+    error code (a run of chunks counts once: tokens per chunk depend on the model)."""
+    out: list[tuple[Any, ...]] = []
+    for direction, m in frames:
+        if isinstance(m, bytes):
+            out.append((direction, "not msgpack"))
+            continue
+        fields = tuple(sorted(set(m) - {"matched_stop"}))  # present only when a stop matched
+        key = (direction, m["type"], m.get("rid"), fields, m.get("code"))
+        if not (m["type"] == "chunk" and out and out[-1] == key):
+            out.append(key)
+    return out
+
+
+def whole_history_turns(frames: list[tuple[str, Any]]) -> int:
+    """Check that every turn on a session found the session's whole history cached
+    (`cached_tokens` == its length before the turn); returns how many turns there were."""
+    length: dict[str, int] = {}
+    forked_from = None
+    turns = 0
+    for direction, m in frames:
+        if isinstance(m, bytes):
+            continue
+        if direction == "C" and m["type"] == "fork_session":
+            forked_from = m["session"]
+        elif m["type"] == "session_opened":
+            length[m["session"]] = m["length"]
+        elif m["type"] == "sessions_forked":
+            length.update((sid, length[forked_from]) for sid in m["sessions"])
+        elif m["type"] == "done" and "session" in m:
+            assert m["usage"]["cached_tokens"] == length[m["session"]], m
+            length[m["session"]] = m["session_length"]
+            turns += 1
+    return turns
+
+
+def test_worked_exchange_matches_a_live_run(doc: str, server: Any) -> None:
+    spec = importlib.util.spec_from_file_location("worked_exchange", EXCHANGE_SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    # From an empty cache, as on the page's fresh server: on this shared server, other
+    # tests' prompts could otherwise be cached beyond a turn's history.
+    with server.client() as c:
+        assert isinstance(c.call(protocol.FlushCache(rid="flush")), protocol.Ok)
+    live = script.exchange(server.endpoint)
+    documented = documented_frames(doc)
+    assert structure(live) == structure(documented)
+    assert whole_history_turns(documented) == whole_history_turns(live) == 3

@@ -22,6 +22,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from message_mutations import mutated, nested_values
 from radixlm.runtime import protocol
 from radixlm.runtime.protocol_schema import protocol_schema, protocol_schema_json
 
@@ -240,13 +241,14 @@ VALID_SERVER = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("union", "messages", "decode"),
-    [
-        ("ClientMessage", VALID_CLIENT, protocol.decode_client),
-        ("ServerMessage", VALID_SERVER, protocol.decode_server),
-    ],
-)
+# Each direction: its union's name in the schema, valid messages of it, its decoder.
+BOTH_DIRECTIONS = pytest.mark.parametrize(("union", "messages", "decode"), [
+    ("ClientMessage", VALID_CLIENT, protocol.decode_client),
+    ("ServerMessage", VALID_SERVER, protocol.decode_server),
+])
+
+
+@BOTH_DIRECTIONS
 def test_valid_messages_pass_schema_and_decoder(
     union: str, messages: list[dict], decode: Any
 ) -> None:
@@ -264,55 +266,19 @@ _scalars = st.one_of(
     st.none(), st.booleans(), _INT64, st.floats(allow_nan=False), st.text(max_size=8),
     st.sampled_from(["hard", "soft", "stop", "user", "generate", "r", ""]),
 )  # fmt: skip
-_values = st.recursive(
-    _scalars,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=6,
-)
+_values = nested_values(_scalars, max_size=3, max_leaves=6)
+_ADDED_KEYS = ["extra", "rid", "n", "type", "input", "text", "x"]
 
 
-@st.composite
-def _mutated(draw: st.DrawFn, corpus: list[dict]) -> dict:
-    """A valid message with a few fields (possibly nested ones) replaced, added or removed."""
-    message = json.loads(json.dumps(draw(st.sampled_from(corpus))))  # deep copy
-    for _ in range(draw(st.integers(1, 3))):
-        target = message
-        # Walk into a nested map now and then (input, sampling, usage...).
-        while True:
-            nested = [k for k, v in target.items() if isinstance(v, dict)]
-            if not nested or not draw(st.booleans()):
-                break
-            target = target[draw(st.sampled_from(sorted(nested)))]
-        action = draw(st.sampled_from(["replace", "drop", "add"]))
-        keys = sorted(target)
-        if action == "replace" and keys:
-            target[draw(st.sampled_from(keys))] = draw(_values)
-        elif action == "drop" and keys:
-            del target[draw(st.sampled_from(keys))]
-        else:
-            target[draw(st.sampled_from(["extra", "rid", "n", "type", "input", "text", "x"]))] = (
-                draw(_values)
-            )
-    return message
-
-
-@pytest.mark.parametrize(
-    ("union", "corpus", "decode"),
-    [
-        ("ClientMessage", VALID_CLIENT, protocol.decode_client),
-        ("ServerMessage", VALID_SERVER, protocol.decode_server),
-    ],
-)
+@BOTH_DIRECTIONS
 def test_schema_and_decoder_agree_on_mutated_messages(
-    union: str, corpus: list[dict], decode: Any
+    union: str, messages: list[dict], decode: Any
 ) -> None:
     schema = committed_schema()
     union_schema = schema["$defs"][union]
 
     @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(_mutated(corpus))
+    @given(mutated(messages, _values, _ADDED_KEYS, (1, 3)))
     def agree(message: dict) -> None:
         error = schema_error(message, union_schema, schema)
         assert decoder_accepts(decode, message) == (error is None), (message, error)

@@ -1,4 +1,4 @@
-"""The SDK's client layer against the protocol stub (radixlm.sdk.testing): plain calls,
+"""The SDK's client layer against the protocol stub (radixlm.testing): plain calls,
 streaming, chat sessions, typed errors, cancellation and dead-engine detection.
 
 The stub's toy model is recomputed here (`toy_generate`) as the independent reference.
@@ -13,39 +13,10 @@ import anyio
 import pytest
 import radixlm as rl
 from radixlm.runtime.protocol import Abort, Generate, Message
-from radixlm.sdk.testing import EOS, StubServer, render_chatml, toy_next_token
+from radixlm.testing import StubServer, render_chatml
+from toy_stub import chars, text_of, toy_generate
 
-
-def toy_generate(ids: list[int], max_tokens: int, *, ignore_eos: bool = False) -> list[int]:
-    out: list[int] = []
-    for _ in range(max_tokens):
-        token = toy_next_token(ids + out)
-        out.append(token)
-        if token == EOS and not ignore_eos:
-            break
-    return out
-
-
-def chars(text: str) -> list[int]:
-    return [ord(c) for c in text]
-
-
-def text_of(ids: list[int]) -> str:
-    return "".join(chr(t) for t in ids if t != EOS)
-
-
-@pytest.fixture(scope="module")
-def stub() -> Iterator[StubServer]:
-    with StubServer() as server:
-        yield server
-
-
-@pytest.fixture
-def client(stub: StubServer) -> Iterator[rl.Client]:
-    with rl.connect(stub.endpoint) as c:
-        yield c
-        stats = c.stats()  # answered after everything the test sent
-        assert stats["sessions"] == 0 and stats["running"] == 0, "the test left state behind"
+pytest_plugins = ["toy_stub"]  # its fixtures: stub, client
 
 
 @pytest.fixture

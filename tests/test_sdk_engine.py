@@ -17,7 +17,7 @@ from typing import Any
 import anyio
 import pytest
 import radixlm as rl
-from conftest import children_of, process_alive
+from conftest import children_of, pid_from_file, wait_until_gone
 
 pytestmark = pytest.mark.usefixtures("pool_integrity")
 
@@ -219,6 +219,42 @@ def test_engine_errors_are_typed(engine) -> None:
     assert engine.stats()["sessions"] == 0
 
 
+def test_seeded_forks_differ_and_rerun_the_same(engine) -> None:
+    """fork(3) under one seed: each fork samples with its own derived seed (as branches of
+    ``n > 1`` do), so the three differ, and a rerun with that seed repeats them."""
+
+    @rl.function
+    def ideas(s):
+        s += "Three ideas for a picnic:"
+        forks = s.fork(3)
+        forks += rl.gen("idea", max_tokens=8, ignore_eos=True)
+        return forks
+
+    def run() -> list[str]:
+        return [f["idea"] for f in ideas.run(backend=engine, temperature=0.7, seed=0).ret_value]
+
+    first = run()
+    assert len(set(first)) == 3 and run() == first
+
+
+def test_flush_cache_through_runtime_endpoint(server) -> None:
+    prompt = "A prompt to be flushed from the prefix cache"
+    with rl.RuntimeEndpoint(server.endpoint) as endpoint:
+        endpoint.generate(prompt, max_tokens=1)
+        assert endpoint.generate(prompt, max_tokens=1).meta_info["cached_tokens"] > 0
+        rl.flush_cache(endpoint)
+        assert endpoint.generate(prompt, max_tokens=1).meta_info["cached_tokens"] == 0
+
+
+def test_engine_flush_cache(tiny_model_dir: Path) -> None:
+    with rl.Engine(str(tiny_model_dir), device="cpu", dtype="float32", kv_tokens=1024,
+                   threads=1, startup_timeout=120) as engine:
+        engine.generate("Hello there, engine", max_tokens=1)
+        assert engine.generate("Hello there, engine", max_tokens=1).meta_info["cached_tokens"] > 0
+        engine.flush_cache()
+        assert engine.generate("Hello there, engine", max_tokens=1).meta_info["cached_tokens"] == 0
+
+
 def test_dead_engine_fails_calls_within_seconds(tiny_model_dir: Path) -> None:
     with rl.Engine(str(tiny_model_dir), device="cpu", dtype="float32", kv_tokens=1024,
                    threads=1, startup_timeout=120) as engine:
@@ -246,18 +282,10 @@ def test_engine_does_not_outlive_a_killed_owner(tmp_path: Path, tiny_model_dir: 
     )
     proc = subprocess.Popen([sys.executable, "-c", owner])
     try:
-        deadline = time.monotonic() + 120
-        while not pid_file.exists() or not pid_file.read_text():
-            assert proc.poll() is None, "the owner exited before starting its engine"
-            assert time.monotonic() < deadline, "the engine never started"
-            time.sleep(0.05)
-        server_pid = int(pid_file.read_text())
+        server_pid = pid_from_file(pid_file, proc, 120, "the owner's engine")
         children = children_of(server_pid)
         assert len(children) == 2, children  # engine + frontend
     finally:
         proc.kill()
         proc.wait()
-    deadline = time.monotonic() + 15
-    while any(process_alive(p) for p in [server_pid, *children]):
-        assert time.monotonic() < deadline, "the engine outlived its killed owner"
-        time.sleep(0.05)
+    wait_until_gone([server_pid, *children], 15, "the engine outlived its killed owner")

@@ -15,23 +15,10 @@ import anyio
 import pytest
 import radixlm as rl
 from radixlm.runtime.protocol import CloseSession, ForkSession, Generate, Message, OpenSession
-from radixlm.sdk.testing import IM_END, StubServer, render_chatml, toy_logprob
-from test_sdk_client import chars, text_of, toy_generate
+from radixlm.testing import IM_END, StubServer, render_chatml, toy_logprob
+from toy_stub import chars, text_of, toy_generate
 
-
-@pytest.fixture(scope="module")
-def stub() -> Iterator[StubServer]:
-    with StubServer() as server:
-        yield server
-
-
-@pytest.fixture
-def client(stub: StubServer) -> Iterator[rl.Client]:
-    with rl.connect(stub.endpoint) as c:
-        yield c
-        stats = c.stats()  # answered after everything the test sent
-        assert stats["sessions"] == 0, "a program left sessions open"
-        assert stats["running"] == 0
+pytest_plugins = ["toy_stub"]  # its fixtures: stub, client
 
 
 def sent(stub: StubServer, kind: type, since: int = 0) -> list:
@@ -119,19 +106,19 @@ def test_nested_forks_and_concat_join(client) -> None:
 
 
 def test_a_state_done_after_its_fork_hands_its_session_over(client, stub) -> None:
-    @rl.function
-    def tree(s):
+    def two_leaves(s):
         s += "Root"
-        forks = s.fork(2)  # the root does nothing more: its session goes to a fork
+        forks = s.fork(2)
         forks += lambda i: f"/{i}" + rl.gen("leaf", max_tokens=3, ignore_eos=True)
         return forks
 
     @rl.function
+    def tree(s):
+        return two_leaves(s)  # the root does nothing more: its session goes to a fork
+
+    @rl.function
     def judge(s):
-        s += "Root"
-        forks = s.fork(2)
-        forks += lambda i: f"/{i}" + rl.gen("leaf", max_tokens=3, ignore_eos=True)
-        forks.join()
+        two_leaves(s).join()
         s += rl.gen("after", max_tokens=2, ignore_eos=True)  # the root goes on: no hand-over
 
     leaves = [text_of(toy_generate(chars(f"Root/{i}"), 3, ignore_eos=True)) for i in (0, 1)]

@@ -26,10 +26,10 @@ from radixlm.runtime.protocol import (
     Welcome,
 )
 from radixlm.sdk.loop_thread import LoopThread
-from radixlm.sdk.testing import StubServer
 from radixlm.sdk.zmq_dealer import ZmqDealer
 from radixlm.sdk.zmtp import ZmtpDealer, native_endpoint
-from test_sdk_client import chars, text_of, toy_generate
+from radixlm.testing import StubServer
+from toy_stub import chars, text_of, toy_generate
 
 PEER_GREETING = b"\xff" + b"\x00" * 8 + b"\x7f\x03\x01" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
 

@@ -23,6 +23,15 @@ def test_every_flag_has_help_text() -> None:
             assert action.help, f"radixlm {name}: {action.option_strings or action.dest} has no help"
 
 
+def test_version_is_the_installed_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"radixlm {version('radixlm')}"
+
+
 def test_flags_build_the_engine_config() -> None:
     args = cli.build_parser().parse_args([
         "serve", "--model", "m.gguf", "--endpoint", "tcp://127.0.0.1:7000", "--device", "cpu",

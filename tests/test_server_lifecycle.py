@@ -7,12 +7,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_pool_clean, process_alive, start_test_server
+from conftest import (
+    assert_pool_clean,
+    pid_from_file,
+    process_alive,
+    start_test_server,
+    wait_until_gone,
+)
 from radixlm.runtime.protocol import (
     CloseSession,
     Done,
@@ -69,19 +74,12 @@ def _child_dies_with_killed_parent(tmp_path: Path, guard: str) -> None:
     )
     proc = subprocess.Popen([sys.executable, "-c", parent])
     try:
-        deadline = time.monotonic() + 30
-        while not pid_file.exists() or not pid_file.read_text():
-            assert time.monotonic() < deadline, "the child never started"
-            time.sleep(0.05)
-        child_pid = int(pid_file.read_text())
+        child_pid = pid_from_file(pid_file, proc, 30, "the child")
         assert process_alive(child_pid)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    deadline = time.monotonic() + 10
-    while process_alive(child_pid):
-        assert time.monotonic() < deadline, f"child {child_pid} outlived its parent"
-        time.sleep(0.05)
+    wait_until_gone([child_pid], 10, f"child {child_pid} outlived its parent")
 
 
 def test_children_die_with_their_parent(tmp_path: Path) -> None:

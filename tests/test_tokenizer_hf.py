@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from radixlm.tokenizer import IncrementalDetokenizer, Tokenizer
+from test_tokenizer_stop import split
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -339,14 +340,6 @@ _DETOK_TEXT = st.lists(
 _REPLACEMENT = "\ufffd"
 
 
-def _chunked(ids: list[int], cuts: list[int]) -> list[list[int]]:
-    points = sorted({c % (len(ids) + 1) for c in cuts})
-    out, last = [], 0
-    for p in [*points, len(ids)]:
-        out.append(ids[last:p])
-        last = p
-    return out
-
 
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -360,7 +353,7 @@ def _chunked(ids: list[int], cuts: list[int]) -> list[list[int]]:
 def test_incremental_detok_equals_full_decode(tok, hf_tok, text, noise, cuts, skip):
     ids = tok.encode(text) + noise  # random ids: arbitrary byte sequences, broken UTF-8 too
     detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
-    deltas = [detok.feed(chunk) for chunk in _chunked(ids, cuts)]
+    deltas = [detok.feed(chunk) for chunk in split(ids, cuts)]
     deltas.append(detok.flush())
     expected = hf_tok.decode(ids, skip_special_tokens=skip)
     assert "".join(deltas) == expected
@@ -377,7 +370,7 @@ def test_incremental_detok_never_emits_broken_utf8(tok, text, cuts):
     assume(_REPLACEMENT not in text)  # a text may hold U+FFFD itself, which is then emitted
     detok = IncrementalDetokenizer(tok)
     out = ""
-    for chunk in _chunked(ids, cuts):
+    for chunk in split(ids, cuts):
         delta = detok.feed(chunk)
         assert _REPLACEMENT not in delta  # valid input text: no replacement char ever escapes
         out += delta

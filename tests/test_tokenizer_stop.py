@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,11 +34,15 @@ def run(stops: list[str], chunks: list[str]) -> tuple[str, str | None]:
     return "".join(out), hit
 
 
-def split(text: str, cuts: list[int]) -> list[str]:
-    points = sorted({c % (len(text) + 1) for c in cuts})
+S = TypeVar("S", str, list[int])
+
+
+def split(seq: S, cuts: list[int]) -> list[S]:
+    """`seq` (text or token ids) cut at the positions `cuts` name (modulo its length + 1)."""
+    points = sorted({c % (len(seq) + 1) for c in cuts})
     pieces, last = [], 0
-    for p in [*points, len(text)]:
-        pieces.append(text[last:p])
+    for p in [*points, len(seq)]:
+        pieces.append(seq[last:p])
         last = p
     return pieces
 

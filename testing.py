@@ -1,5 +1,9 @@
-"""`StubServer`: a stand-in engine speaking the radixlm protocol, for tests and overhead
-measurements of clients (no model, no torch).
+"""``radixlm.testing``: test radixlm programs and clients without a model.
+
+`StubServer` is a stand-in engine speaking the radixlm protocol (no model, no torch), for
+tests of programs and clients and for measuring the SDK's own overhead. It behaves as the
+engine does wherever a client can tell: tests/test_conformance.py runs one suite against
+both.
 
 It binds a ROUTER socket and answers every client message the way the engine does, over
 a toy model:
@@ -7,8 +11,9 @@ a toy model:
 - tokens are characters (token id = code point, EOS = 0); chat messages render as ChatML
   text, appended messages as a delta that first closes an assistant turn left open;
 - the next token and every logprob are deterministic functions of the last few tokens
-  (branch ``i`` of a sampled ``n > 1`` request is shifted by ``i``), so results can be
-  recomputed independently (`toy_next_token`, `toy_logprob`);
+  (a sampled request, ``temperature > 0``, is shifted by its ``seed``, 0 if none, plus its
+  branch index: seeds act as in the engine), so results can be recomputed independently
+  (`toy_next_token`, `toy_logprob`);
 - a prefix trie of every sequence it has "computed" gives ``usage.cached_tokens`` as a
   radix cache would; sessions, forks, pins, busy/ownership errors follow the protocol;
 - `token_delay_s` paces generation (one token per branch per delay), to observe
@@ -17,7 +22,7 @@ a toy model:
     with StubServer() as stub:
         with rl.connect(stub.endpoint) as client: ...
 
-``python -m radixlm.sdk.testing --endpoint ipc:///tmp/x.sock`` serves until killed.
+``python -m radixlm.testing --endpoint ipc:///tmp/x.sock`` serves until killed.
 """
 
 from __future__ import annotations
@@ -34,47 +39,17 @@ from typing import Any
 
 import msgspec
 import zmq
-from radixlm.runtime.protocol import (
-    PROTOCOL_VERSION,
-    Abort,
-    CloseSession,
-    Done,
-    Error,
-    ErrorCode,
-    FlushCache,
-    ForkSession,
-    Generate,
-    GetStats,
-    Hello,
-    Input,
-    ListSessions,
-    Ok,
-    OpenSession,
-    Pin,
-    Pinned,
-    SessionInfo,
-    SessionList,
-    SessionOpened,
-    SessionsForked,
-    StatsReply,
-    Struct,
-    Tokenize,
-    Tokens,
-    TruncateSession,
-    Unpin,
-    Usage,
-    Welcome,
-    decode_client,
-    encode,
-)
-from radixlm.runtime.protocol import Chunk as ChunkMsg
+from radixlm.runtime import protocol as p
 
-__all__ = ["StubServer", "render_chatml", "toy_logprob", "toy_next_token"]
+__all__ = [
+    "CONTEXT_LENGTH", "EOS", "IM_END", "IM_START", "StubServer", "render_chatml",
+    "toy_logprob", "toy_next_token",
+]
 
-EOS = 0
-ALPHABET = "abcdefghij klmnop."
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-CONTEXT_LENGTH = 8192
+EOS = 0  # the toy model's end-of-sequence token id
+ALPHABET = "abcdefghij klmnop."  # what the toy model writes
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML markers of the stub's template
+CONTEXT_LENGTH = 8192  # the stub's context length (its Welcome says so)
 
 
 def toy_next_token(seq: list[int], branch: int = 0) -> int:
@@ -92,6 +67,7 @@ def toy_logprob(context: list[int], token: int) -> float:
 
 
 def render_chatml(messages: list[Any], add_generation_prompt: bool) -> str:
+    """The stub's chat template (ChatML) over protocol `Message`s, as text."""
     text = "".join(f"{IM_START}{m.role}\n{m.content}{IM_END}\n" for m in messages)
     return text + (f"{IM_START}assistant\n" if add_generation_prompt else "")
 
@@ -147,7 +123,7 @@ class _Branch:
 @dataclass
 class _Job:
     client: bytes
-    msg: Generate
+    msg: p.Generate
     prompt: list[int]
     cached: int
     branches: list[_Branch]
@@ -184,7 +160,7 @@ class StubServer:
         self.record = record
         self.silent = False  # True: receive everything, answer nothing (a hung engine)
         # Observations for tests.
-        self.received: list[Struct] = []
+        self.received: list[p.Struct] = []
         self.max_running = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
@@ -192,11 +168,13 @@ class StubServer:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> StubServer:
+        """Serve in a daemon thread (a context manager starts and stops it)."""
         self._thread = threading.Thread(target=self._serve, name="radixlm-stub", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Stop serving, close the socket, remove the private socket directory."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -215,13 +193,16 @@ class StubServer:
 
     @property
     def sessions(self) -> int:
+        """Sessions open now (every client's)."""
         return len(self._sessions)
 
     @property
     def running(self) -> int:
+        """Generations in flight now."""
         return len(self._jobs)
 
     def received_of(self, kind: type) -> list[Any]:
+        """The messages of type `kind` received so far (with ``record=True``)."""
         return [m for m in list(self.received) if isinstance(m, kind)]
 
     # -- the loop -------------------------------------------------------------------------
@@ -240,39 +221,40 @@ class StubServer:
                     self._handle(identity, data)
             self._step()
 
-    def _send(self, client: bytes, msg: Struct) -> None:
-        self._sock.send_multipart([client, encode(msg)])
+    def _send(self, client: bytes, msg: p.Struct) -> None:
+        self._sock.send_multipart([client, p.encode(msg)])
 
     def _error(self, client: bytes, rid: str | None, code: str, message: str) -> None:
-        self._send(client, Error(rid=rid, code=code, message=message))
+        self._send(client, p.Error(rid=rid, code=code, message=message))
 
     def _handle(self, client: bytes, data: bytes) -> None:
         try:
-            msg = decode_client(data)
+            msg = p.decode_client(data)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self._error(client, None, ErrorCode.BAD_MESSAGE, str(e))
+            self._error(client, None, p.ErrorCode.BAD_MESSAGE, str(e))
             return
         if self.record:
             self.received.append(msg)
         if self.silent:
             return
-        if isinstance(msg, Hello):
-            if msg.protocol_version != PROTOCOL_VERSION:
-                self._error(client, None, ErrorCode.UNSUPPORTED_VERSION, "version mismatch")
+        if isinstance(msg, p.Hello):
+            if msg.protocol_version != p.PROTOCOL_VERSION:
+                self._error(client, None, p.ErrorCode.UNSUPPORTED_VERSION, "version mismatch")
                 return
             self._welcomed.add(client)
-            self._send(client, Welcome(protocol_version=PROTOCOL_VERSION, server_version="stub",
+            self._send(client, p.Welcome(protocol_version=p.PROTOCOL_VERSION, server_version="stub",
                                        model="stub-toy", context_length=CONTEXT_LENGTH,
                                        page_size=1, kv_capacity=1 << 20))
             return
         if client not in self._welcomed:
-            self._error(client, msg.rid, ErrorCode.HANDSHAKE_REQUIRED, "send hello first")
+            self._error(client, msg.rid, p.ErrorCode.HANDSHAKE_REQUIRED, "send hello first")
             return
         handler = {
-            Generate: self._generate, Abort: self._abort, OpenSession: self._open,
-            ForkSession: self._fork, TruncateSession: self._truncate, CloseSession: self._close,
-            Pin: self._pin, Unpin: self._unpin, ListSessions: self._list, GetStats: self._stats,
-            FlushCache: self._flush, Tokenize: self._tokenize,
+            p.Generate: self._generate, p.Abort: self._abort, p.OpenSession: self._open,
+            p.ForkSession: self._fork, p.TruncateSession: self._truncate,
+            p.CloseSession: self._close, p.Pin: self._pin, p.Unpin: self._unpin,
+            p.ListSessions: self._list, p.GetStats: self._stats, p.FlushCache: self._flush,
+            p.Tokenize: self._tokenize,
         }[type(msg)]
         try:
             handler(client, msg)
@@ -281,10 +263,10 @@ class StubServer:
 
     # -- inputs ---------------------------------------------------------------------------
 
-    def _ids_of(self, inp: Input, session: _Session | None) -> list[int]:
+    def _ids_of(self, inp: p.Input, session: _Session | None) -> list[int]:
         given = [x for x in (inp.text, inp.input_ids, inp.messages) if x is not None]
         if len(given) != 1:
-            raise _Refused(ErrorCode.INVALID_PARAMS, "input needs exactly one of text, "
+            raise _Refused(p.ErrorCode.INVALID_PARAMS, "input needs exactly one of text, "
                                                      "input_ids, messages")
         if inp.input_ids is not None:
             return list(inp.input_ids)
@@ -299,7 +281,7 @@ class StubServer:
     def _owned(self, client: bytes, sid: str) -> _Session:
         s = self._sessions.get(sid)
         if s is None or s.owner != client:
-            raise _Refused(ErrorCode.NOT_FOUND, f"no session {sid!r}")
+            raise _Refused(p.ErrorCode.NOT_FOUND, f"no session {sid!r}")
         return s
 
     def _new_session(self, client: bytes, history: list[int], namespace: str | None,
@@ -318,26 +300,30 @@ class StubServer:
 
     # -- generation -----------------------------------------------------------------------
 
-    def _generate(self, client: bytes, msg: Generate) -> None:
+    def _generate(self, client: bytes, msg: p.Generate) -> None:
         if (client, msg.rid) in self._jobs:
-            raise _Refused(ErrorCode.DUPLICATE_ID, f"rid {msg.rid!r} in flight")
-        if not 1 <= msg.n <= 64:
-            raise _Refused(ErrorCode.INVALID_PARAMS, f"n must be in [1, 64], got {msg.n}")
+            raise _Refused(p.ErrorCode.DUPLICATE_ID, f"rid {msg.rid!r} in flight")
+        if not 1 <= msg.n <= p.MAX_N:
+            raise _Refused(p.ErrorCode.INVALID_PARAMS,
+                           f"n must be in [1, {p.MAX_N}], got {msg.n}")
         sp = msg.sampling
         if sp.max_tokens < 0 or sp.temperature < 0 or not 0 < sp.top_p <= 1:
-            raise _Refused(ErrorCode.INVALID_PARAMS, "bad sampling parameters")
+            raise _Refused(p.ErrorCode.INVALID_PARAMS, "bad sampling parameters")
+        if not 0 <= sp.top_logprobs <= p.MAX_TOP_LOGPROBS:
+            raise _Refused(p.ErrorCode.INVALID_PARAMS,
+                           f"top_logprobs must be in [0, {p.MAX_TOP_LOGPROBS}]")
         session = self._owned(client, msg.session) if msg.session is not None else None
         if session is not None and session.busy:
-            raise _Refused(ErrorCode.BUSY, f"session {msg.session!r} is busy")
+            raise _Refused(p.ErrorCode.BUSY, f"session {msg.session!r} is busy")
         appended = self._ids_of(msg.input, session)
         prompt = (session.history if session is not None else []) + appended
         if not prompt:
-            raise _Refused(ErrorCode.EMPTY_PROMPT, "the prompt is empty")
+            raise _Refused(p.ErrorCode.EMPTY_PROMPT, "the prompt is empty")
         if len(prompt) + sp.max_tokens > CONTEXT_LENGTH:
-            raise _Refused(ErrorCode.TOO_LONG, "prompt + max_tokens exceeds the context")
+            raise _Refused(p.ErrorCode.TOO_LONG, "prompt + max_tokens exceeds the context")
         start = msg.prompt_logprobs_start
         if start is not None and not 0 <= start <= len(appended):
-            raise _Refused(ErrorCode.INVALID_PARAMS,
+            raise _Refused(p.ErrorCode.INVALID_PARAMS,
                            f"prompt_logprobs_start ({start}) must be in [0, {len(appended)}]")
         cached = self._compute(prompt)
         if session is not None:
@@ -365,7 +351,7 @@ class StubServer:
                 if len(b.output) >= sp.max_tokens:
                     self._finish(job, b, "length", None)
                     break
-                shift = b.index if sp.temperature > 0 else 0
+                shift = (sp.seed or 0) + b.index if sp.temperature > 0 else 0
                 token = toy_next_token(job.prompt + b.output, shift)
                 b.output.append(token)
                 if token == EOS and not sp.ignore_eos:
@@ -382,7 +368,7 @@ class StubServer:
                     self._finish(job, b, "stop", hit)
                     break
                 if job.msg.stream:
-                    self._send(job.client, ChunkMsg(rid=job.msg.rid, text=_decode([token]),
+                    self._send(job.client, p.Chunk(rid=job.msg.rid, text=_decode([token]),
                                                     token_ids=[token], index=b.index))
                 if not until_done:
                     break
@@ -392,7 +378,7 @@ class StubServer:
     def _finish(self, job: _Job, b: _Branch, reason: str, matched: str | int | None) -> None:
         b.done = True
         msg = job.msg
-        if all(x.done for x in job.branches):  # not running once its last Done is out
+        if all(x.done for x in job.branches):  # not running once its last p.Done is out
             self._jobs.pop((job.client, msg.rid), None)
         session_id, length = None, None
         if job.session is not None:
@@ -412,12 +398,13 @@ class StubServer:
         self._trie.insert(job.prompt + b.output)
         prompt_logprobs = None
         if msg.prompt_logprobs_start is not None:  # a position in the input (appended) part
-            p = job.prompt
-            start = len(p) - job.appended + msg.prompt_logprobs_start
-            prompt_logprobs = [toy_logprob(p[:i], p[i]) for i in range(max(1, start), len(p))]
-        self._send(job.client, Done(
+            seq = job.prompt
+            start = len(seq) - job.appended + msg.prompt_logprobs_start
+            prompt_logprobs = [toy_logprob(seq[:i], seq[i])
+                               for i in range(max(1, start), len(seq))]
+        self._send(job.client, p.Done(
             rid=msg.rid, finish_reason=reason, text=b.text, token_ids=list(b.output),  # type: ignore[arg-type]
-            usage=Usage(prompt_tokens=len(job.prompt), cached_tokens=job.cached,
+            usage=p.Usage(prompt_tokens=len(job.prompt), cached_tokens=job.cached,
                         completion_tokens=len(b.output)),
             matched_stop=matched, prompt_logprobs=prompt_logprobs,
             logprobs=[toy_logprob(job.prompt + b.output[:i], t) for i, t in enumerate(b.output)]
@@ -425,10 +412,10 @@ class StubServer:
             session=session_id, session_length=length, index=b.index,
         ))
 
-    def _abort(self, client: bytes, msg: Abort) -> None:
+    def _abort(self, client: bytes, msg: p.Abort) -> None:
         job = self._jobs.pop((client, msg.rid), None)
         if job is None:
-            raise _Refused(ErrorCode.NOT_FOUND, f"no request {msg.rid!r} in flight")
+            raise _Refused(p.ErrorCode.NOT_FOUND, f"no request {msg.rid!r} in flight")
         for b in job.branches:
             if not b.done:
                 self._finish(job, b, "abort", None)
@@ -437,11 +424,11 @@ class StubServer:
 
     # -- sessions, pins, misc -------------------------------------------------------------
 
-    def _open(self, client: bytes, msg: OpenSession) -> None:
+    def _open(self, client: bytes, msg: p.OpenSession) -> None:
         start: list[int] = []
         if msg.pinned is not None:
             if msg.pinned not in self._pins:
-                raise _Refused(ErrorCode.NOT_FOUND, f"no pin {msg.pinned!r}")
+                raise _Refused(p.ErrorCode.NOT_FOUND, f"no pin {msg.pinned!r}")
             start = list(self._pins[msg.pinned])
         probe = _Session(client, start)
         ids = start + (self._ids_of(msg.input, probe if start else None) if msg.input else [])
@@ -449,62 +436,64 @@ class StubServer:
         open_assistant = bool(msg.input and msg.input.messages is not None
                               and msg.input.add_generation_prompt)
         sid = self._new_session(client, ids, msg.namespace, open_assistant)
-        self._send(client, SessionOpened(rid=msg.rid, session=sid, length=len(ids),
+        self._send(client, p.SessionOpened(rid=msg.rid, session=sid, length=len(ids),
                                          cached_tokens=cached))
 
-    def _fork(self, client: bytes, msg: ForkSession) -> None:
+    def _fork(self, client: bytes, msg: p.ForkSession) -> None:
         s = self._owned(client, msg.session)
         if s.busy:
-            raise _Refused(ErrorCode.BUSY, f"session {msg.session!r} is busy")
-        if not 1 <= msg.n <= 64:
-            raise _Refused(ErrorCode.INVALID_PARAMS, f"n must be in [1, 64], got {msg.n}")
+            raise _Refused(p.ErrorCode.BUSY, f"session {msg.session!r} is busy")
+        if not 1 <= msg.n <= p.MAX_FORK:
+            raise _Refused(p.ErrorCode.INVALID_PARAMS,
+                           f"n must be in [1, {p.MAX_FORK}], got {msg.n}")
         ids = [self._new_session(client, s.history, s.namespace, s.open_assistant)
                for _ in range(msg.n)]
-        self._send(client, SessionsForked(rid=msg.rid, sessions=ids))
+        self._send(client, p.SessionsForked(rid=msg.rid, sessions=ids))
 
-    def _truncate(self, client: bytes, msg: TruncateSession) -> None:
+    def _truncate(self, client: bytes, msg: p.TruncateSession) -> None:
         s = self._owned(client, msg.session)
         if s.busy:
-            raise _Refused(ErrorCode.BUSY, f"session {msg.session!r} is busy")
+            raise _Refused(p.ErrorCode.BUSY, f"session {msg.session!r} is busy")
         if not 0 <= msg.length <= len(s.history):
-            raise _Refused(ErrorCode.INVALID_PARAMS, "length out of range")
+            raise _Refused(p.ErrorCode.INVALID_PARAMS, "length out of range")
         s.history = s.history[: msg.length]
-        self._send(client, Ok(rid=msg.rid))
+        self._send(client, p.Ok(rid=msg.rid))
 
-    def _close(self, client: bytes, msg: CloseSession) -> None:
+    def _close(self, client: bytes, msg: p.CloseSession) -> None:
         ids = msg.ids()
-        if not ids:
-            raise _Refused(ErrorCode.INVALID_PARAMS, "close_session names no session")
+        if not 1 <= len(ids) <= p.MAX_CLOSE:
+            raise _Refused(p.ErrorCode.INVALID_PARAMS,
+                           f"close_session names 1 to {p.MAX_CLOSE} sessions, got {len(ids)}")
         for session in ids:  # like the engine: close what can be, refuse with the first error
             s = self._owned(client, session)
             if s.busy:
-                raise _Refused(ErrorCode.BUSY, f"session {session!r} is busy")
+                raise _Refused(p.ErrorCode.BUSY, f"session {session!r} is busy")
             del self._sessions[session]
-        self._send(client, Ok(rid=msg.rid))
+        self._send(client, p.Ok(rid=msg.rid))
 
-    def _pin(self, client: bytes, msg: Pin) -> None:
+    def _pin(self, client: bytes, msg: p.Pin) -> None:
         if msg.name in self._pins:
-            raise _Refused(ErrorCode.DUPLICATE_ID, f"pin {msg.name!r} exists")
+            raise _Refused(p.ErrorCode.DUPLICATE_ID, f"pin {msg.name!r} exists")
         ids = self._ids_of(msg.input, None)
         self._compute(ids)
         self._pins[msg.name] = ids
-        self._send(client, Pinned(rid=msg.rid, name=msg.name, length=len(ids)))
+        self._send(client, p.Pinned(rid=msg.rid, name=msg.name, length=len(ids)))
 
-    def _unpin(self, client: bytes, msg: Unpin) -> None:
+    def _unpin(self, client: bytes, msg: p.Unpin) -> None:
         if self._pins.pop(msg.name, None) is None:
-            raise _Refused(ErrorCode.NOT_FOUND, f"no pin {msg.name!r}")
-        self._send(client, Ok(rid=msg.rid))
+            raise _Refused(p.ErrorCode.NOT_FOUND, f"no pin {msg.name!r}")
+        self._send(client, p.Ok(rid=msg.rid))
 
-    def _list(self, client: bytes, msg: ListSessions) -> None:
+    def _list(self, client: bytes, msg: p.ListSessions) -> None:
         now = time.monotonic()
-        infos = [SessionInfo(session=sid, length=len(s.history), idle_s=now - s.last_used,
+        infos = [p.SessionInfo(session=sid, length=len(s.history), idle_s=now - s.last_used,
                              retention="hard", busy=s.busy, namespace=s.namespace)
                  for sid, s in self._sessions.items() if s.owner == client]
-        self._send(client, SessionList(rid=msg.rid, sessions=infos))
+        self._send(client, p.SessionList(rid=msg.rid, sessions=infos))
 
-    def _stats(self, client: bytes, msg: GetStats) -> None:
+    def _stats(self, client: bytes, msg: p.GetStats) -> None:
         total = self.prompt_tokens_total
-        self._send(client, StatsReply(
+        self._send(client, p.StatsReply(
             rid=msg.rid, capacity=1 << 20, free=1 << 20, evictable=0, protected=0, private=0,
             retained_tokens={}, retained_cap=0, host_capacity=0, host_used=0,
             sessions=len(self._sessions), pins=len(self._pins), running=len(self._jobs),
@@ -512,12 +501,12 @@ class StubServer:
             hit_rate=self.cached_tokens_total / total if total else 0.0, invariant_ok=True,
         ))
 
-    def _flush(self, client: bytes, msg: FlushCache) -> None:
+    def _flush(self, client: bytes, msg: p.FlushCache) -> None:
         self._trie = _Trie()
-        self._send(client, Ok(rid=msg.rid))
+        self._send(client, p.Ok(rid=msg.rid))
 
-    def _tokenize(self, client: bytes, msg: Tokenize) -> None:
-        self._send(client, Tokens(rid=msg.rid, input_ids=self._ids_of(msg.input, None)))
+    def _tokenize(self, client: bytes, msg: p.Tokenize) -> None:
+        self._send(client, p.Tokens(rid=msg.rid, input_ids=self._ids_of(msg.input, None)))
 
 
 class _Refused(Exception):
@@ -528,7 +517,7 @@ class _Refused(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m radixlm.sdk.testing",
+    parser = argparse.ArgumentParser(prog="python -m radixlm.testing",
                                      description="Serve the toy protocol stub until killed.")
     parser.add_argument("--endpoint", required=True, help="ipc:// or tcp:// endpoint to bind")
     parser.add_argument("--token-delay", type=float, default=0.0,

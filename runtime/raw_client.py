@@ -159,7 +159,14 @@ class RawClient:
         self.welcome = reply
         return reply
 
-    def generate(
+    def generate(self, prompt: str | Input, **options: Any) -> Done:
+        """Run one request (``n == 1``) to its end and return its `Done`; `options` are
+        `generate_n`'s."""
+        if options.get("n", 1) != 1:
+            raise ValueError("generate() runs n == 1; use generate_n() for branches")
+        return self.generate_n(prompt, **options)[0]
+
+    def generate_n(
         self,
         prompt: str | Input,
         *,
@@ -167,10 +174,11 @@ class RawClient:
         stream: bool = False,
         on_chunk: Callable[[Chunk], None] | None = None,
         session: str | None = None,
+        n: int = 1,
         timeout_s: float | None = None,
         **sampling: Any,
-    ) -> Done:
-        """Run one request (one branch) to its end and return its `Done`.
+    ) -> list[Done]:
+        """Run one request to its end: the `Done` of each of its `n` branches, by index.
 
         `prompt` is text or an `Input`; `sampling` are `SamplingParams` fields. With
         ``stream=True`` every `Chunk` goes to `on_chunk`. Raises `ServerError`.
@@ -178,8 +186,8 @@ class RawClient:
         rid = rid or self.new_rid("gen")
         inp = prompt if isinstance(prompt, Input) else Input(text=prompt)
         self.send(Generate(rid=rid, input=inp, sampling=msgspec.convert(sampling, SamplingParams),
-                           stream=stream, session=session))
-        return self.collect(rid, on_chunk=on_chunk, timeout_s=timeout_s)[0]
+                           stream=stream, session=session, n=n))
+        return self.collect(rid, n=n, on_chunk=on_chunk, timeout_s=timeout_s)
 
     def collect(self, rid: str, *, n: int = 1, on_chunk: Callable[[Chunk], None] | None = None,
                 timeout_s: float | None = None) -> list[Done]:

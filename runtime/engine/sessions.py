@@ -704,10 +704,9 @@ class SessionManager:
 
     def _retained_with(self, candidate: Held, skip: frozenset[str] = frozenset()) -> int:
         """Distinct retained tokens if `candidate` were held too (and `skip` were not);
-        opening turns count with what they reserved."""
+        opening turns count with what they reserved (demoting does not undo that)."""
         held = [h for _, h in self._holders(skip)]
-        held += [s.reserved for s in self._sessions.values()
-                 if s.reserved is not None and s.id not in skip]
+        held += [s.reserved for s in self._sessions.values() if s.reserved is not None]
         return distinct_tokens([*held, candidate], self.cache.page_size)
 
     def _fits(self, candidate: Held, replacing: Session | None = None) -> bool:

@@ -351,9 +351,6 @@ class StatsReply(Struct, tag="stats_reply"):
     cached_tokens_total: int
     hit_rate: float
     invariant_ok: bool  # free + evictable + protected + private == capacity
-    # Seconds since the engine computed these figures: > 0 when the frontend answered from
-    # its copy because the engine was inside a long step.
-    age_s: float = 0.0
 
 
 class SessionOpened(Struct, tag="session_opened"):

@@ -72,7 +72,6 @@ from radixlm.runtime.frontend.session_state import (
     SessionView,
     after_append,
 )
-from radixlm.runtime.frontend.stats_mirror import StatsMirror
 from radixlm.runtime.frontend.streams import Outcome, RequestStream
 from radixlm.runtime.frontend.structured import plan_structured
 from radixlm.runtime.frontend.tenants import names_for
@@ -190,7 +189,6 @@ class Frontend:
         self._max_priority = max_priority  # None = as asked
         self._multi_tenant = multi_tenant  # clients authenticate: each key is a tenant
         self._watch = EngineWatch(engine_timeout_s, time.monotonic())
-        self._mirror = StatsMirror()
         self._welcome = encode(welcome)
         self._encode_reply = msgspec.msgpack.Encoder().encode  # the chunk path's own encoder
         self._sock = clients
@@ -218,7 +216,7 @@ class Frontend:
             CloseSession: self._close_session,
             Unpin: self._unpin,
             ListSessions: self._command,
-            GetStats: self._get_stats,
+            GetStats: self._command,
             FlushCache: self._flush_cache,
         }
 
@@ -231,15 +229,10 @@ class Frontend:
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._sock, zmq.POLLIN)
-        poll_s = self._watch.interval_s
+        poll_ms = int(self._watch.interval_s * 1000)
         while True:
-            deadline = self._mirror.next_deadline()
-            timeout_s = poll_s if deadline is None else max(0.0, min(
-                poll_s, deadline - time.monotonic()))
-            ready = dict(poller.poll(int(timeout_s * 1000) + (deadline is not None)))
+            ready = dict(poller.poll(poll_ms))
             self._watch_engine()
-            if deadline is not None:
-                self._stats_from_mirror()
             if self._from_engine in ready:
                 self._drain_engine()
             if self._monitor in ready:
@@ -283,18 +276,6 @@ class Frontend:
                                                              msg=GetStats(rid=rid)))
         if self._watch.check(now) is Change.DOWN:
             self._engine_down(now)
-
-    def _stats_from_mirror(self) -> None:
-        """Answer `stats` requests the engine has left waiting (a long step) from the
-        frontend's copy of its latest figures."""
-        for identity, rid, reply in self._mirror.due(time.monotonic()):
-            client = self._clients.get(identity)
-            if client is None or rid not in client.awaiting:
-                continue
-            client.awaiting.discard(rid)
-            client.abandoned.add(rid)  # the engine's own answer is dropped when it comes
-            outer = self._in_tenant_terms(client, reply)
-            self._reply(client, outer if outer is not None else reply)
 
     def _unavailable(self) -> str:
         return (f"the engine process has not answered for "
@@ -632,10 +613,6 @@ class Frontend:
         self._watch_reply(client, msg.rid, closed)
         self._command(client, msg)
 
-    def _get_stats(self, client: ClientState, msg: GetStats) -> None:
-        self._command(client, msg)
-        self._mirror.wait(client.identity, msg.rid, time.monotonic())
-
     def _unpin(self, client: ClientState, msg: Unpin) -> None:
         self._command(client, Unpin(rid=msg.rid, name=client.names.pin(msg.name) or ""))
 
@@ -753,18 +730,13 @@ class Frontend:
 
     def _on_reply(self, msg: ToClient) -> None:
         client = self._clients.get(msg.client)
-        if client is None and msg.client != PROBE_CLIENT:
-            return  # gone; the engine has been told
+        if client is None:
+            return  # gone (or a liveness probe's reply); the engine has been told
         try:
             reply = decode_server(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.error("engine sent an undecodable reply: %r", msg.data[:200])
             return
-        if isinstance(reply, StatsReply):
-            self._mirror.seen(reply, time.monotonic())
-            self._mirror.answered(msg.client, reply.rid)
-        if client is None:
-            return  # a liveness probe's answer
         rid = getattr(reply, "rid", None)
         if rid is not None:
             if client.abandoned and rid in client.abandoned:

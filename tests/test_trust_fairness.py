@@ -70,8 +70,9 @@ def test_fair_admission_priority_cap_and_inflight_cap(tmp_path: Path, tiny_model
             """Start `first` on a, send `then` (client, rid, priority); True if they all
             reached the engine's waiting queue while `first` still ran (the machine may
             be too slow to send them in time: then the caller tries again)."""
-            gen(a, first, 240, stream=True)
-            assert isinstance(a.recv_for(first), wire.Chunk)
+            gen(a, first, 240)  # not streamed: its chunks would crowd a's socket
+            while not a.call(wire.GetStats(rid=f"started-{first}")).running:  # type: ignore[attr-defined]
+                pass
             for client, rid, priority in then:
                 gen(client, rid, 40, priority=priority)
             for client in (a, b):  # each answered after that client's requests got there

@@ -35,6 +35,8 @@ from radixlm.runtime.protocol import (
     Hello,
     Input,
     SamplingParams,
+    Tokenize,
+    Tokens,
     decode_server,
     encode,
 )
@@ -53,6 +55,23 @@ def short_latencies(client: RawClient, n: int) -> list[float]:
                         ignore_eos=True)
         out.append(time.perf_counter() - started)
     return out
+
+
+def count_tokens(client: RawClient, text: str) -> int:
+    reply = client.call(Tokenize(rid=client.new_rid("t"), input=Input(text=text)))
+    assert isinstance(reply, Tokens), reply
+    return len(reply.input_ids)
+
+
+def long_prompt(client: RawClient, tokens: int) -> str:
+    """Text of about `tokens` tokens (at most that many) for this model's tokenizer."""
+    words = tokens
+    while True:
+        text = " ".join(f"w{i}" for i in range(words))
+        n = count_tokens(client, text)
+        if n <= tokens:
+            return text
+        words = max(1, int(words * tokens / n * 0.98))
 
 
 def flooder(endpoint: str) -> tuple[zmq.Context[Any], zmq.Socket[Any]]:
@@ -93,7 +112,8 @@ def run(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
             time.sleep(0.1)
         ctx, a = flooder(server.endpoint)
         try:
-            prompt = " ".join(f"w{i}" for i in range(args.prefill_words))
+            prompt = long_prompt(b, args.prefill_tokens)
+            n_prompt = count_tokens(b, prompt)
             a.send(encode(Generate(rid="long", input=Input(text=prompt),
                                    sampling=SamplingParams(max_tokens=1))))
             latencies = []
@@ -108,7 +128,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
             a.close(0)
             ctx.term()
         worst = max(latencies)
-        rows.append((f"stats during a long prefill (prompt ~{args.prefill_words * 2} tokens; "
+        rows.append((f"stats during a long prefill (prompt {n_prompt} tokens; "
                      f"{len(latencies)} stats, median {statistics.median(latencies) * 1000:.0f} "
                      f"ms; server prompt tokens so far {tokens})", f"{worst * 1000:.0f} ms max",
                      "", "< 100 ms: " + ("met" if worst < 0.1 else "NOT met")))
@@ -121,14 +141,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-tokens", type=int, default=32768)
     parser.add_argument("--flood-tokens", type=int, default=64)
-    parser.add_argument("--prefill-words", type=int, default=2000,
-                        help="words of the long prompt (about two tokens each)")
+    parser.add_argument("--prefill-tokens", type=int, default=4000,
+                        help="tokens of the long prompt")
     args = parser.parse_args()
     rows = run(args)
     table = "\n".join(["| measure | value | vs | target |", "|---|---|---|---|",
                        *("| " + " | ".join(r) + " |" for r in rows)])
-    command = "  .venv/bin/python benchmarks/bench_fairness.py" + (
-        f" --model {args.model}" if args.model != "default" else "") + f" --threads {args.threads}"
+    command = (f"  .venv/bin/python benchmarks/bench_fairness.py --model {args.model} --threads "
+               f"{args.threads} --flood-tokens {args.flood_tokens} --prefill-tokens "
+               f"{args.prefill_tokens} --kv-tokens {args.kv_tokens}")
     append_results(RESULTS, "Fairness", args.model, command, table)
 
 

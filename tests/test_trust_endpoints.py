@@ -92,3 +92,16 @@ def test_ipc_socket_is_private_from_creation(tmp_path: Path, monkeypatch: pytest
         ctx.term()
     assert mode & 0o077 == 0, oct(mode)
     assert os.umask(old) == old  # the umask is put back
+
+
+def test_zmtp_heartbeats_on_ipc_too(tmp_path: Path) -> None:
+    """A stopped peer is dropped on ipc as on tcp (the kernel never reports it)."""
+    ctx = zmq.Context()
+    try:
+        for endpoint in (f"ipc://{tmp_path}/hb", "tcp://127.0.0.1:0"):
+            sock = channel.open_socket(ctx, zmq.ROUTER, endpoint, bind=True)
+            assert sock.getsockopt(zmq.HEARTBEAT_IVL) > 0, endpoint
+            assert sock.getsockopt(zmq.HEARTBEAT_TIMEOUT) > 0, endpoint
+            sock.close()
+    finally:
+        ctx.term()

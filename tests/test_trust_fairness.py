@@ -49,6 +49,12 @@ def test_fair_admission_priority_cap_and_inflight_cap(tmp_path: Path, tiny_model
             for client in (a, b):
                 poller.register(client._sock, zmq.POLLIN)  # noqa: SLF001
             finished: list[str] = []
+            for client in (a, b):  # replies read (and kept) while waiting for a stats reply
+                while client._buffer:  # noqa: SLF001
+                    msg = client._buffer.popleft()  # noqa: SLF001
+                    assert not isinstance(msg, wire.Error), msg
+                    if isinstance(msg, wire.Done):
+                        finished.append(msg.rid)
             while len(finished) < rids:
                 ready = dict(poller.poll(60_000))
                 assert ready, f"no progress after {finished}"
@@ -64,8 +70,9 @@ def test_fair_admission_priority_cap_and_inflight_cap(tmp_path: Path, tiny_model
             """Start `first` on a, send `then` (client, rid, priority); True if they all
             reached the engine's waiting queue while `first` still ran (the machine may
             be too slow to send them in time: then the caller tries again)."""
-            gen(a, first, 240, stream=True)
-            assert isinstance(a.recv_for(first), wire.Chunk)
+            gen(a, first, 240)  # not streamed: its chunks would crowd a's socket
+            while not a.call(wire.GetStats(rid=f"started-{first}")).running:  # type: ignore[attr-defined]
+                pass
             for client, rid, priority in then:
                 gen(client, rid, 40, priority=priority)
             for client in (a, b):  # each answered after that client's requests got there

@@ -138,6 +138,9 @@ class Session:
     # Which fork/branch of which session it is (empty: opened directly): seeded turns of
     # sibling forks draw distinct random streams from it (`SessionManager.seed_offset`).
     lineage: tuple[int, ...] = ()
+    # What an opening turn with input will hold once prefilled: counted against the
+    # retention cap from the open on, so that opens sent back to back cannot all pass.
+    reserved: Held | None = None
 
     @property
     def length(self) -> int:
@@ -151,6 +154,14 @@ class Session:
     def wanted(self) -> np.ndarray:
         """The history it expects to find cached (what the host tier may keep for it)."""
         return self.history[: self.kv_len]
+
+
+def _listed_class(s: Session) -> str:
+    """The class a listing shows: "demoted" for a session that holds none of its history
+    (demoted, or grown past the retention cap before anything of it could be held)."""
+    if s.residency is Residency.DEMOTED or (s.held_len == 0 and s.kv_len > 0):
+        return "demoted"
+    return s.retention
 
 
 @dataclass(eq=False)
@@ -235,8 +246,10 @@ class SessionManager:
                 raise PinNotFound(f"no pinned prefix named {pinned!r}{where}")
             base, node, held_len = pin.ids, pin.node, pin.held_len
         extra = _frozen(input_ids)
+        reserved = None
         if len(extra):
-            self._admit(Held(namespace, self._cacheable(np.concatenate([base, extra]))))
+            reserved = Held(namespace, self._cacheable(np.concatenate([base, extra])))
+            self._admit(reserved)
         if node is not None:
             self._lock_node(node)
         s = Session(
@@ -251,6 +264,7 @@ class SessionManager:
             held_len=held_len,
             kv_len=held_len,
             last_used=self.clock(),
+            reserved=reserved,
         )
         self._sessions[s.id] = s
         log.debug("session %s opened (%s, %d tokens)", s.id[:8], retention, s.length)
@@ -352,6 +366,7 @@ class SessionManager:
             )
         s.history = history
         s.busy = False
+        s.reserved = None
         s.last_used = self.clock()
         self._advance_lock(s)
         return s
@@ -361,6 +376,7 @@ class SessionManager:
         s = self._sessions.get(session_id)
         if s is not None:
             s.busy = False
+            s.reserved = None
             s.last_used = self.clock()
 
     def branch(
@@ -687,8 +703,10 @@ class SessionManager:
         return victims
 
     def _retained_with(self, candidate: Held, skip: frozenset[str] = frozenset()) -> int:
-        """Distinct retained tokens if `candidate` were held too (and `skip` were not)."""
+        """Distinct retained tokens if `candidate` were held too (and `skip` were not);
+        opening turns count with what they reserved (demoting does not undo that)."""
         held = [h for _, h in self._holders(skip)]
+        held += [s.reserved for s in self._sessions.values() if s.reserved is not None]
         return distinct_tokens([*held, candidate], self.cache.page_size)
 
     def _fits(self, candidate: Held, replacing: Session | None = None) -> bool:
@@ -758,7 +776,7 @@ class SessionManager:
                 session=s.id if s.client == client else s.id[:8],
                 length=s.length,
                 idle_s=0.0 if s.busy else max(0.0, now - s.last_used),
-                retention="demoted" if s.residency is Residency.DEMOTED else s.retention,
+                retention=_listed_class(s),
                 busy=s.busy,
                 namespace=s.namespace,
             )

@@ -21,6 +21,7 @@ from radixlm.runtime.engine.messages import (
     EngineGenerate,
     EngineOpenSession,
     EnginePin,
+    EngineTrimSession,
     TokenOutput,
 )
 from radixlm.runtime.engine.options import SchedulerOptions
@@ -68,9 +69,11 @@ class MessageHandler:
                 self.endings.fail_group(self.table.groups[key], error)
             elif isinstance(msg, (EngineGenerate, EngineOpenSession, EnginePin, EngineCommand)):
                 rid = msg.msg.rid if isinstance(msg, EngineCommand) else msg.rid
-                self.outbox.reply(msg.client, Error(rid=rid, code=error.code, message=error.message))
-                if isinstance(msg, EngineGenerate):
-                    self._refused_output(msg.key)
+                ends = msg.key if isinstance(msg, EngineGenerate) else None
+                self.outbox.reply(msg.client, Error(rid=rid, code=error.code,
+                                                    message=error.message), ends)
+                if ends is not None:
+                    self._refused_output(ends)
 
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, EngineGenerate):
@@ -83,6 +86,8 @@ class MessageHandler:
             self._on_open_session(msg)
         elif isinstance(msg, EnginePin):
             self._on_pin(msg)
+        elif isinstance(msg, EngineTrimSession):
+            self.sessions.trim(msg)
         elif isinstance(msg, EngineCommand):
             reply = self.sessions.command(msg)
             self.outbox.reply(msg.client, reply if reply is not None else self.engine_command(msg))
@@ -121,7 +126,8 @@ class MessageHandler:
         except RequestError as e:
             if intake is not None:
                 self.sessions.abort_intake(intake, msg.client)
-            self.outbox.reply(msg.client, Error(rid=msg.rid, code=e.code, message=e.message))
+            self.outbox.reply(msg.client, Error(rid=msg.rid, code=e.code, message=e.message),
+                              msg.key)
             self._refused_output(msg.key)
             return
         self._enqueue(RequestGroup(

@@ -13,6 +13,11 @@ through the hooks of `SessionController`, called at fixed points of a request's 
 - the pool: `make_room` (demote idle soft sessions), `tick` (idle TTL),
   `unreclaimable_tokens` (what pins and hard sessions hold), `client_gone`.
 
+Every change to a session's history is also noted for the frontend (`SessionNote`:
+length, last token, whether its rendering left an assistant turn open), ahead of the
+reply or output that reports it, so the frontend renders the next append without
+reading replies.
+
 A session request's own state lives in its group's `Turn`, which only this module reads
 and writes. Without a SessionManager every session or pin request gets a clear error.
 
@@ -40,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from radixlm.cache import TreeNode
 from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.messages import (
     EngineAbort,
@@ -48,15 +52,26 @@ from radixlm.runtime.engine.messages import (
     EngineGenerate,
     EngineOpenSession,
     EnginePin,
+    EngineTrimSession,
+    SessionNote,
 )
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
-from radixlm.runtime.engine.session_commands import answer, call, is_session_command
-from radixlm.runtime.engine.sessions import SessionManager
-from radixlm.runtime.protocol import CloseSession, Error, ErrorCode, Pinned, SessionOpened, Struct
+from radixlm.runtime.engine.session_commands import answer, is_session_command
+from radixlm.runtime.engine.sessions import Session, SessionManager
+from radixlm.runtime.protocol import (
+    CloseSession,
+    Error,
+    ErrorCode,
+    Pinned,
+    SessionOpened,
+    SessionsForked,
+    Struct,
+)
 
 log = logging.getLogger(__name__)
 
 Reply = Callable[[bytes, Struct], None]
+Note = Callable[[SessionNote], None]
 
 
 @dataclass(eq=False)
@@ -67,6 +82,7 @@ class Turn:
     session: str | None = None
     pin_name: str | None = None
     open: bool = False  # begin_turn done, end_turn/abort_turn still owed
+    assistant_open: bool | None = None  # the frontend's flag for the appended input
     ended_in: dict[int, str] = field(default_factory=dict)  # branch -> session it ended in
 
 
@@ -84,6 +100,8 @@ def sessions_of(msg: object) -> list[str]:
     """The sessions a message acts on (a close may name several)."""
     if isinstance(msg, EngineGenerate):
         return [msg.session] if msg.session is not None else []
+    if isinstance(msg, EngineTrimSession):
+        return [msg.session]
     if isinstance(msg, EngineCommand):
         if isinstance(msg.msg, CloseSession):
             return msg.msg.ids()
@@ -95,9 +113,10 @@ def sessions_of(msg: object) -> list[str]:
 class SessionController:
     """The hooks the scheduler calls (see the module doc), over one SessionManager."""
 
-    def __init__(self, manager: SessionManager | None, reply: Reply) -> None:
+    def __init__(self, manager: SessionManager | None, reply: Reply, note: Note) -> None:
         self.manager = manager
         self._reply = reply
+        self._note = note
         self._held: dict[str, list[object]] = {}  # session in its tail -> messages held
         self._ready: list[object] = []
 
@@ -111,16 +130,31 @@ class SessionController:
     def session_of(g: RequestGroup) -> str | None:
         return g.turn.session if g.turn is not None else None
 
+    def _note_session(self, s: Session) -> None:
+        last = int(s.history[-1]) if s.length else None
+        self._note(SessionNote(session=s.id, client=s.client, length=s.length,
+                               last_token=last, assistant_open=s.assistant_open))
+
+    def _note_by_id(self, session: str, client: bytes) -> None:
+        """Note the session as it is now, or as closed if it is gone."""
+        assert self.manager is not None
+        try:
+            s = self.manager.get(session, client)
+        except RequestError:  # not found: closed
+            self._note(SessionNote(session=session, client=client, closed=True))
+            return
+        self._note_session(s)
+
     # ------------------------------------------------------------------- intake
     def begin_generate(self, msg: EngineGenerate, appended: np.ndarray) -> Intake:
         """Begin the turn of a Generate naming a session (the caller undoes it with
         `abort_intake` if it then refuses the request)."""
         assert msg.session is not None
         m = self._m()
-        prompt = call(m.begin_turn, msg.session, msg.client, appended, msg.namespace)
+        prompt = m.begin_turn(msg.session, msg.client, appended, msg.namespace)
         namespace = m.get(msg.session, msg.client).namespace
-        return Intake(np.asarray(prompt, dtype=np.int64), namespace,
-                      Turn(session=msg.session, open=True))  # fmt: skip
+        turn = Turn(session=msg.session, open=True, assistant_open=msg.assistant_open)
+        return Intake(np.asarray(prompt, dtype=np.int64), namespace, turn)
 
     def abort_intake(self, intake: Intake, client: bytes, opened: bool = False) -> None:
         """The request was refused after its turn began: idle again (an opening turn's
@@ -136,26 +170,25 @@ class SessionController:
         """Open the session; with input, begin its first turn and return its prompt (the
         caller prefills it), without, answer SessionOpened now and return None."""
         m = self._m()
-        s = call(
-            m.open, msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids
-        )
+        s = m.open(msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids)
         if not msg.input_ids:
+            self._note_session(s)
             self._reply(
                 msg.client,
                 SessionOpened(rid=msg.rid, session=s.id, length=s.length, cached_tokens=s.held_len),
             )
             return None
         try:
-            prompt = call(m.begin_turn, s.id, msg.client, msg.input_ids)
+            prompt = m.begin_turn(s.id, msg.client, msg.input_ids)
         except RequestError:
             m.close(s.id, msg.client)
             raise
-        return Intake(np.asarray(prompt, dtype=np.int64), s.namespace,
-                      Turn(session=s.id, open=True))  # fmt: skip
+        turn = Turn(session=s.id, open=True, assistant_open=msg.assistant_open)
+        return Intake(np.asarray(prompt, dtype=np.int64), s.namespace, turn)
 
     def begin_pin(self, msg: EnginePin, prompt: np.ndarray) -> Turn:
         """Refuse a pin before it is prefilled: name taken, or beyond the retention cap."""
-        call(self._m().check_pin, msg.name, prompt, msg.namespace)
+        self._m().check_pin(msg.name, prompt, msg.namespace)
         return Turn(pin_name=msg.name)
 
     def unreclaimable_tokens(self) -> int:
@@ -170,12 +203,38 @@ class SessionController:
     def command(self, cmd: EngineCommand) -> Struct | None:
         """The reply to a session command (fork, truncate, close, unpin, list; refusals
         become Errors); None: not one."""
-        if not is_session_command(cmd.msg):
+        msg = cmd.msg
+        if not is_session_command(msg):
             return None
         try:
-            return answer(self._m(), cmd.msg, cmd.client)
+            reply = answer(self._m(), msg, cmd.client)
         except RequestError as e:
-            return Error(rid=cmd.msg.rid, code=e.code, message=e.message)
+            return Error(rid=msg.rid, code=e.code, message=e.message)
+        changed: list[str] = []
+        if isinstance(reply, SessionsForked):
+            changed = reply.sessions
+        elif isinstance(msg, CloseSession):
+            changed = msg.ids()
+        elif not isinstance(reply, Error):
+            changed = [getattr(msg, "session", None) or ""]  # a truncate (unpin/list: "")
+        for session in changed:
+            if session:
+                self._note_by_id(session, cmd.client)
+        return reply
+
+    def trim(self, msg: EngineTrimSession) -> None:
+        """Cut a finished turn's history back to where a stop string matched (no reply:
+        the frontend already reported that length)."""
+        m = self.manager
+        if m is None:
+            return
+        try:
+            s = m.get(msg.session, msg.client)
+            m.truncate(msg.session, msg.client, msg.length, s.assistant_open)
+        except RequestError as e:  # closed meanwhile
+            log.warning("could not trim session %s after a stop string: %s", msg.session[:8], e)
+            return
+        self._note_session(s)
 
     # -------------------------------------------------------------------- tails
     def defer(self, msg: object) -> bool:
@@ -217,9 +276,21 @@ class SessionController:
         session = self.session_of(g)
         if g.n != 1 or g.kind is not RequestKind.GENERATE or session is None:
             return False
-        assert g.turn is not None
-        g.turn.ended_in[r.index] = session
+        turn = g.turn
+        assert turn is not None and self.manager is not None
+        turn.ended_in[r.index] = session
         self._held.setdefault(session, [])
+        # Its history as the turn will leave it, noted now: the client may answer the
+        # Done before the tail row has run.
+        n = r.num_tokens
+        flag = turn.assistant_open
+        if flag is None:
+            try:
+                flag = self.manager.get(session, g.client).assistant_open
+            except RequestError:  # closed meanwhile: nothing to render
+                flag = False
+        self._note(SessionNote(session=session, client=g.client, length=n,
+                               last_token=int(r.tokens[n - 1]), assistant_open=flag))
         return True
 
     # ---------------------------------------------------------------- admission
@@ -274,13 +345,13 @@ class SessionController:
         return seed + self.manager.seed_offset(session)
 
     # ------------------------------------------------------------------ endings
-    def on_finish(self, r: Request, node: TreeNode | None) -> None:
+    def on_finish(self, r: Request) -> None:
         """A branch finished and its tokens are in the tree: settle its turn or pin."""
         g, turn, m = r.group, r.group.turn, self.manager
         if turn is None or m is None:
             return
         if turn.pin_name is not None:
-            self._finish_pin(g, turn.pin_name, node)
+            self._finish_pin(g, turn.pin_name)
             return
         session = turn.session
         assert session is not None
@@ -288,10 +359,12 @@ class SessionController:
         try:
             if g.n == 1:
                 turn.open = False
-                m.end_turn(session, history, node)
+                m.end_turn(session, history, turn.assistant_open)
                 turn.ended_in[r.index] = session
             else:
-                turn.ended_in[r.index] = m.branch(session, history, r.index)
+                turn.ended_in[r.index] = m.branch(session, history, r.index, turn.assistant_open)
+            if not r.reported:  # (a reported turn was noted as it reported)
+                self._note_by_id(turn.ended_in[r.index], g.client)
         except Exception as e:  # noqa: BLE001 - the output stands; the session keeps its history
             log.exception("session %s: could not record the turn", session[:8])
             if g.n == 1:
@@ -306,10 +379,10 @@ class SessionController:
             self._reply(g.client, SessionOpened(rid=g.rid, session=session, length=g.prompt_len,
                                                 cached_tokens=max(r.cached_tokens, 0)))
 
-    def _finish_pin(self, g: RequestGroup, name: str, node: TreeNode | None) -> None:
+    def _finish_pin(self, g: RequestGroup, name: str) -> None:
         assert self.manager is not None
         try:
-            call(self.manager.pin, name, g.prompt, node, g.namespace)
+            self.manager.pin(name, g.prompt, g.namespace)
         except RequestError as e:
             self._reply(g.client, Error(rid=g.rid, code=e.code, message=e.message))
             return
@@ -346,7 +419,8 @@ class SessionController:
         turn.open = False
         try:
             if g.prefilled:
-                m.end_turn(turn.session, g.prompt, None)
+                m.end_turn(turn.session, g.prompt, turn.assistant_open)
+                self._note_by_id(turn.session, g.client)
             else:
                 m.abort_turn(turn.session)
         except Exception:  # noqa: BLE001

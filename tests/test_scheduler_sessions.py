@@ -10,7 +10,6 @@ from radixlm.runtime.engine.messages import (
     ClientGone,
     EngineAbort,
     EngineCommand,
-    EngineGenerate,
     EngineOpenSession,
     EnginePin,
     SessionNotes,
@@ -261,10 +260,7 @@ def test_engine_notes_how_each_session_history_ends(make_harness):
                                                                                  False, False)
     # A turn the frontend rendered with an open assistant header; its Done (step
     # outputs) comes after the note in the same message batch.
-    h.sched.handle(EngineGenerate(key=50, client=C, rid="t1", input_ids=[7, 8],
-                                  sampling=SamplingParams(max_tokens=4, temperature=0,
-                                                          ignore_eos=True),
-                                  session=sid, assistant_open=True))
+    h.generate([7, 8], max_tokens=4, client=C, session=sid, assistant_open=True)
     tokens: list[int] = []
     while h.sched.has_work():
         h.sched.step()

@@ -454,8 +454,8 @@ class Frontend:
         key = next(self._keys)
         history = self._sessions.view(msg.session) if msg.session is not None else None
         stream = RequestStream(key, client.identity, msg.rid, stream=msg.stream, n=msg.n,
-                               sampling=msg.sampling, session=msg.session, inp=msg.input,
-                               tokenizer=self.model.tokenizer, history=history,
+                               sampling=msg.sampling, session=msg.session,
+                               tokenizer=self.model.tokenizer,
                                tool_calls=plan.tool_calls if plan.parse_calls else None)
         self._streams[key] = stream
         client.inflight[msg.rid] = key

@@ -62,10 +62,12 @@ from radixlm.runtime.protocol import (
     CloseSession,
     Error,
     ErrorCode,
+    Ok,
     Pinned,
     SessionOpened,
     SessionsForked,
     Struct,
+    TruncateSession,
 )
 
 log = logging.getLogger(__name__)
@@ -214,12 +216,11 @@ class SessionController:
         if isinstance(reply, SessionsForked):
             changed = reply.sessions
         elif isinstance(msg, CloseSession):
-            changed = msg.ids()
-        elif not isinstance(reply, Error):
-            changed = [getattr(msg, "session", None) or ""]  # a truncate (unpin/list: "")
+            changed = msg.ids()  # (those a partial failure left open are noted as they are)
+        elif isinstance(msg, TruncateSession) and isinstance(reply, Ok):
+            changed = [msg.session]
         for session in changed:
-            if session:
-                self._note_by_id(session, cmd.client)
+            self._note_by_id(session, cmd.client)
         return reply
 
     def trim(self, msg: EngineTrimSession) -> None:

@@ -4,8 +4,8 @@ tokens and prompt logprobs, and plain arithmetic for cache hits and computed tok
 from __future__ import annotations
 
 import numpy as np
-import test_scheduler_harness as harness
 import pytest
+import test_scheduler_harness as harness
 import torch
 from radixlm.runtime.engine.messages import EngineAbort, EngineFinishAt
 from radixlm.runtime.engine.state import IllegalTransition, ReqState, advance

@@ -6,13 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import test_scheduler_harness as harness
-from radixlm.runtime.engine.messages import (
-    ClientGone,
-    EngineAbort,
-    EngineCommand,
-    EngineFinishAt,
-    EngineTrimSession,
-)
+from radixlm.runtime.engine import messages
+from radixlm.runtime.engine.messages import ClientGone, EngineAbort, EngineCommand, EngineFinishAt
 from radixlm.runtime.protocol import CloseSession, Error, ForkSession, Ok, SessionsForked
 from test_scheduler_harness import hf_greedy, random_prompt
 from test_scheduler_sessions import C, open_session, sessions_by_id
@@ -143,12 +138,12 @@ def test_a_late_stop_string_trims_the_history_quietly_after_the_tail(make_harnes
     steps_until_final(h, key)
     history = prompt + h.output(key)
     assert h.sched.has_work()  # the tail is still to run: the trim is held
-    h.send(EngineTrimSession(client=C, session=sid, length=len(history) - 2))
+    h.send(messages.EngineTrimSession(client=C, session=sid, length=len(history) - 2))
     h.run()
     assert h.replies == []  # quiet
     assert sessions_by_id(h)[sid].length == len(history) - 2
     note = [n for n in h.notes if n.session == sid][-1]
     assert (note.length, note.last_token) == (len(history) - 2, history[-3])
     # A trim of a session that is gone is dropped (logged), never answered.
-    h.send(EngineTrimSession(client=C, session="no-such-session", length=1))
+    h.send(messages.EngineTrimSession(client=C, session="no-such-session", length=1))
     assert h.replies == []

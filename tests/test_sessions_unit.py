@@ -23,7 +23,7 @@ from radixlm.cache import KVPool, OutOfSlots, PrefixCache
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.sessions import Residency, SessionManager
-from radixlm.runtime.protocol import ErrorCode
+from radixlm.runtime.protocol import MAX_FORK, ErrorCode
 
 ALICE, BOB = b"alice", b"bob"
 _MOD = 2**31 - 1
@@ -290,6 +290,16 @@ def test_fork_costs_nothing_and_branches_grow_by_their_own_tokens(make):
         added += len(appended) + len(output)
     assert e.used() - used == added
     assert e.sm.retained_total() - retained == added
+
+
+def test_fork_n_is_bounded_by_the_limit_the_frontend_checks(make):
+    e = make(1000)
+    sid = e.open(ids(random.Random(9), 20))
+    with refused(ErrorCode.INVALID_PARAMS):
+        e.sm.fork(sid, ALICE, MAX_FORK + 1)
+    with refused(ErrorCode.INVALID_PARAMS):
+        e.sm.fork(sid, ALICE, 0)
+    assert len(set(e.sm.fork(sid, ALICE, MAX_FORK))) == MAX_FORK
 
 
 def test_truncate_rewinds_and_leaves_the_tail_as_evictable_cache(make):

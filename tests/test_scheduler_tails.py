@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import test_scheduler_harness as harness
+from radixlm.runtime import protocol
 from radixlm.runtime.engine import messages
 from radixlm.runtime.engine.messages import ClientGone, EngineAbort, EngineCommand, EngineFinishAt
 from radixlm.runtime.protocol import CloseSession, Error, ForkSession, Ok, SessionsForked
@@ -85,13 +86,12 @@ def test_abort_of_a_held_turn_and_client_gone_during_a_tail(make_harness):
     assert listed.length == length and not listed.busy
 
     # A close naming a session in its tail (and an idle one) waits for that tail.
-    other = sessions_by_id(h)  # just sid
     h.send(EngineCommand(client=C, msg=ForkSession(rid="f2", session=sid)))
     forked = h.replies.pop().sessions[0]
     key5 = h.generate(random_prompt(rng, 3), max_tokens=2, client=C, session=sid)
     steps_until_final(h, key5)
     h.send(EngineCommand(client=C, msg=CloseSession(rid="both", sessions=[forked, sid])))
-    assert h.replies == [] and set(sessions_by_id(h)) == set(other) | {forked}
+    assert h.replies == []  # held (a listing now would wait as well)
     h.run()
     assert isinstance(h.replies.pop(), Ok) and sessions_by_id(h) == {}
     sid = open_session(h, random_prompt(rng, 12)).session
@@ -147,3 +147,22 @@ def test_a_late_stop_string_trims_the_history_quietly_after_the_tail(make_harnes
     # A trim of a session that is gone is dropped (logged), never answered.
     h.send(messages.EngineTrimSession(client=C, session="no-such-session", length=1))
     assert h.replies == []
+
+
+def test_a_listing_right_after_the_done_shows_the_turn(make_harness):
+    """The client is told the turn is done one step before its tail ends: its session
+    listing waits for that step, so it never shows the old length; another client's
+    listing does not wait."""
+    h = make_harness(sessions=True)
+    sid, prompt, key = start_turn(h, np.random.default_rng(44), 10, 3, max_tokens=4)
+    steps_until_final(h, key)
+    history = prompt + h.output(key)
+    assert h.sched.has_work()  # the tail is still to run
+    h.send(EngineCommand(client=b"someone-else", msg=protocol.ListSessions(rid="other")))
+    assert h.replies.pop().sessions == []  # answered at once
+    h.send(EngineCommand(client=C, msg=protocol.ListSessions(rid="mine")))
+    assert h.replies == []  # held for the tail
+    h.run()
+    listed = h.replies.pop()
+    assert isinstance(listed, protocol.SessionList) and listed.sessions[0].length == len(history)
+    assert not listed.sessions[0].busy

@@ -31,9 +31,9 @@ an n > 1 turn, `branch(session, prompt + output_i)` and, once every branch is do
 Tails: an n == 1 session turn reports its Done as soon as it samples its last token; that
 token's KV is computed by one more decode row before the turn ends, so the next turn hits
 the whole history. A client that answers the Done at once must not see `busy` for that
-one step: messages naming the session (its next Generate, a fork, a truncate, a close,
-and an abort of a held Generate) wait and are replayed in arrival order once the tail is
-done.
+one step (nor an old length): messages naming the session (its next Generate, a fork, a
+truncate, a close, and an abort of a held Generate) and the client's session listings
+wait and are replayed in arrival order once the tail is done.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from radixlm.runtime.protocol import (
     CloseSession,
     Error,
     ErrorCode,
+    ListSessions,
     Ok,
     Pinned,
     SessionOpened,
@@ -120,6 +121,7 @@ class SessionController:
         self._reply = reply
         self._note = note
         self._held: dict[str, list[object]] = {}  # session in its tail -> messages held
+        self._held_by: dict[str, bytes] = {}  # session in its tail -> its client
         self._ready: list[object] = []
 
     # ------------------------------------------------------------------ helpers
@@ -249,6 +251,14 @@ class SessionController:
                     msgs.append(msg)
                     return True
             return False
+        if isinstance(msg, EngineCommand) and isinstance(msg.msg, ListSessions):
+            # A listing shows every turn its client was told is done: it waits for that
+            # client's tails (replayed, it is checked again).
+            for session, client in self._held_by.items():
+                if client == msg.client:
+                    self._held[session].append(msg)
+                    return True
+            return False
         for session in sessions_of(msg):  # replayed, it is checked again for the others
             held = self._held.get(session)
             if held is not None:
@@ -281,6 +291,7 @@ class SessionController:
         assert turn is not None and self.manager is not None
         turn.ended_in[r.index] = session
         self._held.setdefault(session, [])
+        self._held_by[session] = g.client
         # Its history as the turn will leave it, noted now: the client may answer the
         # Done before the tail row has run.
         n = r.num_tokens
@@ -408,6 +419,7 @@ class SessionController:
         if session is None:
             return
         msgs = self._held.pop(session, None)
+        self._held_by.pop(session, None)
         if msgs and finished:
             self._ready.extend(msgs)
 

@@ -201,16 +201,14 @@ class MessageHandler:
         if prompt_len == 0:
             raise RequestError(ErrorCode.EMPTY_PROMPT, "the prompt is empty")
         total = prompt_len + max_tokens
-        for limit, what in ((self.opt.context_length, "the context length"),
-                            (self.capacity, "the KV pool")):  # fmt: skip
+        ctx, cap = self.opt.context_length, self.capacity
+        for limit, what in ((ctx, f"the context length ({ctx})"),
+                            (cap, f"the KV pool ({cap} tokens)")):  # fmt: skip
             if total > limit:
-                unit = "" if what == "the context length" else " tokens"
                 raise RequestError(
                     ErrorCode.TOO_LONG,
-                    f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
-                    f"{what} ({limit}{unit})",
+                    f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds {what}",
                 )
-        cap = self.capacity
         retained = self.sessions.unreclaimable_tokens()
         if total > cap - max(0, retained - history_len):
             raise RequestError(

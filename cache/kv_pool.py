@@ -9,7 +9,6 @@ keeps every layer's slice contiguous and lets a host copy move all layers in one
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,31 +22,35 @@ def _index(slots: SlotIndex, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(np.asarray(slots, dtype=np.int64), device=device)
 
 
-@dataclass(eq=False, repr=False)
 class _Pool:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    capacity_tokens: int
-    page_size: int = 1
-    dtype: torch.dtype = torch.float16
-    device: torch.device = torch.device("cpu")  # (a str is accepted)
-    pin_memory: bool = False
-
-    def __post_init__(self) -> None:
-        cap, page = self.capacity_tokens, self.page_size
-        if page < 1 or cap % page:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity_tokens: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        pin_memory: bool = False,
+    ) -> None:
+        if page_size < 1 or capacity_tokens % page_size:
             raise ValueError(
-                f"capacity_tokens ({cap}) must be a multiple of page_size ({page} >= 1)"
+                f"capacity_tokens ({capacity_tokens}) must be a multiple of page_size "
+                f"({page_size} >= 1)"
             )
-        self.capacity = cap
-        self.num_pages = cap // page
-        self.device = torch.device(self.device)
-        shape = (self.num_layers, cap, self.num_kv_heads, self.head_dim)
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.capacity = capacity_tokens
+        self.page_size = page_size
+        self.num_pages = capacity_tokens // page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_layers, capacity_tokens, num_kv_heads, head_dim)
         # zeros, not empty: padded/masked reads of never-written slots stay finite.
-        kw = {"dtype": self.dtype, "device": self.device, "pin_memory": self.pin_memory}
-        self.k_buffer = torch.zeros(shape, **kw)
-        self.v_buffer = torch.zeros(shape, **kw)
+        self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+        self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
         self.k: list[torch.Tensor] = list(self.k_buffer.unbind(0))  # k[layer]: [cap, H, D]
         self.v: list[torch.Tensor] = list(self.v_buffer.unbind(0))
 
@@ -79,6 +82,20 @@ class _Pool:
 class KVPool(_Pool):
     """Device KV pool: `k[layer]`, `v[layer]` of shape `[capacity, H, D]`."""
 
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity_tokens: int,
+        page_size: int = 1,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__(
+            num_layers, num_kv_heads, head_dim, capacity_tokens, page_size, dtype, device
+        )
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V (`[n, H, D]`) at `slots` (int64 tensor on this device)."""
         self.k[layer][slots] = k
@@ -86,16 +103,38 @@ class KVPool(_Pool):
 
 
 class HostKVPool(_Pool):
-    """CPU copy of a KV pool's layout for a host-memory tier; slots are its own. Made
-    with `like`."""
+    """CPU copy of a KV pool's layout for a host-memory tier; slots are its own."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity_tokens: int,
+        page_size: int = 1,
+        dtype: torch.dtype = torch.float16,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available()
+        super().__init__(
+            num_layers,
+            num_kv_heads,
+            head_dim,
+            capacity_tokens,
+            page_size,
+            dtype,
+            "cpu",
+            pin_memory,
+        )
 
     @classmethod
     def like(cls, pool: KVPool, capacity_tokens: int | None = None) -> HostKVPool:
-        """A host pool with `pool`'s layer/head/dtype layout, pinned when CUDA is present
-        (so copies can overlap compute)."""
+        """A host pool with `pool`'s layer/head/dtype layout."""
         cap = pool.capacity if capacity_tokens is None else capacity_tokens
-        return cls(pool.num_layers, pool.num_kv_heads, pool.head_dim, cap, pool.page_size,
-                   pool.dtype, "cpu", torch.cuda.is_available())
+        return cls(
+            pool.num_layers, pool.num_kv_heads, pool.head_dim, cap, pool.page_size, pool.dtype
+        )
 
     def _check(self, pool: KVPool) -> None:
         same = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)

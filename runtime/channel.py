@@ -18,10 +18,12 @@ keeps its own asyncio/anyio socket code.)
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import socket
 import stat
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -290,3 +292,21 @@ def send(sock: zmq.Socket[Any], msg: msgspec.Struct | bytes, *, to: bytes | None
 def recv(sock: zmq.Socket[Any], decoder: msgspec.msgpack.Decoder[T], flags: int = 0) -> T:
     """Receive one frame and decode it (raises ``msgspec.DecodeError``/``ValidationError``)."""
     return decoder.decode(sock.recv(flags))
+
+
+def drain(sock: zmq.Socket[Any], decoder: msgspec.msgpack.Decoder[T], limit: int | None = None,
+          log: logging.Logger | None = None) -> Iterator[T]:
+    """The messages already waiting on `sock` (at most `limit`), decoded, never blocking.
+    One that does not decode is logged and dropped: the peer is our own process, so it
+    is a bug there, not a reason to stop serving."""
+    n = 0
+    while limit is None or n < limit:
+        try:
+            data = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        n += 1
+        try:
+            yield decoder.decode(data)
+        except msgspec.MsgspecError as e:
+            (log or logging.getLogger(__name__)).error("undecodable message dropped: %s", e)

@@ -5,13 +5,15 @@ module lets it do so without importing torch (seconds of CPU per server start).
 `radixlm.runtime.sampling` re-exports all of it for the engine side.
 
 Parameters are read by attribute from any object shaped like `radixlm.runtime.protocol.
-SamplingParams` (this module does not import the protocol).
+SamplingParams`; the limits come from the protocol, where every process reads them.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any, Protocol
+
+from radixlm.runtime.protocol import MAX_TOP_LOGPROBS
 
 __all__ = [
     "GREEDY_EPS",
@@ -22,7 +24,6 @@ __all__ = [
 ]
 
 GREEDY_EPS = 1e-5  # temperatures at or below this are greedy
-MAX_TOP_LOGPROBS = 20
 PENALTY_RANGE = (-2.0, 2.0)  # frequency / presence penalties (OpenAI's range)
 
 

@@ -10,11 +10,7 @@ import dataclasses
 
 import pytest
 from radixlm.runtime.frontend.prepare import TextModel, generate_ids, input_ids, pin_ids
-from radixlm.runtime.frontend.session_state import (
-    EMPTY_HISTORY,
-    SessionView,
-    after_append,
-)
+from radixlm.runtime.frontend.session_state import EMPTY_HISTORY, SessionView, assistant_flag
 from radixlm.runtime.frontend.validate import RequestError, check_generate
 from radixlm.runtime.protocol import ErrorCode, Generate, Input, Message, Pin, SamplingParams
 from radixlm.tokenizer import Tokenizer
@@ -43,14 +39,14 @@ def test_session_turns_stay_token_exact_with_a_full_render(model: TextModel, end
     equal the full render of [system, user, assistant(reply), user] plus the header."""
     eos = next(iter(model.tokenizer.eos_token_ids))
     first = [Message(role="system", content="You are terse."), user("Hi there")]
-    view = EMPTY_HISTORY
-    history = input_ids(model, Input(messages=first), view)
-    view = after_append(view, Input(messages=first), history)
+    history = input_ids(model, Input(messages=first), EMPTY_HISTORY)
     reply = "Hello! How are you?"
     output = model.tokenizer.encode(reply) + ([eos] if ends_with_eos else [])
     history += output
-    view = after_append(view, Input(messages=first), [], output)
-    assert view.open_assistant and view.last_token == output[-1]
+    # What the engine notes once the turn ends: the flag the frontend sent with the
+    # input, and the history's last token.
+    assert assistant_flag(Input(messages=first)) is True
+    view = SessionView(empty=False, open_assistant=True, last_token=history[-1])
 
     second = Input(messages=[user("Tell me more.")])
     history += input_ids(model, second, view)
@@ -64,7 +60,7 @@ def test_raw_text_appends_do_not_close_the_turn(model: TextModel) -> None:
     view = SessionView(empty=False, open_assistant=True, last_token=5)
     ids = input_ids(model, Input(text=" and more"), view)
     assert ids == model.tokenizer.encode(" and more")
-    assert after_append(view, Input(text=" and more"), ids).open_assistant
+    assert assistant_flag(Input(text=" and more")) is None  # the open turn stays open
 
 
 def test_messages_without_a_template_are_refused(model: TextModel) -> None:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from radixlm.runtime.engine.messages import TokenOutput
 from radixlm.runtime.frontend.streams import RequestStream
-from radixlm.runtime.protocol import Chunk, Done, Input, SamplingParams, Usage
+from radixlm.runtime.protocol import Chunk, Done, SamplingParams, Usage
 from radixlm.tokenizer import Tokenizer
 
 TEXT = "Hello world! The quick brown fox — naïve café ✓ 日本語 jumps; tools are called with JSON.\n\nEnd."
@@ -30,7 +30,7 @@ def reference_text(tok: Tokenizer, ids: list[int]) -> str:
 def make_stream(tok: Tokenizer, *, stream: bool = True, n: int = 1, **sampling: object) -> RequestStream:
     s = RequestStream(7, b"client", "r1", stream=stream, n=n,
                       sampling=SamplingParams(**sampling), session=None,  # type: ignore[arg-type]
-                      inp=Input(text="prompt"), tokenizer=tok)
+                      tokenizer=tok)
     s.prepared(tok.encode("prompt"))
     return s
 

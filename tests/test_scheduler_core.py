@@ -12,12 +12,9 @@ from radixlm.runtime.engine.state import IllegalTransition, ReqState, advance
 from radixlm.runtime.protocol import Error, ErrorCode, SamplingParams
 from test_scheduler_harness import CONTEXT, hf_greedy, hf_prompt_logprobs, random_prompt
 
-# Fixtures shared with the other scheduler test modules.
-hf = harness.hf
-make_harness = harness.make_harness
-one_thread = harness.one_thread
-scheduler_pool_integrity = harness.scheduler_pool_integrity
-tiny_dir = harness.tiny_dir
+# The harness fixtures, by name.
+hf, make_harness, tiny_dir = harness.hf, harness.make_harness, harness.tiny_dir
+one_thread, scheduler_pool_integrity = harness.one_thread, harness.scheduler_pool_integrity
 
 
 def shared_prompts(seed: int, n: int, shared: int, tail: tuple[int, int]) -> list[list[int]]:

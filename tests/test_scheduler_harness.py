@@ -20,6 +20,8 @@ from radixlm.cache import KVPool, PrefixCache
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.messages import (
     EngineGenerate,
+    SessionNote,
+    SessionNotes,
     StepOutputs,
     ToClient,
     TokenOutput,
@@ -68,6 +70,7 @@ class Harness:
         self.final: dict[tuple[int, int], TokenOutput] = {}
         self.logprobs: dict[tuple[int, int], list[float]] = defaultdict(list)
         self.replies: list = []
+        self.notes: list[SessionNote] = []  # the engine's session notes, in order
         self.steps = 0
         self._keys = itertools.count(1)
 
@@ -115,6 +118,8 @@ class Harness:
                         self.logprobs[k].extend(o.logprobs)
                     if o.finish_reason is not None:
                         self.final[k] = o
+            elif isinstance(m, SessionNotes):
+                self.notes.extend(m.notes)
             else:
                 assert isinstance(m, ToClient)
                 self.replies.append(decode_server(m.data))

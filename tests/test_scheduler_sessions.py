@@ -12,6 +12,8 @@ from radixlm.runtime.engine.messages import (
     EngineCommand,
     EngineOpenSession,
     EnginePin,
+    SessionNotes,
+    StepOutputs,
 )
 from radixlm.runtime.protocol import (
     CloseSession,
@@ -32,12 +34,10 @@ from radixlm.runtime.protocol import (
 )
 from test_scheduler_harness import hf_greedy, random_prompt
 
-# Fixtures shared with the other scheduler test modules.
-hf = harness.hf
-make_harness = harness.make_harness
-one_thread = harness.one_thread
-scheduler_pool_integrity = harness.scheduler_pool_integrity
-tiny_dir = harness.tiny_dir
+# The harness fixtures, by name.
+hf, make_harness, tiny_dir = harness.hf, harness.make_harness, harness.tiny_dir
+one_thread, scheduler_pool_integrity = harness.one_thread, harness.scheduler_pool_integrity
+
 
 C = b"client-1"
 
@@ -241,3 +241,55 @@ def test_forks_given_one_seed_sample_distinct_reproducible_branches(make_harness
     plain = h.generate([*prompt, 5, 6], sampling=sampling)
     h.run()
     assert h.output(in_session) == h.output(plain)
+
+
+def test_engine_notes_how_each_session_history_ends(make_harness):
+    """The frontend renders appends from the engine's notes: every change to a history
+    (open, turn, raw append, fork, truncate, close) is noted with its length, last token
+    and the frontend's assistant-turn flag, ahead of the output that reports it."""
+    rng = np.random.default_rng(28)
+    h = make_harness(sessions=True)
+    prompt = random_prompt(rng, 10)
+    sid = open_session(h, prompt).session
+
+    def last_note(session: str):
+        return [n for n in h.notes if n.session == session][-1]
+
+    note = last_note(sid)
+    assert (note.length, note.last_token, note.assistant_open, note.closed) == (10, prompt[-1],
+                                                                                 False, False)
+    # A turn the frontend rendered with an open assistant header; its Done (step
+    # outputs) comes after the note in the same message batch.
+    h.generate([7, 8], max_tokens=4, client=C, session=sid, assistant_open=True)
+    tokens: list[int] = []
+    while h.sched.has_work():
+        h.sched.step()
+        batch = h.sched.take_outbox()
+        finals = [i for i, m in enumerate(batch) if isinstance(m, StepOutputs)
+                  and any(o.finish_reason for o in m.outputs)]
+        for m in batch:
+            if isinstance(m, StepOutputs):
+                tokens += [t for o in m.outputs for t in o.token_ids]
+        if finals:
+            notes = [i for i, m in enumerate(batch) if isinstance(m, SessionNotes)
+                     and any(n.session == sid for n in m.notes)]
+            assert notes and notes[0] < finals[0], batch
+            h.notes += [n for m in batch if isinstance(m, SessionNotes) for n in m.notes]
+    h.collect()
+    note = last_note(sid)
+    assert (note.length, note.last_token, note.assistant_open) == (16, tokens[-1], True)
+    # Raw ids extend whatever turn is open: the flag stays.
+    key = h.generate([9], max_tokens=2, session=sid, client=C)
+    h.run()
+    note = last_note(sid)
+    assert (note.length, note.last_token, note.assistant_open) == (19, h.output(key)[-1], True)
+    # Forks start where their parent ends; a truncate closes the turn; a close is noted.
+    a, b = command(h, ForkSession(rid="f", session=sid, n=2)).sessions
+    for f in (a, b):
+        assert (last_note(f).length, last_note(f).last_token, last_note(f).assistant_open) == (
+            19, note.last_token, True)
+    assert isinstance(command(h, TruncateSession(rid="t", session=a, length=5)), Ok)
+    assert (last_note(a).length, last_note(a).last_token, last_note(a).assistant_open) == (
+        5, prompt[4], False)
+    assert isinstance(command(h, CloseSession(rid="c", sessions=[a, b])), Ok)
+    assert last_note(a).closed and last_note(b).closed and not last_note(sid).closed

@@ -6,16 +6,27 @@ from __future__ import annotations
 
 import numpy as np
 import test_scheduler_harness as harness
+from radixlm.runtime import protocol
+from radixlm.runtime.engine import messages
 from radixlm.runtime.engine.messages import ClientGone, EngineAbort, EngineCommand, EngineFinishAt
 from radixlm.runtime.protocol import CloseSession, Error, ForkSession, Ok, SessionsForked
 from test_scheduler_harness import hf_greedy, random_prompt
 from test_scheduler_sessions import C, open_session, sessions_by_id
 
-hf = harness.hf
-make_harness = harness.make_harness
-one_thread = harness.one_thread
-scheduler_pool_integrity = harness.scheduler_pool_integrity
-tiny_dir = harness.tiny_dir
+# The harness fixtures, by name.
+hf, make_harness, tiny_dir = harness.hf, harness.make_harness, harness.tiny_dir
+one_thread, scheduler_pool_integrity = harness.one_thread, harness.scheduler_pool_integrity
+
+
+def start_turn(h, rng, history_len: int, appended_len: int,
+               max_tokens: int) -> tuple[str, list[int], int]:
+    """Open a session over `history_len` random tokens and send a greedy turn appending
+    `appended_len` more: (session, its prompt, the turn's key)."""
+    first = random_prompt(rng, history_len)
+    sid = open_session(h, first).session
+    appended = random_prompt(rng, appended_len)
+    return sid, first + appended, h.generate(appended, max_tokens=max_tokens, client=C,
+                                             session=sid)
 
 
 def steps_until_final(h, key: int) -> int:
@@ -29,13 +40,10 @@ def steps_until_final(h, key: int) -> int:
 def test_done_comes_with_the_last_token_and_the_next_turn_waits_for_the_tail(make_harness, hf):
     rng = np.random.default_rng(40)
     h = make_harness(sessions=True)
-    first = random_prompt(rng, 24)
-    sid = open_session(h, first).session
-    appended = random_prompt(rng, 5)
-    key = h.generate(appended, max_tokens=3, client=C, session=sid)
+    sid, prompt, key = start_turn(h, rng, 24, 5, max_tokens=3)
     # Prefill samples token 1, two decodes sample tokens 2 and 3: Done in that step.
     assert steps_until_final(h, key) == 3
-    history = first + appended + h.output(key)
+    history = prompt + h.output(key)
     assert h.final[(key, 0)].session_length == len(history)
     assert h.sched.has_work()  # the tail row is still to run
 
@@ -78,13 +86,12 @@ def test_abort_of_a_held_turn_and_client_gone_during_a_tail(make_harness):
     assert listed.length == length and not listed.busy
 
     # A close naming a session in its tail (and an idle one) waits for that tail.
-    other = sessions_by_id(h)  # just sid
     h.send(EngineCommand(client=C, msg=ForkSession(rid="f2", session=sid)))
     forked = h.replies.pop().sessions[0]
     key5 = h.generate(random_prompt(rng, 3), max_tokens=2, client=C, session=sid)
     steps_until_final(h, key5)
     h.send(EngineCommand(client=C, msg=CloseSession(rid="both", sessions=[forked, sid])))
-    assert h.replies == [] and set(sessions_by_id(h)) == set(other) | {forked}
+    assert h.replies == []  # held (a listing now would wait as well)
     h.run()
     assert isinstance(h.replies.pop(), Ok) and sessions_by_id(h) == {}
     sid = open_session(h, random_prompt(rng, 12)).session
@@ -104,16 +111,13 @@ def test_abort_of_a_held_turn_and_client_gone_during_a_tail(make_harness):
 def test_stop_string_reports_at_once_and_a_late_finish_at_is_ignored(make_harness, hf):
     rng = np.random.default_rng(42)
     h = make_harness(sessions=True)
-    first = random_prompt(rng, 16)
-    sid = open_session(h, first).session
-    appended = random_prompt(rng, 4)
-    key = h.generate(appended, max_tokens=10, client=C, session=sid)
+    sid, prompt, key = start_turn(h, rng, 16, 4, max_tokens=10)
     h.step()
     h.step()  # two tokens sampled; the second has no KV yet
     h.send(EngineFinishAt(key=key, keep_tokens=2, matched_stop="\n"))
     final = h.final[(key, 0)]  # reported without another step
     assert final.finish_reason == "stop" and final.usage.completion_tokens == 2
-    history = first + appended + h.output(key)[:2]
+    history = prompt + h.output(key)[:2]
     assert final.session_length == len(history)
     h.send(EngineFinishAt(key=key, keep_tokens=1, matched_stop="\n"))  # late: ignored
     h.run()
@@ -123,3 +127,42 @@ def test_stop_string_reports_at_once_and_a_late_finish_at_is_ignored(make_harnes
     h.run()
     assert h.final[(key2, 0)].usage.cached_tokens == len(history)
     assert h.output(key2) == hf_greedy(hf, history + nxt, 3)
+
+
+def test_a_late_stop_string_trims_the_history_quietly_after_the_tail(make_harness):
+    """The frontend found a stop string only in the reported turn's output: it cuts the
+    history back without a reply, after the tail has run (the trim waits for it), and the
+    engine notes where the history ends now."""
+    h = make_harness(sessions=True)
+    sid, prompt, key = start_turn(h, np.random.default_rng(43), 10, 3, max_tokens=4)
+    steps_until_final(h, key)
+    history = prompt + h.output(key)
+    assert h.sched.has_work()  # the tail is still to run: the trim is held
+    h.send(messages.EngineTrimSession(client=C, session=sid, length=len(history) - 2))
+    h.run()
+    assert h.replies == []  # quiet
+    assert sessions_by_id(h)[sid].length == len(history) - 2
+    note = [n for n in h.notes if n.session == sid][-1]
+    assert (note.length, note.last_token) == (len(history) - 2, history[-3])
+    # A trim of a session that is gone is dropped (logged), never answered.
+    h.send(messages.EngineTrimSession(client=C, session="no-such-session", length=1))
+    assert h.replies == []
+
+
+def test_a_listing_right_after_the_done_shows_the_turn(make_harness):
+    """The client is told the turn is done one step before its tail ends: its session
+    listing waits for that step, so it never shows the old length; another client's
+    listing does not wait."""
+    h = make_harness(sessions=True)
+    sid, prompt, key = start_turn(h, np.random.default_rng(44), 10, 3, max_tokens=4)
+    steps_until_final(h, key)
+    history = prompt + h.output(key)
+    assert h.sched.has_work()  # the tail is still to run
+    h.send(EngineCommand(client=b"someone-else", msg=protocol.ListSessions(rid="other")))
+    assert h.replies.pop().sessions == []  # answered at once
+    h.send(EngineCommand(client=C, msg=protocol.ListSessions(rid="mine")))
+    assert h.replies == []  # held for the tail
+    h.run()
+    listed = h.replies.pop()
+    assert isinstance(listed, protocol.SessionList) and listed.sessions[0].length == len(history)
+    assert not listed.sessions[0].busy

@@ -10,9 +10,10 @@ pool invariant free + evictable + protected == capacity after every test.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -20,21 +21,20 @@ import pytest
 import torch
 from radixlm.cache import KVPool, OutOfSlots, PrefixCache
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.engine.sessions import (
-    DuplicatePin,
-    InvalidSessionRequest,
-    PinNotFound,
-    Residency,
-    RetentionCapExceeded,
-    SessionBusy,
-    SessionError,
-    SessionManager,
-    SessionNotFound,
-)
-from radixlm.runtime.protocol import ErrorCode
+from radixlm.runtime.engine.errors import RequestError
+from radixlm.runtime.engine.sessions import Residency, SessionManager
+from radixlm.runtime.protocol import MAX_FORK, ErrorCode
 
 ALICE, BOB = b"alice", b"bob"
 _MOD = 2**31 - 1
+
+
+@contextlib.contextmanager
+def refused(code: str) -> Iterator[pytest.ExceptionInfo[RequestError]]:
+    """The block raises the manager's refusal with this protocol error code."""
+    with pytest.raises(RequestError) as err:
+        yield err
+    assert err.value.code == code, err.value
 
 
 def fake_kv(tokens: np.ndarray) -> np.ndarray:
@@ -123,7 +123,7 @@ class FakeEngine:
         cache.free(slots[m.length : res.cached_len])  # duplicates
         cache.free(slots[aligned:])  # never joined the tree
         if session:
-            self.sm.end_turn(session, full, res.node)
+            self.sm.end_turn(session, full)
         cache.unlock(m.node)
         return Turn(len(prompt), reused, len(restored), recomputed, kv_len - reused)
 
@@ -164,7 +164,7 @@ class FakeEngine:
     def pin(self, name: str, ids_: np.ndarray, ns: str | None = None) -> None:
         self.sm.check_pin(name, ids_, ns)
         self.run(ids_, ns=ns)
-        self.sm.pin(name, ids_, None, ns)
+        self.sm.pin(name, ids_, ns)
 
     def history(self, sid: str, client: bytes = ALICE) -> np.ndarray:
         return self.sm.get(sid, client).history
@@ -292,6 +292,16 @@ def test_fork_costs_nothing_and_branches_grow_by_their_own_tokens(make):
     assert e.sm.retained_total() - retained == added
 
 
+def test_fork_n_is_bounded_by_the_limit_the_frontend_checks(make):
+    e = make(1000)
+    sid = e.open(ids(random.Random(9), 20))
+    with refused(ErrorCode.INVALID_PARAMS):
+        e.sm.fork(sid, ALICE, MAX_FORK + 1)
+    with refused(ErrorCode.INVALID_PARAMS):
+        e.sm.fork(sid, ALICE, 0)
+    assert len(set(e.sm.fork(sid, ALICE, MAX_FORK))) == MAX_FORK
+
+
 def test_truncate_rewinds_and_leaves_the_tail_as_evictable_cache(make):
     rng = random.Random(2)
     e = make(1000)
@@ -307,7 +317,7 @@ def test_truncate_rewinds_and_leaves_the_tail_as_evictable_cache(make):
     assert e.cache.match(old).length == kv_len  # the tail is still cached
     t = e.turn(sid, ids(rng, 7), ids(rng, 3))
     assert t.cached == 25 and t.computed == 7 + 3
-    with pytest.raises(InvalidSessionRequest):
+    with refused(ErrorCode.INVALID_PARAMS):
         e.sm.truncate(sid, ALICE, e.history(sid).size + 1)
     e.sm.truncate(sid, ALICE, 0)
     assert e.sm.retained_total() == 0
@@ -321,7 +331,7 @@ def test_fork_after_truncate_and_close_release_only_their_own_locks(make):
     e.sm.truncate(f, ALICE, 20)
     e.sm.close(sid, ALICE)
     assert e.cache.sizes().protected == 20
-    with pytest.raises(SessionNotFound):
+    with refused(ErrorCode.NOT_FOUND):
         e.sm.begin_turn(sid, ALICE, [1])
     assert e.turn(f, [5, 6]).cached == 20
 
@@ -337,7 +347,7 @@ def test_another_clients_session_is_not_found_and_one_turn_at_a_time(make):
         lambda: e.sm.close(sid, BOB),
         lambda: e.sm.begin_turn(sid, ALICE, [5], namespace="other"),
     ):
-        with pytest.raises(SessionNotFound) as err:
+        with refused(ErrorCode.NOT_FOUND) as err:
             call()
         assert err.value.code == ErrorCode.NOT_FOUND
     assert e.sm.list(BOB) == []
@@ -348,7 +358,7 @@ def test_another_clients_session_is_not_found_and_one_turn_at_a_time(make):
         lambda: e.sm.truncate(sid, ALICE, 1),
         lambda: e.sm.close(sid, ALICE),
     ):
-        with pytest.raises(SessionBusy) as err:
+        with refused(ErrorCode.BUSY) as err:
             call()
         assert err.value.code == ErrorCode.BUSY
     (row,) = e.sm.list(ALICE)
@@ -380,13 +390,13 @@ def test_bad_parameters_are_refused_with_their_codes(make):
         ({"ttl_s": 0.0}, ErrorCode.INVALID_PARAMS),
         ({"pinned": "nope"}, ErrorCode.NOT_FOUND),
     ):
-        with pytest.raises(SessionError) as err:
+        with pytest.raises(RequestError) as err:
             e.open(**kw)
         assert err.value.code == code
     sid = e.open([1, 2])
-    with pytest.raises(InvalidSessionRequest):
+    with refused(ErrorCode.INVALID_PARAMS):
         e.sm.fork(sid, ALICE, 0)
-    with pytest.raises(PinNotFound):
+    with refused(ErrorCode.NOT_FOUND):
         e.sm.unpin("nope")
 
 
@@ -396,10 +406,10 @@ def test_pins_are_shared_named_and_namespaced(make):
     e = make(1000)
     tools = ids(rng, 80)
     e.pin("tools", tools)
-    with pytest.raises(DuplicatePin) as err:
+    with refused(ErrorCode.DUPLICATE_ID) as err:
         e.pin("tools", tools)
     assert err.value.code == ErrorCode.DUPLICATE_ID
-    with pytest.raises(PinNotFound):
+    with refused(ErrorCode.NOT_FOUND):
         e.open(pinned="tools", ns="tenant")
     a = e.open(pinned="tools")
     b = e.open(ids(rng, 5), pinned="tools", retention="soft")
@@ -445,7 +455,7 @@ def test_cap_refuses_beyond_it_or_demotes_idle_soft_sessions_lru(make):
     rng = random.Random(7)
     e = make(1000, retained_cap=100)
     e.pin("sys", ids(rng, 60))
-    with pytest.raises(RetentionCapExceeded) as err:
+    with refused(ErrorCode.CAPACITY) as err:
         e.open(ids(rng, 50))
     assert err.value.code == ErrorCode.CAPACITY
     s1 = e.open(ids(rng, 20), retention="soft")
@@ -458,7 +468,7 @@ def test_cap_refuses_beyond_it_or_demotes_idle_soft_sessions_lru(make):
     assert res == {s1: "demoted", s2: "soft", h: "hard"}
     forks = e.sm.fork(h, ALICE, 3)  # shared paths count once: no demotion needed
     assert e.sm.retained_total() == 100 and len(forks) == 3
-    with pytest.raises(RetentionCapExceeded):
+    with refused(ErrorCode.CAPACITY):
         e.pin("more", ids(rng, 30))  # a pin may displace s2 only: 20 < 30 needed
     assert e.sm.get(s2, ALICE).residency is Residency.HELD  # nothing demoted in vain
     e.pin("more", ids(rng, 20))
@@ -533,7 +543,7 @@ def test_at_the_cap_the_rest_of_the_pool_always_serves_running_work(make):
                 e.turn(sid, ids(rng, rng.randrange(20, 120)), ids(rng, 4))
                 if e.sm.get(sid, ALICE).length > 120:  # the agent compacts its context
                     e.sm.truncate(sid, ALICE, 96)
-        except (OutOfSlots, SessionError) as err:
+        except (OutOfSlots, RequestError) as err:
             errors += 1
             assert str(err)
         e.check()
@@ -645,6 +655,6 @@ def test_random_operations_keep_every_invariant(make, page_size, seed):
                 c = rng.choice(clients)
                 e.sm.client_gone(c)
                 opened = [(s, o) for s, o in opened if o != c]
-        except (SessionError, OutOfSlots) as err:
-            assert isinstance(err, (RetentionCapExceeded, OutOfSlots)), err
+        except (RequestError, OutOfSlots) as err:
+            assert isinstance(err, OutOfSlots) or err.code == ErrorCode.CAPACITY, err
         e.check()

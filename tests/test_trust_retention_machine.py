@@ -17,7 +17,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from radixlm.cache import OutOfSlots
-from radixlm.runtime.engine.sessions import Residency, SessionError
+from radixlm.runtime.engine.errors import RequestError
+from radixlm.runtime.engine.sessions import Residency
 
 from tests.test_sessions_unit import ALICE, FakeEngine
 
@@ -49,7 +50,7 @@ class Retention(RuleBasedStateMachine):
         tokens = np.asarray(random.Random(seed).choices(range(3, 9), k=n), dtype=np.int64)
         try:
             s = self.e.sm.open(ALICE, None, "soft" if soft else "hard", None, None, tokens)
-        except SessionError:
+        except RequestError:
             return  # capacity: the cap refused it up front
         self.pending[s.id] = tokens
         if now:
@@ -81,7 +82,7 @@ class Retention(RuleBasedStateMachine):
     @precondition(lambda self: self.idle())
     @rule(data=st.data(), n=st.integers(1, 3))
     def fork(self, data: st.DataObject, n: int) -> None:
-        with contextlib.suppress(SessionError):
+        with contextlib.suppress(RequestError):
             self.e.sm.fork(self.pick(data, self.idle()), ALICE, n)
 
     @precondition(lambda self: self.e.sm.num_sessions)
@@ -95,7 +96,7 @@ class Retention(RuleBasedStateMachine):
     def pin(self, n: int, seed: int) -> None:
         tokens = np.asarray(random.Random(seed).choices(range(3, 9), k=n), dtype=np.int64)
         self.pins += 1
-        with contextlib.suppress(SessionError, OutOfSlots):
+        with contextlib.suppress(RequestError, OutOfSlots):
             self.e.pin(f"p{self.pins}", tokens)
 
     @rule()

@@ -237,6 +237,21 @@ def test_session_two_turns_and_fork(ready: RawClient) -> None:
     assert_pool_clean(ready)
 
 
+def test_a_fork_renders_its_next_message_as_its_parent_would(ready: RawClient) -> None:
+    """Appended chat messages are rendered from how the history ends (an assistant turn
+    left open, the model's last token): a fork's next turn must see exactly what its
+    parent's does, so the same message costs the same tokens and samples the same."""
+    sid = ready.request({"type": "open_session"})["session"]
+    session_turn(ready, sid, "Hello there.")
+    forks = ready.request({"type": "fork_session", "session": sid, "n": 2})["sessions"]
+    on_fork = session_turn(ready, forks[0], "Go on.")
+    on_parent = session_turn(ready, sid, "Go on.")
+    assert on_fork["usage"]["prompt_tokens"] == on_parent["usage"]["prompt_tokens"]
+    assert on_fork["token_ids"] == on_parent["token_ids"]
+    assert ready.request({"type": "close_session", "sessions": [sid, *forks]})["type"] == "ok"
+    assert_pool_clean(ready)
+
+
 # --- errors ------------------------------------------------------------------------------
 
 

@@ -93,7 +93,6 @@ class FlashInferAttention(AttentionBackend):
             check_pages = os.environ.get("RADIXLM_CHECK_PAGES", "") not in ("", "0")
         self.check_pages = check_pages
         self.page_size = int(pool.page_size)
-        P = self.page_size
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # FlashInfer picks FA2/FA3 itself ("auto"); RADIXLM_FLASHINFER_PREFILL_BACKEND=fa2
         # (or prefill_backend="fa2") forces one, should a kernel variant misbehave.
@@ -107,13 +106,7 @@ class FlashInferAttention(AttentionBackend):
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.group >= 4
         )
-        self.paged = [
-            (
-                pool.k[i].view(-1, P, num_kv_heads, head_dim),
-                pool.v[i].view(-1, P, num_kv_heads, head_dim),
-            )
-            for i in range(len(pool.k))
-        ]
+        self.paged = [(pool.k_pages(i), pool.v_pages(i)) for i in range(len(pool.k))]
         self.wrapper = None
 
     def plan(self, batch) -> None:

@@ -75,18 +75,19 @@ class CacheManager:
         need = upto - r.alloc_len
         if need <= 0:
             return True
-        for attempt in range(2):
-            if attempt and self.make_room(self.pages(need)) < need:
-                return False
-            try:
-                new = self.cache.alloc(need)
-            except OutOfSlots:
-                continue
-            end = r.alloc_len + len(new)
-            r.slots[r.alloc_len : end] = new
-            r.alloc_len = end
+        if self._alloc(r, need):
             return True
-        return False
+        return self.make_room(self.pages(need)) >= need and self._alloc(r, need)
+
+    def _alloc(self, r: Request, need: int) -> bool:
+        try:
+            new = self.cache.alloc(need)
+        except OutOfSlots:
+            return False
+        end = r.alloc_len + len(new)
+        r.slots[r.alloc_len : end] = new
+        r.alloc_len = end
+        return True
 
     def decode_need(self, needy: Sequence[Request]) -> int:
         """Slots `grow_decodes(needy)` allocates: whole pages up to each next token."""

@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import torch
 import zmq
 from radixlm.cache import KVPool, PrefixCache
-from radixlm.runtime.channel import open_socket
+from radixlm.runtime.channel import drain, open_socket
 from radixlm.runtime.config import Endpoints, EngineConfig
 from radixlm.runtime.engine.messages import EngineReady, Shutdown, encode, to_engine_decoder
 from radixlm.runtime.engine.options import SchedulerOptions
@@ -152,16 +151,7 @@ def _serve(
     poller.register(inbox, zmq.POLLIN)
     report = _ThroughputLog(sched)
     while not stop.set:
-        while True:  # drain everything pending, never blocking
-            try:
-                data = inbox.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            try:
-                msg = to_engine_decoder.decode(data)
-            except msgspec.MsgspecError as e:
-                log.error("engine: undecodable message from the frontend dropped: %s", e)
-                continue
+        for msg in drain(inbox, to_engine_decoder, log=log):  # all pending, never blocking
             if isinstance(msg, Shutdown):
                 log.info("engine: shutdown requested")
                 stop.set = True

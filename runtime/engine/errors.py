@@ -1,4 +1,4 @@
-"""The one exception type for requests the engine refuses."""
+"""The one exception type for requests the runtime refuses (engine and frontend)."""
 
 from __future__ import annotations
 

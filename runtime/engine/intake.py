@@ -21,6 +21,7 @@ from radixlm.runtime.engine.messages import (
     EngineGenerate,
     EngineOpenSession,
     EnginePin,
+    EngineTrimSession,
     TokenOutput,
 )
 from radixlm.runtime.engine.options import SchedulerOptions
@@ -68,9 +69,11 @@ class MessageHandler:
                 self.endings.fail_group(self.table.groups[key], error)
             elif isinstance(msg, (EngineGenerate, EngineOpenSession, EnginePin, EngineCommand)):
                 rid = msg.msg.rid if isinstance(msg, EngineCommand) else msg.rid
-                self.outbox.reply(msg.client, Error(rid=rid, code=error.code, message=error.message))
-                if isinstance(msg, EngineGenerate):
-                    self._refused_output(msg.key)
+                ends = msg.key if isinstance(msg, EngineGenerate) else None
+                self.outbox.reply(msg.client, Error(rid=rid, code=error.code,
+                                                    message=error.message), ends)
+                if ends is not None:
+                    self._refused_output(ends)
 
     def _dispatch(self, msg: object) -> None:
         if isinstance(msg, EngineGenerate):
@@ -83,6 +86,8 @@ class MessageHandler:
             self._on_open_session(msg)
         elif isinstance(msg, EnginePin):
             self._on_pin(msg)
+        elif isinstance(msg, EngineTrimSession):
+            self.sessions.trim(msg)
         elif isinstance(msg, EngineCommand):
             reply = self.sessions.command(msg)
             self.outbox.reply(msg.client, reply if reply is not None else self.engine_command(msg))
@@ -121,7 +126,8 @@ class MessageHandler:
         except RequestError as e:
             if intake is not None:
                 self.sessions.abort_intake(intake, msg.client)
-            self.outbox.reply(msg.client, Error(rid=msg.rid, code=e.code, message=e.message))
+            self.outbox.reply(msg.client, Error(rid=msg.rid, code=e.code, message=e.message),
+                              msg.key)
             self._refused_output(msg.key)
             return
         self._enqueue(RequestGroup(
@@ -195,16 +201,14 @@ class MessageHandler:
         if prompt_len == 0:
             raise RequestError(ErrorCode.EMPTY_PROMPT, "the prompt is empty")
         total = prompt_len + max_tokens
-        for limit, what in ((self.opt.context_length, "the context length"),
-                            (self.capacity, "the KV pool")):  # fmt: skip
+        ctx, cap = self.opt.context_length, self.capacity
+        for limit, what in ((ctx, f"the context length ({ctx})"),
+                            (cap, f"the KV pool ({cap} tokens)")):  # fmt: skip
             if total > limit:
-                unit = "" if what == "the context length" else " tokens"
                 raise RequestError(
                     ErrorCode.TOO_LONG,
-                    f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
-                    f"{what} ({limit}{unit})",
+                    f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds {what}",
                 )
-        cap = self.capacity
         retained = self.sessions.unreclaimable_tokens()
         if total > cap - max(0, retained - history_len):
             raise RequestError(

@@ -48,12 +48,11 @@ class Endings:
         """Finish/abort one branch: cache its KV (not after an error), settle its session
         turn or pin, unlock, free its private slots, and emit its last output."""
         g = r.group
-        node = None
         try:
             if r.locked is not None and error is None:
-                node = self.kv.cache_finished(r)
+                self.kv.cache_finished(r)
             if state is ReqState.FINISHED:
-                self.sessions.on_finish(r, node)
+                self.sessions.on_finish(r)
             else:
                 self.sessions.on_abort(r)
         finally:
@@ -148,7 +147,8 @@ class Endings:
                     log.exception("could not end reported turn %s", g.rid)
         if all(r.state in TERMINAL for r in g.branches):
             return
-        self.outbox.reply(g.client, Error(rid=g.rid, code=error.code, message=error.message))
+        ends = g.key if g.kind is RequestKind.GENERATE else None
+        self.outbox.reply(g.client, Error(rid=g.rid, code=error.code, message=error.message), ends)
         for r in g.branches:
             if r.state not in TERMINAL:
                 try:

@@ -47,9 +47,14 @@ class EngineGenerate(_Internal, tag="gen"):
     # The output's grammar: the request's own regex/json_schema/ebnf, or the tool-call
     # format tool_choice forces (the frontend builds it; the engine compiles it).
     grammar: Union[GrammarSpec, None] = None
+    # With `session`: whether the frontend's rendering of the input leaves an assistant
+    # turn open (None: the input does not change that, e.g. raw text or ids).
+    assistant_open: Union[bool, None] = None
 
 
 class EngineAbort(_Internal, tag="abort"):
+    """The client aborted (or its stream failed): end every branch of ``key``."""
+
     key: int
 
 
@@ -70,6 +75,16 @@ class EngineOpenSession(_Internal, tag="open"):
     retention: str = "hard"
     ttl_s: Union[float, None] = None
     namespace: Union[str, None] = None
+    assistant_open: bool = False  # as on EngineGenerate
+
+
+class EngineTrimSession(_Internal, tag="trim"):
+    """Cut a session back to `length` tokens, quietly (no reply): a stop string matched
+    in the frontend after the engine had already ended the turn."""
+
+    client: bytes
+    session: str
+    length: int
 
 
 class EnginePin(_Internal, tag="pin"):
@@ -104,6 +119,7 @@ ToEngine = Union[
     EngineAbort,
     EngineFinishAt,
     EngineOpenSession,
+    EngineTrimSession,
     EnginePin,
     EngineCommand,
     ClientGone,
@@ -138,11 +154,33 @@ class StepOutputs(_Internal, tag="step"):
     outputs: list[TokenOutput]
 
 
+class SessionNote(_Internal):
+    """How a session's history ends now, for the frontend's rendering of appends: its
+    length (0: empty), last token, and whether the frontend left an assistant turn open
+    in it; `closed`: the session is gone."""
+
+    session: str
+    client: bytes
+    length: int = 0
+    last_token: Union[int, None] = None
+    assistant_open: bool = False
+    closed: bool = False
+
+
+class SessionNotes(_Internal, tag="notes"):
+    """Session changes since the last message, sent before the replies and outputs that
+    report them (so the frontend knows a history before its client does)."""
+
+    notes: list[SessionNote]
+
+
 class ToClient(_Internal, tag="reply"):
-    """A complete protocol reply (already msgpack-encoded) for one client."""
+    """A complete protocol reply (already msgpack-encoded) for one client; `ends`: the
+    key of the Generate this reply ends (an Error refusing or failing it)."""
 
     client: bytes
     data: bytes
+    ends: Union[int, None] = None
 
 
 class EngineReady(_Internal, tag="ready"):
@@ -157,7 +195,7 @@ class EngineReady(_Internal, tag="ready"):
     vocab_size: int = 0
 
 
-ToFrontend = Union[StepOutputs, ToClient, EngineReady]
+ToFrontend = Union[StepOutputs, SessionNotes, ToClient, EngineReady]
 
 _encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
     from radixlm.runtime.grammar.matcher import GrammarState
 
-__all__ = ["ReqState", "Request", "RequestGroup", "RequestKind"]
+__all__ = ["Request", "RequestGroup", "RequestKind"]
 
 
 class RequestKind(enum.Enum):

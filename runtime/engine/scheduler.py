@@ -85,7 +85,7 @@ class Scheduler:
         self.table = RequestTable()
         self.counters = Counters()
         self.outbox = Outbox()
-        self.sessions = SessionController(sessions, self.outbox.reply)
+        self.sessions = SessionController(sessions, self.outbox.reply, self.outbox.note)
         self.kv = CacheManager(cache, self.sessions.make_room)
         self.endings = Endings(self.table, self.kv, self.sessions, self.outbox, self.counters)
         self.intake = MessageHandler(

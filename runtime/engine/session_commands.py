@@ -3,8 +3,7 @@ truncate, close, unpin, list."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.sessions import SessionManager
@@ -22,20 +21,6 @@ from radixlm.runtime.protocol import (
     Unpin,
 )
 
-T = TypeVar("T")
-
-
-def call(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)`, its SessionError (which carries a protocol code) a RequestError."""
-    try:
-        return fn(*args)
-    except RequestError:
-        raise
-    except Exception as e:
-        if hasattr(e, "code"):
-            raise RequestError(e.code, str(e)) from None
-        raise
-
 
 def is_session_command(msg: object) -> bool:
     return isinstance(msg, (ForkSession, TruncateSession, CloseSession, Unpin, ListSessions))
@@ -44,14 +29,14 @@ def is_session_command(msg: object) -> bool:
 def answer(m: SessionManager, msg: Any, client: bytes) -> Struct:
     """The reply to one session command of `client`; refusals raise RequestError."""
     if isinstance(msg, ForkSession):
-        return SessionsForked(rid=msg.rid, sessions=call(m.fork, msg.session, client, msg.n))
+        return SessionsForked(rid=msg.rid, sessions=m.fork(msg.session, client, msg.n))
     if isinstance(msg, TruncateSession):
-        call(m.truncate, msg.session, client, msg.length)
+        m.truncate(msg.session, client, msg.length)
         return Ok(rid=msg.rid)
     if isinstance(msg, CloseSession):
         return close_sessions(m, msg, client)
     if isinstance(msg, Unpin):
-        call(m.unpin, msg.name)
+        m.unpin(msg.name)
         return Ok(rid=msg.rid)
     assert isinstance(msg, ListSessions)
     return SessionList(rid=msg.rid, sessions=m.list(client, everyone=msg.all))
@@ -67,7 +52,7 @@ def close_sessions(m: SessionManager, msg: CloseSession, client: bytes) -> Struc
     failed: list[tuple[str, RequestError]] = []
     for session in ids:
         try:
-            call(m.close, session, client)
+            m.close(session, client)
         except RequestError as e:
             failed.append((session, e))
     if not failed:

@@ -13,6 +13,11 @@ through the hooks of `SessionController`, called at fixed points of a request's 
 - the pool: `make_room` (demote idle soft sessions), `tick` (idle TTL),
   `unreclaimable_tokens` (what pins and hard sessions hold), `client_gone`.
 
+Every change to a session's history is also noted for the frontend (`SessionNote`:
+length, last token, whether its rendering left an assistant turn open), ahead of the
+reply or output that reports it, so the frontend renders the next append without
+reading replies.
+
 A session request's own state lives in its group's `Turn`, which only this module reads
 and writes. Without a SessionManager every session or pin request gets a clear error.
 
@@ -26,9 +31,9 @@ an n > 1 turn, `branch(session, prompt + output_i)` and, once every branch is do
 Tails: an n == 1 session turn reports its Done as soon as it samples its last token; that
 token's KV is computed by one more decode row before the turn ends, so the next turn hits
 the whole history. A client that answers the Done at once must not see `busy` for that
-one step: messages naming the session (its next Generate, a fork, a truncate, a close,
-and an abort of a held Generate) wait and are replayed in arrival order once the tail is
-done.
+one step (nor an old length): messages naming the session (its next Generate, a fork, a
+truncate, a close, and an abort of a held Generate) and the client's session listings
+wait and are replayed in arrival order once the tail is done.
 """
 
 from __future__ import annotations
@@ -40,7 +45,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from radixlm.cache import TreeNode
 from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.messages import (
     EngineAbort,
@@ -48,15 +52,29 @@ from radixlm.runtime.engine.messages import (
     EngineGenerate,
     EngineOpenSession,
     EnginePin,
+    EngineTrimSession,
+    SessionNote,
 )
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
-from radixlm.runtime.engine.session_commands import answer, call, is_session_command
-from radixlm.runtime.engine.sessions import SessionManager
-from radixlm.runtime.protocol import CloseSession, Error, ErrorCode, Pinned, SessionOpened, Struct
+from radixlm.runtime.engine.session_commands import answer, is_session_command
+from radixlm.runtime.engine.sessions import Session, SessionManager
+from radixlm.runtime.protocol import (
+    CloseSession,
+    Error,
+    ErrorCode,
+    ListSessions,
+    Ok,
+    Pinned,
+    SessionOpened,
+    SessionsForked,
+    Struct,
+    TruncateSession,
+)
 
 log = logging.getLogger(__name__)
 
 Reply = Callable[[bytes, Struct], None]
+Note = Callable[[SessionNote], None]
 
 
 @dataclass(eq=False)
@@ -67,6 +85,7 @@ class Turn:
     session: str | None = None
     pin_name: str | None = None
     open: bool = False  # begin_turn done, end_turn/abort_turn still owed
+    assistant_open: bool | None = None  # the frontend's flag for the appended input
     ended_in: dict[int, str] = field(default_factory=dict)  # branch -> session it ended in
 
 
@@ -84,6 +103,8 @@ def sessions_of(msg: object) -> list[str]:
     """The sessions a message acts on (a close may name several)."""
     if isinstance(msg, EngineGenerate):
         return [msg.session] if msg.session is not None else []
+    if isinstance(msg, EngineTrimSession):
+        return [msg.session]
     if isinstance(msg, EngineCommand):
         if isinstance(msg.msg, CloseSession):
             return msg.msg.ids()
@@ -95,10 +116,12 @@ def sessions_of(msg: object) -> list[str]:
 class SessionController:
     """The hooks the scheduler calls (see the module doc), over one SessionManager."""
 
-    def __init__(self, manager: SessionManager | None, reply: Reply) -> None:
+    def __init__(self, manager: SessionManager | None, reply: Reply, note: Note) -> None:
         self.manager = manager
         self._reply = reply
+        self._note = note
         self._held: dict[str, list[object]] = {}  # session in its tail -> messages held
+        self._held_by: dict[str, bytes] = {}  # session in its tail -> its client
         self._ready: list[object] = []
 
     # ------------------------------------------------------------------ helpers
@@ -111,16 +134,31 @@ class SessionController:
     def session_of(g: RequestGroup) -> str | None:
         return g.turn.session if g.turn is not None else None
 
+    def _note_session(self, s: Session) -> None:
+        last = int(s.history[-1]) if s.length else None
+        self._note(SessionNote(session=s.id, client=s.client, length=s.length,
+                               last_token=last, assistant_open=s.assistant_open))
+
+    def _note_by_id(self, session: str, client: bytes) -> None:
+        """Note the session as it is now, or as closed if it is gone."""
+        assert self.manager is not None
+        try:
+            s = self.manager.get(session, client)
+        except RequestError:  # not found: closed
+            self._note(SessionNote(session=session, client=client, closed=True))
+            return
+        self._note_session(s)
+
     # ------------------------------------------------------------------- intake
     def begin_generate(self, msg: EngineGenerate, appended: np.ndarray) -> Intake:
         """Begin the turn of a Generate naming a session (the caller undoes it with
         `abort_intake` if it then refuses the request)."""
         assert msg.session is not None
         m = self._m()
-        prompt = call(m.begin_turn, msg.session, msg.client, appended, msg.namespace)
+        prompt = m.begin_turn(msg.session, msg.client, appended, msg.namespace)
         namespace = m.get(msg.session, msg.client).namespace
-        return Intake(np.asarray(prompt, dtype=np.int64), namespace,
-                      Turn(session=msg.session, open=True))  # fmt: skip
+        turn = Turn(session=msg.session, open=True, assistant_open=msg.assistant_open)
+        return Intake(np.asarray(prompt, dtype=np.int64), namespace, turn)
 
     def abort_intake(self, intake: Intake, client: bytes, opened: bool = False) -> None:
         """The request was refused after its turn began: idle again (an opening turn's
@@ -136,26 +174,25 @@ class SessionController:
         """Open the session; with input, begin its first turn and return its prompt (the
         caller prefills it), without, answer SessionOpened now and return None."""
         m = self._m()
-        s = call(
-            m.open, msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids
-        )
+        s = m.open(msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids)
         if not msg.input_ids:
+            self._note_session(s)
             self._reply(
                 msg.client,
                 SessionOpened(rid=msg.rid, session=s.id, length=s.length, cached_tokens=s.held_len),
             )
             return None
         try:
-            prompt = call(m.begin_turn, s.id, msg.client, msg.input_ids)
+            prompt = m.begin_turn(s.id, msg.client, msg.input_ids)
         except RequestError:
             m.close(s.id, msg.client)
             raise
-        return Intake(np.asarray(prompt, dtype=np.int64), s.namespace,
-                      Turn(session=s.id, open=True))  # fmt: skip
+        turn = Turn(session=s.id, open=True, assistant_open=msg.assistant_open)
+        return Intake(np.asarray(prompt, dtype=np.int64), s.namespace, turn)
 
     def begin_pin(self, msg: EnginePin, prompt: np.ndarray) -> Turn:
         """Refuse a pin before it is prefilled: name taken, or beyond the retention cap."""
-        call(self._m().check_pin, msg.name, prompt, msg.namespace)
+        self._m().check_pin(msg.name, prompt, msg.namespace)
         return Turn(pin_name=msg.name)
 
     def unreclaimable_tokens(self) -> int:
@@ -170,12 +207,37 @@ class SessionController:
     def command(self, cmd: EngineCommand) -> Struct | None:
         """The reply to a session command (fork, truncate, close, unpin, list; refusals
         become Errors); None: not one."""
-        if not is_session_command(cmd.msg):
+        msg = cmd.msg
+        if not is_session_command(msg):
             return None
         try:
-            return answer(self._m(), cmd.msg, cmd.client)
+            reply = answer(self._m(), msg, cmd.client)
         except RequestError as e:
-            return Error(rid=cmd.msg.rid, code=e.code, message=e.message)
+            return Error(rid=msg.rid, code=e.code, message=e.message)
+        changed: list[str] = []
+        if isinstance(reply, SessionsForked):
+            changed = reply.sessions
+        elif isinstance(msg, CloseSession):
+            changed = msg.ids()  # (those a partial failure left open are noted as they are)
+        elif isinstance(msg, TruncateSession) and isinstance(reply, Ok):
+            changed = [msg.session]
+        for session in changed:
+            self._note_by_id(session, cmd.client)
+        return reply
+
+    def trim(self, msg: EngineTrimSession) -> None:
+        """Cut a finished turn's history back to where a stop string matched (no reply:
+        the frontend already reported that length)."""
+        m = self.manager
+        if m is None:
+            return
+        try:
+            s = m.get(msg.session, msg.client)
+            m.truncate(msg.session, msg.client, msg.length, s.assistant_open)
+        except RequestError as e:  # closed meanwhile
+            log.warning("could not trim session %s after a stop string: %s", msg.session[:8], e)
+            return
+        self._note_session(s)
 
     # -------------------------------------------------------------------- tails
     def defer(self, msg: object) -> bool:
@@ -187,6 +249,14 @@ class SessionController:
             for msgs in self._held.values():
                 if any(isinstance(m, EngineGenerate) and m.key == msg.key for m in msgs):
                     msgs.append(msg)
+                    return True
+            return False
+        if isinstance(msg, EngineCommand) and isinstance(msg.msg, ListSessions):
+            # A listing shows every turn its client was told is done: it waits for that
+            # client's tails (replayed, it is checked again).
+            for session, client in self._held_by.items():
+                if client == msg.client:
+                    self._held[session].append(msg)
                     return True
             return False
         for session in sessions_of(msg):  # replayed, it is checked again for the others
@@ -217,9 +287,22 @@ class SessionController:
         session = self.session_of(g)
         if g.n != 1 or g.kind is not RequestKind.GENERATE or session is None:
             return False
-        assert g.turn is not None
-        g.turn.ended_in[r.index] = session
+        turn = g.turn
+        assert turn is not None and self.manager is not None
+        turn.ended_in[r.index] = session
         self._held.setdefault(session, [])
+        self._held_by[session] = g.client
+        # Its history as the turn will leave it, noted now: the client may answer the
+        # Done before the tail row has run.
+        n = r.num_tokens
+        flag = turn.assistant_open
+        if flag is None:
+            try:
+                flag = self.manager.get(session, g.client).assistant_open
+            except RequestError:  # closed meanwhile: nothing to render
+                flag = False
+        self._note(SessionNote(session=session, client=g.client, length=n,
+                               last_token=int(r.tokens[n - 1]), assistant_open=flag))
         return True
 
     # ---------------------------------------------------------------- admission
@@ -274,13 +357,13 @@ class SessionController:
         return seed + self.manager.seed_offset(session)
 
     # ------------------------------------------------------------------ endings
-    def on_finish(self, r: Request, node: TreeNode | None) -> None:
+    def on_finish(self, r: Request) -> None:
         """A branch finished and its tokens are in the tree: settle its turn or pin."""
         g, turn, m = r.group, r.group.turn, self.manager
         if turn is None or m is None:
             return
         if turn.pin_name is not None:
-            self._finish_pin(g, turn.pin_name, node)
+            self._finish_pin(g, turn.pin_name)
             return
         session = turn.session
         assert session is not None
@@ -288,10 +371,12 @@ class SessionController:
         try:
             if g.n == 1:
                 turn.open = False
-                m.end_turn(session, history, node)
+                m.end_turn(session, history, turn.assistant_open)
                 turn.ended_in[r.index] = session
             else:
-                turn.ended_in[r.index] = m.branch(session, history, r.index)
+                turn.ended_in[r.index] = m.branch(session, history, r.index, turn.assistant_open)
+            if not r.reported:  # (a reported turn was noted as it reported)
+                self._note_by_id(turn.ended_in[r.index], g.client)
         except Exception as e:  # noqa: BLE001 - the output stands; the session keeps its history
             log.exception("session %s: could not record the turn", session[:8])
             if g.n == 1:
@@ -306,10 +391,10 @@ class SessionController:
             self._reply(g.client, SessionOpened(rid=g.rid, session=session, length=g.prompt_len,
                                                 cached_tokens=max(r.cached_tokens, 0)))
 
-    def _finish_pin(self, g: RequestGroup, name: str, node: TreeNode | None) -> None:
+    def _finish_pin(self, g: RequestGroup, name: str) -> None:
         assert self.manager is not None
         try:
-            call(self.manager.pin, name, g.prompt, node, g.namespace)
+            self.manager.pin(name, g.prompt, g.namespace)
         except RequestError as e:
             self._reply(g.client, Error(rid=g.rid, code=e.code, message=e.message))
             return
@@ -334,6 +419,7 @@ class SessionController:
         if session is None:
             return
         msgs = self._held.pop(session, None)
+        self._held_by.pop(session, None)
         if msgs and finished:
             self._ready.extend(msgs)
 
@@ -346,7 +432,8 @@ class SessionController:
         turn.open = False
         try:
             if g.prefilled:
-                m.end_turn(turn.session, g.prompt, None)
+                m.end_turn(turn.session, g.prompt, turn.assistant_open)
+                self._note_by_id(turn.session, g.client)
             else:
                 m.abort_turn(turn.session)
         except Exception:  # noqa: BLE001

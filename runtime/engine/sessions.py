@@ -9,7 +9,7 @@ no recompute. Pins are named shared prefixes (system/tool prompts) sessions star
 Retention is bounded, or hard locks deadlock the engine. Retained tokens (pinned +
 session-held, a shared path counted once) stay under a cap: an admission beyond it first
 demotes the least recently used idle *soft* sessions and is otherwise refused
-(`RetentionCapExceeded`). A *demoted* session's lock is released and its path gets a
+(a CAPACITY refusal). A *demoted* session's lock is released and its path gets a
 higher eviction priority than plain cache (`DEMOTED_PRIORITY`; the engine's cache policy
 must be "priority" for that order to hold), so unreferenced cache goes first, then
 demoted sessions' tails, and never a pin or a held session's history. Idle TTL demotes
@@ -23,8 +23,8 @@ cache (at demoted priority), so the cap is never exceeded and running requests a
 have the rest of the pool.
 
 The scheduler calls this module at the points listed in docs/architecture.md; every
-method runs on the scheduler's thread. Errors are `SessionError`s carrying a
-`protocol.ErrorCode`.
+method runs on the scheduler's thread. Refusals are `RequestError`s carrying a
+`protocol.ErrorCode` (not_found, busy, capacity, invalid_params, duplicate_id).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from radixlm.cache import (
     TreeNode,
 )
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.host_tier import HostTier
 from radixlm.runtime.engine.retention import (
     Held,
@@ -64,37 +65,6 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 _EMPTY.flags.writeable = False
 
 
-# ------------------------------------------------------------------------ errors
-class SessionError(Exception):
-    """A session request the manager refuses; `code` is the protocol's ErrorCode."""
-
-    code: str = ErrorCode.INTERNAL
-
-
-class SessionNotFound(SessionError):
-    code = ErrorCode.NOT_FOUND
-
-
-class SessionBusy(SessionError):
-    code = ErrorCode.BUSY
-
-
-class RetentionCapExceeded(SessionError):
-    code = ErrorCode.CAPACITY
-
-
-class InvalidSessionRequest(SessionError):
-    code = ErrorCode.INVALID_PARAMS
-
-
-class PinNotFound(SessionError):
-    code = ErrorCode.NOT_FOUND
-
-
-class DuplicatePin(SessionError):
-    code = ErrorCode.DUPLICATE_ID
-
-
 # ------------------------------------------------------------------------- state
 class Residency(enum.Enum):
     """Whether a session's cached history is retained."""
@@ -106,7 +76,9 @@ class Residency(enum.Enum):
 def _frozen(ids: np.ndarray | Sequence[int]) -> np.ndarray:
     arr = np.array(ids, dtype=np.int64)  # always a private copy
     if arr.ndim != 1:
-        raise InvalidSessionRequest(f"token ids must be a flat list, got shape {arr.shape}")
+        raise RequestError(
+            ErrorCode.INVALID_PARAMS, f"token ids must be a flat list, got shape {arr.shape}"
+        )
     arr.flags.writeable = False
     return arr
 
@@ -141,6 +113,10 @@ class Session:
     # What an opening turn with input will hold once prefilled: counted against the
     # retention cap from the open on, so that opens sent back to back cannot all pass.
     reserved: Held | None = None
+    # Whether the frontend's rendering of the history leaves an assistant turn open (its
+    # header rendered, the model's reply not closed by the template's end-of-turn markup
+    # yet). Kept for the frontend, which renders appends from it; never read here.
+    assistant_open: bool = False
 
     @property
     def length(self) -> int:
@@ -235,15 +211,19 @@ class SessionManager:
         retention cap here, before anything is prefilled.
         """
         if retention not in (HARD, SOFT):
-            raise InvalidSessionRequest(f"retention must be 'hard' or 'soft', not {retention!r}")
+            raise RequestError(
+                ErrorCode.INVALID_PARAMS, f"retention must be 'hard' or 'soft', not {retention!r}"
+            )
         if ttl_s is not None and not ttl_s > 0:
-            raise InvalidSessionRequest(f"ttl_s must be > 0 seconds, got {ttl_s!r}")
+            raise RequestError(
+                ErrorCode.INVALID_PARAMS, f"ttl_s must be > 0 seconds, got {ttl_s!r}"
+            )
         base, node, held_len = _EMPTY, None, 0
         if pinned is not None:
             pin = self._pins.get(pinned)
             if pin is None or pin.namespace != namespace:
                 where = f" in namespace {namespace!r}" if pin is not None else ""
-                raise PinNotFound(f"no pinned prefix named {pinned!r}{where}")
+                raise RequestError(ErrorCode.NOT_FOUND, f"no pinned prefix named {pinned!r}{where}")
             base, node, held_len = pin.ids, pin.node, pin.held_len
         extra = _frozen(input_ids)
         reserved = None
@@ -271,11 +251,11 @@ class SessionManager:
         return s
 
     def get(self, session_id: str, client: bytes) -> Session:
-        """The session, if `client` owns it; otherwise `SessionNotFound` (ids of other
+        """The session, if `client` owns it; otherwise NOT_FOUND (ids of other
         clients are indistinguishable from unknown ones)."""
         s = self._sessions.get(session_id)
         if s is None or s.client != client:
-            raise SessionNotFound(f"no session {session_id!r}")
+            raise RequestError(ErrorCode.NOT_FOUND, f"no session {session_id!r}")
         return s
 
     # ----------------------------------------------------------------- turns
@@ -289,14 +269,18 @@ class SessionManager:
         """The turn's full prompt (history + appended); marks the session busy.
 
         Match the prompt in the *session's* namespace (`get(...).namespace`); a request
-        naming another namespace gets `SessionNotFound`. A second turn while one runs gets
-        `SessionBusy`.
+        naming another namespace gets NOT_FOUND. A second turn while one runs gets
+        BUSY.
         """
         s = self.get(session_id, client)
         if namespace is not None and namespace != s.namespace:
-            raise SessionNotFound(f"no session {session_id!r} in namespace {namespace!r}")
+            raise RequestError(
+                ErrorCode.NOT_FOUND, f"no session {session_id!r} in namespace {namespace!r}"
+            )
         if s.busy:
-            raise SessionBusy(f"session {session_id!r} already has a request in flight")
+            raise RequestError(
+                ErrorCode.BUSY, f"session {session_id!r} already has a request in flight"
+            )
         prompt = np.concatenate([s.history, _frozen(appended_ids)])
         s.busy = True
         s.turn_kv_len = s.kv_len
@@ -339,10 +323,8 @@ class SessionManager:
         return 0 if s is None else max(0, s.turn_kv_len - reused_len)
 
     def end_turn(
-        self,
-        session_id: str,
-        history_ids: np.ndarray | Sequence[int],
-        node: TreeNode | None = None,
+        self, session_id: str, history_ids: np.ndarray | Sequence[int],
+        assistant_open: bool | None = None,
     ) -> Session | None:
         """The turn finished: the history becomes `history_ids` (prompt + output, already
         inserted by the caller) and the session is idle again. The lock moves to the node
@@ -351,10 +333,10 @@ class SessionManager:
         its previous lock and the new tokens are ordinary cache. Returns None if the
         session was closed meanwhile.
 
-        `node` (the caller's insert result) is not needed: the history is matched again,
-        which is exact even when an insert was cut short.
+        The new lock is found by matching the history again, which is exact even when
+        the caller's insert was cut short. `assistant_open` (None: as it was) sets
+        `Session.assistant_open`.
         """
-        del node
         s = self._sessions.get(session_id)
         if s is None:
             return None
@@ -365,6 +347,8 @@ class SessionManager:
                 f"its current one ({s.length} tokens)"
             )
         s.history = history
+        if assistant_open is not None:
+            s.assistant_open = assistant_open
         s.busy = False
         s.reserved = None
         s.last_used = self.clock()
@@ -380,14 +364,20 @@ class SessionManager:
             s.last_used = self.clock()
 
     def branch(
-        self, session_id: str, history_ids: np.ndarray | Sequence[int], index: int = 0
+        self,
+        session_id: str,
+        history_ids: np.ndarray | Sequence[int],
+        index: int = 0,
+        assistant_open: bool | None = None,
     ) -> str:
         """A new session continuing `session_id` with `history_ids` (branch `index` of an
         n > 1 turn: prompt + that branch's output). Allowed while the parent is busy."""
         parent = self._sessions.get(session_id)
         if parent is None:
-            raise SessionNotFound(f"no session {session_id!r}")
+            raise RequestError(ErrorCode.NOT_FOUND, f"no session {session_id!r}")
         s = self._clone(parent, _frozen(history_ids), index)
+        if assistant_open is not None:
+            s.assistant_open = assistant_open
         self._advance_lock(s)
         return s.id
 
@@ -397,7 +387,9 @@ class SessionManager:
         forks are demoted too)."""
         s = self._idle(session_id, client)
         if not 1 <= n <= MAX_FORK:
-            raise InvalidSessionRequest(f"fork: n must be in [1, {MAX_FORK}], got {n}")
+            raise RequestError(
+                ErrorCode.INVALID_PARAMS, f"fork: n must be in [1, {MAX_FORK}], got {n}"
+            )
         ids = []
         for i in range(n):
             f = self._clone(s, s.history, i)
@@ -409,16 +401,21 @@ class SessionManager:
         s.last_used = self.clock()
         return ids
 
-    def truncate(self, session_id: str, client: bytes, length: int) -> Session:
+    def truncate(
+        self, session_id: str, client: bytes, length: int, assistant_open: bool = False
+    ) -> Session:
         """Rewind the history to its first `length` tokens. The cut-off tail stays in the
-        tree as ordinary evictable cache."""
+        tree as ordinary evictable cache. `assistant_open` is the frontend's flag for the
+        cut history (a cut at a point it cannot know closes whatever turn was open)."""
         s = self._idle(session_id, client)
         if not 0 <= length <= s.length:
-            raise InvalidSessionRequest(
+            raise RequestError(
+                ErrorCode.INVALID_PARAMS,
                 f"truncate: length must be in [0, {s.length}], got {length}"
             )
         old = s.wanted
         s.history = s.history[:length]
+        s.assistant_open = assistant_open
         s.kv_len = min(s.kv_len, length)
         if s.held_len > length:  # shrinking always fits under the cap
             self._lock_at(s, self.cache.match(s.history, s.namespace))
@@ -455,20 +452,16 @@ class SessionManager:
         """Refuse a pin before it is prefilled: name taken, or beyond the retention cap
         (after demoting idle soft sessions)."""
         if not name:
-            raise InvalidSessionRequest("pin: the name must not be empty")
+            raise RequestError(ErrorCode.INVALID_PARAMS, "pin: the name must not be empty")
         if name in self._pins:
-            raise DuplicatePin(f"a prefix is already pinned as {name!r}")
+            raise RequestError(ErrorCode.DUPLICATE_ID, f"a prefix is already pinned as {name!r}")
         self._admit(Held(namespace, self._cacheable(_frozen(ids))))
 
     def pin(
-        self,
-        name: str,
-        ids: np.ndarray | Sequence[int],
-        node: TreeNode | None = None,
-        namespace: str | None = None,
+        self, name: str, ids: np.ndarray | Sequence[int], namespace: str | None = None
     ) -> PinnedPrefix:
-        """Hold the prefilled (and inserted) `ids` as the pin `name`."""
-        del node  # matched again, as in end_turn
+        """Hold the prefilled (and inserted) `ids` as the pin `name` (its node is found by
+        matching them, as in end_turn)."""
         ids = _frozen(ids)
         self.check_pin(name, ids, namespace)
         m = self.cache.match(ids, namespace)
@@ -485,7 +478,7 @@ class SessionManager:
         their own locks)."""
         pin = self._pins.pop(name, None)
         if pin is None:
-            raise PinNotFound(f"no pinned prefix named {name!r}")
+            raise RequestError(ErrorCode.NOT_FOUND, f"no pinned prefix named {name!r}")
         if pin.node is not None:
             self._unlock_node(pin.node)
         log.info("unpinned %r", name)
@@ -565,7 +558,7 @@ class SessionManager:
     def _idle(self, session_id: str, client: bytes) -> Session:
         s = self.get(session_id, client)
         if s.busy:
-            raise SessionBusy(f"session {session_id!r} has a request in flight")
+            raise RequestError(ErrorCode.BUSY, f"session {session_id!r} has a request in flight")
         return s
 
     def _clone(self, parent: Session, history: np.ndarray, index: int) -> Session:
@@ -584,6 +577,7 @@ class SessionManager:
             kv_len=0,
             last_used=self.clock(),
             lineage=(*parent.lineage, index),
+            assistant_open=parent.assistant_open,
         )
         self._sessions[s.id] = s
         return s
@@ -727,12 +721,13 @@ class SessionManager:
         return True
 
     def _admit(self, candidate: Held) -> None:
-        """`_fits`, or RetentionCapExceeded."""
+        """`_fits`, or a CAPACITY refusal."""
         if self._fits(candidate):
             return
         now = self.retained_total()
         more = self._retained_with(candidate) - now
-        raise RetentionCapExceeded(
+        raise RequestError(
+            ErrorCode.CAPACITY,
             f"retention cap reached: pins and sessions retain {now} of {self.retained_cap} "
             f"tokens and this needs {more} more, beyond what demoting idle soft sessions "
             f"frees; close sessions, unpin prefixes or raise retained_cap"

@@ -14,9 +14,10 @@ Message handling, in order of arrival per client (see clients.py for the queue):
 - requests are validated (validate.py), tokenized (prepare.py), then forwarded as
   `EngineGenerate` / `EngineOpenSession` / `EnginePin` / `EngineAbort` / `EngineCommand`;
   `Tokenize` is answered here;
-- `StepOutputs` become Chunks and Dones (streams.py); `ToClient` replies are forwarded
-  as they are, after the frontend has looked at them for its own bookkeeping (session
-  views, engine-side errors ending a Generate).
+- `StepOutputs` become Chunks and Dones (streams.py); `ToClient` replies are forwarded,
+  read only for liveness bookkeeping and a tenant's names (one that ends a Generate says
+  so in `ends`); `SessionNotes` update the session views appends are rendered from
+  (session_state.py): no reply is watched for session bookkeeping.
 
 Client disconnects are seen two ways: a send to a vanished client fails
 (``ROUTER_MANDATORY`` -> EHOSTUNREACH), and the socket monitor reports a closed
@@ -49,6 +50,8 @@ from radixlm.runtime.engine.messages import (
     EngineOpenSession,
     EnginePin,
     EngineReady,
+    EngineTrimSession,
+    SessionNotes,
     StepOutputs,
     ToClient,
     ToEngine,
@@ -69,8 +72,7 @@ from radixlm.runtime.frontend.session_state import (
     EMPTY_HISTORY,
     UNKNOWN_HISTORY,
     SessionTracker,
-    SessionView,
-    after_append,
+    assistant_flag,
 )
 from radixlm.runtime.frontend.streams import Outcome, RequestStream
 from radixlm.runtime.frontend.structured import plan_structured
@@ -83,10 +85,11 @@ from radixlm.runtime.frontend.validate import (
     check_input_size,
 )
 from radixlm.runtime.protocol import (
+    MAX_CLOSE,
+    MAX_FORK,
     PROTOCOL_VERSION,
     Abort,
     CloseSession,
-    Done,
     Error,
     ErrorCode,
     FlushCache,
@@ -96,14 +99,11 @@ from radixlm.runtime.protocol import (
     Hello,
     Input,
     ListSessions,
-    Ok,
     OpenSession,
     Pin,
     Pinned,
     ServerMessage,
     SessionList,
-    SessionOpened,
-    SessionsForked,
     StatsReply,
     Tokenize,
     Tokens,
@@ -122,13 +122,8 @@ log = logging.getLogger("radixlm.frontend")
 INLINE_PREPARE_CHARS = 1024
 # Messages taken from one socket per loop turn, so no source starves the others.
 BATCH = 256
-MAX_CLOSE = 1024  # sessions one close_session may name (a fork makes at most 1,024)
 
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
-
-# Looks at an engine reply to a watched rid; True: the reply was the frontend's own and
-# is not forwarded.
-Reply = Callable[[ServerMessage], bool]
 
 
 def welcome_from(ready: EngineReady, server_version: str, max_message_bytes: int = 0) -> Welcome:
@@ -200,7 +195,6 @@ class Frontend:
         self._streams: dict[int, RequestStream] = {}
         self._clients = ClientRegistry()
         self._sessions = SessionTracker()
-        self._replies: dict[tuple[bytes, str], Reply] = {}  # engine replies the frontend watches
         self._woken: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -254,16 +248,7 @@ class Frontend:
     def _drain_engine(self) -> None:
         if self._watch.on_message(time.monotonic()) is Change.UP:
             log.warning("the engine answers again")
-        for _ in range(BATCH):
-            try:
-                data = self._from_engine.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = to_frontend_decoder.decode(data)
-            except msgspec.DecodeError as e:
-                log.error("undecodable message from the engine dropped: %s", e)
-                continue
+        for msg in channel.drain(self._from_engine, to_frontend_decoder, BATCH, log):
             self.on_engine_message(msg)
 
     # -- engine liveness -------------------------------------------------------------------
@@ -298,7 +283,6 @@ class Frontend:
                 failed += 1
             for rid in client.awaiting:
                 client.abandoned.add(rid)
-                self._replies.pop((client.identity, rid), None)
                 self._error(client, rid, ErrorCode.ENGINE_UNAVAILABLE, message)
                 failed += 1
             client.awaiting.clear()
@@ -402,9 +386,6 @@ class Frontend:
         """Send to the engine in the client's order."""
         self._enqueue(client, None, lambda _r: self._to_engine(client, msg))
 
-    def _watch_reply(self, client: ClientState, rid: str, on_reply: Reply) -> None:
-        self._replies[(client.identity, rid)] = on_reply
-
     # -- client messages -------------------------------------------------------------------
 
     def on_client_frames(self, frames: list[zmq.Frame]) -> None:
@@ -473,8 +454,8 @@ class Frontend:
         key = next(self._keys)
         history = self._sessions.view(msg.session) if msg.session is not None else None
         stream = RequestStream(key, client.identity, msg.rid, stream=msg.stream, n=msg.n,
-                               sampling=msg.sampling, session=msg.session, inp=msg.input,
-                               tokenizer=self.model.tokenizer, history=history,
+                               sampling=msg.sampling, session=msg.session,
+                               tokenizer=self.model.tokenizer,
                                tool_calls=plan.tool_calls if plan.parse_calls else None)
         self._streams[key] = stream
         client.inflight[msg.rid] = key
@@ -494,6 +475,7 @@ class Frontend:
                 namespace=(client.names.namespace(msg.namespace) if msg.session is None
                            else client.names.turn_namespace(msg.namespace)),
                 grammar=plan.grammar,
+                assistant_open=assistant_flag(msg.input) if msg.session is not None else None,
             ))
 
         model = self.model
@@ -533,20 +515,11 @@ class Frontend:
             if isinstance(ids, RequestError):
                 self._error(client, msg.rid, ids.code, ids.message)
                 return
-
-            def opened(reply: ServerMessage) -> bool:
-                if isinstance(reply, SessionOpened):
-                    view = after_append(start, msg.input, ids)
-                    if msg.input is None and reply.length == 0:
-                        view = EMPTY_HISTORY
-                    self._sessions.set(reply.session, client.identity, view)
-                return False
-
-            self._watch_reply(client, msg.rid, opened)
             self._to_engine(client, EngineOpenSession(
                 client=client.identity, rid=msg.rid, input_ids=ids,
                 pinned=client.names.pin(msg.pinned), retention=msg.retention, ttl_s=msg.ttl_s,
                 namespace=client.names.namespace(msg.namespace),
+                assistant_open=bool(assistant_flag(msg.input)),
             ))
 
         model = self.model
@@ -571,28 +544,12 @@ class Frontend:
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
 
     def _fork_session(self, client: ClientState, msg: ForkSession) -> None:
-        check_count("n", msg.n)
-
-        def forked(reply: ServerMessage) -> bool:
-            if isinstance(reply, SessionsForked):
-                view = self._sessions.view(msg.session)
-                for session in reply.sessions:
-                    self._sessions.set(session, client.identity, view)
-            return False
-
-        self._watch_reply(client, msg.rid, forked)
+        check_count("n", msg.n, MAX_FORK)
         self._command(client, msg)
 
     def _truncate_session(self, client: ClientState, msg: TruncateSession) -> None:
         if msg.length < 0:
             raise RequestError(ErrorCode.INVALID_PARAMS, f"length must be >= 0, got {msg.length}")
-
-        def truncated(reply: ServerMessage) -> bool:
-            if isinstance(reply, Ok):  # we cannot know where the cut falls: assume a closed turn
-                self._sessions.set(msg.session, client.identity, SessionView(empty=msg.length == 0))
-            return False
-
-        self._watch_reply(client, msg.rid, truncated)
         self._command(client, msg)
 
     def _close_session(self, client: ClientState, msg: CloseSession) -> None:
@@ -603,14 +560,6 @@ class Frontend:
         if len(ids) > MAX_CLOSE:
             raise RequestError(ErrorCode.INVALID_PARAMS,
                                f"close_session: at most {MAX_CLOSE} sessions, got {len(ids)}")
-
-        def closed(reply: ServerMessage) -> bool:
-            if isinstance(reply, Ok):  # (after a partial failure the views stay: harmless)
-                for session in ids:
-                    self._sessions.forget(session)
-            return False
-
-        self._watch_reply(client, msg.rid, closed)
         self._command(client, msg)
 
     def _unpin(self, client: ClientState, msg: Unpin) -> None:
@@ -628,11 +577,14 @@ class Frontend:
 
     # -- engine messages -------------------------------------------------------------------
 
-    def on_engine_message(self, msg: StepOutputs | ToClient | EngineReady) -> None:
+    def on_engine_message(self, msg: StepOutputs | SessionNotes | ToClient | EngineReady) -> None:
         if isinstance(msg, StepOutputs):
             self._on_step(msg.outputs)
         elif isinstance(msg, ToClient):
             self._on_reply(msg)
+        elif isinstance(msg, SessionNotes):
+            for note in msg.notes:
+                self._sessions.apply(note)
         else:
             log.warning("unexpected EngineReady while serving (engine restarted?)")
 
@@ -673,44 +625,18 @@ class Frontend:
         if finish_at is not None:
             self._to_engine(None, finish_at)
         if done is not None:
-            if done.session is not None and done.session_length != out.session_length:
-                self._trim_session(stream.client, done.session, done.session_length, out.key)
+            if (done.session is not None and done.session_length is not None
+                    and done.session_length != out.session_length):
+                # A stop string matched after the engine had finished the turn: cut the
+                # history back to what the Done reports, before the client can answer it.
+                self._to_engine(None, EngineTrimSession(
+                    client=stream.client, session=done.session, length=done.session_length))
+                kept = stream.output_ids(done.index) or stream.appended
+                self._sessions.trimmed(done.session, kept[-1] if kept else None)
             if not self._send(stream.client, encode(done)):
                 return
-            self._session_after_done(stream, done)
             if stream.remaining == 0:
                 self._end_request(stream)
-
-    def _session_after_done(self, stream: RequestStream, done: Done) -> None:
-        if stream.session is None:
-            return
-        before = stream.history or UNKNOWN_HISTORY
-        if done.session is not None:  # the branch's history: input + its output
-            view = after_append(before, stream.input, stream.appended, stream.output_ids(done.index))
-            self._sessions.set(done.session, stream.client, view)
-        if done.session != stream.session and stream.remaining == 0:
-            # n > 1: the original session grew by the input only.
-            self._sessions.set(stream.session, stream.client,
-                               after_append(before, stream.input, stream.appended))
-
-    def _trim_session(self, identity: bytes, session: str, length: int | None, key: int) -> None:
-        """Cut a session back to what its Done reports (a stop string matched after the
-        engine had already finished the turn). Sent before the Done, so the client's next
-        turn finds it done; the reply is the frontend's own."""
-        client = self._clients.get(identity)
-        if client is None or length is None:
-            return
-        rid = f"radixlm-internal:trim:{key}"
-
-        def trimmed(reply: ServerMessage) -> bool:
-            if isinstance(reply, Error):
-                log.warning("could not trim session %s after a stop string: %s", session,
-                            reply.message)
-            return True  # not forwarded: the client did not ask
-
-        self._watch_reply(client, rid, trimmed)
-        self._to_engine(client, EngineCommand(
-            client=identity, msg=TruncateSession(rid=rid, session=session, length=length)))
 
     def _fail_request(self, key: int, message: str) -> None:
         stream = self._streams.get(key)
@@ -732,6 +658,10 @@ class Frontend:
         client = self._clients.get(msg.client)
         if client is None:
             return  # gone (or a liveness probe's reply); the engine has been told
+        if msg.ends is not None:  # the engine refused or failed a Generate (session busy, ...)
+            stream = self._streams.get(msg.ends)
+            if stream is not None and stream.client == msg.client:
+                self._end_request(stream)
         try:
             reply = decode_server(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError):
@@ -743,13 +673,6 @@ class Frontend:
                 client.abandoned.discard(rid)  # already failed as engine_unavailable
                 return
             client.awaiting.discard(rid)
-            on_reply = self._replies.pop((msg.client, rid), None)
-            if on_reply is not None and on_reply(reply):
-                return
-            if isinstance(reply, Error) and rid in client.inflight:
-                stream = self._streams.get(client.inflight[rid])
-                if stream is not None:  # the engine refused a Generate (session busy, ...)
-                    self._end_request(stream)
         outer = self._in_tenant_terms(client, reply)
         self._send(msg.client, msg.data if outer is None else encode(outer))
 
@@ -783,8 +706,6 @@ class Frontend:
             self._streams.pop(key, None)
         client.pending.clear()  # queued work of a gone client never runs
         self._sessions.forget_client(identity)
-        for watched in [k for k in self._replies if k[0] == identity]:
-            del self._replies[watched]
         log.log(logging.INFO if client.inflight else logging.DEBUG,
                 "client %s %s: %d request(s) aborted", identity.hex(), why, len(client.inflight))
         if client.touched_engine:

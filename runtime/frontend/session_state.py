@@ -10,16 +10,20 @@ The engine holds a session's tokens; the frontend only needs to know how the his
   token the model already produced (``<|im_end|>`` ends the output, ``\\n`` remains);
 - `last_token`: the history's last token (to see whether the model emitted that end token).
 
-Views change only as replies pass through the frontend (SessionOpened, Done.session,
-SessionsForked, the Ok of a truncate), on the main thread. A session the frontend has not
-seen (a bad id: the engine will refuse it) is treated as a closed, non-empty history.
+The engine keeps each session's view with its history (it is told whether each input
+leaves an assistant turn open, `assistant_flag`) and notes every change to the frontend
+ahead of the reply that reports it (`SessionNote`); the tracker only applies those notes,
+on the main thread. When the frontend cuts a finished turn at a stop string it fixes the
+view's last token itself (`trimmed`), since the client may answer before the engine's note
+of the cut arrives. A session the frontend has not seen (a bad id: the engine will refuse
+it) is treated as a closed, non-empty history.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from radixlm.runtime.engine.messages import SessionNote
 from radixlm.runtime.protocol import Input
 
 
@@ -34,30 +38,22 @@ UNKNOWN_HISTORY = SessionView(empty=False)
 EMPTY_HISTORY = SessionView(empty=True)
 
 
-def opens_assistant(inp: Input | None, before: bool) -> bool:
-    """Whether a history ends inside an assistant turn after `inp` is appended to it.
-
-    Messages end with the assistant header iff ``add_generation_prompt``; raw text or ids
-    change nothing (they extend whatever turn is open)."""
+def assistant_flag(inp: Input | None) -> bool | None:
+    """Whether a history ends inside an assistant turn once `inp` is appended to it:
+    messages end with the assistant header iff ``add_generation_prompt``; raw text or ids
+    change nothing (None: they extend whatever turn is open)."""
     if inp is not None and inp.messages is not None:
         return inp.add_generation_prompt
-    return before
+    return None
 
 
-def after_append(before: SessionView, inp: Input | None, appended: Sequence[int],
-                 output: Sequence[int] = ()) -> SessionView:
-    """The view once `appended` (the input's tokens) and then `output` joined the history."""
-    tail = output or appended
-    last = tail[-1] if tail else before.last_token
-    return SessionView(
-        empty=before.empty and not appended and not output,
-        open_assistant=opens_assistant(inp, before.open_assistant),
-        last_token=last,
-    )
+def view_of(note: SessionNote) -> SessionView:
+    return SessionView(empty=note.length == 0, open_assistant=note.assistant_open,
+                       last_token=note.last_token)
 
 
 class SessionTracker:
-    """Session id -> (owner client, view). Main thread only."""
+    """Session id -> (owner client, view), from the engine's notes. Main thread only."""
 
     def __init__(self) -> None:
         self._views: dict[str, SessionView] = {}
@@ -66,9 +62,18 @@ class SessionTracker:
     def view(self, session: str) -> SessionView:
         return self._views.get(session, UNKNOWN_HISTORY)
 
-    def set(self, session: str, owner: bytes, view: SessionView) -> None:
-        self._views[session] = view
-        self._owners[session] = owner
+    def apply(self, note: SessionNote) -> None:
+        if note.closed:
+            self.forget(note.session)
+        else:
+            self._views[note.session] = view_of(note)
+            self._owners[note.session] = note.client
+
+    def trimmed(self, session: str, last_token: int | None) -> None:
+        """The frontend cut the session's last turn: its history now ends at `last_token`."""
+        view = self._views.get(session)
+        if view is not None:
+            self._views[session] = replace(view, last_token=last_token)
 
     def forget(self, session: str) -> None:
         self._views.pop(session, None)

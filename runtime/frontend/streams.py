@@ -24,11 +24,9 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from radixlm.runtime.engine.messages import EngineFinishAt, TokenOutput
-from radixlm.runtime.frontend.session_state import SessionView
 from radixlm.runtime.protocol import (
     Chunk,
     Done,
-    Input,
     SamplingParams,
     ToolCall,
     TopLogprob,
@@ -76,20 +74,17 @@ class _Branch:
 class RequestStream:
     """One in-flight Generate, from the frontend's side."""
 
-    __slots__ = ("key", "client", "rid", "stream", "session", "history", "input", "appended",
+    __slots__ = ("key", "client", "rid", "stream", "session", "appended",
                  "_tokenizer", "_sampling", "_branches", "remaining", "_tool_calls")
 
     def __init__(self, key: int, client: bytes, rid: str, *, stream: bool, n: int,
-                 sampling: SamplingParams, session: str | None, inp: Input,
-                 tokenizer: Tokenizer, history: SessionView | None = None,
+                 sampling: SamplingParams, session: str | None, tokenizer: Tokenizer,
                  tool_calls: Callable[[str], list[ToolCall] | None] | None = None) -> None:
         self.key = key
         self.client = client
         self.rid = rid
         self.stream = stream
         self.session = session
-        self.history = history  # the session as it ended before this turn
-        self.input = inp
         self.appended: list[int] = []  # the prompt (or session append), once prepared
         self._tokenizer = tokenizer
         self._sampling = sampling

@@ -1,25 +1,16 @@
 """Checks on client requests that need no tokenizer: they run on the frontend's main
 thread as a message arrives, before anything is queued for the engine.
 
-Each check raises `RequestError` with a stable `ErrorCode`; the frontend turns it into an
-`Error` reply for the request's rid.
+Each check raises `RequestError` (the runtime's one refusal type, shared with the engine)
+with a stable `ErrorCode`; the frontend turns it into an `Error` reply for the request's
+rid.
 """
 
 from __future__ import annotations
 
-from radixlm.runtime.protocol import ErrorCode, Generate, Input, SamplingParams
+from radixlm.runtime.engine.errors import RequestError
+from radixlm.runtime.protocol import MAX_N, ErrorCode, Generate, Input, SamplingParams
 from radixlm.runtime.sampling_params import validate_sampling
-
-MAX_N = 64  # branches per request (Generate.n) and sessions per fork
-
-
-class RequestError(Exception):
-    """A request the frontend refuses (or could not prepare): `code` is an `ErrorCode`."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def check_input(inp: Input, vocab_size: int) -> None:
@@ -75,9 +66,9 @@ def check_messages(inp: Input) -> None:
             )
 
 
-def check_count(name: str, n: int) -> None:
-    if not 1 <= n <= MAX_N:
-        raise RequestError(ErrorCode.INVALID_PARAMS, f"{name} must be in [1, {MAX_N}], got {n}")
+def check_count(name: str, n: int, limit: int = MAX_N) -> None:
+    if not 1 <= n <= limit:
+        raise RequestError(ErrorCode.INVALID_PARAMS, f"{name} must be in [1, {limit}], got {n}")
 
 
 def check_generate(msg: Generate, vocab_size: int) -> None:

@@ -56,6 +56,14 @@ class KVPool:
         """K+V bytes of the whole pool."""
         return self.k_buffer.nbytes + self.v_buffer.nbytes
 
+    def k_pages(self, layer: int) -> torch.Tensor:
+        """Layer K as `[num_pages, P, H, D]` (FlashInfer's NHD paged layout); a view."""
+        return self.k[layer].view(-1, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def v_pages(self, layer: int) -> torch.Tensor:
+        """Layer V as `[num_pages, P, H, D]`; a view."""
+        return self.v[layer].view(-1, self.page_size, self.num_kv_heads, self.head_dim)
+
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(layers={self.num_layers}, kv_heads={self.num_kv_heads}, "

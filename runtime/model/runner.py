@@ -30,13 +30,16 @@ class ModelRunner:
         dtype: torch.dtype | str | None = None,
         pool: KVPoolLike | None = None,
         attention: str = "auto",
+        quantize: str | None = None,
         **backend_kwargs,
     ):
+        """`dtype` or `quantize` may name a quantized weight format ('int8', 'int4',
+        'gguf'; see `load_model`); the runner then computes in float32 on CPU."""
         device = resolve_device(device)
-        dtype = resolve_dtype(dtype, device)
         if pool is None:
             raise ValueError("ModelRunner needs a KV pool (radixlm.cache.KVPool)")
-        self._setup(load_model(model_dir, device, dtype), pool, attention, **backend_kwargs)
+        model = load_model(model_dir, device, dtype, quantize)
+        self._setup(model, pool, attention, **backend_kwargs)
         self.model_dir = Path(model_dir)
 
     @classmethod

@@ -3,7 +3,8 @@
 1. Exactness of the quantized path: transformers run on the *dequantized* blocks (read
    back by gguf-py, so the block format is GGML's) must give our quantized runner's logits
    within the float32 tolerance of the dense tests (atol 1e-4): prefill (dequantize + GEMM
-   rows) and token-by-token decode (the streaming kernel) alike.
+   rows), token-by-token decode (the fused one-call step, or the streaming kernel per op
+   for models with q/k norms) and decode batched with another request (per op) alike.
 2. Accuracy cost against the float32 checkpoint (transformers, original weights), with the
    documented bounds below. Random tiny models are a harsh case (near-flat logits, 64-wide
    blocks of Gaussian weights), so the int4 bounds are loose; SmolLM2's are in
@@ -57,16 +58,23 @@ def _ids() -> list[int]:
 def _ours(model_dir, fmt: str) -> tuple[torch.Tensor, torch.Tensor, ModelRunner]:
     """(prefill logits of every position, decode logits token by token, runner)."""
     c = ModelConfig.from_dir(model_dir)
-    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 2 * PROMPT, 1, torch.float32, "cpu")
+    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 4 * PROMPT, 1, torch.float32, "cpu")
     runner = ModelRunner(model_dir, "cpu", "float32", pool, attention="torch", quantize=fmt)
     ids = _ids()
     pre = runner.forward(ForwardBatch.build([BatchRequest(ids, 0, list(range(PROMPT)), True)]))
-    # decode into other slots, so it reads only what it wrote itself
+    # decode into other slots, so it reads only what it wrote itself: one request at a time
+    # (the fused one-call step where the model allows it) ...
     slots = list(range(PROMPT, 2 * PROMPT))
     dec = torch.cat(
         [runner.forward(ForwardBatch.build([([t], i, slots[: i + 1])])) for i, t in enumerate(ids)]
     )
-    return pre, dec, runner
+    # ... and batched with a second request (the per-op path), whose first row is compared
+    other = list(range(2 * PROMPT, 3 * PROMPT))
+    dec2 = torch.cat([
+        runner.forward(ForwardBatch.build([([t], i, other[: i + 1]), ([t], 0, [3 * PROMPT + i])]))[:1]
+        for i, t in enumerate(ids)
+    ])  # fmt: skip
+    return pre, torch.stack([dec, dec2]), runner
 
 
 def _hf_logits(model) -> torch.Tensor:
@@ -91,7 +99,9 @@ def test_quantized_matches_transformers_on_dequantized_weights(variant, runs, fm
     hf.tie_weights()
     ref = _hf_logits(hf)
     torch.testing.assert_close(pre, ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(dec, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(dec[0], ref, atol=ATOL, rtol=0)  # batch 1
+    torch.testing.assert_close(dec[1], ref, atol=ATOL, rtol=0)  # batch 2, per-op path
+    assert (runner.fused is not None) == (ModelConfig.from_dir(variant).qk_norm is False)
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])

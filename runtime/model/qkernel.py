@@ -81,6 +81,13 @@ class Kernel:
         self.q_dequant_rows = lib.q_dequant_rows
         self.q_dequant_rows.argtypes = [vp, c_int, i64, vp, i64, vp]
         self.q_dequant_rows.restype = None
+        self.decode_work_floats = lib.decode_work_floats
+        self.decode_work_floats.argtypes = [i64] * 6
+        self.decode_work_floats.restype = i64
+        self.decode_layers = lib.decode_layers
+        self.decode_layers.argtypes = [vp, i64, i64, vp, vp, i64, i64, i64, i64, ctypes.c_float,
+                                       vp, vp, vp, i64, vp]  # fmt: skip
+        self.decode_layers.restype = c_int
 
 
 @cache

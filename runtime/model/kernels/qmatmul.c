@@ -243,3 +243,154 @@ void q_dequant_rows(const uint8_t *w, int qtype, int64_t K, const int64_t *rows,
         for (int64_t b = 0; b < nb; b++) dequant_block(row + b * bb, qtype, out + r * K + b * QK);
     }
 }
+
+/* ------------------------------------------------------------------------------------------
+ * One decode step of one request through all layers (batch 1), in one call.
+ *
+ * A batch-1 step is a few hundred small operations; issued one by one from Python each
+ * costs more than its arithmetic. Here the whole layer stack runs inside one OpenMP
+ * parallel region: the matrix products split their rows across the threads, the small
+ * serial parts (norms, RoPE) run on one thread, attention splits by query head.
+ *
+ * Per layer, `table` holds 14 int64 values (pointers as integers, 0 = absent):
+ *   in_norm, w_qkv, qkv_type, b_qkv, w_o, o_type, b_o, post_norm, w_gu, gu_type, b_gu,
+ *   w_down, down_type, b_down
+ * and `kv_ptrs` 2 per layer: that layer's K and V pool ([capacity, nkv, hd] float32).
+ * x: the residual stream [hidden], updated in place. cos / sin: RoPE factors of this
+ * position ([hd], sin signed for rotate-half), so rope(v)[j] = v[j] cos[j] + v[j ^ half] sin[j]
+ * with j ^ half meaning (j + half) mod hd. slots: the request's L pool rows, the new
+ * token's last. work: scratch of at least decode_work_floats(...) floats.
+ * ---------------------------------------------------------------------------------------- */
+#define LAYER_FIELDS 14
+
+int64_t decode_work_floats(int64_t hidden, int64_t nh, int64_t nkv, int64_t hd, int64_t inter,
+                           int64_t L) {
+    /* the layout decode_layers carves out of it, in order */
+    int64_t wide = hidden > inter ? hidden : inter, qkv = (nh + 2 * nkv) * hd;
+    return wide + qkv + nh * hd + 2 * inter + nh * L + wide / QK + 64;
+}
+
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    float r = 1.0f / sqrtf((float)(ss / n) + eps);
+    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+static void block_sums(const float *x, int64_t K, float *sx) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        float s = 0.0f;
+        for (int j = 0; j < QK; j++) s += x[b * QK + j];
+        sx[b] = s;
+    }
+}
+
+/* Rows [n0, n1) of y = W x (+ bias), W [N, K] in blocks; y accumulated when asked. */
+static void gemv_rows(const float *x, const float *sx, int64_t K, const uint8_t *w, int qtype,
+                      int64_t n0, int64_t n1, float *y, const float *bias, int accumulate) {
+#if defined(__AVX512F__)
+    row_dot1(x, sx, K, w, qtype, n0, n1, y, bias, accumulate);
+#else
+    (void)sx;
+    rows_product(x, 1, K, K, w, qtype, n0, n1, y, K, bias, accumulate);
+#endif
+}
+
+/* Inside a parallel region: all threads share the rows of one product (16-row chunks). */
+static void par_gemv(const float *x, const float *sx, int64_t K, const uint8_t *w, int qtype,
+                     int64_t N, float *y, const float *bias, int accumulate) {
+    const int64_t chunks = (N + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        int64_t n0 = c * 16, n1 = n0 + 16 < N ? n0 + 16 : N;
+        gemv_rows(x, sx, K, w, qtype, n0, n1, y, bias, accumulate);
+    }
+}
+
+static void rope(float *v, const float *cos, const float *sin, int64_t hd) {
+    float tmp[512];
+    int64_t half = hd / 2;
+    for (int64_t j = 0; j < hd; j++) tmp[j] = v[j];
+    for (int64_t j = 0; j < hd; j++) v[j] = tmp[j] * cos[j] + tmp[(j + half) % hd] * sin[j];
+}
+
+int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *table,
+                  const int64_t *kv_ptrs, int64_t nh, int64_t nkv, int64_t hd, int64_t inter,
+                  float eps, const float *cos, const float *sin, const int64_t *slots, int64_t L,
+                  float *work) {
+    if (hd > 512 || nh % nkv) return -1;
+    const int64_t nqkv = (nh + 2 * nkv) * hd, group = nh / nkv;
+    const float scale = 1.0f / sqrtf((float)hd);
+    float *h = work;                      /* [max(hidden, inter)] normed input / activation */
+    float *qkv = h + (hidden > inter ? hidden : inter);
+    float *att = qkv + nqkv;              /* [nh * hd] attention output */
+    float *gu = att + nh * hd;            /* [2 * inter] */
+    float *scores = gu + 2 * inter;       /* [nh * L] */
+    float *sx = scores + nh * L;          /* block sums of the current product's input */
+    const int64_t new_slot = slots[L - 1];
+
+#pragma omp parallel
+    for (int64_t l = 0; l < n_layers; l++) {
+        const int64_t *t = table + l * LAYER_FIELDS;
+        float *kp = (float *)kv_ptrs[2 * l], *vp = (float *)kv_ptrs[2 * l + 1];
+#pragma omp single
+        {
+            rms_norm(x, (const float *)t[0], hidden, eps, h);
+            block_sums(h, hidden, sx);
+        }
+        par_gemv(h, sx, hidden, (const uint8_t *)t[1], (int)t[2], nqkv, qkv,
+                 (const float *)t[3], 0);
+#pragma omp single
+        {
+            for (int64_t i = 0; i < nh + nkv; i++) rope(qkv + i * hd, cos, sin, hd);
+            memcpy(kp + new_slot * nkv * hd, qkv + nh * hd, nkv * hd * sizeof(float));
+            memcpy(vp + new_slot * nkv * hd, qkv + (nh + nkv) * hd, nkv * hd * sizeof(float));
+        }
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < nh; i++) {
+            const float *q = qkv + i * hd;
+            const int64_t g = i / group;
+            float *s = scores + i * L, mx = -INFINITY, den = 0.0f;
+            for (int64_t p = 0; p < L; p++) {
+                const float *k = kp + (slots[p] * nkv + g) * hd;
+                float d = 0.0f;
+                for (int64_t j = 0; j < hd; j++) d += q[j] * k[j];
+                s[p] = d * scale;
+                mx = s[p] > mx ? s[p] : mx;
+            }
+            for (int64_t p = 0; p < L; p++) {
+                s[p] = expf(s[p] - mx);
+                den += s[p];
+            }
+            float *o = att + i * hd;
+            for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
+            for (int64_t p = 0; p < L; p++) {
+                const float *v = vp + (slots[p] * nkv + g) * hd;
+                const float a = s[p] / den;
+                for (int64_t j = 0; j < hd; j++) o[j] += a * v[j];
+            }
+        }
+#pragma omp single
+        block_sums(att, nh * hd, sx);
+        par_gemv(att, sx, nh * hd, (const uint8_t *)t[4], (int)t[5], hidden, x,
+                 (const float *)t[6], 1);
+#pragma omp single
+        {
+            rms_norm(x, (const float *)t[7], hidden, eps, h);
+            block_sums(h, hidden, sx);
+        }
+        par_gemv(h, sx, hidden, (const uint8_t *)t[8], (int)t[9], 2 * inter, gu,
+                 (const float *)t[10], 0);
+#pragma omp single
+        {
+            for (int64_t i = 0; i < inter; i++) {
+                float g = gu[i];
+                h[i] = g / (1.0f + expf(-g)) * gu[inter + i];
+            }
+            block_sums(h, inter, sx);
+        }
+        par_gemv(h, sx, inter, (const uint8_t *)t[11], (int)t[12], hidden, x,
+                 (const float *)t[13], 1);
+    }
+    return 0;
+}

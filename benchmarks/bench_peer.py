@@ -53,11 +53,12 @@ SDIST_VERSION = "0.3.36"
 AGENTS, TURNS, REPLY = 8, 6, 32
 BRANCHES, BRANCH_PREFIX, BRANCH_TOKENS = 8, 330, 64
 DECODE_TOKENS, PREFILL_TOKENS = 128, 1024
-WORDS = (
+WORD_TEXT = (
     "cache prefix token session branch agent tool result reply model layer weight engine "
     "request batch decode prefill radix tree node slot page memory thread kernel block "
     "quantized matrix vector context history fork join schedule evict lock insert match"
-).split()
+)
+WORDS = WORD_TEXT.split()
 
 
 # ----------------------------------------------------------------------------- llama-server

@@ -249,25 +249,40 @@ void q_dequant_rows(const uint8_t *w, int qtype, int64_t K, const int64_t *rows,
  *
  * A batch-1 step is a few hundred small operations; issued one by one from Python each
  * costs more than its arithmetic. Here the whole layer stack runs inside one OpenMP
- * parallel region: the matrix products split their rows across the threads, the small
- * serial parts (norms, RoPE) run on one thread, attention splits by query head.
+ * parallel region. The matrix products split their rows across the threads; the small
+ * vector work between them (norms, RoPE, SiLU, block sums) is repeated by every thread
+ * on its own copy, which costs less than making the others wait for one thread: a layer
+ * has 5 barriers (after each product whose whole output the next step reads, and after
+ * attention). That matters most on a busy machine, where a barrier waits for a thread
+ * that lost its core: there OMP_WAIT_POLICY=passive (sleep, not spin, at barriers) made
+ * 2-thread steps ~4x faster than OpenMP's default spinning.
  *
  * Per layer, `table` holds 14 int64 values (pointers as integers, 0 = absent):
  *   in_norm, w_qkv, qkv_type, b_qkv, w_o, o_type, b_o, post_norm, w_gu, gu_type, b_gu,
  *   w_down, down_type, b_down
  * and `kv_ptrs` 2 per layer: that layer's K and V pool ([capacity, nkv, hd] float32).
  * x: the residual stream [hidden], updated in place. cos / sin: RoPE factors of this
- * position ([hd], sin signed for rotate-half), so rope(v)[j] = v[j] cos[j] + v[j ^ half] sin[j]
- * with j ^ half meaning (j + half) mod hd. slots: the request's L pool rows, the new
- * token's last. work: scratch of at least decode_work_floats(...) floats.
+ * position ([hd], sin signed for rotate-half), so rope(v)[j] = v[j] cos[j] +
+ * v[(j + hd/2) mod hd] sin[j]. slots: the request's L pool rows, the new token's last.
+ * work: scratch of at least decode_work_floats(...) floats.
  * ---------------------------------------------------------------------------------------- */
 #define LAYER_FIELDS 14
 
+/* Floats of one thread's private area, and of the shared one (see decode_layers). */
+static int64_t private_floats(int64_t hidden, int64_t nh, int64_t nkv, int64_t hd,
+                              int64_t inter) {
+    int64_t wide = hidden > inter ? hidden : inter;
+    return wide + (nh + nkv) * hd + wide / QK + 16; /* h, roped q/k, block sums */
+}
+
+static int64_t shared_floats(int64_t nh, int64_t nkv, int64_t hd, int64_t inter, int64_t L) {
+    return (nh + 2 * nkv) * hd + nh * hd + 2 * inter + nh * L + 16; /* qkv, att, gu, scores */
+}
+
 int64_t decode_work_floats(int64_t hidden, int64_t nh, int64_t nkv, int64_t hd, int64_t inter,
                            int64_t L) {
-    /* the layout decode_layers carves out of it, in order */
-    int64_t wide = hidden > inter ? hidden : inter, qkv = (nh + 2 * nkv) * hd;
-    return wide + qkv + nh * hd + 2 * inter + nh * L + wide / QK + 64;
+    return shared_floats(nh, nkv, hd, inter, L) +
+           (int64_t)omp_get_max_threads() * private_floats(hidden, nh, nkv, hd, inter);
 }
 
 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
@@ -296,7 +311,8 @@ static void gemv_rows(const float *x, const float *sx, int64_t K, const uint8_t 
 #endif
 }
 
-/* Inside a parallel region: all threads share the rows of one product (16-row chunks). */
+/* Inside a parallel region: the threads share the rows of one product (16-row chunks),
+ * then wait for each other (the omp for's barrier). */
 static void par_gemv(const float *x, const float *sx, int64_t K, const uint8_t *w, int qtype,
                      int64_t N, float *y, const float *bias, int accumulate) {
     const int64_t chunks = (N + 15) / 16;
@@ -307,90 +323,86 @@ static void par_gemv(const float *x, const float *sx, int64_t K, const uint8_t *
     }
 }
 
-static void rope(float *v, const float *cos, const float *sin, int64_t hd) {
-    float tmp[512];
+static void rope(const float *v, const float *cos, const float *sin, int64_t hd, float *out) {
     int64_t half = hd / 2;
-    for (int64_t j = 0; j < hd; j++) tmp[j] = v[j];
-    for (int64_t j = 0; j < hd; j++) v[j] = tmp[j] * cos[j] + tmp[(j + half) % hd] * sin[j];
+    for (int64_t j = 0; j < hd; j++) out[j] = v[j] * cos[j] + v[(j + half) % hd] * sin[j];
 }
 
 int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *table,
                   const int64_t *kv_ptrs, int64_t nh, int64_t nkv, int64_t hd, int64_t inter,
                   float eps, const float *cos, const float *sin, const int64_t *slots, int64_t L,
                   float *work) {
-    if (hd > 512 || nh % nkv) return -1;
+    if (nh % nkv || hidden % QK || inter % QK || (nh * hd) % QK) return -1;
     const int64_t nqkv = (nh + 2 * nkv) * hd, group = nh / nkv;
     const float scale = 1.0f / sqrtf((float)hd);
-    float *h = work;                      /* [max(hidden, inter)] normed input / activation */
-    float *qkv = h + (hidden > inter ? hidden : inter);
-    float *att = qkv + nqkv;              /* [nh * hd] attention output */
-    float *gu = att + nh * hd;            /* [2 * inter] */
-    float *scores = gu + 2 * inter;       /* [nh * L] */
-    float *sx = scores + nh * L;          /* block sums of the current product's input */
-    const int64_t new_slot = slots[L - 1];
+    float *qkv = work;              /* shared: [nqkv] QKV product (unroped) */
+    float *att = qkv + nqkv;        /* [nh * hd] attention output */
+    float *gu = att + nh * hd;      /* [2 * inter] */
+    float *scores = gu + 2 * inter; /* [nh * L] */
+    float *priv0 = work + shared_floats(nh, nkv, hd, inter, L);
+    const int64_t priv_n = private_floats(hidden, nh, nkv, hd, inter);
+    const int64_t wide = hidden > inter ? hidden : inter, new_slot = slots[L - 1];
 
 #pragma omp parallel
-    for (int64_t l = 0; l < n_layers; l++) {
-        const int64_t *t = table + l * LAYER_FIELDS;
-        float *kp = (float *)kv_ptrs[2 * l], *vp = (float *)kv_ptrs[2 * l + 1];
-#pragma omp single
-        {
+    {
+        float *h = priv0 + (int64_t)omp_get_thread_num() * priv_n; /* [wide] */
+        float *qk = h + wide;                                      /* [(nh + nkv) * hd] roped */
+        float *sx = qk + (nh + nkv) * hd;                          /* [wide / 32] */
+        for (int64_t l = 0; l < n_layers; l++) {
+            const int64_t *t = table + l * LAYER_FIELDS;
+            float *kp = (float *)kv_ptrs[2 * l], *vp = (float *)kv_ptrs[2 * l + 1];
             rms_norm(x, (const float *)t[0], hidden, eps, h);
             block_sums(h, hidden, sx);
-        }
-        par_gemv(h, sx, hidden, (const uint8_t *)t[1], (int)t[2], nqkv, qkv,
-                 (const float *)t[3], 0);
-#pragma omp single
-        {
-            for (int64_t i = 0; i < nh + nkv; i++) rope(qkv + i * hd, cos, sin, hd);
-            memcpy(kp + new_slot * nkv * hd, qkv + nh * hd, nkv * hd * sizeof(float));
-            memcpy(vp + new_slot * nkv * hd, qkv + (nh + nkv) * hd, nkv * hd * sizeof(float));
-        }
-#pragma omp for schedule(static)
-        for (int64_t i = 0; i < nh; i++) {
-            const float *q = qkv + i * hd;
-            const int64_t g = i / group;
-            float *s = scores + i * L, mx = -INFINITY, den = 0.0f;
-            for (int64_t p = 0; p < L; p++) {
-                const float *k = kp + (slots[p] * nkv + g) * hd;
-                float d = 0.0f;
-                for (int64_t j = 0; j < hd; j++) d += q[j] * k[j];
-                s[p] = d * scale;
-                mx = s[p] > mx ? s[p] : mx;
+            par_gemv(h, sx, hidden, (const uint8_t *)t[1], (int)t[2], nqkv, qkv,
+                     (const float *)t[3], 0); /* barrier 1 */
+            for (int64_t i = 0; i < nh + nkv; i++) rope(qkv + i * hd, cos, sin, hd, qk + i * hd);
+            const float *k_new = qk + nh * hd, *v_new = qkv + (nh + nkv) * hd;
+#pragma omp for schedule(static) nowait
+            for (int64_t i = 0; i < nh; i++) {
+                const float *q = qk + i * hd;
+                const int64_t g = i / group;
+                float *s = scores + i * L, mx = -INFINITY, den = 0.0f;
+                for (int64_t p = 0; p < L; p++) { /* the new token's K from the local copy */
+                    const float *k = p == L - 1 ? k_new + g * hd : kp + (slots[p] * nkv + g) * hd;
+                    float d = 0.0f;
+                    for (int64_t j = 0; j < hd; j++) d += q[j] * k[j];
+                    s[p] = d * scale;
+                    mx = s[p] > mx ? s[p] : mx;
+                }
+                for (int64_t p = 0; p < L; p++) {
+                    s[p] = expf(s[p] - mx);
+                    den += s[p];
+                }
+                float *o = att + i * hd;
+                for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
+                for (int64_t p = 0; p < L; p++) {
+                    const float *v = p == L - 1 ? v_new + g * hd : vp + (slots[p] * nkv + g) * hd;
+                    const float a = s[p] / den;
+                    for (int64_t j = 0; j < hd; j++) o[j] += a * v[j];
+                }
             }
-            for (int64_t p = 0; p < L; p++) {
-                s[p] = expf(s[p] - mx);
-                den += s[p];
+#pragma omp single nowait
+            { /* nobody reads the new slot from the pool in this step */
+                memcpy(kp + new_slot * nkv * hd, k_new, nkv * hd * sizeof(float));
+                memcpy(vp + new_slot * nkv * hd, v_new, nkv * hd * sizeof(float));
             }
-            float *o = att + i * hd;
-            for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
-            for (int64_t p = 0; p < L; p++) {
-                const float *v = vp + (slots[p] * nkv + g) * hd;
-                const float a = s[p] / den;
-                for (int64_t j = 0; j < hd; j++) o[j] += a * v[j];
-            }
-        }
-#pragma omp single
-        block_sums(att, nh * hd, sx);
-        par_gemv(att, sx, nh * hd, (const uint8_t *)t[4], (int)t[5], hidden, x,
-                 (const float *)t[6], 1);
-#pragma omp single
-        {
+#pragma omp barrier
+            /* barrier 2: att complete */
+            block_sums(att, nh * hd, sx);
+            par_gemv(att, sx, nh * hd, (const uint8_t *)t[4], (int)t[5], hidden, x,
+                     (const float *)t[6], 1); /* barrier 3: x complete */
             rms_norm(x, (const float *)t[7], hidden, eps, h);
             block_sums(h, hidden, sx);
-        }
-        par_gemv(h, sx, hidden, (const uint8_t *)t[8], (int)t[9], 2 * inter, gu,
-                 (const float *)t[10], 0);
-#pragma omp single
-        {
+            par_gemv(h, sx, hidden, (const uint8_t *)t[8], (int)t[9], 2 * inter, gu,
+                     (const float *)t[10], 0); /* barrier 4 */
             for (int64_t i = 0; i < inter; i++) {
                 float g = gu[i];
                 h[i] = g / (1.0f + expf(-g)) * gu[inter + i];
             }
             block_sums(h, inter, sx);
+            par_gemv(h, sx, inter, (const uint8_t *)t[11], (int)t[12], hidden, x,
+                     (const float *)t[13], 1); /* barrier 5: x complete */
         }
-        par_gemv(h, sx, inter, (const uint8_t *)t[11], (int)t[12], hidden, x,
-                 (const float *)t[13], 1);
     }
     return 0;
 }

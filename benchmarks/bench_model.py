@@ -257,18 +257,27 @@ def main(argv=None) -> int:
         f"25th percentile of per-step times (HF's from a per-token logits-processor stamp); "
         f"median-based batch-1 ratio: {statistics.median(s_hf) / statistics.median(s_ours) if hf else 0:.2f}x",
     ]
-    text = "\n".join(lines + [""] + info)
+    return report("\n".join(lines + [""] + info), "Model benchmark (CPU)", args)
+
+
+def report(text: str, title: str, args: argparse.Namespace) -> int:
+    """Print `text`; unless --no-write, write it to --out (appended with --append)."""
     print(text)
     if not args.no_write:
-        cmd = " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv])
-        out = Path(args.out)
-        section = f"Command: `{cmd}`\n\nRun: {time.strftime('%Y-%m-%d %H:%M:%S')}\n\n{text}\n"
-        if args.append and out.exists():
-            out.write_text(out.read_text(encoding="utf-8") + "\n" + section, encoding="utf-8")
-        else:
-            out.write_text("# Model benchmark (CPU)\n\n" + section, encoding="utf-8")
-        print(f"\nwritten to {out}")
+        write_results(Path(args.out), title, text, args.append)
     return 0
+
+
+def write_results(out: Path, title: str, text: str, append: bool) -> None:
+    """`text` under this run's command and time, replacing `out` (a `# title` file) or
+    appended to it."""
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv])
+    section = f"Command: `{cmd}`\n\nRun: {time.strftime('%Y-%m-%d %H:%M:%S')}\n\n{text}\n"
+    if append and out.exists():
+        out.write_text(out.read_text(encoding="utf-8") + "\n" + section, encoding="utf-8")
+    else:
+        out.write_text(f"# {title}\n\n" + section, encoding="utf-8")
+    print(f"\nwritten to {out}")
 
 
 if __name__ == "__main__":

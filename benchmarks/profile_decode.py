@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from bench_model import report  # (benchmarks/ is the script's own directory)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -112,18 +112,7 @@ def main(argv=None) -> int:
         f"- {args.threads} thread(s); prompt {args.prompt_len} tokens, {args.steps} steps x "
         f"{args.rounds} interleaved rounds; load average {load0[0]:.1f} before, {load1[0]:.1f} after",
     ]
-    text = "\n".join(lines + [""] + info)
-    print(text)
-    if not args.no_write:
-        cmd = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
-        section = f"Command: `{cmd}`\n\nRun: {time.strftime('%Y-%m-%d %H:%M')}\n\n{text}\n"
-        out = Path(args.out)
-        if args.append and out.exists():
-            out.write_text(out.read_text(encoding="utf-8") + "\n" + section, encoding="utf-8")
-        else:
-            out.write_text("# Batch-1 decode step profile (CPU)\n\n" + section, encoding="utf-8")
-        print(f"written to {out}")
-    return 0
+    return report("\n".join(lines + [""] + info), "Batch-1 decode step profile (CPU)", args)
 
 
 if __name__ == "__main__":

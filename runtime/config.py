@@ -14,7 +14,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "default"  # HF directory, GGUF file, or "default" (SmolLM2-135M-Instruct)
     endpoint: str = ""  # client endpoint; "" = ipc:// in a private 0700 runtime dir
     device: str = "auto"  # "auto" (cuda if present), "cpu", "cuda", "cuda:N"
-    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16"
+    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16", or a quantized format (as quantize)
+    quantize: str = "none"  # CPU weight-only quantization: "none", "int8", "int4", "gguf"
     attention: str = "auto"  # "auto", "torch", "flashinfer"
     page_size: int = 1
     kv_tokens: int = 0  # KV pool capacity in tokens; 0 = derive from kv_memory_fraction

@@ -31,6 +31,7 @@ from radixlm.runtime.engine.sessions import SessionManager
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model import ModelConfig, ModelRunner, resolve_device, resolve_dtype
 from radixlm.runtime.model import resolve_model as _resolve_model
+from radixlm.runtime.model.loader import weight_format
 from radixlm.runtime.sampling import Sampler
 from radixlm.tokenizer import Tokenizer
 
@@ -68,7 +69,8 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     pool = KVPool(
         mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, capacity, config.page_size, dtype, device
     )
-    runner = ModelRunner(model_dir, device, dtype, pool, config.attention)
+    runner = ModelRunner(model_dir, device, dtype, pool, config.attention,
+                         quantize=weight_format(config.dtype, config.quantize))
     # "priority": demoted session histories are evicted after plain cache (sessions.py).
     cache = PrefixCache(capacity, config.page_size, policy="priority")
     sessions = SessionManager(cache, config, kv_pool=pool)
@@ -95,7 +97,7 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     log.info(
         "loaded %s (%s, %d layers, vocab %d) on %s as %s with %s attention in %.1fs",
         model_dir.name, mcfg.model_type, mcfg.num_layers, mcfg.vocab_size, device,
-        str(dtype).removeprefix("torch."), runner.attention, time.perf_counter() - t0,
+        runner.model.weight_format, runner.attention, time.perf_counter() - t0,
     )  # fmt: skip
     log.info(
         "KV pool: %d tokens (page %d, %.1f MiB), context %d, policy %s, max_running %d, "

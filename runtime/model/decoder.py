@@ -2,7 +2,9 @@
 
 Weights are held fused and pre-transposed where that saves ops: one QKV matmul, one
 gate+up matmul, residual adds folded into `addmm`, and RoPE applied to all q and k heads
-in one go. The per-layer path has no per-request Python loops (those live in the attention
+in one go. Matrices may instead be weight-only quantized (`QuantWeight`, CPU): they are
+fused the same way (rows stacked) and multiply through the quantized kernel, residual adds
+accumulated in place. The per-layer path has no per-request Python loops (those live in the attention
 backend's `plan`, once per forward).
 """
 
@@ -14,7 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .quant import QuantWeight
 from .rope import Rotary
+
+Weight = torch.Tensor | QuantWeight  # a dense (transposed) matrix or packed blocks
 
 
 class DecoderLayer:
@@ -28,12 +33,15 @@ class DecoderLayer:
             setattr(self, name, tensors.get(name))
 
 
-def transposed(w: torch.Tensor, device: torch.device) -> torch.Tensor:
+def transposed(w: Weight, device: torch.device) -> Weight:
     """`w` ([out, in]) as the `[in, out]` right operand of `x @ w_t`, in the memory layout
     that streams fastest. On CPU a batch-1 step is a GEMV bound by memory bandwidth, and
     MKL reads a matrix faster along long contiguous rows: wide matrices (out > in: QKV,
     gate/up, LM head) are stored `[in, out]`-row-major, the others stay `[out, in]` (a
-    transposed view). On GPUs the standard layout is kept."""
+    transposed view). On GPUs the standard layout is kept. Quantized weights stay as they
+    are ([out, in] blocks)."""
+    if isinstance(w, QuantWeight):
+        return w
     if device.type == "cpu" and w.shape[0] > w.shape[1]:
         return _rows_unaliased(w.t())
     return w.t()
@@ -73,9 +81,13 @@ class DecoderModel:
             self._used.add(name)
             return t
 
-        def put(t: torch.Tensor | None) -> torch.Tensor | None:
+        def put(t: Weight | None) -> Weight | None:
             if t is None:
                 return None
+            if isinstance(t, QuantWeight):
+                if self.device.type != "cpu":
+                    raise ValueError("quantized weights run on CPU only")
+                return t
             return t.to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = put(take("model.embed_tokens.weight"))
@@ -90,7 +102,8 @@ class DecoderModel:
         # The head in the standard [vocab, hidden] layout too, where that copy is free (the
         # tied embedding): on CPU, MKL multiplies 4+ rows by it (in blocks) up to ~1.4x
         # faster than by the [hidden, vocab] copy that a batch-1 step streams fastest.
-        self.lm_head_rows = head if self.device.type == "cpu" and head is self.embed else None
+        dense_tied = head is self.embed and not isinstance(head, QuantWeight)
+        self.lm_head_rows = head if self.device.type == "cpu" and dense_tied else None
         del head
         self.norm = put(take("model.norm.weight"))
         self.layers: list[DecoderLayer] = []
@@ -98,7 +111,7 @@ class DecoderModel:
             p = f"model.layers.{i}."
             a = p + "self_attn."
             m = p + "mlp."
-            w_qkv = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"], 0)
+            w_qkv = _cat_rows([take(a + f"{x}_proj.weight") for x in "qkv"])
             b_qkv = None
             if c.qkv_bias:
                 b_qkv = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"], 0)
@@ -107,7 +120,7 @@ class DecoderModel:
                 qn = take(a + "q_norm.weight").reshape(1, c.head_dim)
                 kn = take(a + "k_norm.weight").reshape(1, c.head_dim)
                 qk_norm = torch.cat([qn.expand(c.num_heads, -1), kn.expand(c.num_kv_heads, -1)], 0)
-            w_gu = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")], 0)
+            w_gu = _cat_rows([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
             b_gu = b_down = None
             if c.mlp_bias:
                 b_gu = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")], 0)
@@ -138,13 +151,21 @@ class DecoderModel:
 
     def weight_bytes(self) -> int:
         """Bytes of weights read by one decode step (embedding row reads not counted)."""
-        total = self.lm_head_t.numel() + self.norm.numel()
+        tensors = [self.lm_head_t, self.norm]
         for layer in self.layers:
-            for name in DecoderLayer.__slots__:
-                t = getattr(layer, name)
-                if t is not None:
-                    total += t.numel()
-        return total * self.lm_head_t.element_size()
+            tensors += [getattr(layer, name) for name in DecoderLayer.__slots__]
+        return sum(
+            t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
+            for t in tensors
+            if t is not None
+        )
+
+    @property
+    def weight_format(self) -> str:
+        """'float32' etc. for dense weights, else the block types in use (e.g. 'Q4_1+Q8_0')."""
+        mats = [self.lm_head_t] + [w for lyr in self.layers for w in (lyr.w_qkv_t, lyr.w_gu_t)]
+        names = sorted({w.type_name for w in mats if isinstance(w, QuantWeight)})
+        return "+".join(names) if names else str(self.dtype).removeprefix("torch.")
 
     def forward(self, batch, attn) -> torch.Tensor:
         """Run `batch` (a planned `ForwardBatch`) through the decoder; float32 logits `[L, V]`."""
@@ -155,7 +176,7 @@ class DecoderModel:
         x = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         if self.lm_head_rows is not None and x.shape[0] >= _HEAD_ROWS_MIN:
             return _mm_by_row_blocks(x, self.lm_head_rows).float()
-        return torch.mm(x, self.lm_head_t).float()
+        return _mm(x, self.lm_head_t, None).float()
 
     def forward_hidden(self, batch, attn) -> torch.Tensor:
         """The last layer's hidden states of the `batch.logits_indices` rows (pre final norm)."""
@@ -166,7 +187,10 @@ class DecoderModel:
         hidden = (c.hidden_size,)
         inter = c.intermediate_size
         T = batch.input_ids.shape[0]
-        x = F.embedding(batch.input_ids, self.embed)
+        if isinstance(self.embed, QuantWeight):
+            x = self.embed.dequantize(batch.input_ids)
+        else:
+            x = F.embedding(batch.input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(batch.positions)
         half = D // 2
         for i, layer in enumerate(self.layers):
@@ -177,13 +201,13 @@ class DecoderModel:
                 qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
             qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
             o = attn.forward(i, qk[:, :H], qk[:, H:], qkv[:, hq:])
-            x = torch.addmm(x, o, layer.w_o_t)
+            x = _add_mm(x, o, layer.w_o_t)
             if layer.b_o is not None:
                 x = x + layer.b_o
             h = F.rms_norm(x, hidden, layer.post_norm, eps)
             gu = _mm(h, layer.w_gu_t, layer.b_gu)
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            x = torch.addmm(x, act, layer.w_down_t)
+            x = _add_mm(x, act, layer.w_down_t)
             if layer.b_down is not None:
                 x = x + layer.b_down
         if batch.logits_indices.shape[0] != T:
@@ -208,5 +232,22 @@ def _mm_by_row_blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _mm(x: torch.Tensor, w_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _mm(x: torch.Tensor, w_t: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(w_t, QuantWeight):
+        return w_t.matmul(x, bias)
     return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
+def _add_mm(x: torch.Tensor, a: torch.Tensor, w_t: Weight) -> torch.Tensor:
+    """`x + a @ w_t`; quantized weights add into `x` in place (the decoder owns `x`)."""
+    if isinstance(w_t, QuantWeight):
+        return w_t.matmul(a, out=x, accumulate=True)
+    return torch.addmm(x, a, w_t)
+
+
+def _cat_rows(parts: list[Weight]) -> Weight:
+    """Several `[out_i, in]` matrices stacked into one (fused projections)."""
+    if all(isinstance(p, QuantWeight) for p in parts):
+        return QuantWeight.cat(parts)
+    parts = [p.dequantize() if isinstance(p, QuantWeight) else p for p in parts]
+    return torch.cat(parts, 0)

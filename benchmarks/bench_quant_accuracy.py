@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Accuracy cost of quantized weights: perplexity on a fixed text and top-1 agreement with
+float32 over held-out prompts, for every weight format on one model.
+
+- perplexity: the model's own next-token loss over a fixed text (this repository's
+  README.md by default, up to --max-tokens tokens), one prefill with all logits;
+- top-1 agreement: over held-out chat prompts (not used anywhere else), the share of
+  prompt positions whose argmax equals float32's, and of greedy continuations
+  (--new-tokens each) that are token-identical to float32's;
+- max logit error relative to the std of float32's logits at that position.
+The float32 reference of a GGUF model is its dequantization (what `gguf_convert` makes).
+
+    .venv/bin/python benchmarks/bench_quant_accuracy.py [--model default] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PROMPTS = [
+    "Explain in two sentences why the sky looks blue during the day.",
+    "Write a short poem about a lighthouse keeper who collects old maps.",
+    "What are three practical tips for learning a new programming language?",
+    "Summarize the plot of a detective story set on a night train.",
+    "Give a recipe for a simple vegetable soup with five ingredients.",
+    "Why do some metals rust while others do not? Answer briefly.",
+    "Describe the rules of chess castling to a beginner.",
+    "List four differences between a lake and a pond.",
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default="default")
+    p.add_argument("--formats", default="float32,gguf,int8,int4")
+    p.add_argument("--text", default=str(Path(__file__).resolve().parent.parent / "README.md"))
+    p.add_argument("--max-tokens", type=int, default=1024)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--out", default=str(Path(__file__).with_name("results_quant.md")))
+    p.add_argument("--no-write", action="store_true")
+    return p.parse_args(argv)
+
+
+class Model:
+    def __init__(self, model_dir: Path, fmt: str, capacity: int):
+        from radixlm.cache import KVPool
+        from radixlm.runtime.model import ForwardBatch, ModelConfig, ModelRunner
+
+        c = ModelConfig.from_dir(model_dir)
+        pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, capacity, 1, torch.float32, "cpu")
+        self.runner = ModelRunner(model_dir, "cpu", fmt, pool, attention="torch")
+        self.build = ForwardBatch.build
+
+    def all_logits(self, ids: list[int]) -> torch.Tensor:
+        from radixlm.runtime.model import BatchRequest
+
+        return self.runner.forward(self.build([BatchRequest(ids, 0, list(range(len(ids))), True)]))
+
+    def greedy(self, ids: list[int], n: int) -> list[int]:
+        out = [int(self.all_logits(ids)[-1].argmax())]
+        slots = list(range(len(ids) + n))
+        for s in range(n - 1):
+            pos = len(ids) + s
+            logits = self.runner.forward(self.build([([out[-1]], pos, slots[: pos + 1])]))
+            out.append(int(logits.argmax(-1)[0]))
+        return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from radixlm.runtime.model import resolve_model
+    from transformers import AutoTokenizer
+
+    model_dir = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text_ids = tok.encode(Path(args.text).read_text(encoding="utf-8"))[: args.max_tokens]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+        for p in PROMPTS
+    ]
+    prompts = [p if isinstance(p, list) else p["input_ids"] for p in prompts]
+    cap = max(len(text_ids), max(map(len, prompts)) + args.new_tokens) + 8
+    formats = args.formats.split(",")
+    ref = None
+    rows = []
+    for fmt in formats:
+        m = Model(model_dir, fmt, cap)
+        logits = m.all_logits(text_ids)
+        nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(text_ids[1:]))
+        per_prompt = [m.all_logits(p) for p in prompts]
+        conts = [m.greedy(p, args.new_tokens) for p in prompts]
+        if ref is None:
+            ref = (per_prompt, conts)
+        agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(per_prompt, ref[0], strict=True))
+        total = sum(a.shape[0] for a in per_prompt)
+        same = sum(int(a == b) for a, b in zip(conts, ref[1], strict=True))
+        err = max(float(((a - b).abs().amax(-1) / b.std(-1)).max()) for a, b in zip(per_prompt, ref[0], strict=True))
+        rows.append((fmt, m.runner.model.weight_format, m.runner.model.weight_bytes() / 1e6,
+                     math.exp(float(nll)), agree / total, same, err))  # fmt: skip
+        print(rows[-1], flush=True)
+    lines = [
+        "| --dtype | weights | MB read per step | perplexity | top-1 agreement with float32 (prompt positions) | greedy continuations identical | max logit error / std |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]  # fmt: skip
+    for fmt, wf, mb, ppl, agree, same, err in rows:
+        lines.append(f"| {fmt} | {wf} | {mb:.0f} | {ppl:.3f} | {agree:.2%} | {same}/{len(prompts)} | {err:.3f} |")
+    info = [
+        f"- model: `{model_dir.name}`; fixed text: `{Path(args.text).name}`, {len(text_ids)} tokens; "
+        f"{len(prompts)} held-out chat prompts, {sum(map(len, prompts))} prompt positions, greedy "
+        f"continuations of {args.new_tokens} tokens",
+        "- the float32 reference is the dequantized GGUF when the model is one (so `gguf` computes "
+        "the same function; `int4` re-quantizes to the file's own Q4_1 grid)",
+    ]
+    text = "\n".join(lines + [""] + info)
+    print(text)
+    if not args.no_write:
+        cmd = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
+        Path(args.out).write_text(
+            f"# Accuracy of quantized weights\n\nCommand: `{cmd}`\n\nRun: "
+            f"{time.strftime('%Y-%m-%d %H:%M')}\n\n{text}\n", encoding="utf-8")  # fmt: skip
+        print(f"written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

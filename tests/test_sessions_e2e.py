@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 from radixlm.cache import KVPool, PrefixCache
+from radixlm.runtime import protocol as wire
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.messages import (
     EngineCommand,
@@ -34,21 +35,6 @@ from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.sessions import Residency, SessionManager
 from radixlm.runtime.model.config import ModelConfig
 from radixlm.runtime.model.runner import ModelRunner
-from radixlm.runtime.protocol import (
-    Error,
-    ErrorCode,
-    ForkSession,
-    ListSessions,
-    Ok,
-    Pinned,
-    SamplingParams,
-    SessionList,
-    SessionOpened,
-    SessionsForked,
-    TruncateSession,
-    Usage,
-    decode_server,
-)
 from radixlm.runtime.sampling import Sampler
 from tiny_models import EOS_ID, make_tiny_checkpoint
 
@@ -96,7 +82,7 @@ def reference(model_dir):
 @dataclass
 class Result:
     tokens: list[int] = field(default_factory=list)
-    usage: Usage | None = None
+    usage: wire.Usage | None = None
     session: str | None = None
     session_length: int | None = None
     finish_reason: str | None = None
@@ -151,7 +137,7 @@ class Engine:
     def _collect(self) -> None:
         for out in self.sched.take_outbox():
             if isinstance(out, ToClient):
-                reply = decode_server(out.data)
+                reply = wire.decode_server(out.data)
                 self.replies[reply.rid] = reply
             elif isinstance(out, StepOutputs):
                 for o in out.outputs:
@@ -184,7 +170,7 @@ class Engine:
         key = next(self._keys)
         rid = self.rid()
         self.rid_of[key] = rid
-        sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        sampling = wire.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         self.send(
             EngineGenerate(
                 key=key,
@@ -272,7 +258,7 @@ def test_ten_turns_each_reuses_the_whole_previous_history(make, reference):
     rng = random.Random(0)
     e = make(384)
     opened = e.open(ids(rng, 20))
-    assert isinstance(opened, SessionOpened) and opened.length == 20
+    assert isinstance(opened, wire.SessionOpened) and opened.length == 20
     sid = opened.session
     history = e.history(sid)
     for turn in range(10):
@@ -295,8 +281,8 @@ def test_fork_into_four_grows_the_pool_only_by_the_branches(make, reference):
     e = make(1024)
     sid = e.open(ids(rng, 60)).session
     used = e.used()
-    forked = e.command(ForkSession(rid=e.rid(), session=sid, n=4))
-    assert isinstance(forked, SessionsForked) and len(set(forked.sessions)) == 4
+    forked = e.command(wire.ForkSession(rid=e.rid(), session=sid, n=4))
+    assert isinstance(forked, wire.SessionsForked) and len(set(forked.sessions)) == 4
     assert e.used() == used  # no copy
     base = e.history(sid)
     appended = [ids(rng, rng.randrange(5, 15), first=VOCAB_LO + i) for i in range(4)]
@@ -317,14 +303,14 @@ def test_truncate_then_continue(make, reference):
     sid = e.open(ids(rng, 30)).session
     e.generate(ids(rng, 10), session=sid, max_tokens=6)
     full = e.history(sid)
-    assert isinstance(e.command(TruncateSession(rid=e.rid(), session=sid, length=35)), Ok)
+    assert isinstance(e.command(wire.TruncateSession(rid=e.rid(), session=sid, length=35)), wire.Ok)
     assert e.history(sid) == full[:35]
     appended = ids(rng, 8)
     r = e.generate(appended, session=sid, max_tokens=6)
     assert r.usage.cached_tokens == 35
     assert r.tokens == reference(full[:35] + appended, 6)
-    bad = e.command(TruncateSession(rid=e.rid(), session=sid, length=10_000))
-    assert isinstance(bad, Error) and bad.code == ErrorCode.INVALID_PARAMS
+    bad = e.command(wire.TruncateSession(rid=e.rid(), session=sid, length=10_000))
+    assert isinstance(bad, wire.Error) and bad.code == wire.ErrorCode.INVALID_PARAMS
 
 
 def test_n_branches_continue_in_their_own_sessions(make, reference):
@@ -351,31 +337,31 @@ def test_another_clients_session_is_not_found_and_a_second_turn_is_busy(make):
     sid = e.open(ids(rng, 10)).session
     key = e.submit(ids(rng, 4), session=sid, client=BOB)
     err = e.replies[e.rid_of[key]]
-    assert isinstance(err, Error) and err.code == ErrorCode.NOT_FOUND
+    assert isinstance(err, wire.Error) and err.code == wire.ErrorCode.NOT_FOUND
     first = e.submit(ids(rng, 4), session=sid)
     second = e.submit(ids(rng, 4), session=sid)
     err = e.replies[e.rid_of[second]]
-    assert isinstance(err, Error) and err.code == ErrorCode.BUSY
+    assert isinstance(err, wire.Error) and err.code == wire.ErrorCode.BUSY
     e.drain()
     assert e.rid_of[first] not in e.replies and len(e.results[first][0].tokens) == 6
-    listed = e.command(ListSessions(rid=e.rid()), client=BOB)
-    assert isinstance(listed, SessionList) and listed.sessions == []
+    listed = e.command(wire.ListSessions(rid=e.rid()), client=BOB)
+    assert isinstance(listed, wire.SessionList) and listed.sessions == []
 
 
 # -------------------------------------------------------------------- retention
 def test_cap_refuses_pins_and_hard_opens_and_demotes_soft_sessions(make):
     rng = random.Random(5)
     e = make(512, retained_cap=64)
-    assert isinstance(e.pin("tools", ids(rng, 40)), Pinned)
+    assert isinstance(e.pin("tools", ids(rng, 40)), wire.Pinned)
     refused = e.open(ids(rng, 40))
-    assert isinstance(refused, Error) and refused.code == ErrorCode.CAPACITY
+    assert isinstance(refused, wire.Error) and refused.code == wire.ErrorCode.CAPACITY
     soft = e.open(ids(rng, 20), retention="soft").session
     e.now += 1
     hard = e.open(ids(rng, 20)).session
-    rows = {r.session: r.retention for r in e.command(ListSessions(rid=e.rid())).sessions}
+    rows = {r.session: r.retention for r in e.command(wire.ListSessions(rid=e.rid())).sessions}
     assert rows == {soft: "demoted", hard: "hard"}
     refused = e.pin("more", ids(rng, 10))
-    assert isinstance(refused, Error) and refused.code == ErrorCode.CAPACITY
+    assert isinstance(refused, wire.Error) and refused.code == wire.ErrorCode.CAPACITY
     assert e.sm.retained_tokens() == {"pinned": 40, "hard": 20, "soft": 0}
 
 
@@ -421,7 +407,7 @@ def test_oversubscribed_pool_finishes_or_refuses_everything_in_time(make, refere
     arrives at once: every request finishes or gets a clear error, within a bound."""
     rng = random.Random(8)
     e = make(320, retained_cap=160)
-    assert isinstance(e.pin("sys", ids(rng, 40)), Pinned)
+    assert isinstance(e.pin("sys", ids(rng, 40)), wire.Pinned)
     hard = [e.open(ids(rng, 30), pinned="sys").session for _ in range(2)]
     soft = [e.open(ids(rng, 30), pinned="sys", retention="soft").session for _ in range(2)]
     assert e.sm.retained_total() == 160
@@ -437,7 +423,7 @@ def test_oversubscribed_pool_finishes_or_refuses_everything_in_time(make, refere
     e.drain(timeout_s=60)
     assert time.monotonic() - start < 60
     err = e.replies[e.rid_of[too_big]]
-    assert isinstance(err, Error) and err.code in (ErrorCode.CAPACITY, ErrorCode.TOO_LONG)
+    assert isinstance(err, wire.Error) and err.code in (wire.ErrorCode.CAPACITY, wire.ErrorCode.TOO_LONG)
     for key, prompt in keys.items():
         r = e.results[key][0]
         assert e.rid_of[key] not in e.replies, e.replies.get(e.rid_of[key])

@@ -42,6 +42,7 @@ from typing import Any
 import msgspec
 import zmq
 from radixlm.runtime import channel
+from radixlm.runtime import protocol as wire
 from radixlm.runtime.engine.messages import (
     ClientGone,
     EngineAbort,
@@ -84,35 +85,7 @@ from radixlm.runtime.frontend.validate import (
     check_input,
     check_input_size,
 )
-from radixlm.runtime.protocol import (
-    MAX_CLOSE,
-    MAX_FORK,
-    PROTOCOL_VERSION,
-    Abort,
-    CloseSession,
-    Error,
-    ErrorCode,
-    FlushCache,
-    ForkSession,
-    Generate,
-    GetStats,
-    Hello,
-    Input,
-    ListSessions,
-    OpenSession,
-    Pin,
-    Pinned,
-    ServerMessage,
-    SessionList,
-    StatsReply,
-    Tokenize,
-    Tokens,
-    TruncateSession,
-    Unpin,
-    Welcome,
-    decode_server,
-    encode,
-)
+from radixlm.runtime.protocol import MAX_CLOSE, MAX_FORK, PROTOCOL_VERSION
 from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("radixlm.frontend")
@@ -126,15 +99,15 @@ BATCH = 256
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
-def welcome_from(ready: EngineReady, server_version: str, max_message_bytes: int = 0) -> Welcome:
-    return Welcome(
+def welcome_from(ready: EngineReady, server_version: str, max_message_bytes: int = 0) -> wire.Welcome:
+    return wire.Welcome(
         protocol_version=PROTOCOL_VERSION, server_version=server_version, model=ready.model,
         context_length=ready.context_length, page_size=ready.page_size,
         kv_capacity=ready.kv_capacity, max_message_bytes=max_message_bytes,
     )
 
 
-def _input_chars(inp: Input | None) -> int:
+def _input_chars(inp: wire.Input | None) -> int:
     if inp is None:
         return 0
     if inp.text is not None:
@@ -167,14 +140,14 @@ def _run_job(job: Callable[[], Any]) -> Any:
         return e
     except Exception as e:  # a bug or a tokenizer failure: an error reply, not a dead loop
         log.exception("preparing a request failed")
-        return RequestError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+        return RequestError(wire.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
 
 
 class Frontend:
     """All frontend state and handlers; `serve` runs the loop. Main thread only, except
     the jobs handed to `executor`."""
 
-    def __init__(self, *, model: TextModel, welcome: Welcome, clients: zmq.Socket[Any],
+    def __init__(self, *, model: TextModel, welcome: wire.Welcome, clients: zmq.Socket[Any],
                  monitor: zmq.Socket[Any], from_engine: zmq.Socket[Any],
                  to_engine: zmq.Socket[Any], executor: Executor,
                  engine_timeout_s: float = 60.0, multi_tenant: bool = False,
@@ -184,7 +157,7 @@ class Frontend:
         self._max_priority = max_priority  # None = as asked
         self._multi_tenant = multi_tenant  # clients authenticate: each key is a tenant
         self._watch = EngineWatch(engine_timeout_s, time.monotonic())
-        self._welcome = encode(welcome)
+        self._welcome = wire.encode(welcome)
         self._encode_reply = msgspec.msgpack.Encoder().encode  # the chunk path's own encoder
         self._sock = clients
         self._monitor = monitor
@@ -200,18 +173,18 @@ class Frontend:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._handlers: dict[type, Callable[[ClientState, Any], None]] = {
-            Generate: self._generate,
-            Abort: self._abort,
-            Tokenize: self._tokenize,
-            OpenSession: self._open_session,
-            Pin: self._pin,
-            ForkSession: self._fork_session,
-            TruncateSession: self._truncate_session,
-            CloseSession: self._close_session,
-            Unpin: self._unpin,
-            ListSessions: self._command,
-            GetStats: self._command,
-            FlushCache: self._flush_cache,
+            wire.Generate: self._generate,
+            wire.Abort: self._abort,
+            wire.Tokenize: self._tokenize,
+            wire.OpenSession: self._open_session,
+            wire.Pin: self._pin,
+            wire.ForkSession: self._fork_session,
+            wire.TruncateSession: self._truncate_session,
+            wire.CloseSession: self._close_session,
+            wire.Unpin: self._unpin,
+            wire.ListSessions: self._command,
+            wire.GetStats: self._command,
+            wire.FlushCache: self._flush_cache,
         }
 
     # -- loop ------------------------------------------------------------------------------
@@ -258,7 +231,7 @@ class Frontend:
         rid = self._watch.probe_due(now)
         if rid is not None:
             channel.send(self._to_engine_sock, EngineCommand(client=PROBE_CLIENT,
-                                                             msg=GetStats(rid=rid)))
+                                                             msg=wire.GetStats(rid=rid)))
         if self._watch.check(now) is Change.DOWN:
             self._engine_down(now)
 
@@ -279,11 +252,11 @@ class Frontend:
                 if stream is not None:
                     self._end_request(stream)
                 self._to_engine(None, EngineAbort(key=key))
-                self._error(client, rid, ErrorCode.ENGINE_UNAVAILABLE, message)
+                self._error(client, rid, wire.ErrorCode.ENGINE_UNAVAILABLE, message)
                 failed += 1
             for rid in client.awaiting:
                 client.abandoned.add(rid)
-                self._error(client, rid, ErrorCode.ENGINE_UNAVAILABLE, message)
+                self._error(client, rid, wire.ErrorCode.ENGINE_UNAVAILABLE, message)
                 failed += 1
             client.awaiting.clear()
         log.error("%s: %d request(s) failed with engine_unavailable", message, failed)
@@ -340,11 +313,11 @@ class Frontend:
             return False
 
     def _reply(self, client: ClientState, msg: msgspec.Struct) -> bool:
-        return self._send(client.identity, encode(msg))
+        return self._send(client.identity, wire.encode(msg))
 
     def _error(self, client: ClientState, rid: str | None, code: str, message: str) -> None:
         log.debug("error %s for %r: %s", code, rid, message)
-        self._reply(client, Error(rid=rid, code=code, message=message))
+        self._reply(client, wire.Error(rid=rid, code=code, message=message))
 
     def _to_engine(self, client: ClientState | None, msg: ToEngine) -> None:
         if client is not None:
@@ -392,22 +365,22 @@ class Frontend:
         identity = frames[0].bytes
         client = self._clients.get(identity) or self._register(identity, frames)
         if len(frames) != 2:
-            self._error(client, None, ErrorCode.BAD_MESSAGE,
+            self._error(client, None, wire.ErrorCode.BAD_MESSAGE,
                         f"a message is one frame, got {len(frames) - 1}")
             return
         msg = decode_frame(frames[1].bytes)
         if isinstance(msg, FrameError):
             self._error(client, msg.rid, msg.code, msg.message)
             return
-        if isinstance(msg, Hello):
+        if isinstance(msg, wire.Hello):
             self._hello(client, msg)
             return
         if not client.welcomed:
-            self._error(client, msg.rid, ErrorCode.HANDSHAKE_REQUIRED,
+            self._error(client, msg.rid, wire.ErrorCode.HANDSHAKE_REQUIRED,
                         f"send hello (protocol_version={PROTOCOL_VERSION}) first")
             return
-        if self._watch.down and type(msg) is not Tokenize:  # tokenize needs no engine
-            self._error(client, msg.rid, ErrorCode.ENGINE_UNAVAILABLE, self._unavailable())
+        if self._watch.down and type(msg) is not wire.Tokenize:  # tokenize needs no engine
+            self._error(client, msg.rid, wire.ErrorCode.ENGINE_UNAVAILABLE, self._unavailable())
             return
         try:
             self._handlers[type(msg)](client, msg)
@@ -415,7 +388,7 @@ class Frontend:
             self._error(client, msg.rid, e.code, e.message)
         except Exception as e:  # a bug: answer it and keep serving everyone else
             log.exception("handling %s failed", type(msg).__name__)
-            self._error(client, msg.rid, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+            self._error(client, msg.rid, wire.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
 
     def _register(self, identity: bytes, frames: list[zmq.Frame]) -> ClientState:
         frame = frames[0]
@@ -431,9 +404,9 @@ class Frontend:
         return self._clients.add(identity, fd,
                                  names_for(frames[-1], multi_tenant=self._multi_tenant))
 
-    def _hello(self, client: ClientState, msg: Hello) -> None:
+    def _hello(self, client: ClientState, msg: wire.Hello) -> None:
         if msg.protocol_version != PROTOCOL_VERSION:
-            self._error(client, None, ErrorCode.UNSUPPORTED_VERSION,
+            self._error(client, None, wire.ErrorCode.UNSUPPORTED_VERSION,
                         f"this server speaks protocol version {PROTOCOL_VERSION}, "
                         f"the client {msg.protocol_version}")
             return
@@ -441,11 +414,11 @@ class Frontend:
         log.debug("client %s (%r) connected", client.identity.hex(), msg.client_name)
         self._send(client.identity, self._welcome)
 
-    def _generate(self, client: ClientState, msg: Generate) -> None:
+    def _generate(self, client: ClientState, msg: wire.Generate) -> None:
         if msg.rid in client.inflight:
-            raise RequestError(ErrorCode.DUPLICATE_ID, f"request {msg.rid!r} is already in flight")
+            raise RequestError(wire.ErrorCode.DUPLICATE_ID, f"request {msg.rid!r} is already in flight")
         if self._max_inflight and len(client.inflight) >= self._max_inflight:
-            raise RequestError(ErrorCode.CAPACITY,
+            raise RequestError(wire.ErrorCode.CAPACITY,
                                f"this client has {len(client.inflight)} requests in flight, the "
                                f"server's cap (--max-inflight-per-client); wait for one to end")
         check_generate(msg, self.model.vocab_size)
@@ -482,16 +455,16 @@ class Frontend:
         self._enqueue(client, lambda: generate_ids(model, msg, history), then,
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
 
-    def _check_size(self, inp: Input | None) -> None:
+    def _check_size(self, inp: wire.Input | None) -> None:
         check_input_size(inp, self.model.max_input_bytes, self.model.context_length)
 
-    def _abort(self, client: ClientState, msg: Abort) -> None:
+    def _abort(self, client: ClientState, msg: wire.Abort) -> None:
         key = client.inflight.get(msg.rid)
         if key is None:
-            raise RequestError(ErrorCode.NOT_FOUND, f"no request {msg.rid!r} in flight")
+            raise RequestError(wire.ErrorCode.NOT_FOUND, f"no request {msg.rid!r} in flight")
         self._forward(client, EngineAbort(key=key))
 
-    def _tokenize(self, client: ClientState, msg: Tokenize) -> None:
+    def _tokenize(self, client: ClientState, msg: wire.Tokenize) -> None:
         check_input(msg.input, self.model.vocab_size)
         self._check_size(msg.input)
 
@@ -499,13 +472,13 @@ class Frontend:
             if isinstance(ids, RequestError):
                 self._error(client, msg.rid, ids.code, ids.message)
             else:
-                self._reply(client, Tokens(rid=msg.rid, input_ids=ids))
+                self._reply(client, wire.Tokens(rid=msg.rid, input_ids=ids))
 
         model = self.model
         self._enqueue(client, lambda: input_ids(model, msg.input, EMPTY_HISTORY), then,
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
 
-    def _open_session(self, client: ClientState, msg: OpenSession) -> None:
+    def _open_session(self, client: ClientState, msg: wire.OpenSession) -> None:
         if msg.input is not None:
             check_input(msg.input, self.model.vocab_size)
             self._check_size(msg.input)
@@ -526,7 +499,7 @@ class Frontend:
         self._enqueue(client, lambda: open_session_ids(model, msg, start), then,
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
 
-    def _pin(self, client: ClientState, msg: Pin) -> None:
+    def _pin(self, client: ClientState, msg: wire.Pin) -> None:
         check_input(msg.input, self.model.vocab_size)
         self._check_size(msg.input)
 
@@ -543,31 +516,31 @@ class Frontend:
         self._enqueue(client, lambda: pin_ids(model, msg), then,
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
 
-    def _fork_session(self, client: ClientState, msg: ForkSession) -> None:
+    def _fork_session(self, client: ClientState, msg: wire.ForkSession) -> None:
         check_count("n", msg.n, MAX_FORK)
         self._command(client, msg)
 
-    def _truncate_session(self, client: ClientState, msg: TruncateSession) -> None:
+    def _truncate_session(self, client: ClientState, msg: wire.TruncateSession) -> None:
         if msg.length < 0:
-            raise RequestError(ErrorCode.INVALID_PARAMS, f"length must be >= 0, got {msg.length}")
+            raise RequestError(wire.ErrorCode.INVALID_PARAMS, f"length must be >= 0, got {msg.length}")
         self._command(client, msg)
 
-    def _close_session(self, client: ClientState, msg: CloseSession) -> None:
+    def _close_session(self, client: ClientState, msg: wire.CloseSession) -> None:
         ids = msg.ids()
         if not ids:
-            raise RequestError(ErrorCode.INVALID_PARAMS,
+            raise RequestError(wire.ErrorCode.INVALID_PARAMS,
                                "close_session: name a `session` or a list of `sessions`")
         if len(ids) > MAX_CLOSE:
-            raise RequestError(ErrorCode.INVALID_PARAMS,
+            raise RequestError(wire.ErrorCode.INVALID_PARAMS,
                                f"close_session: at most {MAX_CLOSE} sessions, got {len(ids)}")
         self._command(client, msg)
 
-    def _unpin(self, client: ClientState, msg: Unpin) -> None:
-        self._command(client, Unpin(rid=msg.rid, name=client.names.pin(msg.name) or ""))
+    def _unpin(self, client: ClientState, msg: wire.Unpin) -> None:
+        self._command(client, wire.Unpin(rid=msg.rid, name=client.names.pin(msg.name) or ""))
 
-    def _flush_cache(self, client: ClientState, msg: FlushCache) -> None:
+    def _flush_cache(self, client: ClientState, msg: wire.FlushCache) -> None:
         if self._multi_tenant:  # the engine flushes the whole cache: everyone's
-            raise RequestError(ErrorCode.FORBIDDEN,
+            raise RequestError(wire.ErrorCode.FORBIDDEN,
                                "flush_cache is refused on a server with several tenants "
                                "(--auth-dir): it would drop other tenants' cache")
         self._command(client, msg)
@@ -620,7 +593,7 @@ class Frontend:
             self._end_request(stream)
             return
         chunk, finish_at, done = outcome if outcome is not None else stream.on_output(out)
-        if chunk is not None and not self._send(stream.client, encode(chunk)):
+        if chunk is not None and not self._send(stream.client, wire.encode(chunk)):
             return
         if finish_at is not None:
             self._to_engine(None, finish_at)
@@ -633,7 +606,7 @@ class Frontend:
                     client=stream.client, session=done.session, length=done.session_length))
                 kept = stream.output_ids(done.index) or stream.appended
                 self._sessions.trimmed(done.session, kept[-1] if kept else None)
-            if not self._send(stream.client, encode(done)):
+            if not self._send(stream.client, wire.encode(done)):
                 return
             if stream.remaining == 0:
                 self._end_request(stream)
@@ -646,7 +619,7 @@ class Frontend:
         self._to_engine(None, EngineAbort(key=key))
         client = self._clients.get(stream.client)
         if client is not None:
-            self._error(client, stream.rid, ErrorCode.INTERNAL, message)
+            self._error(client, stream.rid, wire.ErrorCode.INTERNAL, message)
 
     def _end_request(self, stream: RequestStream) -> None:
         self._streams.pop(stream.key, None)
@@ -663,7 +636,7 @@ class Frontend:
             if stream is not None and stream.client == msg.client:
                 self._end_request(stream)
         try:
-            reply = decode_server(msg.data)
+            reply = wire.decode_server(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             log.error("engine sent an undecodable reply: %r", msg.data[:200])
             return
@@ -674,23 +647,23 @@ class Frontend:
                 return
             client.awaiting.discard(rid)
         outer = self._in_tenant_terms(client, reply)
-        self._send(msg.client, msg.data if outer is None else encode(outer))
+        self._send(msg.client, msg.data if outer is None else wire.encode(outer))
 
-    def _in_tenant_terms(self, client: ClientState, reply: ServerMessage) -> ServerMessage | None:
+    def _in_tenant_terms(self, client: ClientState, reply: wire.ServerMessage) -> wire.ServerMessage | None:
         """The reply as the client may see it (None: as it is): the engine's names for
         its namespaces and pins put back, other tenants' sessions left out, activity
         counters of a shared server hidden."""
         names = client.names
         if names.tenant is None:
             return None
-        if isinstance(reply, Error):
+        if isinstance(reply, wire.Error):
             message = names.scrub(reply.message)
             return None if message == reply.message else msgspec.structs.replace(reply, message=message)
-        if isinstance(reply, SessionList):
+        if isinstance(reply, wire.SessionList):
             return names.sessions(reply)
-        if isinstance(reply, Pinned):
+        if isinstance(reply, wire.Pinned):
             return names.pinned(reply)
-        if isinstance(reply, StatsReply):
+        if isinstance(reply, wire.StatsReply):
             return msgspec.structs.replace(
                 reply, sessions=0, pins=0, retained_tokens={}, prompt_tokens_total=0,
                 cached_tokens_total=0, hit_rate=0.0)

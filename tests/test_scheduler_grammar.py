@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import jsonschema
 import numpy as np
@@ -248,3 +249,27 @@ def test_jump_forward_in_a_session_keeps_history_token_exact(make_harness, gramm
     assert final.usage.cached_tokens == len(history) - 1
     expected = hf_prompt_logprobs(hf, history + follow, len(history))
     np.testing.assert_allclose(final.prompt_logprobs, expected, atol=1e-4)
+
+
+def test_abort_mid_generation_keeps_outputs_in_the_grammar(make_harness, tok, grammars):
+    """Abort after some constrained tokens: each branch ends `abort` with text that is a
+    prefix of the language, the grammar states are dropped, and the next constrained
+    request (same compiled grammar) runs to a complete match."""
+    h = make_harness(grammars=grammars)
+    key = h.generate(tok.encode("x"), sampling=sampled(max_tokens=150), grammar=regex("[ab]{60}"),
+                     n=2)
+    for _ in range(500):
+        if all(len(h.tokens[(key, i)]) >= 3 for i in range(2)):
+            break
+        if not h.step():
+            time.sleep(0.002)  # the grammar compiles on its thread
+    assert all(len(h.tokens[(key, i)]) >= 3 for i in range(2)), "no constrained tokens yet"
+    h.send(EngineAbort(key=key))
+    for i in range(2):
+        assert h.final[(key, i)].finish_reason == "abort"
+        text = tok.decode(h.output(key, i))
+        assert re.fullmatch("[ab]*", text) and len(text) < 60, text
+    assert not h.sched.has_work()
+    again = h.generate(tok.encode("x"), sampling=sampled(seed=9), grammar=regex("[ab]{60}"))
+    h.run()
+    assert re.fullmatch("[ab]{60}", text_of(tok, h, again))

@@ -19,12 +19,14 @@ from radixlm.runtime.protocol import (
     CloseSession,
     Error,
     ErrorCode,
+    ForkSession,
     Generate,
     Input,
     NamedToolChoice,
     OpenSession,
     SamplingParams,
     SessionOpened,
+    SessionsForked,
     Tool,
 )
 from radixlm.runtime.raw_client import RawClient, ServerError
@@ -95,6 +97,33 @@ def test_a_grammar_applies_to_its_session_turn_only(raw_client: RawClient) -> No
         assert free.session_length >= turn.session_length + 1 + 6
     finally:
         raw_client.request(CloseSession(rid=raw_client.new_rid(), session=sid))
+
+
+def test_forks_after_a_constrained_turn_continue_its_whole_history(raw_client: RawClient) -> None:
+    """A fork of a session whose last turn was constrained holds that turn token-exactly:
+    each fork's next (free) turn finds the whole history cached, and the grammar no longer
+    applies to it."""
+    opened = raw_client.request(OpenSession(rid=raw_client.new_rid(), input=Input(text="Log:")))
+    assert isinstance(opened, SessionOpened)
+    sid, forks = opened.session, []
+    try:
+        turn = raw_client.generate(Input(text=" date="), session=sid, regex=DATE, seed=6, **SAMPLED)
+        assert re.fullmatch(DATE, turn.text) and turn.session_length is not None
+        forked = raw_client.request(ForkSession(rid=raw_client.new_rid(), session=sid, n=2))
+        assert isinstance(forked, SessionsForked) and len(forked.sessions) == 2
+        forks = forked.sessions
+        for i, fork in enumerate(forks):
+            free = raw_client.generate(Input(text=" note="), session=fork, max_tokens=5,
+                                       temperature=1.0, ignore_eos=True, seed=20 + i)
+            assert len(free.token_ids) == 5
+            # The first fork computes only its input; the second also finds that input,
+            # inserted by its sibling after the same history.
+            cached = free.usage.cached_tokens
+            assert cached == turn.session_length if i == 0 else cached > turn.session_length
+            assert free.session_length == free.usage.prompt_tokens + 5
+    finally:
+        for s in [sid, *forks]:
+            raw_client.request(CloseSession(rid=raw_client.new_rid(), session=s))
 
 
 @pytest.mark.parametrize("choice", ["required", NamedToolChoice(name="calc")],

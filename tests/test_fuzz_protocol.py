@@ -282,7 +282,12 @@ def test_fuzzed_frames_never_break_the_server(
             if not client.welcomed:
                 assert not any(isinstance(m, (protocol.Done, protocol.Chunk)) for m in got), got
 
-        batch_gets_answers()
+        # Hypothesis draws batch sizes at random (and may stop a run early), so one run can
+        # fall short of the frame floor: run again, a bounded number of times, until it holds.
+        for _ in range(4):
+            batch_gets_answers()
+            if c.frames_sent + before_hello.frames_sent >= MIN_FRAMES:
+                break
         print(f"sent {c.frames_sent + before_hello.frames_sent} frames")
         assert c.frames_sent + before_hello.frames_sent >= MIN_FRAMES
 

@@ -21,8 +21,8 @@ ids to both servers, so both compute exactly the same tokens):
   agents-par the same 8 agents concurrently (each agent's turns in order).
   branches   one 330-token prefix, 8 branches of 64 tokens (llama-server: 8 concurrent
              requests; radixlm: one request with n=8).
-Rounds interleave the two servers (order alternating per round), and every round uses a
-fresh system prompt / prefix, so no round reuses an earlier round's cache. "prompt tokens
+Rounds interleave the two servers (order alternating per round), and every row of every
+round uses a fresh system prompt / prefix, so nothing reuses an earlier row's cache. "prompt tokens
 computed" are llama-server's own `prompt_n` and radixlm's engine counters.
 
     .venv/bin/python benchmarks/bench_peer.py [--threads 2] [--rounds 2] [--dtype gguf]
@@ -74,10 +74,44 @@ def llama_source(root: Path) -> Path:
     return root / f"{SDIST.replace('-', '_')}-{SDIST_VERSION}" / "vendor" / "llama.cpp"
 
 
+# ggml's x86 options and the /proc/cpuinfo flags each needs (all of them present).
+_GGML_X86 = {
+    "GGML_AVX": ["avx"], "GGML_AVX2": ["avx2"], "GGML_BMI2": ["bmi2"], "GGML_FMA": ["fma"],
+    "GGML_F16C": ["f16c"], "GGML_AVX_VNNI": ["avx_vnni"],
+    "GGML_AVX512": ["avx512f", "avx512cd", "avx512vl", "avx512dq", "avx512bw"],
+    "GGML_AVX512_VBMI": ["avx512vbmi"], "GGML_AVX512_VNNI": ["avx512_vnni"],
+    "GGML_AVX512_BF16": ["avx512_bf16"],
+}
+
+
+def cpu_build_flags() -> list[str]:
+    """ggml's instruction-set options for this CPU, without AMX.
+
+    GGML_NATIVE (``-march=native``) turns on AMX wherever the CPU advertises it, and on
+    this project's machines (virtual Xeons that list amx_tile/amx_int8) the AMX kernels
+    die with SIGILL at the first matmul. So the features are set one by one from
+    /proc/cpuinfo, AMX left off; on another architecture GGML_NATIVE is used.
+    """
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    flags = set(next((ln.split(":", 1)[1].split() for ln in text.splitlines()
+                      if ln.startswith("flags")), []))  # fmt: skip
+    if platform.machine() not in ("x86_64", "AMD64") or not flags:
+        return ["-DGGML_NATIVE=ON"]
+    opts = ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+            "-DGGML_AMX_BF16=OFF"]  # fmt: skip
+    for opt, need in _GGML_X86.items():
+        opts.append(f"-D{opt}={'ON' if flags.issuperset(need) else 'OFF'}")
+    return opts
+
+
 def ensure_llama_server(root: Path, jobs: int) -> Path:
     """The llama-server binary, built from the sdist's vendored llama.cpp if missing."""
     src = llama_source(root)
-    binary = src / "build" / "bin" / "llama-server"
+    build = src / "build-cpu"
+    binary = build / "bin" / "llama-server"
     if binary.is_file():
         return binary
     root.mkdir(parents=True, exist_ok=True)
@@ -90,11 +124,12 @@ def ensure_llama_server(root: Path, jobs: int) -> Path:
             tar.extractall(root, filter="data")
     if shutil.which("cmake") is None:
         sys.exit("building llama-server needs cmake: apt-get install cmake g++")
-    print(f"building llama-server in {src}/build (about 18 min on 2 cores)")
-    subprocess.run(["cmake", "-S", str(src), "-B", str(src / "build"), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    flags = cpu_build_flags()
+    print(f"building llama-server in {build} (about 18 min on 2 cores): {' '.join(flags)}")
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                    *flags, "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True)  # fmt: skip
-    subprocess.run(["cmake", "--build", str(src / "build"), "--target", "llama-server",
+    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server",
                     "-j", str(jobs)], check=True)  # fmt: skip
     return binary
 
@@ -337,11 +372,13 @@ def main(argv=None) -> int:
         srv.complete(warm.chat, 8, cache=False)
         rx.engine.generate(input_ids=warm.chat, **_sampling(8))
         for rnd in range(args.rounds):
-            w = Workload(tok, rnd, len(tok))
             sides: list[tuple[str, Callable]] = [("llama", lambda: None), ("radix", lambda: None)]
             if rnd % 2:
                 sides.reverse()
-            for row in rows:
+            for i, row in enumerate(rows):
+                # Texts of their own per round and row: the concurrent agents must not hit
+                # what the one-at-a-time agents left in either server's cache.
+                w = Workload(tok, rnd * len(rows) + i, len(tok))
                 for side, _ in sides:
                     if row == "decode":
                         v = llama_decode(srv, w) if side == "llama" else radix_decode(rx, w)
@@ -393,7 +430,7 @@ def table(res, args, gguf: Path, load0, load1) -> str:
         f"- file: `{gguf.name}` (both servers), {args.threads} threads each; radixlm "
         f"`--dtype {args.dtype}`; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
         f"for both; llama-server from `{SDIST}` {SDIST_VERSION}'s vendored "
-        "llama.cpp (GGML_NATIVE, Release), `--parallel 8`",
+        "llama.cpp (Release; ggml x86 options from /proc/cpuinfo, AMX off), `--parallel 8`",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, shared; load average "
         f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end; {args.rounds} rounds, servers "
         "interleaved with alternating order",

@@ -2,10 +2,11 @@
 
 `run_engine(config, endpoints)` binds the PULL socket it reads (`endpoints.to_engine`),
 connects the PUSH socket it writes (`endpoints.to_frontend`), sends `EngineReady`, then
-loops: drain every pending message without blocking, run one scheduler step if there is
-work, send what the step produced (one `StepOutputs` per step), and block on the socket
-for a short while only when idle. It never waits on a client or on tokenization.
-`Shutdown` or SIGTERM stops it at the next iteration.
+serves (serve_loop.py): take every queued message, run one scheduler step if there is
+work, send what the step produced, and wait for a message only when idle; an intake
+thread reads the socket and answers control requests while a forward runs. It never
+waits on a client or on tokenization. `Shutdown` or SIGTERM stops it at the next
+iteration.
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from typing import Any
 import torch
 import zmq
 from radixlm.cache import KVPool, PrefixCache
-from radixlm.runtime.channel import drain, open_socket
+from radixlm.runtime.channel import open_socket
 from radixlm.runtime.config import Endpoints, EngineConfig
-from radixlm.runtime.engine.messages import EngineReady, Shutdown, encode, to_engine_decoder
+from radixlm.runtime.engine.messages import EngineReady, encode
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.pool_size import kv_capacity
 from radixlm.runtime.engine.scheduler import Scheduler
+from radixlm.runtime.engine.serve_loop import EngineLoop, StopFlag
 from radixlm.runtime.engine.sessions import SessionManager
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model import ModelConfig, ModelRunner, resolve_device, resolve_dtype
@@ -37,8 +39,6 @@ from radixlm.tokenizer import Tokenizer
 
 log = logging.getLogger("radixlm.engine")
 
-IDLE_POLL_MS = 100  # nothing to do: wait this long for a message (then tick sessions)
-STALLED_POLL_MS = 5  # work queued but nothing schedulable this step
 STATS_EVERY_S = 10.0
 
 
@@ -112,20 +112,11 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     return Engine(sched, runner, ready)
 
 
-class _StopFlag:
-    def __init__(self) -> None:
-        self.set = False
-
-    def __call__(self, signum: int, frame: object) -> None:
-        log.info("engine: signal %d, stopping", signum)
-        self.set = True
-
-
 def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
     """The engine process's main: serve until Shutdown or SIGTERM."""
     engine = build_engine(config)
     sched = engine.scheduler
-    stop = _StopFlag()
+    stop = StopFlag()
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
     ctx: zmq.Context[Any] = zmq.Context()
@@ -134,7 +125,7 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
     try:
         outbox.send(encode(engine.ready))
         log.info("engine ready")
-        _serve(sched, inbox, outbox, stop)
+        EngineLoop(sched, inbox, outbox, stop, on_step=_ThroughputLog(sched).maybe_log).run()
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -144,30 +135,6 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
         if sched.grammars is not None:
             sched.grammars.close()
         log.info("engine stopped")
-
-
-def _serve(
-    sched: Scheduler, inbox: zmq.Socket[Any], outbox: zmq.Socket[Any], stop: _StopFlag
-) -> None:
-    poller = zmq.Poller()
-    poller.register(inbox, zmq.POLLIN)
-    report = _ThroughputLog(sched)
-    while not stop.set:
-        for msg in drain(inbox, to_engine_decoder, log=log):  # all pending, never blocking
-            if isinstance(msg, Shutdown):
-                log.info("engine: shutdown requested")
-                stop.set = True
-                break
-            sched.handle(msg)
-        if stop.set:
-            break
-        sched.maybe_tick()
-        ran = sched.step() if sched.has_work() else False
-        for out in sched.take_outbox():
-            outbox.send(encode(out))
-        report.maybe_log()
-        if not ran:
-            poller.poll(STALLED_POLL_MS if sched.has_work() else IDLE_POLL_MS)
 
 
 class _ThroughputLog:

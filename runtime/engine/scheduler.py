@@ -21,6 +21,7 @@ free + evictable + protected + private == capacity.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -35,7 +36,7 @@ from radixlm.runtime.engine.decode import DecodeManager
 from radixlm.runtime.engine.grammar_wait import release_compiled
 from radixlm.runtime.engine.intake import MessageHandler
 from radixlm.runtime.engine.lifecycle import Endings
-from radixlm.runtime.engine.messages import EngineCommand, ToFrontend
+from radixlm.runtime.engine.messages import EngineAbort, EngineCommand, ToFrontend
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.outputs import OutputProcessor
@@ -59,6 +60,18 @@ class ForwardModel(Protocol):
     device: torch.device
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
+
+
+class ForwardGate(Protocol):
+    """Entered around every model forward (serve_loop.StateGate: other threads may
+    answer control requests meanwhile)."""
+
+    def forward(self) -> contextlib.AbstractContextManager[None]: ...
+
+
+class _NoGate:
+    def forward(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
 
 class Scheduler:
@@ -102,6 +115,7 @@ class Scheduler:
                                        self.outbox, self.counters, grammars)
         self.grammars = grammars
         self._last_tick = -math.inf
+        self.gate: ForwardGate = _NoGate()  # the serving loop installs its StateGate
 
     # ================================================================== messages
     def handle(self, msg: object) -> None:
@@ -111,6 +125,17 @@ class Scheduler:
             return
         self.intake.handle(msg)
         self._replay_held()
+
+    def can_answer_now(self, msg: object) -> bool:
+        """Whether `msg` may be handled while a forward runs (called with the state gate
+        held): engine commands touch sessions, pins and unlocked cache, never a running
+        request; an abort only if none of its request's branches is running."""
+        if isinstance(msg, EngineCommand):
+            return True
+        if isinstance(msg, EngineAbort):
+            g = self.table.groups.get(msg.key)
+            return g is not None and not any(r in self.table.running for r in g.branches)
+        return False
 
     def _replay_held(self) -> None:
         for msg in self.sessions.take_ready():  # (what these release is replayed by `handle`)
@@ -155,8 +180,10 @@ class Scheduler:
             if not plan:
                 self.prefill.break_stall()
                 return False
+            batch = build_batch(plan, self.device)
             t0 = time.perf_counter()
-            logits = self.model.forward(build_batch(plan, self.device))
+            with self.gate.forward():
+                logits = self.model.forward(batch)
             self.counters.forward_s += time.perf_counter() - t0
             self.outputs.after_forward(plan, logits)
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine

@@ -1,10 +1,12 @@
 """Quantized weights (`--quantize int8|int4`) on tiny random checkpoints, two ways:
 
 1. Exactness of the quantized path: transformers run on the *dequantized* blocks (read
-   back by gguf-py, so the block format is GGML's) must give our quantized runner's logits
-   within the float32 tolerance of the dense tests (atol 1e-4): prefill (dequantize + GEMM
-   rows), token-by-token decode (the fused one-call step, or the streaming kernel per op
-   for models with q/k norms) and decode batched with another request (per op) alike.
+   back by gguf-py, so the block format is GGML's) must give our quantized runner's
+   prefill logits (dequantize + GEMM rows) within the float32 tolerance of the dense tests
+   (atol 1e-4). Decode (the fused one-call step, or the streaming kernel per op for
+   models with q/k norms, and batched with another request) multiplies activations held
+   as two int8 digits per value (the kernel's arithmetic is checked exactly in
+   test_model_quant_kernel.py): within DECODE_ATOL of the same transformers run.
 2. Accuracy cost against the float32 checkpoint (transformers, original weights), with the
    documented bounds below. Random tiny models are a harsh case (near-flat logits, 64-wide
    blocks of Gaussian weights), so the int4 bounds are loose; SmolLM2's are in
@@ -27,6 +29,7 @@ from radixlm.runtime.model.weights import load_state_dict
 from tiny_models import TINY_VARIANTS, load_hf_model, make_tiny_checkpoint
 
 ATOL = 1e-4
+DECODE_ATOL = 5e-3  # decode's two-digit int8 activations (measured up to 1.1e-3 here)
 PROMPT = 48
 # Documented accuracy bounds on the tiny random models: top-1 agreement with float32 over
 # all prompt positions, and max |logit error| / std of the float32 logits of the position.
@@ -99,8 +102,8 @@ def test_quantized_matches_transformers_on_dequantized_weights(variant, runs, fm
     hf.tie_weights()
     ref = _hf_logits(hf)
     torch.testing.assert_close(pre, ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(dec[0], ref, atol=ATOL, rtol=0)  # batch 1
-    torch.testing.assert_close(dec[1], ref, atol=ATOL, rtol=0)  # batch 2, per-op path
+    torch.testing.assert_close(dec[0], ref, atol=DECODE_ATOL, rtol=0)  # batch 1
+    torch.testing.assert_close(dec[1], ref, atol=DECODE_ATOL, rtol=0)  # batch 2, per-op path
     assert (runner.fused is not None) == (ModelConfig.from_dir(variant).qk_norm is False)
 
 

@@ -11,6 +11,7 @@ iteration.
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -116,6 +117,11 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
     """The engine process's main: serve until Shutdown or SIGTERM."""
     engine = build_engine(config)
     sched = engine.scheduler
+    # Everything loaded so far (model, tokenizer, libraries: millions of objects) lives as
+    # long as the process: out of the collector's way, or every full collection walks it
+    # (profiled: ~6% of a batch-1 decode step).
+    gc.collect()
+    gc.freeze()
     stop = StopFlag()
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, stop) if main_thread else None

@@ -19,18 +19,26 @@ from .decoder import DecoderModel
 from .qkernel import kernel
 from .quant import QuantWeight
 
-_FIELDS = ("in_norm", "w_qkv_t", None, "b_qkv", "w_o_t", None, "b_o", "post_norm",
-           "w_gu_t", None, "b_gu", "w_down_t", None, "b_down")  # fmt: skip
+_NORMS = ("in_norm", "post_norm")
+_MATS = (("w_qkv_t", "b_qkv"), ("w_o_t", "b_o"), ("w_gu_t", "b_gu"), ("w_down_t", "b_down"))
 
 
-def _ptr(t: torch.Tensor | QuantWeight | None) -> int:
+def _ptr(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
-    if isinstance(t, QuantWeight):
-        return t.blocks.data_ptr()
     if t.dtype != torch.float32 or not t.is_contiguous():
         raise ValueError("fused decode needs contiguous float32 norms and biases")
     return t.data_ptr()
+
+
+def _layer_row(layer) -> list[int]:
+    """The layer's `table` entries: norms, then codes, d, m, qtype, bias per matrix."""
+    row = [_ptr(getattr(layer, name)) for name in _NORMS]
+    for mat, bias in _MATS:
+        w: QuantWeight = getattr(layer, mat)
+        row += [w.codes.data_ptr(), w.d.data_ptr(), 0 if w.m is None else w.m.data_ptr(),
+                w.qtype, _ptr(getattr(layer, bias))]
+    return row
 
 
 class FusedDecode:
@@ -39,16 +47,7 @@ class FusedDecode:
     def __init__(self, model: DecoderModel, pool):
         c = model.config
         self.model = model
-        rows = []
-        for layer in model.layers:
-            row = []
-            for i, name in enumerate(_FIELDS):
-                if name is None:  # the quant type of the matrix just before
-                    row.append(getattr(layer, _FIELDS[i - 1]).qtype)
-                else:
-                    row.append(_ptr(getattr(layer, name)))
-            rows.append(row)
-        self.table = torch.tensor(rows, dtype=torch.int64)
+        self.table = torch.tensor([_layer_row(layer) for layer in model.layers], dtype=torch.int64)
         self.kv = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(pool.k, pool.v, strict=True)],
                                dtype=torch.int64)  # fmt: skip
         self.pool = pool  # keeps the buffers the pointers name alive

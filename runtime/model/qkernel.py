@@ -24,6 +24,8 @@ from .gguf_convert import cache_root
 
 SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# Without AVX-512: the kernel's plain C path (tests compare it with the native build).
+PORTABLE_CFLAGS = ("-O3", "-march=x86-64-v2", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 
 class KernelBuildError(RuntimeError):
@@ -38,16 +40,17 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def library_path() -> Path:
+def library_path(cflags: tuple[str, ...] = CFLAGS, directory: Path | None = None) -> Path:
     """Where the compiled kernel for this source, these flags and this CPU lives."""
-    key = SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags().encode()
+    key = SOURCE.read_bytes() + " ".join(cflags).encode() + _cpu_flags().encode()
     digest = hashlib.sha256(key).hexdigest()[:16]
-    return cache_root() / "kernels" / f"qmatmul-{digest}.so"
+    return (directory or cache_root() / "kernels") / f"qmatmul-{digest}.so"
 
 
-def build(verbose: bool = False) -> Path:
+def build(verbose: bool = False, cflags: tuple[str, ...] = CFLAGS,
+          directory: Path | None = None) -> Path:
     """Compile the kernel unless this exact build exists; atomic (temp file + rename)."""
-    target = library_path()
+    target = library_path(cflags, directory)
     if target.exists():
         return target
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -57,7 +60,7 @@ def build(verbose: bool = False) -> Path:
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    cmd = [cc, *CFLAGS, "-o", str(tmp), str(SOURCE), "-lm"]
+    cmd = [cc, *cflags, "-o", str(tmp), str(SOURCE), "-lm"]
     if verbose:
         print(" ".join(cmd))
     try:
@@ -75,12 +78,24 @@ class Kernel:
 
     def __init__(self, lib: ctypes.CDLL):
         i64, vp, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        u8p = vp
         self.q_matmul = lib.q_matmul
-        self.q_matmul.argtypes = [vp, i64, i64, i64, vp, c_int, i64, vp, i64, vp, c_int]
+        self.q_matmul.argtypes = [vp, i64, i64, i64, u8p, vp, vp, c_int, i64, vp, i64, vp, c_int,
+                                  vp]  # fmt: skip
         self.q_matmul.restype = None
+        self.q_matmul_scratch_bytes = lib.q_matmul_scratch_bytes
+        self.q_matmul_scratch_bytes.argtypes = [i64, i64]
+        self.q_matmul_scratch_bytes.restype = i64
         self.q_dequant_rows = lib.q_dequant_rows
-        self.q_dequant_rows.argtypes = [vp, c_int, i64, vp, i64, vp]
+        self.q_dequant_rows.argtypes = [u8p, vp, vp, c_int, i64, vp, i64, vp]
         self.q_dequant_rows.restype = None
+        self.q_repack = lib.q_repack
+        self.q_repack.argtypes = [u8p, c_int, i64, i64, u8p, vp, vp]
+        self.q_repack.restype = None
+        self.q_unpack = lib.q_unpack
+        self.q_unpack.argtypes = [u8p, vp, vp, c_int, i64, i64, u8p]
+        self.q_unpack.restype = None
+        self.has_vnni = bool(lib.kernel_has_vnni())
         self.decode_work_floats = lib.decode_work_floats
         self.decode_work_floats.argtypes = [i64] * 6
         self.decode_work_floats.restype = i64

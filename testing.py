@@ -164,6 +164,7 @@ class StubServer:
         self.max_running = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
+        self.generated_tokens_total = 0
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -354,6 +355,7 @@ class StubServer:
                 shift = (sp.seed or 0) + b.index if sp.temperature > 0 else 0
                 token = toy_next_token(job.prompt + b.output, shift)
                 b.output.append(token)
+                self.generated_tokens_total += 1
                 if token == EOS and not sp.ignore_eos:
                     self._finish(job, b, "stop", EOS)
                     break
@@ -499,6 +501,8 @@ class StubServer:
             sessions=len(self._sessions), pins=len(self._pins), running=len(self._jobs),
             waiting=0, prompt_tokens_total=total, cached_tokens_total=self.cached_tokens_total,
             hit_rate=self.cached_tokens_total / total if total else 0.0, invariant_ok=True,
+            generated_tokens_total=self.generated_tokens_total, retractions=0,
+            fair_preemptions=0, capped_steps=0,
         ))
 
     def _flush(self, client: bytes, msg: p.FlushCache) -> None:

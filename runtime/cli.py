@@ -70,6 +70,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _step_factor(text: str) -> float:
+    value = float(text)
+    if not (value == 0 or value >= 1):
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or >= 1, got {text}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -90,7 +97,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
     g.add_argument("--device", default=d.device,
                    help="'auto' (cuda if present), 'cpu', 'cuda' or 'cuda:N' (default: %(default)s)")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES,
-                   help="weight/activation dtype; 'auto' = float32 on CPU, bfloat16 on CUDA; "
+                   help="weight/activation dtype; 'auto' = bfloat16 on CUDA, on CPU a GGUF's "
+                        "quantized blocks as stored (gguf), float32 for other checkpoints; "
                         "int8 / int4 / gguf: weight-only quantized on CPU (same as --quantize) "
                         "(default: %(default)s)")
     g.add_argument("--quantize", default=d.quantize, choices=QUANTIZE,
@@ -171,6 +179,12 @@ def add_trust_arguments(p: argparse.ArgumentParser) -> None:
                 "cap (default: %(default)s)"))),
         ("--max-priority", dict(type=int, default=d.max_priority, metavar="P", help=(
             "requests asking a higher priority get this one (default: %(default)s)"))),
+        ("--fair-step-factor", dict(
+            type=_step_factor, default=d.fair_step_factor, metavar="F", help=(
+                "while requests of several clients decode, a step takes at most the rows "
+                "whose measured time stays within F one-row steps (the rows rotate among a "
+                "flooding client's requests); 0 = whole batches always (default: "
+                "%(default)s)"))),
     ]
     for flag, options in flags:
         g.add_argument(flag, **options)
@@ -205,6 +219,7 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         max_inflight_per_client=getattr(args, "max_inflight_per_client",
                                         _DEFAULTS.max_inflight_per_client),
         max_priority=getattr(args, "max_priority", _DEFAULTS.max_priority),
+        fair_step_factor=getattr(args, "fair_step_factor", _DEFAULTS.fair_step_factor),
     )
 
 

@@ -14,7 +14,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str = "default"  # HF directory, GGUF file, or "default" (SmolLM2-135M-Instruct)
     endpoint: str = ""  # client endpoint; "" = ipc:// in a private 0700 runtime dir
     device: str = "auto"  # "auto" (cuda if present), "cpu", "cuda", "cuda:N"
-    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "bfloat16", "float16", or a quantized format (as quantize)
+    dtype: str = "auto"  # "auto" (CPU: a GGUF's blocks as stored, else float32; CUDA: bfloat16), "float32", "bfloat16", "float16", or a quantized format (as quantize)
     quantize: str = "none"  # CPU weight-only quantization: "none", "int8", "int4", "gguf"
     attention: str = "auto"  # "auto", "torch", "flashinfer"
     page_size: int = 1
@@ -37,6 +37,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     engine_timeout_s: float = 60.0  # engine silent this long -> in-flight requests fail
     max_inflight_per_client: int = 0  # generate requests one client may have in flight; 0 = no cap
     max_priority: int = 0  # a request's priority is clamped to this
+    fair_step_factor: float = 2.0  # several clients decoding: a step within this many one-row steps; 0 = off
 
 
 @dataclass(frozen=True)

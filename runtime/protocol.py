@@ -351,6 +351,10 @@ class StatsReply(Struct, tag="stats_reply"):
     cached_tokens_total: int
     hit_rate: float
     invariant_ok: bool  # free + evictable + protected + private == capacity
+    generated_tokens_total: int  # sampled (or jumped-forward) output tokens
+    retractions: int  # running requests sent back to the queue (their KV kept as cache)
+    fair_preemptions: int  # of those, to give another client its share of running slots
+    capped_steps: int  # decode steps that held rows back for another client's latency
 
 
 class SessionOpened(Struct, tag="session_opened"):

@@ -16,12 +16,15 @@ goes through, in this order (the order of transformers' and vLLM's processors):
    smallest set reaching p; tokens tied with the last kept one stay too), then min-p
    (keeps tokens with probability >= min_p times the most likely one's). Top-p sorts only
    each row's 1024 largest logits unless those hold less than p (then the whole row);
-6. sampling by an exponential race, ``argmax(probs / q)`` with ``q ~ Exp(1)`` drawn per row:
-   a row with its own `torch.Generator` (seeded request) draws its noise from it alone, so
-   its tokens depend only on its seed and its own logits, never on which other requests
-   share the batch or in which order (tested on CPU and CUDA; a seed gives different
-   tokens on CPU and on CUDA, whose generators differ). Unseeded rows share one draw from
-   torch's default generator.
+6. sampling by inverse CDF: one uniform ``u`` per row, the token where the float64
+   cumulative probability first exceeds ``u`` times the row's total (one random number
+   and one cumulative sum a row: an exponential race, one Exp(1) draw per vocabulary
+   entry, cost 5.6 ms a step for 9 rows of SmolLM2's 49,152 on this CPU). A row with its
+   own `torch.Generator` (seeded request) draws its uniform from it alone, so its tokens
+   depend only on its seed and its own logits, never on which other requests share the
+   batch or in which order (tested on CPU and CUDA; a seed gives different tokens on CPU
+   and on CUDA, whose generators differ). Unseeded rows share one draw from torch's
+   default generator.
 
 Before all of these, a grammar `mask` (``runtime.grammar.TokenMask``: the whole batch's
 token bitmask, filled in one pass) sets the tokens a constrained row's grammar forbids
@@ -323,22 +326,31 @@ class Sampler:
     ) -> torch.Tensor:
         dev, vocab = logits.device, logits.shape[1]
         probs = self.warp(logits, params).softmax(dim=-1)
-        noise = torch.empty_like(probs)
+        # One uniform per row: its own generator's for a seeded row, else one shared draw.
+        u = torch.empty(len(generators), dtype=torch.float64, device=dev)
         shared = [i for i, g in enumerate(generators) if g is None]
         if len(shared) == len(generators):
-            noise.exponential_()
+            u.uniform_()
         else:
             for i, g in enumerate(generators):
                 if g is not None:
-                    noise[i].exponential_(generator=g)
+                    u[i : i + 1].uniform_(generator=g)
             if shared:
                 idx = torch.tensor(shared, device=dev)
-                noise.index_copy_(
-                    0, idx, torch.empty((len(shared), vocab), device=dev).exponential_()
-                )
-        # Exp(1) can be exactly 0 in float32; a floor keeps 0/0 (NaN) out of masked columns.
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+                u.index_copy_(0, idx, torch.empty(len(shared), dtype=torch.float64,
+                                                  device=dev).uniform_())  # fmt: skip
+        # Inverse CDF in float64: the first token whose cumulative probability exceeds u
+        # times the row's total (a token of probability 0 never raises the sum, so it is
+        # never the first to exceed it).
+        cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+        x = (u * cdf[:, -1]).unsqueeze(1)
+        tok = torch.searchsorted(cdf, x, right=True).squeeze(1).clamp_(max=vocab - 1)
+        # (u * total can round up to total itself: then the last token with probability)
+        bad = probs.gather(1, tok.unsqueeze(1)).squeeze(1) <= 0
+        if bool(bad.any()):
+            last = vocab - 1 - (probs.flip(-1) > 0).to(torch.int8).argmax(dim=-1)
+            tok = torch.where(bad, last, tok)
+        return tok
 
 
 def _top_pairs(

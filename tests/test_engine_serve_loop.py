@@ -211,3 +211,36 @@ def test_a_waiting_request_is_aborted_during_a_forward(served) -> None:
     assert loop.intake.answered_early == early + 1
     held.release()
     assert pipes.finish_of(1, 30) == "abort"
+
+
+def test_a_control_request_queued_while_the_loop_was_busy_is_answered_in_the_forward(served) -> None:
+    """The loop is between two forwards (holding the state) when `stats` arrives, so it is
+    queued; once the next forward starts, the intake thread answers it there instead of
+    leaving it for after the forward."""
+    pipes, held, sched, loop = served
+    pipes.send(gen(1, b"a", 30, max_tokens=64))
+    deadline = time.monotonic() + 30
+    while not sched.table.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    busy, resume = threading.Event(), threading.Event()
+    tick = sched.maybe_tick
+
+    def slow_tick() -> None:  # the loop's own work between steps, held by the test
+        busy.set()
+        assert resume.wait(30)
+        tick()
+
+    held.hold()
+    sched.maybe_tick = slow_tick  # type: ignore[method-assign]
+    assert busy.wait(30)
+    pipes.send(EngineCommand(client=b"b", msg=GetStats(rid="queued")))
+    time.sleep(0.2)  # it reaches the intake thread, which can only queue it
+    assert not [m for m in pipes.seen if isinstance(m, ToClient) and m.client == b"b"]
+    sched.maybe_tick = tick  # type: ignore[method-assign]
+    resume.set()
+    assert held.entered.wait(30)
+    stats = pipes.reply_to(b"b", 5)  # the forward is still held open
+    assert isinstance(stats, StatsReply) and not held._go.is_set()  # noqa: SLF001
+    held.release()
+    pipes.send(EngineAbort(key=1))
+    assert pipes.finish_of(1, 30) in ("abort", "length")

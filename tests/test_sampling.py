@@ -479,3 +479,24 @@ def test_shape_errors():
     with pytest.raises(ValueError, match="batch"):
         s.sample(torch.zeros(10), [P()], [[]])
     assert s.sample(torch.zeros(0, 10), [], []).token_ids == []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sampled_frequencies_follow_the_distribution(device):
+    """40,000 draws from one distribution (with zero-probability tokens, a heavy head and a
+    long light tail): each token's count within 5 binomial standard deviations of its
+    expectation, and the masked tokens never."""
+    vocab, n = 64, 40_000
+    g = torch.Generator().manual_seed(21)
+    logits = torch.randn(vocab, generator=g) * 2
+    logits[[3, 17, 40]] = -math.inf  # as a grammar mask leaves them
+    logits[5] = 6.0
+    probs = torch.softmax(logits.double(), dim=-1)
+    rows = logits.to(device).expand(n, vocab).contiguous()
+    res = Sampler(vocab, device).sample(rows, [P(temperature=1.0)] * n, [[]] * n)
+    counts = Counter(res.token_ids)
+    assert not {3, 17, 40} & set(counts)
+    for tok in range(vocab):
+        p = float(probs[tok])
+        sd = math.sqrt(n * p * (1 - p))
+        assert abs(counts.get(tok, 0) - n * p) <= 5 * sd + 1, (tok, counts.get(tok, 0), n * p)

@@ -1,4 +1,5 @@
-"""Decode scheduling: every running decode gets the slot of its next token this step.
+"""Decode scheduling: every running decode gets the slot of its next token this step
+(while several clients decode, those the step budget takes: step_budget.py).
 
 Its last page while it has room, else a new page, all allocated in one call. When the
 pool cannot give them even after eviction and demoting idle sessions, the newest running
@@ -15,6 +16,7 @@ from radixlm.runtime.engine.batch import Scheduled
 from radixlm.runtime.engine.cache_manager import CacheManager
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.state import ReqState
+from radixlm.runtime.engine.step_budget import StepBudget
 from radixlm.runtime.engine.table import RequestTable
 
 log = logging.getLogger(__name__)
@@ -27,11 +29,14 @@ class DecodeManager:
     table: RequestTable
     kv: CacheManager
     endings: Endings
+    budget: StepBudget
 
     def schedule(self, plan: list[Scheduled]) -> None:
-        """Add every running decode to `plan` with the slot of its next token."""
+        """Add the running decodes (all of them, or while several clients decode the rows
+        the step budget allows) to `plan` with the slot of their next token."""
         running = self.table.running
-        decoding = [r for r in running if r.state is ReqState.DECODING]
+        decoding = self.budget.select([r for r in running if r.state is ReqState.DECODING],
+                                      [*running, *self.table.waiting])
         if not decoding:
             return
         kv = self.kv

@@ -34,7 +34,7 @@ from radixlm.runtime.engine.sessions import SessionManager
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model import ModelConfig, ModelRunner, resolve_device, resolve_dtype
 from radixlm.runtime.model import resolve_model as _resolve_model
-from radixlm.runtime.model.loader import weight_format
+from radixlm.runtime.model.loader import engine_weight_format
 from radixlm.runtime.sampling import Sampler
 from radixlm.tokenizer import Tokenizer
 
@@ -71,7 +71,8 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, capacity, config.page_size, dtype, device
     )
     runner = ModelRunner(model_dir, device, dtype, pool, config.attention,
-                         quantize=weight_format(config.dtype, config.quantize))
+                         quantize=engine_weight_format(config.dtype, config.quantize, model_dir,
+                                                         device))
     # "priority": demoted session histories are evicted after plain cache (sessions.py).
     cache = PrefixCache(capacity, config.page_size, policy="priority")
     sessions = SessionManager(cache, config, kv_pool=pool)

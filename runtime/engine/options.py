@@ -25,6 +25,9 @@ class SchedulerOptions:
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001  # per step
     reserve_clip: int = 4096  # a request's future tokens counted at most this many
+    # While several clients decode, a step takes at most the rows whose measured time stays
+    # within this many one-row steps (step_budget.py); 0 = whole batches always.
+    fair_step_factor: float = 2.0
     tick_interval_s: float = 0.1  # SessionManager.tick period while busy
     check_invariants: bool = False  # assert the pool invariant after every step (tests)
 
@@ -33,6 +36,8 @@ class SchedulerOptions:
         for name in ("max_running", "chunked_prefill", "context_length"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not (self.fair_step_factor == 0 or self.fair_step_factor >= 1):
+            raise ValueError(f"fair_step_factor must be 0 (off) or >= 1, got {self.fair_step_factor}")
 
     @classmethod
     def from_config(
@@ -43,5 +48,6 @@ class SchedulerOptions:
             max_running=config.max_running,
             chunked_prefill=config.chunked_prefill,
             context_length=context_length,
+            fair_step_factor=config.fair_step_factor,
         )
         return replace(base, **overrides) if overrides else base

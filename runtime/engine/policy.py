@@ -15,7 +15,12 @@ back to FCFS (matching a long queue every step would cost more than it saves).
 Fairness across clients: within a priority, admission goes round-robin over clients (each
 client's first request in the policy's order, then each one's second, ...; among equals,
 the client admission served least recently first), so one client's queue, however long,
-cannot starve another's requests.
+cannot starve another's requests. And running slots are shared: when every slot is taken
+and a client with requests waiting holds fewer than its fair share (`max_running` over
+the clients with work), `fair_victims` names the newest running requests of the clients
+holding the most beyond their share, which the scheduler retracts (their KV stays in the
+tree as cache, so they resume almost where they were). One client alone still gets every
+slot.
 """
 
 from __future__ import annotations
@@ -58,6 +63,35 @@ class FairShare:
 
     def last(self, client: bytes) -> int:
         return self._served.get(client, 0)
+
+
+def fair_victims(running: Sequence[Request], waiting: Sequence[Request],
+                 max_running: int) -> list[Request]:
+    """Running requests to retract so that waiting clients below their fair share of the
+    `max_running` slots get one each (newest first from the clients furthest above their
+    share; none while slots are free or every client is within its share)."""
+    free = max_running - len(running)
+    if not waiting:
+        return []
+    held: dict[bytes, list[Request]] = defaultdict(list)
+    for r in running:
+        held[r.group.client].append(r)
+    queued: dict[bytes, int] = defaultdict(int)
+    for r in waiting:
+        queued[r.group.client] += 1
+    clients = set(held) | set(queued)
+    if len(clients) < 2:
+        return []
+    share = max(1, max_running // len(clients))
+    want = sum(min(n, share - len(held.get(c, ()))) for c, n in queued.items()
+               if len(held.get(c, ())) < share)
+    victims: list[Request] = []
+    while want > free + len(victims) and held:
+        c = max(held, key=lambda k: (len(held[k]), held[k][-1].arrival if held[k] else -1))
+        if len(held[c]) <= share:
+            break
+        victims.append(held[c].pop())  # running is in admission order: the newest last
+    return victims
 
 
 def order_waiting(

@@ -22,7 +22,7 @@ from radixlm.runtime.engine.cache_manager import CacheManager
 from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.options import SchedulerOptions
-from radixlm.runtime.engine.policy import FairShare, held_back, order_waiting
+from radixlm.runtime.engine.policy import FairShare, fair_victims, held_back, order_waiting
 from radixlm.runtime.engine.request import Request
 from radixlm.runtime.engine.session_controller import SessionController
 from radixlm.runtime.engine.state import ReqState, advance
@@ -54,7 +54,8 @@ class PrefillManager:
         """Raise the reserve ratio for every retraction since the last call; with
         `decay`, then lower it one step (once per scheduler step)."""
         opt = self.opt
-        while self._retractions_seen < self.counters.retractions:
+        # (fair-share retractions say nothing about the pool's room: not counted)
+        while self._retractions_seen < self.counters.retractions - self.counters.preemptions:
             self._retractions_seen += 1
             self.ratio = min(1.0, max(self.ratio, opt.init_new_token_ratio) + 0.1)
         if decay:
@@ -84,6 +85,16 @@ class PrefillManager:
                     budget -= ext
         if budget > 0 and self.table.waiting and len(self.table.running) < self.opt.max_running:
             self._admit(plan, budget, touched)
+
+    def share_slots(self) -> None:
+        """Before the step is planned: retract other clients' newest requests while a
+        waiting client is below its fair share of the running slots (policy.fair_victims),
+        so that admission gives it their slots this step."""
+        victims = fair_victims(self.table.running, self.table.waiting, self.opt.max_running)
+        for r in victims:
+            before = self.counters.retractions
+            self.endings.retract(r, reason="for another client's fair share of running slots")
+            self.counters.preemptions += self.counters.retractions - before
 
     def _admit(self, plan: list[Scheduled], budget: int, touched: list[Request]) -> None:
         opt, kv, table = self.opt, self.kv, self.table

@@ -2,8 +2,11 @@
 
 Each `step()`:
 0. requests whose grammar finished compiling join the waiting queue (grammar_wait.py);
-1. **decode** (decode.py): every running decode gets the slot of its next token,
-   retracting the newest request when the pool is exhausted;
+   a client below its fair share of running slots gets other clients' newest requests
+   retracted for it (policy.fair_victims);
+1. **decode** (decode.py): every running decode gets the slot of its next token (while
+   several clients decode, those the step budget takes: step_budget.py), retracting the
+   newest request when the pool is exhausted;
 2. **prefill** (prefill.py) under the chunked-prefill token budget: unfinished chunked
    prompts, then admission of waiting requests in policy order (match, dedup, lock,
    allocate only the uncached suffix);
@@ -44,7 +47,9 @@ from radixlm.runtime.engine.prefill import PrefillManager
 from radixlm.runtime.engine.request import Request
 from radixlm.runtime.engine.session_controller import SessionController
 from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.engine.state import ReqState
 from radixlm.runtime.engine.stats import stats_reply
+from radixlm.runtime.engine.step_budget import StepBudget
 from radixlm.runtime.engine.table import Counters, RequestTable
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model.batch import ForwardBatch
@@ -110,7 +115,8 @@ class Scheduler:
         )  # fmt: skip
         self.prefill = PrefillManager(self.table, self.kv, self.sessions, self.endings, options,
                                       self.counters)
-        self.decode = DecodeManager(self.table, self.kv, self.endings)
+        self.budget = StepBudget(options.fair_step_factor, options.max_running)
+        self.decode = DecodeManager(self.table, self.kv, self.endings, self.budget)
         self.outputs = OutputProcessor(self.kv, sampler, self.sessions, self.endings,
                                        self.outbox, self.counters, grammars)
         self.grammars = grammars
@@ -145,7 +151,7 @@ class Scheduler:
         msg = cmd.msg
         if isinstance(msg, GetStats):
             return stats_reply(msg.rid, self.cache.sizes(), self.table, self.counters,
-                               self.sessions)  # fmt: skip
+                               self.sessions, self.budget.capped_steps)  # fmt: skip
         if isinstance(msg, FlushCache):
             log.info("cache flushed: %d tokens evicted, %s", self.flush_cache(), self.cache)
             return Ok(rid=msg.rid)
@@ -175,16 +181,21 @@ class Scheduler:
         touched: list[Request] = []
         try:
             release_compiled(self.table, self.endings)
+            self.prefill.share_slots()
             self.decode.schedule(plan)
             self.prefill.schedule(plan, touched)
             if not plan:
                 self.prefill.break_stall()
                 return False
             batch = build_batch(plan, self.device)
+            decode_only = all(s.req.state is ReqState.DECODING for s in plan)
             t0 = time.perf_counter()
             with self.gate.forward():
                 logits = self.model.forward(batch)
-            self.counters.forward_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.counters.forward_s += dt
+            if decode_only:
+                self.budget.record(len(plan), dt)
             self.outputs.after_forward(plan, logits)
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
             log.exception("scheduler step failed; failing its requests")

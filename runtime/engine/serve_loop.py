@@ -8,7 +8,8 @@ Two threads share the scheduler:
 - the **intake thread**: owns the PULL socket, decodes every frame and queues it for the
   loop, except a control request (stats, session listings and commands, flush, abort of
   a request that is not running) that arrives while the loop is inside a model forward:
-  that one it answers at once.
+  that one it answers at once. When a forward starts, the loop wakes it (an inproc
+  socket) to answer the control requests queued while the loop was busy.
 
 The `StateGate` makes this safe: the loop holds it whenever it touches scheduler state,
 and lets go only around the model forward (which reads the batch it was given and writes
@@ -80,9 +81,10 @@ class StateGate:
     """The scheduler-state lock (see the module doc). The loop holds it from `start` on
     and lets go only inside `forward()`."""
 
-    def __init__(self, flush: Callable[[], None]) -> None:
+    def __init__(self, flush: Callable[[], None], wake: Callable[[], None]) -> None:
         self._lock = threading.Lock()
         self._flush = flush
+        self._wake = wake
         self.forwards = 0  # forwards that ran with the gate open (stats for tests)
 
     def start(self) -> None:
@@ -98,6 +100,7 @@ class StateGate:
         self._flush()
         self.forwards += 1
         self._lock.release()
+        self._wake()  # control requests queued just before may be answered now
         try:
             yield
         finally:
@@ -148,6 +151,38 @@ class Intake:
         with self._cond:
             return bool(self._queue) if client is None else self._pending[client] > 0
 
+    def take_controls(self) -> list[object]:
+        """Take the queued control requests that nothing of their client waits ahead of
+        (in queue order; the rest stays queued)."""
+        with self._cond:
+            if not self._queue:
+                return []
+            taken: list[object] = []
+            kept: collections.deque[object] = collections.deque()
+            blocked: set[bytes | None] = set()
+            for msg in self._queue:
+                client = getattr(msg, "client", None)
+                if client not in blocked and is_control(msg):
+                    taken.append(msg)
+                    if client is not None:
+                        self._pending[client] -= 1
+                        if not self._pending[client]:
+                            del self._pending[client]
+                else:
+                    kept.append(msg)
+                    blocked.add(client)
+            self._queue = kept
+            return taken
+
+    def put_back(self, msgs: list[object]) -> None:
+        """Return messages `take_controls` took but could not answer, ahead of the rest."""
+        with self._cond:
+            for msg in reversed(msgs):
+                self._queue.appendleft(msg)
+                client = getattr(msg, "client", None)
+                if client is not None:
+                    self._pending[client] += 1
+
 
 def is_control(msg: object) -> bool:
     """Requests the intake thread may answer during a forward: engine commands (stats,
@@ -167,8 +202,22 @@ class EngineLoop:
         self.stop = stop
         self.on_step = on_step
         self.intake = Intake()
-        self.gate = StateGate(self._send_outbox)
+        # The loop rings this when a forward starts (the intake thread then answers control
+        # requests that were queued while the loop was busy): an inproc pair, one message
+        # per forward at most pending.
+        ctx = inbox.context
+        address = f"inproc://radixlm-intake-wake-{id(self)}"
+        self._wake_rx = ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(address)
+        self._wake_tx = ctx.socket(zmq.PAIR)
+        self._wake_tx.setsockopt(zmq.SNDHWM, 1)
+        self._wake_tx.connect(address)
+        self.gate = StateGate(self._send_outbox, self._ring)
         sched.gate = self.gate
+
+    def _ring(self) -> None:
+        with contextlib.suppress(zmq.Again):  # one pending already: that one will do
+            self._wake_tx.send(b"", zmq.NOBLOCK)
 
     def _send_outbox(self) -> None:
         for out in self.sched.take_outbox():
@@ -185,6 +234,8 @@ class EngineLoop:
             self.gate.stop()  # (an intake thread inside the gate finishes its answer first)
             reader.join(timeout=2 * POLL_MS / 1000)
             self.gate.start()  # hold it again: nobody touches the sockets after this
+            self._wake_tx.close(linger=0)
+            self._wake_rx.close(linger=0)
 
     def _loop(self) -> None:
         sched = self.sched
@@ -209,9 +260,18 @@ class EngineLoop:
     def _read(self) -> None:
         poller = zmq.Poller()
         poller.register(self.inbox, zmq.POLLIN)
+        poller.register(self._wake_rx, zmq.POLLIN)
         try:
             while not self.stop.set:
-                if not poller.poll(POLL_MS):
+                ready = dict(poller.poll(POLL_MS))
+                if self._wake_rx in ready:
+                    while True:
+                        try:
+                            self._wake_rx.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                    self._answer_queued()
+                if self.inbox not in ready:
                     continue
                 while not self.stop.set:
                     try:
@@ -230,6 +290,23 @@ class EngineLoop:
                 log.error("engine intake stopped: %s", e)
                 self.stop.set = True
                 self.intake.put(Shutdown())
+
+    def _answer_queued(self) -> None:
+        """A forward has started: answer the control requests that were queued while the
+        loop was busy (those nothing of their client waits ahead of)."""
+        if not self.gate.try_enter():
+            return  # the forward is over already
+        try:
+            msgs = self.intake.take_controls()
+            for i, msg in enumerate(msgs):
+                if not self.sched.can_answer_now(msg):
+                    self.intake.put_back(msgs[i:])  # (keeps their order)
+                    break
+                self.sched.handle(msg)
+                self.intake.answered_early += 1
+            self._send_outbox()
+        finally:
+            self.gate.leave()
 
     def _answer_now(self, msg: object) -> bool:
         """Handle `msg` here if the loop is inside a forward and nothing of its client is

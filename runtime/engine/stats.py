@@ -9,7 +9,7 @@ from radixlm.runtime.protocol import StatsReply
 
 
 def stats_reply(rid: str, sizes: CacheSizes, table: RequestTable, counters: Counters,
-                sessions: SessionController) -> StatsReply:
+                sessions: SessionController, capped_steps: int = 0) -> StatsReply:
     private = table.private_tokens()
     c = counters
     return StatsReply(
@@ -25,5 +25,9 @@ def stats_reply(rid: str, sizes: CacheSizes, table: RequestTable, counters: Coun
         cached_tokens_total=c.cached_tokens,
         hit_rate=c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
         invariant_ok=sizes.free + sizes.evictable + sizes.protected + private == sizes.capacity,
+        generated_tokens_total=c.generated_tokens + c.jumped_tokens,
+        retractions=c.retractions,
+        fair_preemptions=c.preemptions,
+        capped_steps=capped_steps,
         **sessions.stats(),
     )

@@ -19,6 +19,7 @@ class Counters:
     generated_tokens: int = 0
     jumped_tokens: int = 0  # appended by jump-forward, without a decode step each
     retractions: int = 0
+    preemptions: int = 0  # of those, for another client's fair share of running slots
     finished: int = 0
 
 

@@ -666,7 +666,8 @@ class Frontend:
         if isinstance(reply, wire.StatsReply):
             return msgspec.structs.replace(
                 reply, sessions=0, pins=0, retained_tokens={}, prompt_tokens_total=0,
-                cached_tokens_total=0, hit_rate=0.0)
+                cached_tokens_total=0, hit_rate=0.0, generated_tokens_total=0, retractions=0,
+                fair_preemptions=0, capped_steps=0)
         return None
 
     # -- disconnects -----------------------------------------------------------------------

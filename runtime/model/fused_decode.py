@@ -4,9 +4,11 @@ A one-token step of one request is a few hundred tiny operations; dispatched one
 from Python their overhead outweighs the arithmetic (profiled: ~370 torch ops a step on
 SmolLM2). When every layer's matrices are quantized (`QuantWeight`) and the layers have no
 q/k norms, `FusedDecode` runs the whole stack in one kernel call: one OpenMP region, the
-matrix products split across threads, K/V of the new token written straight into the pool,
-attention over the request's slots. Everything else (batches, prefill, dense weights) takes
-the ordinary per-op path. The embedding row, final norm and LM head stay in Python.
+matrix products split across threads, K/V of the new tokens written straight into the
+pool, attention over each request's slots. One request takes `decode_layers`; 2 to
+MAX_ROWS decode rows `decode_rows` (the products take all rows per pass over the weights).
+Everything else (prefill, dense weights) takes the ordinary per-op path. The embedding
+rows, final norm and LM head stay in Python.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .decoder import DecoderModel
 from .qkernel import kernel
 from .quant import QuantWeight
 
+MAX_ROWS = 64  # decode rows the batched one-call step (`decode_rows`) takes
 _NORMS = ("in_norm", "post_norm")
 _MATS = (("w_qkv_t", "b_qkv"), ("w_o_t", "b_o"), ("w_gu_t", "b_gu"), ("w_down_t", "b_down"))
 
@@ -74,11 +77,13 @@ class FusedDecode:
 
     @staticmethod
     def applies(batch) -> bool:
-        """One request with one new token (and its logits row)."""
-        return batch.input_ids.shape[0] == 1 and len(batch.extend_lens) == 1
+        """Decode rows only (one new token per request), at most MAX_ROWS of them."""
+        n = batch.input_ids.shape[0]
+        return n <= MAX_ROWS and len(batch.extend_lens) == n
 
     def forward_hidden(self, batch) -> torch.Tensor:
-        """The last layer's hidden state `[1, hidden]` (pre final norm); writes the new K/V."""
+        """The last layer's hidden states of the `batch.logits_indices` rows (pre final
+        norm); writes the new K/V of every row."""
         m = self.model
         hidden, n_layers, nh, nkv, hd, inter = self.dims
         if isinstance(m.embed, QuantWeight):
@@ -90,14 +95,29 @@ class FusedDecode:
         slots = batch.kv_indices_cpu if batch.kv_indices_cpu is not None else batch.kv_indices
         slots = slots.to(torch.int64).contiguous()
         k = kernel()
-        need = k.decode_work_floats(hidden, nh, nkv, hd, inter, slots.numel())
-        if self.work.numel() < need:
-            self.work = torch.empty(max(need, 2 * self.work.numel()))
-        rc = k.decode_layers(
-            x.data_ptr(), hidden, n_layers, self.table.data_ptr(), self.kv.data_ptr(), nh, nkv,
-            hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), slots.numel(),
-            self.work.data_ptr(),
-        )  # fmt: skip
+        rows = x.shape[0]
+        if rows > 1:
+            indptr = batch.kv_indptr.to(torch.int64).contiguous()
+            need = k.decode_rows_work_floats(rows, hidden, nh, nkv, hd, inter, indptr.data_ptr())
+            self._grow(need)
+            rc = k.decode_rows(
+                x.data_ptr(), rows, hidden, n_layers, self.table.data_ptr(), self.kv.data_ptr(),
+                nh, nkv, hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                indptr.data_ptr(), self.work.data_ptr(),
+            )  # fmt: skip
+        else:
+            self._grow(k.decode_work_floats(hidden, nh, nkv, hd, inter, slots.numel()))
+            rc = k.decode_layers(
+                x.data_ptr(), hidden, n_layers, self.table.data_ptr(), self.kv.data_ptr(), nh,
+                nkv, hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                slots.numel(), self.work.data_ptr(),
+            )  # fmt: skip
         if rc != 0:
-            raise RuntimeError(f"decode_layers refused the model's shapes (code {rc})")
+            raise RuntimeError(f"the fused decode step refused the model's shapes (code {rc})")
+        if batch.logits_indices.shape[0] != rows:  # e.g. a session turn's tail row
+            x = x.index_select(0, batch.logits_indices)
         return x
+
+    def _grow(self, floats: int) -> None:
+        if self.work.numel() < floats:
+            self.work = torch.empty(max(floats, 2 * self.work.numel()))

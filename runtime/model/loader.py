@@ -51,6 +51,20 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device | str) -
     return _DTYPES[key]
 
 
+def engine_weight_format(dtype: str, quantize: str | None, model_dir: str | Path,
+                         device: torch.device) -> str | None:
+    """The weight format an engine loads: as asked (`weight_format`), except that "auto"
+    on CPU keeps a converted GGUF's quantized blocks as stored ("gguf"): llama.cpp's
+    choice, and on SmolLM2 a batch-1 decode step 3-4x faster than float32 weights (97 MB
+    read per token instead of 538 MB) with decode logits within 0.005 std of float32.
+    Large decode batches (above ~32 rows) run faster on float32: `--dtype float32`."""
+    fmt = weight_format(dtype, quantize)
+    if fmt is None and dtype in (None, "auto") and device.type == "cpu" and (
+            source_gguf(model_dir) is not None):  # fmt: skip
+        return "gguf"
+    return fmt
+
+
 def weight_format(dtype: torch.dtype | str | None, quantize: str | None) -> str | None:
     """The quantized weight format asked for by `dtype` or `quantize` (None: dense)."""
     by_dtype = dtype if isinstance(dtype, str) and dtype in WEIGHT_FORMATS else None

@@ -96,6 +96,13 @@ class Kernel:
         self.q_unpack.argtypes = [u8p, vp, vp, c_int, i64, i64, u8p]
         self.q_unpack.restype = None
         self.has_vnni = bool(lib.kernel_has_vnni())
+        self.decode_rows_work_floats = lib.decode_rows_work_floats
+        self.decode_rows_work_floats.argtypes = [i64] * 6 + [vp]
+        self.decode_rows_work_floats.restype = i64
+        self.decode_rows = lib.decode_rows
+        self.decode_rows.argtypes = [vp, i64, i64, i64, vp, vp, i64, i64, i64, i64,
+                                     ctypes.c_float, vp, vp, vp, vp, vp]  # fmt: skip
+        self.decode_rows.restype = c_int
         self.decode_work_floats = lib.decode_work_floats
         self.decode_work_floats.argtypes = [i64] * 6
         self.decode_work_floats.restype = i64

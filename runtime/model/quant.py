@@ -27,7 +27,7 @@ BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 CODE_BYTES = {Q4_0: 16, Q4_1: 16, Q8_0: 32}  # a block's codes, without its scale/offset
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 # Activation rows up to which the kernel streams the weights (see the module docstring).
-GEMV_MAX_ROWS = 16
+GEMV_MAX_ROWS = 64
 
 
 class QuantWeight:

@@ -307,9 +307,11 @@ static inline __m256i lone_dot(__m256i w, const int8_t *q, const int8_t *r) {
 }
 
 /* y[m][n] for M <= MAX_M quantized activation rows and weight rows [n0, n1). */
-static void rows_vnni(const qact *acts, int64_t M, int64_t K, const uint8_t *codes,
-                      const uint16_t *d, const uint16_t *mins, int qtype, int64_t n0, int64_t n1,
-                      float *y, int64_t ldy, const float *bias, int accumulate) {
+/* (always inlined with a constant M, so that the accumulators live in registers) */
+static inline __attribute__((always_inline)) void
+rows_vnni_m(const qact *acts, const int64_t M, int64_t K, const uint8_t *codes,
+            const uint16_t *d, const uint16_t *mins, int qtype, int64_t n0, int64_t n1,
+            float *y, int64_t ldy, const float *bias, int accumulate) {
     const int64_t nb = K / QK, cb = code_bytes(qtype);
     const __m512 negz = _mm512_set1_ps(-(float)zero_point(qtype));
     __m512i lanes[8];
@@ -358,6 +360,17 @@ static void rows_vnni(const qact *acts, int64_t M, int64_t K, const uint8_t *cod
             float *out = y + i * ldy + n;
             *out = accumulate ? *out + v : v;
         }
+    }
+}
+
+static void rows_vnni(const qact *acts, int64_t M, int64_t K, const uint8_t *codes,
+                      const uint16_t *d, const uint16_t *mins, int qtype, int64_t n0, int64_t n1,
+                      float *y, int64_t ldy, const float *bias, int accumulate) {
+    switch (M) {
+    case 1: rows_vnni_m(acts, 1, K, codes, d, mins, qtype, n0, n1, y, ldy, bias, accumulate); break;
+    case 2: rows_vnni_m(acts, 2, K, codes, d, mins, qtype, n0, n1, y, ldy, bias, accumulate); break;
+    case 3: rows_vnni_m(acts, 3, K, codes, d, mins, qtype, n0, n1, y, ldy, bias, accumulate); break;
+    default: rows_vnni_m(acts, 4, K, codes, d, mins, qtype, n0, n1, y, ldy, bias, accumulate); break;
     }
 }
 
@@ -706,6 +719,179 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
             quantize_act(h, inter, &a);
             par_gemv(&a, inter, mat_at(t, 3), hidden, x, 1); /* barrier 5: x complete */
         }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------
+ * One decode step of B requests at once (B >= 2), all layers in one call.
+ *
+ * As decode_layers, with the B rows' small work (norms, RoPE, activation quantization,
+ * SiLU, the pool writes) shared out by rows instead of repeated, the products taking all
+ * rows per pass over the weights (MAX_M at a time), and attention split into (row, KV
+ * head, chunk of positions) items. x: [B, hidden], updated in place; cos / sin: [B, hd];
+ * the rows' pool slots: kv_indices[kv_indptr[b] : kv_indptr[b + 1]], the new token's
+ * last. work: at least decode_rows_work_floats(...) floats.
+ * ---------------------------------------------------------------------------------------- */
+
+static int64_t rows_items(int64_t B, const int64_t *kv_indptr, int64_t nkv) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < B; b++) n += nkv * ((kv_indptr[b + 1] - kv_indptr[b] + ATT_CHUNK - 1) / ATT_CHUNK);
+    return n;
+}
+
+int64_t decode_rows_work_floats(int64_t B, int64_t hidden, int64_t nh, int64_t nkv, int64_t hd,
+                                int64_t inter, const int64_t *kv_indptr) {
+    const int64_t wide = hidden > inter ? hidden : inter, items = rows_items(B, kv_indptr, nkv);
+    return B * ((nh + 2 * nkv) * hd + (nh + nkv) * hd + nh * hd + 2 * inter + wide +
+                act_bytes(wide) / (int64_t)sizeof(float) + 16) +
+           items / nkv * nh * (hd + 2) + 2 * items + 2 * B + 64;
+}
+
+/* Inside a parallel region: y[B, N] (row stride ldy) from B quantized rows. */
+static void par_gemm(const qact *acts, int64_t B, int64_t K, qmat w, int64_t N, float *y,
+                     int64_t ldy, int accumulate) {
+    const int64_t chunks = (N + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * 16, n1 = n0 + 16 < N ? n0 + 16 : N;
+        for (int64_t i0 = 0; i0 < B; i0 += MAX_M) {
+            const int64_t k = B - i0 < MAX_M ? B - i0 : MAX_M;
+            rows_product(acts + i0, k, K, w.codes, w.d, w.m, w.qtype, n0, n1, y + i0 * ldy, ldy,
+                         w.bias, accumulate);
+        }
+    }
+}
+
+int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int64_t *table,
+                const int64_t *kv_ptrs, int64_t nh, int64_t nkv, int64_t hd, int64_t inter,
+                float eps, const float *cos, const float *sin, const int64_t *kv_indices,
+                const int64_t *kv_indptr, float *work) {
+    if (nh % nkv || hidden % QK || inter % QK || (nh * hd) % QK || nh / nkv > MAX_GROUP ||
+        B < 1 || B > 64)
+        return -1;
+    const int64_t nqkv = (nh + 2 * nkv) * hd, nqk = (nh + nkv) * hd, group = nh / nkv;
+    const int64_t wide = hidden > inter ? hidden : inter;
+    const float scale = 1.0f / sqrtf((float)hd);
+    const int64_t items = rows_items(B, kv_indptr, nkv);
+    float *qkv = work;                /* [B, nqkv] */
+    float *qk = qkv + B * nqkv;       /* [B, nqk] roped q and k */
+    float *att = qk + B * nqk;        /* [B, nh * hd] */
+    float *gu = att + B * nh * hd;    /* [B, 2 * inter] */
+    float *h = gu + B * 2 * inter;    /* [B, wide] */
+    char *act0 = (char *)(h + B * wide);
+    float *parts = (float *)(act0 + B * act_bytes(wide) + 64);
+    int32_t *item_row = (int32_t *)(parts + items / nkv * nh * (hd + 2));
+    int32_t *item_c = item_row + items;
+    int64_t *parts_at = (int64_t *)(((uintptr_t)(item_c + items) + 7) & ~(uintptr_t)7);
+    qact acts[64];
+    for (int64_t b = 0, it = 0, off = 0; b < B; b++) {
+        acts[b] = act_at(act0 + b * act_bytes(wide), wide);
+        const int64_t nc = (kv_indptr[b + 1] - kv_indptr[b] + ATT_CHUNK - 1) / ATT_CHUNK;
+        parts_at[b] = off;
+        off += nc * nh * (hd + 2);
+        for (int64_t g = 0; g < nkv; g++)
+            for (int64_t c = 0; c < nc; c++, it++) {
+                item_row[it] = (int32_t)b;
+                item_c[it] = (int32_t)(g * nc + c);
+            }
+    }
+
+#pragma omp parallel
+    for (int64_t l = 0; l < n_layers; l++) {
+        const int64_t *t = table + l * LAYER_FIELDS;
+        float *kp = (float *)kv_ptrs[2 * l], *vp = (float *)kv_ptrs[2 * l + 1];
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            rms_norm(x + b * hidden, (const float *)t[0], hidden, eps, h + b * wide);
+            quantize_act(h + b * wide, hidden, &acts[b]);
+        }
+        par_gemm(acts, B, hidden, mat_at(t, 0), nqkv, qkv, nqkv, 0);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t i = 0; i < nh + nkv; i++)
+                rope(qkv + b * nqkv + i * hd, cos + b * hd, sin + b * hd, hd, qk + b * nqk + i * hd);
+        /* attention items: (row, KV head, chunk); K/V of the new token from the row's copy */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t b = item_row[it], L = kv_indptr[b + 1] - kv_indptr[b];
+            const int64_t nc = (L + ATT_CHUNK - 1) / ATT_CHUNK, g = item_c[it] / nc, c = item_c[it] % nc;
+            const int64_t *slots = kv_indices + kv_indptr[b];
+            const float *q = qk + b * nqk, *k_new = q + nh * hd, *v_new = qkv + b * nqkv + nqk;
+            const int64_t p0 = c * ATT_CHUNK, p1 = p0 + ATT_CHUNK < L ? p0 + ATT_CHUNK : L;
+            float sc[MAX_GROUP][ATT_CHUNK];
+            for (int64_t p = p0; p < p1; p++) {
+                const float *k = p == L - 1 ? k_new + g * hd : kp + (slots[p] * nkv + g) * hd;
+                for (int64_t hh = 0; hh < group; hh++) {
+                    const float *qh = q + (g * group + hh) * hd;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t j = 0; j < hd; j++) dot += qh[j] * k[j];
+                    sc[hh][p - p0] = dot * scale;
+                }
+            }
+            for (int64_t hh = 0; hh < group; hh++) {
+                float *part = parts + parts_at[b] + ((g * group + hh) * nc + c) * (hd + 2);
+                float mx = -INFINITY, den = 0.0f;
+                for (int64_t p = 0; p < p1 - p0; p++) mx = sc[hh][p] > mx ? sc[hh][p] : mx;
+                for (int64_t p = 0; p < p1 - p0; p++) {
+                    sc[hh][p] = expf(sc[hh][p] - mx);
+                    den += sc[hh][p];
+                }
+                part[0] = mx;
+                part[1] = den;
+                for (int64_t j = 0; j < hd; j++) part[2 + j] = 0.0f;
+            }
+            for (int64_t p = p0; p < p1; p++) {
+                const float *v = p == L - 1 ? v_new + g * hd : vp + (slots[p] * nkv + g) * hd;
+                for (int64_t hh = 0; hh < group; hh++) {
+                    float *o = parts + parts_at[b] + ((g * group + hh) * nc + c) * (hd + 2) + 2;
+                    const float w = sc[hh][p - p0];
+#pragma omp simd
+                    for (int64_t j = 0; j < hd; j++) o[j] += w * v[j];
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t bi = 0; bi < B * nh; bi++) { /* combine the chunks of (row, query head) */
+            const int64_t b = bi / nh, i = bi % nh, L = kv_indptr[b + 1] - kv_indptr[b];
+            const int64_t nc = (L + ATT_CHUNK - 1) / ATT_CHUNK;
+            const float *first = parts + parts_at[b] + i * nc * (hd + 2);
+            float mx = -INFINITY, den = 0.0f;
+            for (int64_t c = 0; c < nc; c++) mx = first[c * (hd + 2)] > mx ? first[c * (hd + 2)] : mx;
+            float *o = att + b * nh * hd + i * hd;
+            for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
+            for (int64_t c = 0; c < nc; c++) {
+                const float *part = first + c * (hd + 2), f = expf(part[0] - mx);
+                den += part[1] * f;
+#pragma omp simd
+                for (int64_t j = 0; j < hd; j++) o[j] += f * part[2 + j];
+            }
+            const float inv = 1.0f / den;
+            for (int64_t j = 0; j < hd; j++) o[j] *= inv;
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) { /* the new tokens' K/V into the pool; att quantized */
+            const int64_t slot = kv_indices[kv_indptr[b + 1] - 1];
+            memcpy(kp + slot * nkv * hd, qk + b * nqk + nh * hd, nkv * hd * sizeof(float));
+            memcpy(vp + slot * nkv * hd, qkv + b * nqkv + nqk, nkv * hd * sizeof(float));
+            quantize_act(att + b * nh * hd, nh * hd, &acts[b]);
+        }
+        par_gemm(acts, B, nh * hd, mat_at(t, 1), hidden, x, hidden, 1);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            rms_norm(x + b * hidden, (const float *)t[1], hidden, eps, h + b * wide);
+            quantize_act(h + b * wide, hidden, &acts[b]);
+        }
+        par_gemm(acts, B, hidden, mat_at(t, 2), 2 * inter, gu, 2 * inter, 0);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < B; b++) {
+            const float *gb = gu + b * 2 * inter;
+            float *hb = h + b * wide;
+            for (int64_t i = 0; i < inter; i++) hb[i] = gb[i] / (1.0f + expf(-gb[i])) * gb[inter + i];
+            quantize_act(hb, inter, &acts[b]);
+        }
+        par_gemm(acts, B, inter, mat_at(t, 3), hidden, x, hidden, 1);
     }
     return 0;
 }

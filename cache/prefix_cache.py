@@ -132,9 +132,19 @@ class PrefixCache:
         self.allocator.free_trusted(freed)
         return len(freed)
 
-    def flush(self) -> int:
-        """Evict everything evictable (locked content stays); returns tokens freed."""
-        return self.evict(self.tree.evictable_size)
+    def flush(self, namespaces: Callable[[Hashable], bool] | None = None) -> int:
+        """Evict everything evictable (locked content stays), or only what lies in the
+        namespaces `namespaces` accepts; returns tokens freed."""
+        if namespaces is None:
+            return self.evict(self.tree.evictable_size)
+        self.epoch += 1
+        try:
+            freed = self.tree.evict_namespaces(namespaces, self._on_evict)
+        except BaseException as e:  # the hook failed: still free what left the tree
+            self.allocator.free_trusted(getattr(e, "evicted_slots", EMPTY))
+            raise
+        self.allocator.free_trusted(freed)
+        return len(freed)
 
     def sizes(self) -> CacheSizes:
         tree = self.tree

@@ -318,36 +318,55 @@ class RadixCache:
         raises, that node stays and the slots already freed by this call are attached to
         the exception as `evicted_slots`.
         """
+        return self._evict_leaves(n_tokens, on_evict, None)
+
+    def evict_namespaces(self, matches: Callable[[Hashable], bool],
+                         on_evict: OnEvict | None = None) -> np.ndarray:
+        """Remove every unlocked entry of the namespaces `matches` accepts (a tenant's
+        flush); other namespaces are untouched. Returns the freed slots, as `evict`."""
+        return self._evict_leaves(self._evictable, on_evict, matches)
+
+    def _evict_leaves(self, n_tokens: int, on_evict: OnEvict | None,
+                      matches: Callable[[Hashable], bool] | None) -> np.ndarray:
         freed: list[np.ndarray] = []
+        skipped: list[TreeNode] = []  # leaves of other namespaces: back in the heap after
         got = 0
         pop = self._leaves.pop
-        while got < n_tokens:
-            node = pop()
-            if node is None:
-                break
-            if on_evict is not None:
-                try:
-                    on_evict(self._segment(node))
-                except BaseException as e:
-                    # This node stays (and stays evictable); what was already removed
-                    # rides on the exception so the caller can still free it.
-                    self._leaves.push(node)
-                    self._evictable -= got
-                    e.evicted_slots = _join(freed)  # type: ignore[attr-defined]
-                    raise
-            parent = node.parent
-            assert parent is not None
-            del parent.children[node.key_bytes[: self._page_bytes]]
-            node.parent = None
-            got += node.length
-            freed.append(node.value)
-            self._num_nodes -= 1
-            if not parent.children and parent.ref_count == 0:
-                if parent.length:
-                    self._leaves.push(parent)
-                else:  # an emptied namespace root: drop it so tenants do not accumulate
-                    del self.root.children[parent.namespace]
-                    parent.parent = None
+        try:
+            while got < n_tokens:
+                node = pop()
+                if node is None:
+                    break
+                if matches is not None and not matches(node.namespace):
+                    skipped.append(node)
+                    continue
+                if on_evict is not None:
+                    try:
+                        on_evict(self._segment(node))
+                    except BaseException as e:
+                        # This node stays (and stays evictable); what was already removed
+                        # rides on the exception so the caller can still free it.
+                        self._leaves.push(node)
+                        self._evictable -= got
+                        got = 0
+                        e.evicted_slots = _join(freed)  # type: ignore[attr-defined]
+                        raise
+                parent = node.parent
+                assert parent is not None
+                del parent.children[node.key_bytes[: self._page_bytes]]
+                node.parent = None
+                got += node.length
+                freed.append(node.value)
+                self._num_nodes -= 1
+                if not parent.children and parent.ref_count == 0:
+                    if parent.length:
+                        self._leaves.push(parent)
+                    else:  # an emptied namespace root: drop it so tenants do not accumulate
+                        del self.root.children[parent.namespace]
+                        parent.parent = None
+        finally:
+            for node in skipped:
+                self._leaves.push(node)
         self._evictable -= got
         return _join(freed)
 

@@ -318,7 +318,7 @@ class ErrorCode:
     CAPACITY = "capacity"  # retention cap reached, or the pool cannot hold it
     NO_TEMPLATE = "no_template"  # messages given but the model has no chat template
     ENGINE_UNAVAILABLE = "engine_unavailable"  # the engine process stopped answering
-    FORBIDDEN = "forbidden"  # not allowed for this client (flush_cache on a shared server)
+    FORBIDDEN = "forbidden"  # not allowed for this client (reserved: nothing sends it now)
     INTERNAL = "internal"
 
 

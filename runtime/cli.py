@@ -70,6 +70,11 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _omp_policy(flag: str) -> str:
+    """--omp-wait-policy as EngineConfig holds it ("" = OpenMP's own default)."""
+    return "" if flag in ("default", "") else flag
+
+
 def _step_factor(text: str) -> float:
     value = float(text)
     if not (value == 0 or value >= 1):
@@ -113,6 +118,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
                         "max_position_embeddings (default: %(default)s)")
     g.add_argument("--threads", type=_non_negative_int, default=d.threads,
                    help="torch intra-op threads on CPU; 0 = torch's default (default: %(default)s)")
+    g.add_argument("--omp-wait-policy", default=d.omp_wait_policy or "default",
+                   choices=["passive", "active", "default"],
+                   help="how the engine's OpenMP threads wait between steps of a forward: "
+                        "passive (sleep: best when the cores are shared), active (spin), or "
+                        "default (OpenMP's own); OMP_WAIT_POLICY / GOMP_SPINCOUNT in the "
+                        "environment win (default: %(default)s)")
     g.add_argument("--seed", type=int, default=d.seed,
                    help="seed of the engine's default random generator (default: %(default)s)")
 
@@ -210,6 +221,7 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         default_session_ttl_s=args.session_ttl,
         host_kv_tokens=args.host_kv_tokens,
         threads=args.threads,
+        omp_wait_policy=_omp_policy(getattr(args, "omp_wait_policy", _DEFAULTS.omp_wait_policy)),
         log_level=args.log_level,
         seed=args.seed,
         auth_dir=getattr(args, "auth_dir", _DEFAULTS.auth_dir),

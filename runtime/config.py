@@ -28,6 +28,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     default_session_ttl_s: float = 0.0  # 0 = no idle TTL unless a session asks for one
     host_kv_tokens: int = 0  # host-memory KV tier capacity (tokens); 0 = off
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    omp_wait_policy: str = "passive"  # the engine's OMP_WAIT_POLICY ("passive" | "active" | "" = OpenMP's default); the environment's wins
     log_level: str = "info"
     seed: int = 0
     # Trust boundary of the client endpoint (the frontend enforces these).

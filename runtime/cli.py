@@ -283,6 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--endpoint", default=None,
                      help="use the running server at this endpoint instead of starting one")
+    _add_key_arguments(gen)
     gen.add_argument("--max-tokens", type=_non_negative_int, default=128,
                      help="most tokens to generate (default: %(default)s)")
     gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
@@ -301,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="List live sessions: id prefix, length, idle time, retention.",
     )
     sessions.add_argument("--endpoint", required=True, help="the server's client endpoint")
+    _add_key_arguments(sessions)
     sessions.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
                           help="how long to wait for the server (default: %(default)s)")
     sessions.set_defaults(run=cmd_sessions)
@@ -402,6 +404,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 os.unlink(args.endpoint_file)
 
 
+def _add_key_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server-key", default=None, metavar="FILE",
+                   help="with --endpoint of an --auth-dir server: its public certificate "
+                        "(DIR/server.key)")
+    p.add_argument("--client-key", default=None, metavar="FILE",
+                   help="with --endpoint of an --auth-dir server: this client's secret "
+                        "certificate (DIR/clients/NAME.key_secret)")
+
+
+def _key_options(args: argparse.Namespace, command: str) -> dict[int, Any] | None:
+    """The CURVE socket options --server-key/--client-key name ({} without them); None
+    after printing why they cannot be used."""
+    from radixlm.runtime.curve_keys import AuthDirError, client_socket_options
+
+    try:
+        return client_socket_options(args.server_key, args.client_key)
+    except AuthDirError as e:
+        print(f"radixlm {command}: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_keys(args: argparse.Namespace) -> int:
     from radixlm.runtime.curve_keys import AUTHORIZED, AuthDirError, create_keys
 
@@ -429,6 +452,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from radixlm.runtime.raw_client import RawClient, ServerError
 
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    options = _key_options(args, "generate")
+    if options is None:
+        return 2
+    if options and args.endpoint is None:
+        print("radixlm generate: --server-key/--client-key need --endpoint (a server started "
+              "for this request needs no keys)", file=sys.stderr)
+        return 2
     server = None
     if args.endpoint is None:
         _setup_logging(args.log_level)
@@ -439,7 +469,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return 1
     endpoint = server.endpoint if server is not None else args.endpoint
     try:
-        with RawClient(connect_address(endpoint), name="radixlm-cli") as client:
+        with RawClient(connect_address(endpoint), name="radixlm-cli", options=options) as client:
             inp = (Input(messages=[Message(role="user", content=args.prompt)]) if args.chat
                    else Input(text=args.prompt))
             client.generate(
@@ -466,8 +496,12 @@ def cmd_sessions(args: argparse.Namespace) -> int:
 
     # Sessions belong to the client that opened them: ask for the operator's view ("all"),
     # in which other clients' ids come back as prefixes that open nothing.
+    options = _key_options(args, "sessions")
+    if options is None:
+        return 2
     try:
-        with RawClient(args.endpoint, name="radixlm-cli", timeout_s=args.timeout) as client:
+        with RawClient(args.endpoint, name="radixlm-cli", timeout_s=args.timeout,
+                       options=options) as client:
             reply = client.call(ListSessions(rid="sessions", all=True))
     except (ServerError, TimeoutError) as e:
         print(f"radixlm sessions: {e}", file=sys.stderr)

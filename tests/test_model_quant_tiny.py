@@ -192,3 +192,30 @@ def test_batched_decode_rows_match_each_row_alone(variant):
         assert torch.allclose(pool.k[0][bases[r] + lens[r]], kv_together[r], atol=1e-5)
     # (float sums in another order, amplified by these random models: measured <= 5e-4)
     torch.testing.assert_close(together, torch.stack([alone[0], alone[2]]), atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("context", [40, 255, 257, 600])
+def test_fused_step_attention_alone_and_split_matches_the_per_op_path(tmp_path, context):
+    """The one-request step computes short contexts' attention whole in every thread and
+    splits longer ones by (KV head, chunk) across threads (ATT_ALONE_MAX = 256): either
+    way the logits are the per-op path's (torch attention over the same pool)."""
+    model = make_tiny_checkpoint(tmp_path, "llama", seed=4, max_position_embeddings=1024)
+    c = ModelConfig.from_dir(model)
+    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, context + 8, 1, torch.float32, "cpu")
+    runner = ModelRunner(model, "cpu", "float32", pool, attention="torch", quantize="int8")
+    assert runner.fused is not None
+    ids = torch.randint(3, 400, (context,), generator=torch.Generator().manual_seed(5)).tolist()
+    runner.forward(ForwardBatch.build([BatchRequest(ids, 0, list(range(context)))]))
+    step = ForwardBatch.build([BatchRequest([9], context, list(range(context + 1)))])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        fused = runner.forward(step)
+        kv = pool.k[1][context].clone()
+        fused_layer, runner.fused = runner.fused, None
+        per_op = runner.forward(step)
+        runner.fused = fused_layer
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(pool.k[1][context], kv, atol=1e-3, rtol=0)  # layer 1: after a layer
+    torch.testing.assert_close(fused, per_op, atol=2e-3, rtol=0)

@@ -114,6 +114,26 @@ def test_curve_server_accepts_only_authorized_keys(curve_server: tuple[str, Path
         rl.connect(address, connect_timeout=3)
 
 
+def test_cli_clients_take_the_keys(curve_server: tuple[str, Path, Path]) -> None:
+    """`radixlm generate --endpoint` and `radixlm sessions` reach an --auth-dir server with
+    --server-key / --client-key, and say what is missing without them."""
+    address, auth, _ = curve_server
+    keys = ["--server-key", str(auth / "server.key"),
+            "--client-key", str(auth / "clients" / "alice.key_secret")]
+    gen = subprocess.run([*CLI, "generate", "hi", "--endpoint", address, "--max-tokens", "2",
+                          *keys], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert gen.returncode == 0, gen.stderr
+    listed = subprocess.run([*CLI, "sessions", "--endpoint", address, *keys],
+                            capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0 and "SESSION" in listed.stdout, listed.stderr
+    half = subprocess.run([*CLI, "sessions", "--endpoint", address, keys[0], keys[1]],
+                          capture_output=True, text=True, timeout=60)
+    assert half.returncode == 2 and "--client-key" in half.stderr
+    keyless = subprocess.run([*CLI, "sessions", "--endpoint", address, "--timeout", "2"],
+                             capture_output=True, text=True, timeout=60)
+    assert keyless.returncode == 1 and "radixlm sessions:" in keyless.stderr
+
+
 @pytest.mark.skipif(NODE is None or not (NODE_DIR / "node_modules" / "zeromq").exists(),
                     reason="node or examples/node-client/node_modules missing")
 def test_node_client_with_keys(curve_server: tuple[str, Path, Path]) -> None:

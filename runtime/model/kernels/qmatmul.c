@@ -541,6 +541,9 @@ void q_matmul(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *
  * work: scratch of at least decode_work_floats(...) floats.
  * ---------------------------------------------------------------------------------------- */
 #define LAYER_FIELDS 22
+#define ATT_CHUNK 64      /* positions per attention work item */
+#define MAX_GROUP 32      /* query heads per KV head */
+#define ATT_ALONE_MAX 256 /* a batch-1 step's attention up to this context: not split */
 #define MAT_FIELDS 5
 
 typedef struct {
@@ -560,12 +563,12 @@ static qmat mat_at(const int64_t *t, int i) {
 /* Floats of one thread's private area, and of the shared one (see decode_layers). */
 static int64_t private_floats(int64_t hidden, int64_t nh, int64_t nkv, int64_t hd,
                               int64_t inter) {
+    /* h, roped q/k, the quantized h, own attention output and partials (short contexts) */
     int64_t wide = hidden > inter ? hidden : inter;
-    return wide + (nh + nkv) * hd + act_bytes(wide) / (int64_t)sizeof(float) + 32;
+    return wide + (nh + nkv) * hd + act_bytes(wide) / (int64_t)sizeof(float) + 32 + nh * hd +
+           nh * (ATT_ALONE_MAX / ATT_CHUNK) * (hd + 2);
 }
 
-#define ATT_CHUNK 64 /* positions per attention work item */
-#define MAX_GROUP 32 /* query heads per KV head */
 
 static int64_t parts_floats(int64_t nh, int64_t hd, int64_t L) {
     return (L + ATT_CHUNK - 1) / ATT_CHUNK * nh * (hd + 2);
@@ -576,55 +579,53 @@ static int64_t shared_floats(int64_t nh, int64_t nkv, int64_t hd, int64_t inter,
     return (nh + 2 * nkv) * hd + nh * hd + 2 * inter + parts_floats(nh, hd, L) + 16;
 }
 
-/* Attention of one new token over its L positions, inside the parallel region (split
- * into KV head x chunk-of-positions items, then combined per query head: each K/V row is
- * read once for all the query heads that share it). q: the roped queries [nh, hd];
- * k_new / v_new: the new token's K (roped) and V, not yet in the pool; parts: scratch of
- * parts_floats(); out: [nh, hd]. Ends with a barrier (out complete). */
-static void decode_attention(const float *q, const float *k_new, const float *v_new,
-                             const float *kp, const float *vp, const int64_t *slots, int64_t L,
-                             int64_t nh, int64_t nkv, int64_t hd, float scale, float *parts,
-                             float *out) {
-    const int64_t group = nh / nkv, nchunk = (L + ATT_CHUNK - 1) / ATT_CHUNK;
-#pragma omp for schedule(static)
-    for (int64_t it = 0; it < nkv * nchunk; it++) {
-        const int64_t g = it / nchunk, c = it % nchunk, p0 = c * ATT_CHUNK;
-        const int64_t p1 = p0 + ATT_CHUNK < L ? p0 + ATT_CHUNK : L;
-        float sc[MAX_GROUP][ATT_CHUNK];
-        for (int64_t p = p0; p < p1; p++) { /* the new token's K from the local copy */
-            const float *k = p == L - 1 ? k_new + g * hd : kp + (slots[p] * nkv + g) * hd;
-            for (int64_t h = 0; h < group; h++) {
-                const float *qh = q + (g * group + h) * hd;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t j = 0; j < hd; j++) dot += qh[j] * k[j];
-                sc[h][p - p0] = dot * scale;
-            }
-        }
+/* One attention work item: KV head g's query heads over positions [c * ATT_CHUNK, ...) of
+ * a new token's L (its own K/V, not yet in the pool, from k_new / v_new): for each query
+ * head, the chunk's max score, sum of exponentials and unnormalised output, at
+ * part(head, chunk) = parts + ((g * group + h) * nchunk + c) * (hd + 2). */
+static void att_item(const float *q, const float *k_new, const float *v_new, const float *kp,
+                     const float *vp, const int64_t *slots, int64_t L, int64_t nh, int64_t nkv,
+                     int64_t hd, float scale, int64_t g, int64_t c, float *parts) {
+    const int64_t group = nh / nkv, nchunk = (L + ATT_CHUNK - 1) / ATT_CHUNK, p0 = c * ATT_CHUNK;
+    const int64_t p1 = p0 + ATT_CHUNK < L ? p0 + ATT_CHUNK : L;
+    float sc[MAX_GROUP][ATT_CHUNK];
+    for (int64_t p = p0; p < p1; p++) {
+        const float *k = p == L - 1 ? k_new + g * hd : kp + (slots[p] * nkv + g) * hd;
         for (int64_t h = 0; h < group; h++) {
-            float *part = parts + ((g * group + h) * nchunk + c) * (hd + 2);
-            float mx = -INFINITY, den = 0.0f;
-            for (int64_t p = 0; p < p1 - p0; p++) mx = sc[h][p] > mx ? sc[h][p] : mx;
-            for (int64_t p = 0; p < p1 - p0; p++) {
-                sc[h][p] = expf(sc[h][p] - mx);
-                den += sc[h][p];
-            }
-            part[0] = mx;
-            part[1] = den;
-            for (int64_t j = 0; j < hd; j++) part[2 + j] = 0.0f;
-        }
-        for (int64_t p = p0; p < p1; p++) {
-            const float *v = p == L - 1 ? v_new + g * hd : vp + (slots[p] * nkv + g) * hd;
-            for (int64_t h = 0; h < group; h++) {
-                float *o = parts + ((g * group + h) * nchunk + c) * (hd + 2) + 2;
-                const float w = sc[h][p - p0];
-#pragma omp simd
-                for (int64_t j = 0; j < hd; j++) o[j] += w * v[j];
-            }
+            const float *qh = q + (g * group + h) * hd;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t j = 0; j < hd; j++) dot += qh[j] * k[j];
+            sc[h][p - p0] = dot * scale;
         }
     }
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < nh; i++) { /* softmax over all chunks: rescale to one max */
+    for (int64_t h = 0; h < group; h++) {
+        float *part = parts + ((g * group + h) * nchunk + c) * (hd + 2);
+        float mx = -INFINITY, den = 0.0f;
+        for (int64_t p = 0; p < p1 - p0; p++) mx = sc[h][p] > mx ? sc[h][p] : mx;
+        for (int64_t p = 0; p < p1 - p0; p++) {
+            sc[h][p] = expf(sc[h][p] - mx);
+            den += sc[h][p];
+        }
+        part[0] = mx;
+        part[1] = den;
+        for (int64_t j = 0; j < hd; j++) part[2 + j] = 0.0f;
+    }
+    for (int64_t p = p0; p < p1; p++) {
+        const float *v = p == L - 1 ? v_new + g * hd : vp + (slots[p] * nkv + g) * hd;
+        for (int64_t h = 0; h < group; h++) {
+            float *o = parts + ((g * group + h) * nchunk + c) * (hd + 2) + 2;
+            const float w = sc[h][p - p0];
+#pragma omp simd
+            for (int64_t j = 0; j < hd; j++) o[j] += w * v[j];
+        }
+    }
+}
+
+/* The softmax over all chunks of every query head (rescaled to one max): out [nh, hd]. */
+static void att_combine(const float *parts, int64_t L, int64_t nh, int64_t hd, float *out) {
+    const int64_t nchunk = (L + ATT_CHUNK - 1) / ATT_CHUNK;
+    for (int64_t i = 0; i < nh; i++) {
         const float *first = parts + i * nchunk * (hd + 2);
         float mx = -INFINITY, den = 0.0f;
         for (int64_t c = 0; c < nchunk; c++) mx = first[c * (hd + 2)] > mx ? first[c * (hd + 2)] : mx;
@@ -639,6 +640,30 @@ static void decode_attention(const float *q, const float *k_new, const float *v_
         const float inv = 1.0f / den;
         for (int64_t j = 0; j < hd; j++) o[j] *= inv;
     }
+}
+
+/* Attention of one new token over its L positions, inside the parallel region, into each
+ * thread's own `out` [nh, hd]. Short contexts (L <= ATT_ALONE_MAX) every thread computes
+ * whole, into its own `own_parts`: cheaper than a barrier. Longer ones are split into
+ * (KV head, chunk) items over the threads (each K/V row read once for the query heads
+ * sharing it) into `shared_parts`, then a barrier, then every thread combines them. */
+static void decode_attention(const float *q, const float *k_new, const float *v_new,
+                             const float *kp, const float *vp, const int64_t *slots, int64_t L,
+                             int64_t nh, int64_t nkv, int64_t hd, float scale,
+                             float *shared_parts, float *own_parts, float *out) {
+    const int64_t nchunk = (L + ATT_CHUNK - 1) / ATT_CHUNK;
+    if (L <= ATT_ALONE_MAX) {
+        for (int64_t it = 0; it < nkv * nchunk; it++)
+            att_item(q, k_new, v_new, kp, vp, slots, L, nh, nkv, hd, scale, it / nchunk,
+                     it % nchunk, own_parts);
+        att_combine(own_parts, L, nh, hd, out);
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < nkv * nchunk; it++)
+        att_item(q, k_new, v_new, kp, vp, slots, L, nh, nkv, hd, scale, it / nchunk,
+                 it % nchunk, shared_parts);
+    att_combine(shared_parts, L, nh, hd, out);
 }
 
 int64_t decode_work_floats(int64_t hidden, int64_t nh, int64_t nkv, int64_t hd, int64_t inter,
@@ -680,9 +705,8 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
     const int64_t nqkv = (nh + 2 * nkv) * hd;
     const float scale = 1.0f / sqrtf((float)hd);
     float *qkv = work;              /* shared: [nqkv] QKV product (unroped) */
-    float *att = qkv + nqkv;        /* [nh * hd] attention output */
-    float *gu = att + nh * hd;      /* [2 * inter] */
-    float *parts = gu + 2 * inter;  /* attention partials */
+    float *gu = qkv + nqkv + nh * hd; /* [2 * inter] */
+    float *parts = gu + 2 * inter;  /* attention partials (long contexts) */
     float *priv0 = work + shared_floats(nh, nkv, hd, inter, L);
     const int64_t priv_n = private_floats(hidden, nh, nkv, hd, inter);
     const int64_t wide = hidden > inter ? hidden : inter, new_slot = slots[L - 1];
@@ -691,7 +715,9 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
     {
         float *h = priv0 + (int64_t)omp_get_thread_num() * priv_n; /* [wide] */
         float *qk = h + wide;                                      /* [(nh + nkv) * hd] roped */
-        qact a = act_at(qk + (nh + nkv) * hd, wide);               /* h, quantized */
+        float *att = qk + (nh + nkv) * hd;                         /* [nh * hd] attention out */
+        float *own_parts = att + nh * hd;                          /* short-context partials */
+        qact a = act_at(own_parts + nh * (ATT_ALONE_MAX / ATT_CHUNK) * (hd + 2), wide);
         for (int64_t l = 0; l < n_layers; l++) {
             const int64_t *t = table + l * LAYER_FIELDS;
             float *kp = (float *)kv_ptrs[2 * l], *vp = (float *)kv_ptrs[2 * l + 1];
@@ -700,13 +726,13 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
             par_gemv(&a, hidden, mat_at(t, 0), nqkv, qkv, 0); /* barrier 1 */
             for (int64_t i = 0; i < nh + nkv; i++) rope(qkv + i * hd, cos, sin, hd, qk + i * hd);
             const float *k_new = qk + nh * hd, *v_new = qkv + (nh + nkv) * hd;
-            decode_attention(qk, k_new, v_new, kp, vp, slots, L, nh, nkv, hd, scale, parts, att);
+            decode_attention(qk, k_new, v_new, kp, vp, slots, L, nh, nkv, hd, scale, parts,
+                             own_parts, att);
 #pragma omp single nowait
             { /* nobody reads the new slot from the pool in this step */
                 memcpy(kp + new_slot * nkv * hd, k_new, nkv * hd * sizeof(float));
                 memcpy(vp + new_slot * nkv * hd, v_new, nkv * hd * sizeof(float));
             }
-            /* barrier 2: att complete */
             quantize_act(att, nh * hd, &a);
             par_gemv(&a, nh * hd, mat_at(t, 1), hidden, x, 1); /* barrier 3: x complete */
             rms_norm(x, (const float *)t[1], hidden, eps, h);

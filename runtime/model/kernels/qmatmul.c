@@ -672,6 +672,41 @@ int64_t decode_work_floats(int64_t hidden, int64_t nh, int64_t nkv, int64_t hd, 
            (int64_t)omp_get_max_threads() * private_floats(hidden, nh, nkv, hd, inter);
 }
 
+/* out[i] = silu(gate[i]) * up[i] (SwiGLU), n a multiple of 16 with AVX-512: exp by range
+ * reduction (x = k ln2 + r, |r| <= ln2/2) and a degree-6 polynomial, scaled by 2^k, within
+ * ~2 ulp of expf (libm's scalar expf for 1,536 values a layer cost ~0.7 ms a step). */
+#if defined(QVNNI)
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, k);
+}
+#endif
+
+static void swiglu(const float *gate, const float *up, int64_t n, float *out) {
+    int64_t i = 0;
+#if defined(QVNNI)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)),
+                                                _mm512_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
 static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
     float ss = 0.0f;
 #pragma omp simd reduction(+ : ss)
@@ -738,10 +773,7 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
             rms_norm(x, (const float *)t[1], hidden, eps, h);
             quantize_act(h, hidden, &a);
             par_gemv(&a, hidden, mat_at(t, 2), 2 * inter, gu, 0); /* barrier 4 */
-            for (int64_t i = 0; i < inter; i++) {
-                float g = gu[i];
-                h[i] = g / (1.0f + expf(-g)) * gu[inter + i];
-            }
+            swiglu(gu, gu + inter, inter, h);
             quantize_act(h, inter, &a);
             par_gemv(&a, inter, mat_at(t, 3), hidden, x, 1); /* barrier 5: x complete */
         }
@@ -914,7 +946,7 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
         for (int64_t b = 0; b < B; b++) {
             const float *gb = gu + b * 2 * inter;
             float *hb = h + b * wide;
-            for (int64_t i = 0; i < inter; i++) hb[i] = gb[i] / (1.0f + expf(-gb[i])) * gb[inter + i];
+            swiglu(gb, gb + inter, inter, hb);
             quantize_act(hb, inter, &acts[b]);
         }
         par_gemm(acts, B, inter, mat_at(t, 3), hidden, x, hidden, 1);

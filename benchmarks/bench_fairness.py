@@ -73,7 +73,7 @@ def long_prompt(client: RawClient, tokens: int) -> str:
             break
         words = max(1, int(words * tokens / n * 0.98))
     while n < tokens * 0.99:  # ... then grow back towards the target
-        grown = words + max(1, (tokens - n) // 3)
+        grown = words + max(1, int((tokens - n) * words / n * 0.9))  # words per token so far
         more = " ".join(f"w{i}" for i in range(grown))
         m = count_tokens(client, more)
         if m > tokens:

@@ -436,8 +436,8 @@ def table(res, args, gguf: Path, load0, load1) -> str:
     info = [
         f"- file: `{gguf.name}` (both servers), {args.threads} threads each; radixlm "
         f"`--dtype {args.dtype}`; OMP_WAIT_POLICY radixlm {args.omp_wait_policy}, llama-server "
-        f"{args.llama_omp_wait_policy} (each its fastest) "
-        f"for both; llama-server from `{SDIST}` {SDIST_VERSION}'s vendored "
+        f"{args.llama_omp_wait_policy} (each its fastest); "
+        f"llama-server from `{SDIST}` {SDIST_VERSION}'s vendored "
         "llama.cpp (Release; ggml x86 options from /proc/cpuinfo, AMX off), `--parallel 8`",
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, shared; load average "
         f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end; {args.rounds} rounds, servers "

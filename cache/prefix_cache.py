@@ -123,23 +123,20 @@ class PrefixCache:
         returns how many were freed."""
         if n_tokens <= 0 or not self.tree.evictable_size:
             return 0
-        self.epoch += 1
-        try:
-            freed = self.tree.evict(n_tokens, self._on_evict)
-        except BaseException as e:  # the hook failed: still free what left the tree
-            self.allocator.free_trusted(getattr(e, "evicted_slots", EMPTY))
-            raise
-        self.allocator.free_trusted(freed)
-        return len(freed)
+        return self._free_evicted(lambda: self.tree.evict(n_tokens, self._on_evict))
 
     def flush(self, namespaces: Callable[[Hashable], bool] | None = None) -> int:
         """Evict everything evictable (locked content stays), or only what lies in the
         namespaces `namespaces` accepts; returns tokens freed."""
         if namespaces is None:
             return self.evict(self.tree.evictable_size)
+        return self._free_evicted(lambda: self.tree.evict_namespaces(namespaces, self._on_evict))
+
+    def _free_evicted(self, evict: Callable[[], np.ndarray]) -> int:
+        """Run one tree eviction and free its slots (also those a failing hook left)."""
         self.epoch += 1
         try:
-            freed = self.tree.evict_namespaces(namespaces, self._on_evict)
+            freed = evict()
         except BaseException as e:  # the hook failed: still free what left the tree
             self.allocator.free_trusted(getattr(e, "evicted_slots", EMPTY))
             raise

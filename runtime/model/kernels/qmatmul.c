@@ -828,7 +828,7 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
     if (nh % nkv || hidden % QK || inter % QK || (nh * hd) % QK || nh / nkv > MAX_GROUP ||
         B < 1 || B > 64)
         return -1;
-    const int64_t nqkv = (nh + 2 * nkv) * hd, nqk = (nh + nkv) * hd, group = nh / nkv;
+    const int64_t nqkv = (nh + 2 * nkv) * hd, nqk = (nh + nkv) * hd;
     const int64_t wide = hidden > inter ? hidden : inter;
     const float scale = 1.0f / sqrtf((float)hd);
     const int64_t items = rows_items(B, kv_indptr, nkv);
@@ -873,64 +873,15 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             const int64_t b = item_row[it], L = kv_indptr[b + 1] - kv_indptr[b];
-            const int64_t nc = (L + ATT_CHUNK - 1) / ATT_CHUNK, g = item_c[it] / nc, c = item_c[it] % nc;
-            const int64_t *slots = kv_indices + kv_indptr[b];
-            const float *q = qk + b * nqk, *k_new = q + nh * hd, *v_new = qkv + b * nqkv + nqk;
-            const int64_t p0 = c * ATT_CHUNK, p1 = p0 + ATT_CHUNK < L ? p0 + ATT_CHUNK : L;
-            float sc[MAX_GROUP][ATT_CHUNK];
-            for (int64_t p = p0; p < p1; p++) {
-                const float *k = p == L - 1 ? k_new + g * hd : kp + (slots[p] * nkv + g) * hd;
-                for (int64_t hh = 0; hh < group; hh++) {
-                    const float *qh = q + (g * group + hh) * hd;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t j = 0; j < hd; j++) dot += qh[j] * k[j];
-                    sc[hh][p - p0] = dot * scale;
-                }
-            }
-            for (int64_t hh = 0; hh < group; hh++) {
-                float *part = parts + parts_at[b] + ((g * group + hh) * nc + c) * (hd + 2);
-                float mx = -INFINITY, den = 0.0f;
-                for (int64_t p = 0; p < p1 - p0; p++) mx = sc[hh][p] > mx ? sc[hh][p] : mx;
-                for (int64_t p = 0; p < p1 - p0; p++) {
-                    sc[hh][p] = expf(sc[hh][p] - mx);
-                    den += sc[hh][p];
-                }
-                part[0] = mx;
-                part[1] = den;
-                for (int64_t j = 0; j < hd; j++) part[2 + j] = 0.0f;
-            }
-            for (int64_t p = p0; p < p1; p++) {
-                const float *v = p == L - 1 ? v_new + g * hd : vp + (slots[p] * nkv + g) * hd;
-                for (int64_t hh = 0; hh < group; hh++) {
-                    float *o = parts + parts_at[b] + ((g * group + hh) * nc + c) * (hd + 2) + 2;
-                    const float w = sc[hh][p - p0];
-#pragma omp simd
-                    for (int64_t j = 0; j < hd; j++) o[j] += w * v[j];
-                }
-            }
-        }
-#pragma omp for schedule(static)
-        for (int64_t bi = 0; bi < B * nh; bi++) { /* combine the chunks of (row, query head) */
-            const int64_t b = bi / nh, i = bi % nh, L = kv_indptr[b + 1] - kv_indptr[b];
             const int64_t nc = (L + ATT_CHUNK - 1) / ATT_CHUNK;
-            const float *first = parts + parts_at[b] + i * nc * (hd + 2);
-            float mx = -INFINITY, den = 0.0f;
-            for (int64_t c = 0; c < nc; c++) mx = first[c * (hd + 2)] > mx ? first[c * (hd + 2)] : mx;
-            float *o = att + b * nh * hd + i * hd;
-            for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
-            for (int64_t c = 0; c < nc; c++) {
-                const float *part = first + c * (hd + 2), f = expf(part[0] - mx);
-                den += part[1] * f;
-#pragma omp simd
-                for (int64_t j = 0; j < hd; j++) o[j] += f * part[2 + j];
-            }
-            const float inv = 1.0f / den;
-            for (int64_t j = 0; j < hd; j++) o[j] *= inv;
+            const float *q = qk + b * nqk;
+            att_item(q, q + nh * hd, qkv + b * nqkv + nqk, kp, vp, kv_indices + kv_indptr[b], L,
+                     nh, nkv, hd, scale, item_c[it] / nc, item_c[it] % nc, parts + parts_at[b]);
         }
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < B; b++) { /* the new tokens' K/V into the pool; att quantized */
+        for (int64_t b = 0; b < B; b++) { /* per row: combine, new K/V into the pool, quantize */
             const int64_t slot = kv_indices[kv_indptr[b + 1] - 1];
+            att_combine(parts + parts_at[b], kv_indptr[b + 1] - kv_indptr[b], nh, hd, att + b * nh * hd);
             memcpy(kp + slot * nkv * hd, qk + b * nqk + nh * hd, nkv * hd * sizeof(float));
             memcpy(vp + slot * nkv * hd, qkv + b * nqkv + nqk, nkv * hd * sizeof(float));
             quantize_act(att + b * nh * hd, nh * hd, &acts[b]);

@@ -110,6 +110,14 @@ def _is_greedy(p: SamplingParamsLike) -> bool:
     return p.temperature <= GREEDY_EPS
 
 
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (NaN counts as the maximum, as in torch). On CPU numpy's
+    SIMD argmax: torch's took 130 us for one 49,152-entry row here, numpy's 6 us."""
+    if logits.device.type != "cpu" or logits.requires_grad:
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+
+
 def _wants_logprobs(p: SamplingParamsLike) -> bool:
     return bool(p.logprobs) or p.top_logprobs > 0
 
@@ -174,7 +182,7 @@ class Sampler:
 
         logits = self.apply_penalties(logits, params, output_ids, prompt_ids)
 
-        tokens = logits.argmax(dim=-1)
+        tokens = _argmax_rows(logits)
         sampled = [i for i, p in enumerate(params) if not _is_greedy(p)]
         if sampled:
             rows = torch.tensor(sampled, device=logits.device)

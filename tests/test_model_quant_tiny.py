@@ -219,3 +219,43 @@ def test_fused_step_attention_alone_and_split_matches_the_per_op_path(tmp_path, 
         torch.set_num_threads(before)
     torch.testing.assert_close(pool.k[1][context], kv, atol=1e-3, rtol=0)  # layer 1: after a layer
     torch.testing.assert_close(fused, per_op, atol=2e-3, rtol=0)
+
+
+def test_fused_steps_are_identical_for_any_thread_count(tmp_path):
+    """Each output of the fused steps is computed by one thread in a fixed order, so the
+    logits are bit-identical for 1, 2 and 5 threads; 5 on this 2-core machine pre-empts
+    threads at the kernel's spin-then-sleep barriers (`team_wait`), whose sleeping path a
+    race would show up in. One-row (short and split attention) and batched steps, 20 each."""
+    model = make_tiny_checkpoint(tmp_path, "llama", seed=6, max_position_embeddings=1024)
+    c = ModelConfig.from_dir(model)
+    lens = [30, 300, 90]
+    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, sum(lens) + 8, 1, torch.float32, "cpu")
+    runner = ModelRunner(model, "cpu", "float32", pool, attention="torch", quantize="int4")
+    assert runner.fused is not None
+    g = torch.Generator().manual_seed(8)
+    bases = [0, lens[0] + 1, lens[0] + lens[1] + 2]
+    for n, b in zip(lens, bases, strict=True):
+        ids = torch.randint(3, 400, (n,), generator=g).tolist()
+        runner.forward(ForwardBatch.build([BatchRequest(ids, 0, list(range(b, b + n)))]))
+
+    def steps() -> list[torch.Tensor]:
+        out = []
+        for s in range(20):
+            rows = [s % 3] if s % 2 else [0, 1, 2]  # alternately one row and all three
+            out.append(runner.forward(ForwardBatch.build([
+                BatchRequest([5 + s], lens[r], list(range(bases[r], bases[r] + lens[r] + 1)))
+                for r in rows
+            ])))  # fmt: skip
+        return out
+
+    before = torch.get_num_threads()
+    try:
+        results = {}
+        for threads in (1, 2, 5):
+            torch.set_num_threads(threads)
+            results[threads] = steps()
+    finally:
+        torch.set_num_threads(before)
+    for threads in (2, 5):
+        for a, b in zip(results[1], results[threads], strict=True):
+            assert torch.equal(a, b), f"{threads} threads differ from 1"

@@ -89,6 +89,24 @@ def test_greedy_equals_argmax(device):
         assert out.token_ids[i] == int(logits[i].argmax())
 
 
+def test_greedy_ties_take_the_first_maximum_and_nan_wins():
+    """The CPU argmax (numpy's) agrees with a plain-Python first-maximum scan: ties go to
+    the lowest id, a NaN row picks its first NaN (as torch does), padded views work."""
+    wide = torch.zeros(4, 130)
+    wide[0, [7, 90]] = 5.0  # a tie
+    wide[1, 3], wide[1, 50] = 1.0, float("nan")
+    wide[2] = -1.0  # all equal
+    wide[3, 129] = float("inf")
+    logits = wide[:, :128]  # a non-contiguous view: the two last columns are padding
+
+    def first_max(row: list[float]) -> int:
+        nans = [i for i, v in enumerate(row) if math.isnan(v)]
+        return nans[0] if nans else row.index(max(row))
+
+    out = Sampler(128, "cpu").sample(logits, [P(temperature=0)] * 4, [[]] * 4)
+    assert out.token_ids == [first_max(r) for r in logits.tolist()] == [7, 50, 0, 0]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_padded_vocab_columns_are_never_chosen(device):
     logits = rand_logits(4, 40, 1, device=device)

@@ -658,6 +658,85 @@ static int64_t shared_floats(int64_t nh, int64_t nkv, int64_t hd, int64_t inter,
     return (nh + 2 * nkv) * hd + nh * hd + 2 * inter + parts_floats(nh, hd, L) + 16;
 }
 
+#if defined(QVNNI)
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, k);
+}
+#endif
+
+#if defined(QVNNI)
+#define ATT_VMAX 8 /* head_dim / 16 up to which att_item_512 keeps a head's output in registers */
+
+/* att_item with AVX-512 for hd a multiple of 16, <= 16 * ATT_VMAX: each K/V row loaded once
+ * for the group's query heads, exponentials 16 at a time, and each head's output summed
+ * in registers over the chunk (the scalar-loop version spent ~40% of a long-context step
+ * here). Same arithmetic as att_item up to summation order. */
+static void att_item_512(const float *q, const float *k_new, const float *v_new,
+                         const float *kp, const float *vp, const int64_t *slots, int64_t L,
+                         int64_t nh, int64_t nkv, int64_t hd, float scale, int64_t g, int64_t c,
+                         float *parts) {
+    const int64_t group = nh / nkv, nchunk = (L + ATT_CHUNK - 1) / ATT_CHUNK, p0 = c * ATT_CHUNK;
+    const int64_t p1 = p0 + ATT_CHUNK < L ? p0 + ATT_CHUNK : L, n = p1 - p0, nv = hd / 16;
+    float sc[MAX_GROUP][ATT_CHUNK] __attribute__((aligned(64)));
+    const float *rows_k[ATT_CHUNK], *rows_v[ATT_CHUNK];
+    for (int64_t p = p0; p < p1; p++) {
+        rows_k[p - p0] = p == L - 1 ? k_new + g * hd : kp + (slots[p] * nkv + g) * hd;
+        rows_v[p - p0] = p == L - 1 ? v_new + g * hd : vp + (slots[p] * nkv + g) * hd;
+    }
+    for (int64_t p = 0; p < n; p++) {
+        __m512 kv[ATT_VMAX];
+        for (int64_t v = 0; v < nv; v++) kv[v] = _mm512_loadu_ps(rows_k[p] + 16 * v);
+        for (int64_t h = 0; h < group; h++) {
+            const float *qh = q + (g * group + h) * hd;
+            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
+            for (int64_t v = 1; v < nv; v++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), kv[v], acc);
+            sc[h][p] = _mm512_reduce_add_ps(acc) * scale;
+        }
+    }
+    for (int64_t h = 0; h < group; h++) {
+        float *part = parts + ((g * group + h) * nchunk + c) * (hd + 2), *row = sc[h];
+        __m512 vmx = _mm512_set1_ps(-INFINITY);
+        int64_t p = 0;
+        for (; p + 16 <= n; p += 16) vmx = _mm512_max_ps(vmx, _mm512_load_ps(row + p));
+        float mx = _mm512_reduce_max_ps(vmx);
+        for (; p < n; p++) mx = row[p] > mx ? row[p] : mx;
+        const __m512 m16 = _mm512_set1_ps(mx);
+        __m512 vden = _mm512_setzero_ps();
+        for (p = 0; p + 16 <= n; p += 16) {
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_load_ps(row + p), m16));
+            _mm512_store_ps(row + p, e);
+            vden = _mm512_add_ps(vden, e);
+        }
+        float den = _mm512_reduce_add_ps(vden);
+        for (; p < n; p++) {
+            row[p] = expf(row[p] - mx);
+            den += row[p];
+        }
+        __m512 o[ATT_VMAX];
+        for (int64_t v = 0; v < nv; v++) o[v] = _mm512_setzero_ps();
+        for (p = 0; p < n; p++) {
+            const __m512 w = _mm512_set1_ps(row[p]);
+            for (int64_t v = 0; v < nv; v++) o[v] = _mm512_fmadd_ps(w, _mm512_loadu_ps(rows_v[p] + 16 * v), o[v]);
+        }
+        part[0] = mx;
+        part[1] = den;
+        for (int64_t v = 0; v < nv; v++) _mm512_storeu_ps(part + 2 + 16 * v, o[v]);
+    }
+}
+#endif
+
 /* One attention work item: KV head g's query heads over positions [c * ATT_CHUNK, ...) of
  * a new token's L (its own K/V, not yet in the pool, from k_new / v_new): for each query
  * head, the chunk's max score, sum of exponentials and unnormalised output, at
@@ -665,6 +744,12 @@ static int64_t shared_floats(int64_t nh, int64_t nkv, int64_t hd, int64_t inter,
 static void att_item(const float *q, const float *k_new, const float *v_new, const float *kp,
                      const float *vp, const int64_t *slots, int64_t L, int64_t nh, int64_t nkv,
                      int64_t hd, float scale, int64_t g, int64_t c, float *parts) {
+#if defined(QVNNI)
+    if (hd % 16 == 0 && hd <= 16 * ATT_VMAX) {
+        att_item_512(q, k_new, v_new, kp, vp, slots, L, nh, nkv, hd, scale, g, c, parts);
+        return;
+    }
+#endif
     const int64_t group = nh / nkv, nchunk = (L + ATT_CHUNK - 1) / ATT_CHUNK, p0 = c * ATT_CHUNK;
     const int64_t p1 = p0 + ATT_CHUNK < L ? p0 + ATT_CHUNK : L;
     float sc[MAX_GROUP][ATT_CHUNK];
@@ -756,23 +841,6 @@ int64_t decode_work_floats(int64_t hidden, int64_t nh, int64_t nkv, int64_t hd, 
 /* out[i] = silu(gate[i]) * up[i] (SwiGLU), n a multiple of 16 with AVX-512: exp by range
  * reduction (x = k ln2 + r, |r| <= ln2/2) and a degree-6 polynomial, scaled by 2^k, within
  * ~2 ulp of expf (libm's scalar expf for 1,536 values a layer cost ~0.7 ms a step). */
-#if defined(QVNNI)
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(y, k);
-}
-#endif
 
 static void swiglu(const float *gate, const float *up, int64_t n, float *out) {
     int64_t i = 0;

@@ -225,18 +225,18 @@ def test_a_control_request_queued_while_the_loop_was_busy_is_answered_in_the_for
     busy, resume = threading.Event(), threading.Event()
     tick = sched.maybe_tick
 
-    def slow_tick() -> None:  # the loop's own work between steps, held by the test
+    def slow_tick() -> None:  # the loop's own work between steps, held by the test, once
+        sched.maybe_tick = tick  # type: ignore[method-assign]
+        held.hold()  # (from the loop's thread: the very next forward is the held one)
         busy.set()
         assert resume.wait(30)
         tick()
 
-    held.hold()
     sched.maybe_tick = slow_tick  # type: ignore[method-assign]
     assert busy.wait(30)
     pipes.send(EngineCommand(client=b"b", msg=GetStats(rid="queued")))
     time.sleep(0.2)  # it reaches the intake thread, which can only queue it
     assert not [m for m in pipes.seen if isinstance(m, ToClient) and m.client == b"b"]
-    sched.maybe_tick = tick  # type: ignore[method-assign]
     resume.set()
     assert held.entered.wait(30)
     stats = pipes.reply_to(b"b", 5)  # the forward is still held open

@@ -348,7 +348,6 @@ class RadixCache:
                         # rides on the exception so the caller can still free it.
                         self._leaves.push(node)
                         self._evictable -= got
-                        got = 0
                         e.evicted_slots = _join(freed)  # type: ignore[attr-defined]
                         raise
                 parent = node.parent

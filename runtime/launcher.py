@@ -194,9 +194,10 @@ def engine_environment(config: EngineConfig, base: dict[str, str] | None = None)
     or GOMP_SPINCOUNT in the environment win). It must be set before the engine imports
     torch (libgomp reads it once), hence here.
 
-    Why passive by default: the OpenMP threads of a decode step meet at a barrier after
-    every matrix product (~180 a step). Spinning there only pays when each thread owns a
-    core; the engine shares them with its frontend, its clients and whatever else runs.
+    Why passive by default: spinning OpenMP threads (between a step's parallel regions,
+    and while idle) only pay when each thread owns a core; the engine shares them with its
+    frontend, its clients and whatever else runs. (The fused decode step's own barriers
+    spin briefly whatever this says: kernels/qmatmul.c, `team_wait`.)
     Measured on 2 cores (SmolLM2 Q4_1, batch-1 decode, tok/s): quiet machine, libgomp's
     default 88-97 vs passive 78-90 (within run-to-run noise); with one other busy
     process, 21-27 vs 48-55."""

@@ -118,14 +118,14 @@ class Endings:
             out.session = session
             out.session_length = r.num_tokens
 
-    def retract(self, r: Request, reason: str = "to free KV") -> None:
+    def retract(self, r: Request, reason: str = "to free KV", level: int = logging.INFO) -> bool:
         """Give the pool (or its running slot) back: computed KV → cache, private slots →
-        free; requeue with the output kept (it resumes as prompt + output so far). A turn
-        that only waits for its last token's KV ends now instead (that token is recomputed
-        by the next turn)."""
+        free; requeue with the output kept (it resumes as prompt + output so far); True. A
+        turn that only waits for its last token's KV ends now instead (that token is
+        recomputed by the next turn); False."""
         if r.pending_end is not None:
             self.end_pending(r)
-            return
+            return False
         self.kv.cache_finished(r)
         self.kv.detach(r)
         self.table.running.remove(r)
@@ -133,9 +133,9 @@ class Endings:
         advance(r, ReqState.WAITING)
         self.table.waiting.append(r)
         self.counters.retractions += 1
-        log.log(logging.INFO if reason == "to free KV" else logging.DEBUG,
-                "retracted request %s (%d+%d tokens) %s; it will resume",
+        log.log(level, "retracted request %s (%d+%d tokens) %s; it will resume",
                 r.group.rid, r.group.prompt_len, len(r.output), reason)  # fmt: skip
+        return True
 
     def fail_group(self, g: RequestGroup, error: RequestError) -> None:
         """End every live branch of `g` with an error: one Error reply to the client.

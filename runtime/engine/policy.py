@@ -87,7 +87,7 @@ def fair_victims(running: Sequence[Request], waiting: Sequence[Request],
                if len(held.get(c, ())) < share)
     victims: list[Request] = []
     while want > free + len(victims) and held:
-        c = max(held, key=lambda k: (len(held[k]), held[k][-1].arrival if held[k] else -1))
+        c = max(held, key=lambda k: (len(held[k]), held[k][-1].arrival))  # (never empty)
         if len(held[c]) <= share:
             break
         victims.append(held[c].pop())  # running is in admission order: the newest last

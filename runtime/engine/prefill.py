@@ -13,6 +13,7 @@ retraction (SGLang's new_token_ratio).
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -92,9 +93,9 @@ class PrefillManager:
         so that admission gives it their slots this step."""
         victims = fair_victims(self.table.running, self.table.waiting, self.opt.max_running)
         for r in victims:
-            before = self.counters.retractions
-            self.endings.retract(r, reason="for another client's fair share of running slots")
-            self.counters.preemptions += self.counters.retractions - before
+            if self.endings.retract(r, "for another client's fair share of running slots",
+                                    logging.DEBUG):
+                self.counters.preemptions += 1
 
     def _admit(self, plan: list[Scheduled], budget: int, touched: list[Request]) -> None:
         opt, kv, table = self.opt, self.kv, self.table

@@ -98,20 +98,16 @@ class StepBudget:
             self._seen[c] = now
         if len(self._seen) > 1:
             self._seen = {c: t for c, t in self._seen.items() if now - t <= ACTIVE_WINDOW_S}
-        if len(self._seen) < 2:
-            chosen = list(decoding)
-        else:
-            n = self.cap(len(decoding))
-            if n >= len(decoding):
-                chosen = list(decoding)
-            else:
-                chosen = self._round_robin(clients, n)
-                self.capped_steps += 1
+        n = len(decoding) if len(self._seen) < 2 else self.cap(len(decoding))
+        chosen = list(decoding) if n >= len(decoding) else self._round_robin(clients, n)
         for r in chosen:
             self._stepped[id(r)] = self._step
         if len(self._stepped) > 4 * len(decoding) + 64:  # forget requests that have left
             live = {id(r) for r in decoding}
             self._stepped = {k: v for k, v in self._stepped.items() if k in live}
+        if len(chosen) == len(decoding):
+            return chosen
+        self.capped_steps += 1
         order = {id(r): i for i, r in enumerate(decoding)}
         return sorted(chosen, key=lambda r: order[id(r)])
 

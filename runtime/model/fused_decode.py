@@ -39,8 +39,7 @@ def _layer_row(layer) -> list[int]:
     row = [_ptr(getattr(layer, name)) for name in _NORMS]
     for mat, bias in _MATS:
         w: QuantWeight = getattr(layer, mat)
-        row += [w.codes.data_ptr(), w.d.data_ptr(), 0 if w.m is None else w.m.data_ptr(),
-                w.qtype, _ptr(getattr(layer, bias))]
+        row += [w.codes.data_ptr(), w.d.data_ptr(), w.m_ptr, w.qtype, _ptr(getattr(layer, bias))]
     return row
 
 

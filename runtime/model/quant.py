@@ -64,12 +64,13 @@ class QuantWeight:
     def blocks(self) -> torch.Tensor:
         """The GGML blocks `uint8 [rows, cols/32 * block_bytes]` (GGUF's layout), rebuilt."""
         out = torch.empty(self.rows, self.cols // BLOCK * BLOCK_BYTES[self.qtype], dtype=torch.uint8)
-        kernel().q_unpack(self.codes.data_ptr(), self.d.data_ptr(), self._m_ptr, self.qtype,
+        kernel().q_unpack(self.codes.data_ptr(), self.d.data_ptr(), self.m_ptr, self.qtype,
                           self.rows, self.cols, out.data_ptr())  # fmt: skip
         return out
 
     @property
-    def _m_ptr(self) -> int:
+    def m_ptr(self) -> int:
+        """Address of the Q4_1 offsets for the kernel (0: none)."""
         return 0 if self.m is None else self.m.data_ptr()
 
     @property
@@ -119,7 +120,7 @@ class QuantWeight:
             self._scratch = torch.empty(need, dtype=torch.uint8)
         k.q_matmul(
             x.data_ptr(), m, x.stride(0), self.cols, self.codes.data_ptr(), self.d.data_ptr(),
-            self._m_ptr, self.qtype, self.rows, out.data_ptr(), out.stride(0),
+            self.m_ptr, self.qtype, self.rows, out.data_ptr(), out.stride(0),
             None if bias is None else bias.data_ptr(), int(accumulate), self._scratch.data_ptr(),
         )  # fmt: skip
         return out
@@ -129,14 +130,14 @@ class QuantWeight:
         k = kernel()
         if rows is None:
             out = torch.empty(self.rows, self.cols)
-            k.q_dequant_rows(self.codes.data_ptr(), self.d.data_ptr(), self._m_ptr, self.qtype,
+            k.q_dequant_rows(self.codes.data_ptr(), self.d.data_ptr(), self.m_ptr, self.qtype,
                              self.cols, None, self.rows, out.data_ptr())  # fmt: skip
             return out
         rows = rows.to(torch.int64).contiguous()
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.rows):
             raise IndexError(f"row index out of range for {self.rows} rows")
         out = torch.empty(rows.numel(), self.cols)
-        k.q_dequant_rows(self.codes.data_ptr(), self.d.data_ptr(), self._m_ptr, self.qtype,
+        k.q_dequant_rows(self.codes.data_ptr(), self.d.data_ptr(), self.m_ptr, self.qtype,
                          self.cols, rows.data_ptr(), rows.numel(), out.data_ptr())  # fmt: skip
         return out
 

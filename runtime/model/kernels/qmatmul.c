@@ -150,16 +150,17 @@ void q_unpack(const uint8_t *codes, const uint16_t *d, const uint16_t *m, int qt
     }
 }
 
+/* The unsigned code of weight j of block b of a row. */
+static inline int code_at(const uint8_t *codes, int qtype, int64_t nb, int64_t b, int j) {
+    if (qtype == Q8_0) return codes[q8_pos(b, nb, j)];
+    const uint8_t byte = codes[b * 16 + (j & 15)];
+    return j < 16 ? (byte & 0xf) : (byte >> 4);
+}
+
 /* Weight j of block b of a row, as a float. */
 static inline float weight_at(const uint8_t *codes, const uint16_t *d, const uint16_t *m,
                               int qtype, int64_t nb, int64_t b, int j) {
-    int u;
-    if (qtype == Q8_0) {
-        u = codes[q8_pos(b, nb, j)];
-    } else {
-        uint8_t byte = codes[b * 16 + (j & 15)];
-        u = j < 16 ? (byte & 0xf) : (byte >> 4);
-    }
+    const int u = code_at(codes, qtype, nb, b, j);
     float w = fp16_to_f32(d[b]) * (float)(u - zero_point(qtype));
     return qtype == Q4_1 ? w + fp16_to_f32(m[b]) : w;
 }
@@ -463,16 +464,9 @@ static void rows_scalar(const qact *acts, int64_t M, int64_t K, const uint8_t *c
             float sum = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 int32_t dot = 0;
-                for (int j = 0; j < QK; j++) {
-                    int u;
-                    if (qtype == Q8_0) {
-                        u = row[q8_pos(b, nb, j)];
-                    } else {
-                        uint8_t byte = row[b * 16 + (j & 15)];
-                        u = j < 16 ? (byte & 0xf) : (byte >> 4);
-                    }
-                    dot += u * (256 * a->q[act_pos(b, nb, j)] + a->r[act_pos(b, nb, j)]);
-                }
+                for (int j = 0; j < QK; j++)
+                    dot += code_at(row, qtype, nb, b, j) *
+                           (256 * a->q[act_pos(b, nb, j)] + a->r[act_pos(b, nb, j)]);
                 const float s = fp16_to_f32(dn[b]) * a->dx[b];
                 sum += s * ((float)dot - (float)z * a->sq[b]);
                 if (mn) sum += fp16_to_f32(mn[b]) * a->sx[b];

@@ -8,48 +8,14 @@ engine shares; the SDK re-exports them and adds its own two: `EngineStartError`
 
 from __future__ import annotations
 
-from radixlm.runtime.transport.errors import (
-    BadMessageError,
-    BusyError,
-    CapacityError,
-    DuplicateIdError,
-    EmptyPromptError,
-    EngineDeadError,
-    EngineError,
-    EngineUnavailableError,
-    ForbiddenError,
-    HandshakeRequiredError,
-    InternalError,
-    InvalidParamsError,
-    NoTemplateError,
-    NotFoundError,
-    TooLongError,
-    UnknownTypeError,
-    UnsupportedVersionError,
-)
+from radixlm.runtime.transport import errors as _engine
+from radixlm.runtime.transport.errors import *  # noqa: F403 - the engine's error classes
+from radixlm.runtime.transport.errors import EngineDeadError
 from radixlm.runtime.transport.errors import plain_errors as plain_errors  # for the SDK's modules
 
-__all__ = [
-    "BadMessageError",
-    "BusyError",
-    "CapacityError",
-    "DuplicateIdError",
-    "EmptyPromptError",
-    "EngineDeadError",
-    "EngineError",
-    "EngineStartError",
-    "EngineUnavailableError",
-    "ForbiddenError",
-    "HandshakeRequiredError",
-    "InternalError",
-    "InvalidParamsError",
-    "NoTemplateError",
-    "NotFoundError",
-    "ProgramError",
-    "TooLongError",
-    "UnknownTypeError",
-    "UnsupportedVersionError",
-]
+# The exception classes (`error_from_reply` and `plain_errors` are not ``rl.*`` names).
+__all__ = sorted([*(n for n in _engine.__all__ if n.endswith("Error")), "EngineStartError",
+                  "ProgramError"])
 
 
 class EngineStartError(EngineDeadError):

@@ -74,7 +74,9 @@ class DecodeBuffers:
         if int(seq.max()) > self.max_seq_len:
             raise ValueError(f"a sequence of {int(seq.max())} tokens is longer than the "
                              f"captured {self.max_seq_len}")
-        kv_cpu = batch.kv_indices_cpu if batch.kv_indices_cpu is not None else batch.kv_indices.cpu()
+        kv_cpu = batch.kv_indices_cpu
+        if kv_cpu is None:
+            kv_cpu = batch.kv_indices.cpu()
         valid = np.arange(self.max_seq_len, dtype=np.int64)[None, :] < seq[:, None]  # [n, L]
         rows = np.full((bs, self.max_seq_len), self.pad_slot, dtype=np.int64)
         rows[:n][valid] = kv_cpu.numpy()  # row-major: each request's slots in order

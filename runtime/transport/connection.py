@@ -8,9 +8,9 @@ process exits (the `liveness` hook), when the connection drops, or when it stays
 while requests wait (a cheap ``Tokenize`` ping, answered by the frontend alone, tells
 slow from dead).
 
-The link is a native ZMTP DEALER on asyncio for ipc:// and tcp:// endpoints
-(`radixlm.runtime.transport.zmtp`: no libzmq I/O thread to wake per message), else a libzmq DEALER
-(`radixlm.runtime.transport.zmq_dealer`). Both speak the same ZeroMQ wire protocol to the engine.
+The link is a native ZMTP DEALER on asyncio for ipc:// and tcp:// endpoints (`zmtp`: no
+libzmq I/O thread to wake per message), else a libzmq DEALER (`zmq_dealer`). Both speak
+the same ZeroMQ wire protocol to the engine. The SDK and the HTTP server both use this.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from naive_trie import NaiveTrie  # noqa: E402
 from radixlm.cache import CacheError, PageAllocator, PrefixCache, RadixCache  # noqa: E402
+from radixlm.cache.pages import align_down, align_up  # noqa: E402
 
 VOCAB = 32_000
 IN_FLIGHT = 8
@@ -173,14 +174,14 @@ def run_group(cache: Any, group: list[Request], page_size: int) -> None:
         need = len(req.full) - len(table)  # decode: slots for the output
         if need > 0:
             table = concat((table, alloc(need)))
-        held[i] = (r.node, len(prompt) - len(prompt) % page_size, table)
+        held[i] = (r.node, align_down(len(prompt), page_size), table)
     for i, req in enumerate(group):  # finish: cache prompt+output, release
         node, owned_from, table = held[i]
         full = req.full
         r = insert(full, table[: len(full)])
         if r.cached_len > owned_from:
             free(table[owned_from : r.cached_len])
-        free(table[len(full) - len(full) % page_size :])
+        free(table[align_down(len(full), page_size) :])
         unlock(node)
 
 
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                 cap = uniq + need
             else:
                 cap = max(int(uniq * args.pressure), need)
-            cap = -(-cap // psize) * psize
+            cap = align_up(cap, psize)
 
             def ours(cap: int = cap) -> PrefixCache:
                 return PrefixCache(cap, psize, args.policy)

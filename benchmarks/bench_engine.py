@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from radixlm.cache import PrefixCache
+from radixlm.cache.pages import align_down
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.messages import EngineGenerate, StepOutputs
 from radixlm.runtime.engine.options import SchedulerOptions
@@ -90,7 +91,7 @@ def bench_overhead(running: int = 64, prompt: int = 512, steps: int = 300,
                    page_size: int = 1) -> dict:
     rng = np.random.default_rng(0)
     capacity = running * (prompt + steps + 64) + 4096
-    capacity -= capacity % page_size
+    capacity = align_down(capacity, page_size)
     cache = PrefixCache(capacity, page_size, policy="priority")
     model = StubModel(VOCAB, 4 * running)
     sampler = TimedSampler(VOCAB)

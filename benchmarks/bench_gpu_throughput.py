@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from radixlm.cache.pages import div_ceil
 
 QWEN3_06B = {
     "architectures": ["Qwen3ForCausalLM"],
@@ -120,7 +121,7 @@ class PagePool:
         self.free = list(range(num_pages - 1, -1, -1))
 
     def alloc(self, n_tokens: int):
-        k = -(-n_tokens // self.P)
+        k = div_ceil(n_tokens, self.P)
         if k > len(self.free):
             return None
         pages = np.array([self.free.pop() for _ in range(k)], dtype=np.int64)
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
     c = model.config
     kv_per_token = ModelRunner.kv_bytes_per_token(c, dtype)
     free = torch.cuda.mem_get_info()[0] if cuda else 8 * 2**30
-    need = sum(-(-(r.prompt.shape[0] + r.out_len) // args.page_size) for r in reqs) + 64
+    need = sum(div_ceil(r.prompt.shape[0] + r.out_len, args.page_size) for r in reqs) + 64
     budget_pages = int(free * args.mem_fraction / kv_per_token) // args.page_size
     num_pages = min(need, budget_pages)
     pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, num_pages * args.page_size,

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from radixlm.cache.pages import align_up
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,7 +86,7 @@ class Ours:
 
         self.ForwardBatch = ForwardBatch
         c = ModelConfig.from_dir(model_dir)
-        cap = -(-capacity // page_size) * page_size
+        cap = align_up(capacity, page_size)
         self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, cap, page_size,
                            torch.float32, "cpu")  # fmt: skip
         self.runner = ModelRunner(model_dir, "cpu", dtype, self.pool, attention="torch")

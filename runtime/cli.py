@@ -416,13 +416,15 @@ def _add_key_arguments(p: argparse.ArgumentParser) -> None:
 def _key_options(args: argparse.Namespace, command: str) -> dict[int, Any] | None:
     """The CURVE socket options --server-key/--client-key name ({} without them); None
     after printing why they cannot be used."""
-    from radixlm.runtime.curve_keys import AuthDirError, client_socket_options
+    from radixlm.runtime.transport.curve import load_curve_keys
 
     try:
-        return client_socket_options(args.server_key, args.client_key)
-    except AuthDirError as e:
+        keys = load_curve_keys(args.server_key, args.client_key,
+                               names=("--server-key", "--client-key"))
+    except ValueError as e:
         print(f"radixlm {command}: {e}", file=sys.stderr)
         return None
+    return keys.socket_options() if keys is not None else {}
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

@@ -13,7 +13,8 @@ The auth directory (``radixlm keys DIR`` makes it):
                                          (it holds both halves) to that client only
 
 A client key allowed in is its tenant's identity: the frontend reads it from the
-authenticator's User-Id.
+authenticator's User-Id. This module is the server's side; clients read their keys with
+`radixlm.runtime.transport.curve`.
 """
 
 from __future__ import annotations
@@ -88,27 +89,6 @@ def server_socket_options(directory: Path) -> dict[int, int | bytes]:
     """Socket options that make a socket a CURVE server with the directory's key."""
     public, secret = _server_keys(directory)
     return {zmq.CURVE_SERVER: 1, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: secret}
-
-
-def client_socket_options(server_key: str | None, client_key: str | None) -> dict[int, Any]:
-    """DEALER options for a client of an ``--auth-dir`` server, from the server's public
-    certificate (``DIR/server.key``) and the client's secret one
-    (``DIR/clients/NAME.key_secret``); {} when neither is given. Raises AuthDirError
-    naming what is wrong."""
-    if server_key is None and client_key is None:
-        return {}
-    if server_key is None or client_key is None:
-        raise AuthDirError("a CurveZMQ client needs both --server-key (the server's "
-                           "server.key) and --client-key (its NAME.key_secret)")
-    try:
-        server_public, _ = zmq.auth.load_certificate(server_key)
-        public, secret = zmq.auth.load_certificate(client_key)
-    except (OSError, ValueError) as e:
-        raise AuthDirError(f"cannot read the CurveZMQ keys: {e}") from None
-    if not secret:
-        raise AuthDirError(f"{client_key} holds no secret key: give the NAME.key_secret file")
-    return {zmq.CURVE_SERVERKEY: server_public, zmq.CURVE_PUBLICKEY: public,
-            zmq.CURVE_SECRETKEY: secret}
 
 
 def start_authenticator(ctx: zmq.Context[Any], directory: Path) -> ThreadAuthenticator:

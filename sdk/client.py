@@ -48,16 +48,17 @@ from radixlm.runtime.protocol import (
     SessionOpened,
     SessionsForked,
     StatsReply,
+    Struct,
     Tokenize,
     Tokens,
     TruncateSession,
     Unpin,
     Welcome,
 )
-from radixlm.sdk.connection import Connection, Liveness, Request
-from radixlm.sdk.curve import load_curve_keys
+from radixlm.runtime.transport.connection import Connection, Liveness, Request
+from radixlm.runtime.transport.curve import load_curve_keys
+from radixlm.runtime.transport.mailbox import Waiter
 from radixlm.sdk.errors import EngineDeadError, InternalError, InvalidParamsError, ProgramError
-from radixlm.sdk.mailbox import Waiter
 from radixlm.sdk.options import SamplingOptions, sampling_params
 from radixlm.sdk.results import GenerateResult, StreamDelta, result_from_done, to_messages
 from radixlm.sdk.signatures import same_parameters
@@ -133,7 +134,7 @@ class TextStream:
 
     async def __anext__(self) -> StreamDelta:
         if self._req is None:
-            self._req = self._client._request(self._msg, branches=self._msg.n, generate=True)
+            self._req = self._client.request(self._msg)
         req = self._req
         while not req.finished:
             try:
@@ -294,7 +295,7 @@ class AsyncClient(EngineFacts):
 
     @property
     def new_waiter(self) -> Callable[[], Waiter]:
-        """Makes waiters for this client's event loop (see `radixlm.sdk.mailbox`)."""
+        """Makes waiters for this client's event loop (see `radixlm.runtime.transport.mailbox`)."""
         return self._conn.new_waiter
 
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -322,17 +323,30 @@ class AsyncClient(EngineFacts):
         """A request id unused by this client (hex counter)."""
         return f"{next(self._rids):x}"
 
-    def _request(self, msg: Any, *, branches: int = 1, generate: bool = False) -> Request:
+    def request(self, msg: Struct) -> Request:
+        """Send one protocol request (a message with a ``rid``, e.g. from
+        `generate_message`) and return its in-flight `Request`, for callers that read the
+        replies themselves (programs, custom streaming).
+
+        ``await req.receive()`` returns the replies in order until ``req.finished``: for a
+        ``Generate``, a ``Chunk`` per streamed delta and one ``Done`` per branch (all of
+        them, aborted branches' too, also in ``req.dones``); for any other request, its one
+        answer. An ``Error`` reply raises its typed `EngineError`. Use the request as an
+        async context manager (or ``await req.aclose()``): leaving it before it finished
+        aborts a generation in the engine. `generate`, `stream`, `call` and `run_generate`
+        cover the usual cases."""
         if self._thread != threading.get_ident():
             raise ProgramError(
                 "this AsyncClient belongs to another event loop (or is not open): use it from "
                 "the loop that opened it, or use the synchronous handle's methods"
             )
-        return self._conn.request(msg, branches=branches, generate=generate)
+        if type(msg) is Generate:
+            return self._conn.request(msg, branches=msg.n, generate=True)
+        return self._conn.request(msg)
 
-    async def call(self, msg: Any, expect: type[R]) -> R:
+    async def call(self, msg: Struct, expect: type[R]) -> R:
         """Send a request that has exactly one answer and return it (typed errors raise)."""
-        req = self._request(msg)
+        req = self.request(msg)
         try:
             reply = await req.receive()
         finally:
@@ -346,7 +360,7 @@ class AsyncClient(EngineFacts):
 
     async def run_generate(self, msg: Generate) -> list[Done]:
         """Send a Generate and collect one Done per branch (sorted by branch index)."""
-        req = self._request(msg, branches=msg.n, generate=True)
+        req = self.request(msg)
         try:
             while not req.finished:
                 await req.receive()

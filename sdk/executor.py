@@ -39,9 +39,9 @@ from radixlm.runtime.protocol import (
     SamplingParams,
     SessionOpened,
 )
+from radixlm.runtime.transport.mailbox import EMPTY, Latch, Mailbox
 from radixlm.sdk.errors import ProgramError, plain_errors
 from radixlm.sdk.lang import Gen, RoleBegin, RoleEnd, Select, Text
-from radixlm.sdk.mailbox import EMPTY, Latch, Mailbox
 from radixlm.sdk.options import branch_seed
 from radixlm.sdk.results import meta_info
 from radixlm.sdk.text_buffer import TextBuffer
@@ -320,7 +320,7 @@ class StateCore:
         name = op.name
         start = time.perf_counter()
         if op.n > 1:
-            req = self.client._request(msg, branches=op.n, generate=True)
+            req = self.client.request(msg)
             try:
                 async with req:
                     while not req.finished:
@@ -340,7 +340,7 @@ class StateCore:
         elif stream:
             self.variables[name] = ""
             done = None
-            async with self.client._request(msg, generate=True) as req:
+            async with self.client.request(msg) as req:
                 while not req.finished:
                     reply = await req.receive()
                     if isinstance(reply, Chunk):

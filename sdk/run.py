@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.from_thread import BlockingPortal
 from anyio.lowlevel import EventLoopToken, checkpoint
+from radixlm.runtime.transport.mailbox import Latch
 from radixlm.sdk.errors import EngineDeadError, ProgramError
 from radixlm.sdk.executor import END, StateCore
-from radixlm.sdk.mailbox import Latch
 from radixlm.sdk.options import protocol_options, sampling_params
 from radixlm.sdk.tasks import TaskSet
 

@@ -282,33 +282,3 @@ def test_a_failing_forward_fails_its_batch_and_nothing_else(make_harness, hf):
     h.run()
     assert h.output(later) == hf_greedy(hf, p, 5)
 
-
-def test_build_batch_agrees_with_forward_batch_build():
-    """The engine's vectorised batch builder against the model package's plain one."""
-    from radixlm.runtime.engine.batch import Scheduled, build_batch
-    from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
-    from radixlm.runtime.model.batch import BatchRequest, ForwardBatch
-
-    rng = np.random.default_rng(15)
-    plan, ref = [], []
-    for i, (kv, ext, first) in enumerate([(0, 9, 8), (5, 1, 0), (12, 6, 2), (3, 1, 0)]):
-        g = RequestGroup(key=i, kind=RequestKind.GENERATE, client=b"c", rid=str(i),
-                         prompt=rng.integers(3, 400, kv + ext), sampling=SamplingParams())
-        r = Request.new(g, 0, i, 1)
-        r.kv_len = kv
-        r.slots[: kv + ext] = rng.permutation(1000)[: kv + ext]
-        plan.append(Scheduled(r, ext, first))
-        ref.append(BatchRequest(r.tokens[kv : kv + ext], kv, r.slots[: kv + ext], True))
-    got = build_batch(plan, torch.device("cpu"))
-    want = ForwardBatch.build(ref)
-    for name in ("input_ids", "positions", "out_slots", "kv_indices", "kv_indptr"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert got.extend_lens == want.extend_lens and got.seq_lens == want.seq_lens
-    # Logit rows: the reference returns every row; ours from `logits_from` on.
-    rows = [want.logits_indices[want.logits_indptr[i] + s.logits_from : want.logits_indptr[i + 1]]
-            for i, s in enumerate(plan)]
-    assert torch.equal(got.logits_indices, torch.cat(rows))
-    assert got.logits_indptr == [0, 1, 2, 6, 7]
-    decode = build_batch([plan[1], plan[3]], torch.device("cpu"))
-    assert decode.is_decode and decode.logits_indices.tolist() == [0, 1]
-    assert decode.positions.tolist() == [5, 3]

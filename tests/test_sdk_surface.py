@@ -18,7 +18,7 @@ SGLANG_NAMES = {"max_new_tokens": "max_tokens", "return_logprob": "logprobs",
 
 
 # AsyncClient's building blocks for programs and chat sessions (not user calls).
-PLUMBING = {"call", "run_generate", "generate_message", "new_rid", "post", "cork",
+PLUMBING = {"call", "request", "run_generate", "generate_message", "new_rid", "post", "cork",
             "close_session_unawaited"}
 
 

@@ -25,9 +25,9 @@ from radixlm.runtime.protocol import (
     Tokens,
     Welcome,
 )
+from radixlm.runtime.transport.zmq_dealer import ZmqDealer
+from radixlm.runtime.transport.zmtp import ZmtpDealer, native_endpoint
 from radixlm.sdk.loop_thread import LoopThread
-from radixlm.sdk.zmq_dealer import ZmqDealer
-from radixlm.sdk.zmtp import ZmtpDealer, native_endpoint
 from radixlm.testing import StubServer
 from toy_stub import chars, text_of, toy_generate
 

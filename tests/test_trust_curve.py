@@ -75,6 +75,32 @@ def test_keys_layout_is_zmq_auth_certificates(tmp_path: Path) -> None:
     assert (auth / "authorized_clients" / "carol.key").exists()
 
 
+def test_client_keys_are_read_by_one_loader(tmp_path: Path) -> None:
+    """`load_curve_keys` (the SDK's `server_key`/`client_key`, the CLI's --server-key /
+    --client-key) reads zmq.auth's files: both halves of the client's pair and the
+    server's public key; each wrong input is a ValueError naming it, in the caller's terms."""
+    from radixlm.runtime.transport.curve import load_curve_keys
+
+    auth = tmp_path / "auth"
+    make_keys(auth, "alice")
+    server_key, secret_key = auth / "server.key", auth / "clients" / "alice.key_secret"
+    keys = load_curve_keys(server_key, secret_key)
+    assert keys is not None
+    server_public, _ = zmq.auth.load_certificate(auth / "server.key_secret")
+    public, secret = zmq.auth.load_certificate(secret_key)
+    assert keys.socket_options() == {zmq.CURVE_SERVERKEY: server_public,
+                                     zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: secret}
+    assert load_curve_keys(None, None) is None
+    with pytest.raises(ValueError, match="needs both server_key .* and client_key"):
+        load_curve_keys(server_key, None)
+    with pytest.raises(ValueError, match="--client-key"):
+        load_curve_keys(server_key, None, names=("--server-key", "--client-key"))
+    with pytest.raises(ValueError, match="holds no secret key"):  # the public half only
+        load_curve_keys(server_key, auth / "clients" / "alice.key")
+    with pytest.raises(ValueError, match="cannot read the CurveZMQ keys"):
+        load_curve_keys(tmp_path / "missing.key", secret_key)
+
+
 def test_public_tcp_without_auth_is_refused(tmp_path: Path, tiny_model_dir: Path) -> None:
     proc = subprocess.run([*CLI, "serve", "--model", str(tiny_model_dir), "--endpoint",
                            "tcp://x@*:5555"], capture_output=True, text=True, timeout=60)

@@ -1,9 +1,27 @@
-"""The attention-backend interface: `plan(batch)` once per forward, then `forward` per layer."""
+"""The attention-backend interface: `plan(batch)` once per forward, then `forward` per layer;
+and the hooks a runner needs to capture a decode forward once and replay it (CUDA graphs).
+
+Capture and replay, for a backend whose `supports_capture` is true:
+
+1. ``init_capture(max_bs, max_seq_len, pad_slot)`` once: the backend allocates every
+   tensor its decode forward reads at fixed addresses, sized for `max_bs` requests of up
+   to `max_seq_len` tokens (prefix + new). `pad_slot` is a pool slot no request uses (the
+   runner reserves it): padding rows write their K/V there and attend to it alone.
+2. ``prepare_for_capture(bs)`` per captured batch size: the backend points its next
+   `forward` calls at those buffers, filled as `bs` padding rows; the runner then runs
+   (and records) the decoder once over its own fixed input buffers of `bs` rows.
+3. ``prepare_for_replay(batch, bs)`` per decode step with `batch.batch_size <= bs`: the
+   batch's metadata is copied into the buffers in place (rows past the batch padded), with
+   no allocation and no `plan`; replaying what was recorded for `bs` (after the runner
+   copied the inputs into its buffers) gives the batch's outputs in its first rows.
+
+Nothing here records or replays a graph: that is the runner's, on a device that has one.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
@@ -30,6 +48,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    # Whether the capture hooks below work (see the module docstring); a runner asks this
+    # before it captures anything.
+    supports_capture: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -56,3 +77,20 @@ class AttentionBackend(ABC):
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor: ...
+
+    # -- capture and replay of decode batches (see the module docstring) -------------------
+
+    def init_capture(self, max_bs: int, max_seq_len: int, pad_slot: int) -> None:
+        """Allocate the fixed-address buffers for decode batches of up to `max_bs`
+        requests of up to `max_seq_len` tokens; `pad_slot`: a pool slot no request uses."""
+        raise NotImplementedError(f"the {self.name} attention backend does not support capture")
+
+    def prepare_for_capture(self, bs: int) -> None:
+        """Make the next `forward` calls run over the buffers as a decode batch of `bs`
+        padding rows (the forward to record for `bs`)."""
+        raise NotImplementedError(f"the {self.name} attention backend does not support capture")
+
+    def prepare_for_replay(self, batch: ForwardBatch, bs: int) -> None:
+        """Copy decode `batch` (at most `bs` requests) into the buffers captured for `bs`,
+        in place, so that the recorded forward computes it (its rows first)."""
+        raise NotImplementedError(f"the {self.name} attention backend does not support capture")

@@ -18,6 +18,7 @@ import os
 
 import numpy as np
 import torch
+from radixlm.cache.pages import div_ceil
 
 from .base import AttentionBackend
 
@@ -52,7 +53,7 @@ def page_table(
     P = page_size
     kv_starts = np.zeros(seq.shape[0] + 1, dtype=np.int64)
     np.cumsum(seq, out=kv_starts[1:])
-    npages = (seq + P - 1) // P
+    npages = div_ceil(seq, P)
     page_indptr = np.zeros(seq.shape[0] + 1, dtype=np.int64)
     np.cumsum(npages, out=page_indptr[1:])
     total = int(page_indptr[-1])

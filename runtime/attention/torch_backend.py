@@ -14,6 +14,11 @@
   no prefix the new K/V are used directly, not re-read from the pool.
 - A single request whose slots are consecutive reads the pool through a view (no gather).
 Everything that depends only on the batch is computed once in `plan`.
+
+Capture (`supports_capture`): a captured decode batch is the padded `[bs, max_seq_len]`
+gather and masked SDPA above, over `DecodeBuffers` (fixed addresses, refilled in place by
+`prepare_for_replay`), never the shared-prefix or view variants, whose shapes depend on
+the batch.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import AttentionBackend
+from .capture import DecodeBuffers
 
 
 @dataclass
@@ -75,6 +81,12 @@ def _contiguous_run(slots: np.ndarray) -> slice | None:
 
 class TorchAttention(AttentionBackend):
     name = "torch"
+    supports_capture = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.capture: DecodeBuffers | None = None
+        self._captured: dict[int, _Decode] = {}  # by batch size: plans over `capture`
 
     def plan(self, batch) -> None:
         dev = self.device
@@ -157,6 +169,41 @@ class TorchAttention(AttentionBackend):
             bias.masked_fill_(torch.from_numpy(~valid), float("-inf"))
             bias = bias.view(1, b, 1, tl)
         return _SharedDecode(rows, shared, torch.from_numpy(idx.reshape(-1)), tl, bias)
+
+    # -- capture and replay (the hooks of `AttentionBackend`) --------------------------------
+
+    def init_capture(self, max_bs: int, max_seq_len: int, pad_slot: int) -> None:
+        if self.capture is not None:
+            raise RuntimeError("init_capture was already called for this backend")
+        capacity = int(self.pool.k[0].shape[0])
+        self.capture = DecodeBuffers.allocate(max_bs, max_seq_len, pad_slot, capacity, self.device)
+
+    def prepare_for_capture(self, bs: int) -> None:
+        buf = self._buffers()
+        buf.pad(bs)
+        plan = _Decode(None, buf.kv[:bs], buf.mask[:bs])
+        self._captured[bs] = plan
+        self._run_captured(plan, bs)
+
+    def prepare_for_replay(self, batch, bs: int) -> None:
+        plan = self._captured.get(bs)
+        if plan is None:
+            raise ValueError(f"no capture for batch size {bs}: prepare_for_capture({bs}) first")
+        self._buffers().fill(batch, bs)
+        self._run_captured(plan, bs)
+
+    def _buffers(self) -> DecodeBuffers:
+        if self.capture is None:
+            raise RuntimeError("call init_capture first")
+        return self.capture
+
+    def _run_captured(self, plan: _Decode, bs: int) -> None:
+        """Point `forward` at a captured plan (what `plan` does for an eager batch)."""
+        assert self.capture is not None
+        self.out_slots = self.capture.out_slots[:bs]
+        self.num_tokens = bs
+        self.decode = plan
+        self.prefills = []
 
     def forward(self, layer_id, q, k, v):
         kc, vc = self.pool.k[layer_id], self.pool.v[layer_id]

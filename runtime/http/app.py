@@ -18,7 +18,7 @@ from radixlm.runtime.http.engine_link import EngineLink
 from radixlm.runtime.http.errors import ApiError, from_engine
 from radixlm.runtime.http.metrics import Metrics
 from radixlm.runtime.http.store import ConversationStore
-from radixlm.sdk.errors import EngineError
+from radixlm.runtime.transport.errors import EngineError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request

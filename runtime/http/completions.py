@@ -16,7 +16,7 @@ from radixlm.runtime.http.errors import from_engine, invalid
 from radixlm.runtime.http.logprobs import completion as completion_logprobs
 from radixlm.runtime.http.schemas import CompletionRequest
 from radixlm.runtime.protocol import Chunk, Done, Generate, Input, SamplingParams
-from radixlm.sdk.errors import EngineError, plain_errors
+from radixlm.runtime.transport.errors import EngineError, plain_errors
 from starlette.requests import Request
 from starlette.responses import Response
 

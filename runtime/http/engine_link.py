@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 from anyio.abc import TaskGroup
 from radixlm.runtime import protocol as p
-from radixlm.sdk.connection import Connection, Request
-from radixlm.sdk.errors import InternalError
+from radixlm.runtime.transport.connection import Connection, Request
+from radixlm.runtime.transport.errors import InternalError
 
 R = TypeVar("R")
 

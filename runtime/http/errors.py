@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from radixlm.sdk.errors import EngineDeadError, EngineError
+from radixlm.runtime.transport.errors import EngineDeadError, EngineError
 from starlette.responses import Response
 
 _json = msgspec.json.Encoder()

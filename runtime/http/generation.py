@@ -14,7 +14,7 @@ from typing import Union
 from radixlm.runtime.http.context import HttpContext
 from radixlm.runtime.http.errors import from_engine
 from radixlm.runtime.protocol import Chunk, Done, Generate
-from radixlm.sdk.errors import EngineError
+from radixlm.runtime.transport.errors import EngineError
 
 
 def count(ctx: HttpContext, dones: list[Done]) -> None:

@@ -3,11 +3,12 @@
 - `ModelConfig.from_hf(dict)` / `ModelConfig.from_dir(path)`: frozen config.
 - `resolve_model(spec)`: "default" / a .gguf / an HF directory → HF-style directory.
 - `load_model(model_dir, device, dtype)`: → `DecoderModel`.
-- `ForwardBatch` (+ `BatchRequest`, `ForwardBatch.build`): explicit inputs of a forward pass.
+- `ForwardBatch` (+ `BatchRequest`, `ForwardBatch.build`): explicit inputs of a forward pass;
+  `pack_forward_batch`, the one builder of its tensors (the engine's scheduler calls it too).
 - `ModelRunner(model_dir, device, dtype, pool, attention)`: `forward(batch) -> logits`.
 """
 
-from .batch import BatchRequest, ForwardBatch, build_forward_batch
+from .batch import BatchRequest, ForwardBatch, build_forward_batch, pack_forward_batch
 from .config import ModelConfig, RopeConfig, UnsupportedModelError
 from .decoder import DecoderModel
 from .gguf_convert import cache_root, convert_gguf, ensure_converted
@@ -26,6 +27,7 @@ __all__ = [
     "RopeConfig",
     "UnsupportedModelError",
     "build_forward_batch",
+    "pack_forward_batch",
     "cache_root",
     "convert_gguf",
     "default_device",

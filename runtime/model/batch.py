@@ -7,7 +7,8 @@ request, the KV-pool slot of every position (prefix, then new), delimited by `kv
 the last `extend_lens[r]` of a request's slots are also its `out_slots` (where the new K/V
 is written before attention reads prefix + new from the pool).
 
-Build one from plain lists with `ForwardBatch.build([...])` (see `BatchRequest`).
+Build one from plain lists with `ForwardBatch.build([...])` (see `BatchRequest`); both it
+and the engine's scheduler build the tensors with `pack_forward_batch`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+_I64 = np.int64
 
 
 class BatchRequest(NamedTuple):
@@ -80,18 +83,18 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """Assemble a batch from per-request `(token_ids, start_pos, slots[, all_logits])`.
 
-        All index tensors travel to `device` in one copy.
+        All index tensors travel to `device` in one copy (`pack_forward_batch`).
         """
         if not requests:
             raise ValueError("a forward batch needs at least one request")
-        ids_parts, pos_parts, slot_parts, logit_parts = [], [], [], []
-        extend_lens, seq_lens, logits_indptr = [], [], [0]
-        offset = 0
+        tokens, slots, starts, lasts = [], [], [], []
+        b = len(requests)
+        ext, kv = np.empty(b, dtype=_I64), np.empty(b, dtype=_I64)
         for i, req in enumerate(requests):
             req = BatchRequest(*req)
-            ids = np.asarray(req.token_ids, dtype=np.int64).reshape(-1)
-            slots = np.asarray(req.slots, dtype=np.int64).reshape(-1)
-            n, s = ids.shape[0], slots.shape[0]
+            ids = np.asarray(req.token_ids, dtype=_I64).reshape(-1)
+            sl = np.asarray(req.slots, dtype=_I64).reshape(-1)
+            n, s = ids.shape[0], sl.shape[0]
             if n == 0:
                 raise ValueError(f"request {i} has no new tokens")
             if s < n:
@@ -99,48 +102,105 @@ class ForwardBatch:
             start = s - n if req.start_pos is None else int(req.start_pos)
             if start < 0:
                 raise ValueError(f"request {i}: negative start position {start}")
-            ids_parts.append(ids)
-            pos_parts.append(np.arange(start, start + n, dtype=np.int64))
-            slot_parts.append(slots)
-            if req.all_logits:
-                logit_parts.append(np.arange(offset, offset + n, dtype=np.int64))
-            else:
-                logit_parts.append(np.array([offset + n - 1], dtype=np.int64))
-            logits_indptr.append(logits_indptr[-1] + logit_parts[-1].shape[0])
-            extend_lens.append(n)
-            seq_lens.append(s)
-            offset += n
-        kv_indices = np.concatenate(slot_parts)
-        kv_indptr = np.zeros(len(seq_lens) + 1, dtype=np.int64)
-        np.cumsum(seq_lens, out=kv_indptr[1:])
-        out_slots = np.concatenate(
-            [sl[sl.shape[0] - n :] for sl, n in zip(slot_parts, extend_lens, strict=True)]
+            tokens.append(ids)
+            slots.append(sl)
+            starts.append(start)
+            lasts.append(0 if req.all_logits else n - 1)
+            ext[i], kv[i] = n, s - n
+        decode = bool((ext == 1).all())  # one row each, whether all_logits or not
+        return pack_forward_batch(
+            tokens, slots, kv, None if decode else ext,
+            None if decode else np.asarray(lasts, dtype=_I64), torch.device(device),
+            token_offsets=np.zeros(b, dtype=_I64), positions_from=np.asarray(starts, dtype=_I64),
         )
-        parts = [
-            np.concatenate(ids_parts),
-            np.concatenate(pos_parts),
-            out_slots,
-            kv_indices,
-            kv_indptr,
-            np.concatenate(logit_parts),
-        ]
-        sizes = [p.shape[0] for p in parts]
-        host = torch.from_numpy(np.concatenate(parts))
-        dev = host.to(device, non_blocking=False)
-        chunks = torch.split(dev, sizes)
-        kv_cpu = host[sizes[0] + sizes[1] + sizes[2] :][: sizes[3]]
-        return cls(
-            input_ids=chunks[0],
-            positions=chunks[1],
-            out_slots=chunks[2],
-            extend_lens=extend_lens,
-            seq_lens=seq_lens,
-            kv_indices=chunks[3],
-            kv_indptr=chunks[4],
-            logits_indices=chunks[5],
-            logits_indptr=logits_indptr,
-            kv_indices_cpu=kv_cpu,
+
+
+def pack_forward_batch(
+    tokens: Sequence[np.ndarray],
+    slots: Sequence[np.ndarray],
+    kv_lens: np.ndarray,
+    extends: np.ndarray | None,
+    logits_from: np.ndarray | None,
+    device: torch.device,
+    *,
+    token_offsets: np.ndarray | None = None,
+    positions_from: np.ndarray | None = None,
+) -> ForwardBatch:
+    """The one place that builds a batch's tensors, by slicing each request's buffers (no
+    per-token Python); the engine's scheduler (`engine.batch.build_batch`) and
+    `ForwardBatch.build` both call it. Arrays are int64 and indexed by request.
+
+    Request `r` has `kv_lens[r]` cached tokens and brings `extends[r]` new ones (None: one
+    each, a decode batch), `tokens[r][o : o + extends[r]]` with `o = token_offsets[r]`
+    (default `kv_lens[r]`: buffers that hold the whole sequence), at positions from
+    `positions_from[r]` (default `kv_lens[r]`). Its KV slots are `slots[r][: kv_lens[r] +
+    extends[r]]`, the last `extends[r]` of them where the new K/V go. Logit rows are
+    returned for its new tokens from offset `logits_from[r]` on (None: the last one only,
+    which for a decode batch is its only one).
+
+    Index arrays are written into one host buffer (ids, positions, out slots, KV indices,
+    KV indptr, logit rows) and moved to the device in one copy.
+    """
+    b = len(tokens)
+    decode = extends is None
+    if decode:  # one token and one logits row per request: no ragged bookkeeping
+        ext_a = np.ones(b, dtype=_I64)
+        n_tok = n_rows = b
+    else:
+        ext_a = extends
+        first = ext_a - 1 if logits_from is None else logits_from
+        n_tok = int(ext_a.sum())
+        n_rows = n_tok - int(first.sum())
+    seq_a = kv_lens + ext_a
+    seq = seq_a.tolist()
+    n_kv = sum(seq)
+    o1, o2, o3 = n_tok, 2 * n_tok, 3 * n_tok
+    o4 = o3 + n_kv
+    o5 = o4 + b + 1
+    host = np.empty(o5 + n_rows, dtype=_I64)
+    ids, pos, out = host[:o1], host[o1:o2], host[o2:o3]
+    kvi, indptr, rows = host[o3:o4], host[o4:o5], host[o5:]
+    kv = kv_lens.tolist()
+    tok0 = kv if token_offsets is None else token_offsets.tolist()
+    pos0 = kv_lens if positions_from is None else positions_from
+    if decode:
+        ids[:] = np.fromiter((t[k] for t, k in zip(tokens, tok0, strict=True)), _I64, b)
+        out[:] = np.fromiter((s[k] for s, k in zip(slots, kv, strict=True)), _I64, b)
+        pos[:] = pos0
+        rows[:] = np.arange(b, dtype=_I64)
+        logits_indptr = list(range(b + 1))
+    else:
+        ext = ext_a.tolist()
+        np.concatenate([t[k : k + e] for t, k, e in zip(tokens, tok0, ext, strict=True)], out=ids)
+        np.concatenate([s[k:q] for s, k, q in zip(slots, kv, seq, strict=True)], out=out)
+        q_start = np.zeros(b + 1, dtype=_I64)
+        np.cumsum(ext_a, out=q_start[1:])
+        pos[:] = np.arange(n_tok, dtype=_I64) + np.repeat(pos0 - q_start[:-1], ext_a)
+        per_req = ext_a - first
+        row_start = np.zeros(b + 1, dtype=_I64)
+        np.cumsum(per_req, out=row_start[1:])
+        rows[:] = np.arange(n_rows, dtype=_I64) + np.repeat(
+            q_start[:-1] + first - row_start[:-1], per_req
         )
+        logits_indptr = row_start.tolist()
+    np.concatenate([s[:q] for s, q in zip(slots, seq, strict=True)], out=kvi)
+    indptr[0] = 0
+    np.cumsum(seq_a, out=indptr[1:])
+
+    cpu = torch.from_numpy(host)
+    dev = cpu.to(device) if device.type != "cpu" else cpu
+    return ForwardBatch(
+        input_ids=dev[:o1],
+        positions=dev[o1:o2],
+        out_slots=dev[o2:o3],
+        extend_lens=[1] * b if decode else ext_a.tolist(),
+        seq_lens=seq,
+        kv_indices=dev[o3:o4],
+        kv_indptr=dev[o4:o5],
+        logits_indices=dev[o5:],
+        logits_indptr=logits_indptr,
+        kv_indices_cpu=cpu[o3:o4],
+    )
 
 
 def build_forward_batch(

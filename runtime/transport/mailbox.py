@@ -1,7 +1,7 @@
 """Cheap primitives for one event loop: `Mailbox` (a queue) and `Latch` (a one-shot flag).
 
-The SDK's hot paths (every reply to a request, every program operation, every join)
-go through these. They do what an anyio memory object stream or
+The clients' hot paths (every reply to a request; in the SDK, every program operation
+and every join) go through these. They do what an anyio memory object stream or
 `anyio.Event` does for them at a fraction of the cost: a ``put`` is a deque append, a
 ``get`` with items queued never yields, and a waiter (an asyncio future; an
 `anyio.Event` on other loops) exists only while someone waits.

@@ -8,9 +8,9 @@ process exits (the `liveness` hook), when the connection drops, or when it stays
 while requests wait (a cheap ``Tokenize`` ping, answered by the frontend alone, tells
 slow from dead).
 
-The link is a native ZMTP DEALER on asyncio for ipc:// and tcp:// endpoints
-(`radixlm.sdk.zmtp`: no libzmq I/O thread to wake per message), else a libzmq DEALER
-(`radixlm.sdk.zmq_dealer`). Both speak the same ZeroMQ wire protocol to the engine.
+The link is a native ZMTP DEALER on asyncio for ipc:// and tcp:// endpoints (`zmtp`: no
+libzmq I/O thread to wake per message), else a libzmq DEALER (`zmq_dealer`). Both speak
+the same ZeroMQ wire protocol to the engine. The SDK and the HTTP server both use this.
 """
 
 from __future__ import annotations
@@ -40,16 +40,16 @@ from radixlm.runtime.protocol import (
     decode_server,
     encode,
 )
-from radixlm.sdk.curve import CurveKeys
-from radixlm.sdk.errors import EngineDeadError, TooLongError, error_from_reply
-from radixlm.sdk.mailbox import EventWaiter, Mailbox, Waiter, waiter_factory
-from radixlm.sdk.request import Failed, Request
-from radixlm.sdk.zmq_dealer import ZmqDealer
-from radixlm.sdk.zmtp import ZmtpDealer, native_endpoint
+from radixlm.runtime.transport.curve import CurveKeys
+from radixlm.runtime.transport.errors import EngineDeadError, TooLongError, error_from_reply
+from radixlm.runtime.transport.mailbox import EventWaiter, Mailbox, Waiter, waiter_factory
+from radixlm.runtime.transport.request import Failed, Request
+from radixlm.runtime.transport.zmq_dealer import ZmqDealer
+from radixlm.runtime.transport.zmtp import ZmtpDealer, native_endpoint
 
 __all__ = ["Connection", "Request", "check_endpoint"]
 
-log = logging.getLogger("radixlm.sdk")
+log = logging.getLogger("radixlm.transport")
 
 Liveness = Callable[[], "str | None"]  # None while alive, else why it is dead
 # How long an unawaited message (a session close) may wait for a request to leave with:

@@ -1,7 +1,8 @@
 """`ZmqDealer`: the engine connection over a libzmq DEALER socket (pyzmq).
 
-The SDK uses it where the native transport (`radixlm.sdk.zmtp`) does not apply: event
-loops other than asyncio, and endpoints other than ipc:// and tcp://.
+A connection uses it where the native transport (`radixlm.runtime.transport.zmtp`) does
+not apply: event loops other than asyncio, endpoints other than ipc:// and tcp://, and
+CurveZMQ.
 
 ZeroMQ's file descriptor is edge-triggered: any operation on the socket (a send
 included) may consume the readiness edge, leaving replies queued while the fd stays

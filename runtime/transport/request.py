@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 import anyio
 from radixlm.runtime.protocol import Abort, Chunk, Done, Error, ServerMessage, Struct
-from radixlm.sdk.errors import EngineError, error_from_reply
-from radixlm.sdk.mailbox import EMPTY, Mailbox, Waiter
+from radixlm.runtime.transport.errors import EngineError, error_from_reply
+from radixlm.runtime.transport.mailbox import EMPTY, Mailbox, Waiter
 
 __all__ = ["Failed", "Request"]
 

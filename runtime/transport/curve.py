@@ -1,0 +1,53 @@
+"""CurveZMQ client keys for a server started with ``radixlm serve --auth-dir DIR``: read
+here once, for every client (the SDK, the ``radixlm generate``/``sessions`` commands).
+
+The server's public key (DIR/server.key) and this client's key pair (a
+``NAME.key_secret`` certificate from ``radixlm keys DIR --client NAME``) are read with
+pyzmq's ``zmq.auth``; libzmq's CURVE does the authentication and encryption, so a client
+with keys always uses the libzmq transport (`radixlm.runtime.transport.zmq_dealer`), never
+the native one. The server's side (its key, the authenticator) is
+`radixlm.runtime.curve_keys`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple
+
+import zmq.auth
+
+__all__ = ["CurveKeys", "load_curve_keys"]
+
+
+class CurveKeys(NamedTuple):
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    def socket_options(self) -> dict[int, Any]:
+        """DEALER options that make the socket a CURVE client of that server."""
+        return {zmq.CURVE_SERVERKEY: self.server_public, zmq.CURVE_PUBLICKEY: self.public,
+                zmq.CURVE_SECRETKEY: self.secret}
+
+
+def load_curve_keys(server_key: str | os.PathLike[str] | None,
+                    client_key: str | os.PathLike[str] | None, *,
+                    names: tuple[str, str] = ("server_key", "client_key")) -> CurveKeys | None:
+    """The keys from their certificate files; None when neither is given. Raises
+    ValueError saying what is wrong; `names` are how the caller's user spells the two
+    arguments (``("--server-key", "--client-key")`` on a command line)."""
+    if server_key is None and client_key is None:
+        return None
+    server_name, client_name = names
+    if server_key is None or client_key is None:
+        raise ValueError(f"a CurveZMQ client needs both {server_name} (the server's "
+                         f"server.key) and {client_name} (this client's NAME.key_secret)")
+    try:
+        server_public, _ = zmq.auth.load_certificate(server_key)
+        public, secret = zmq.auth.load_certificate(client_key)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read the CurveZMQ keys: {e}") from None
+    if not secret:
+        raise ValueError(f"{client_name} {os.fspath(client_key)!r} holds no secret key: give "
+                         "the NAME.key_secret file")
+    return CurveKeys(server_public, public, secret)

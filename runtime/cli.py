@@ -9,7 +9,7 @@
     radixlm keys DIR [--client NAME]                 CurveZMQ keys for serve --auth-dir
     radixlm protocol-schema                          JSON Schema of every wire message
 
-Clients find a server without being told where (discovery.py): ``--endpoint``, else
+Clients find a server without being told where (transport/discovery.py): ``--endpoint``, else
 ``$RADIXLM_ENDPOINT``, else this user's default server (the one ``radixlm serve`` without
 ``--endpoint`` runs). Nothing is matched by abbreviation; the peers' spellings of common
 flags (vLLM, llama-server, SGLang) are aliases. Errors a user can cause are one line;
@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from radixlm import __version__
-from radixlm.runtime.cli_common import add_key_arguments, say
+from radixlm.runtime.cli_common import say
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.transport.curve import add_key_arguments
 
 _DEFAULTS = EngineConfig()
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4", "gguf")

@@ -1,5 +1,5 @@
 """What the `radixlm` commands share: logging, SIGTERM, CURVE key options, finding the
-server a client command talks to (`find_server`, from discovery.py)."""
+server a client command talks to (`find_server`, from `radixlm.runtime.transport.discovery`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import sys
 import tempfile
 from typing import Any
 
-from radixlm.runtime.discovery import find_server
+from radixlm.runtime.transport.discovery import find_server
 
-__all__ = ["StopRequested", "add_key_arguments", "find_server", "key_options", "say", "setup_logging",
+__all__ = ["StopRequested", "find_server", "key_options", "say", "setup_logging",
            "stop_on_sigterm", "write_endpoint_file"]
 
 
@@ -39,16 +39,6 @@ def write_endpoint_file(path: str, endpoint: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(endpoint + "\n")
     os.replace(tmp, path)  # readers never see a half-written file
-
-
-def add_key_arguments(p: argparse.ArgumentParser) -> None:
-    """--server-key / --client-key: CurveZMQ keys for a server started with --auth-dir."""
-    p.add_argument("--server-key", default=None, metavar="FILE",
-                   help="for a server started with --auth-dir: its public certificate "
-                        "(DIR/server.key)")
-    p.add_argument("--client-key", default=None, metavar="FILE",
-                   help="for a server started with --auth-dir: this client's secret "
-                        "certificate (DIR/clients/NAME.key_secret)")
 
 
 def key_options(args: argparse.Namespace, command: str) -> dict[int, Any] | None:

@@ -26,12 +26,12 @@ from radixlm.runtime.cli_common import (
     stop_on_sigterm,
 )
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.discovery import client_endpoint
 from radixlm.runtime.launcher import RunningServer, ServerStartError, connect_address, start_server
-from radixlm.runtime.progress import Spinner, starting_label
 from radixlm.runtime.protocol import Abort, ErrorCode, Input, Message
 from radixlm.runtime.raw_client import RawClient, ServerError
+from radixlm.runtime.transport.discovery import client_endpoint
 from radixlm.runtime.transport.probe import NoServerError
+from radixlm.runtime.transport.progress import Spinner, starting_label
 
 __all__ = ["run_generate"]
 

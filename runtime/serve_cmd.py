@@ -2,7 +2,7 @@
 
 Order, so that every mistake a user can make costs milliseconds, not a model load:
 check every flag (endpoint rules, HTTP flags, key directory, model path, device name);
-take the default server's role unless ``--endpoint`` was given (discovery.py: the first
+take the default server's role unless ``--endpoint`` was given (transport/discovery.py: the first
 server keeps it, a second one serves on a private socket and says where); bind the HTTP
 address and the client endpoint (listeners.py: a taken address is one line naming it);
 only then start the processes and load the model. "ready" is printed once this process
@@ -30,12 +30,6 @@ from radixlm.runtime.cli_common import (
 )
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.curve_keys import AuthDirError, check_auth_dir
-from radixlm.runtime.discovery import (
-    DefaultClaim,
-    DefaultServer,
-    RuntimeDirError,
-    claim_default,
-)
 from radixlm.runtime.http.config import HttpConfig, HttpConfigError
 from radixlm.runtime.http.launch import HttpStartError, start_http
 from radixlm.runtime.http.main import http_asked, http_config, http_listen
@@ -48,6 +42,12 @@ from radixlm.runtime.launcher import (
     stop_when_gone,
 )
 from radixlm.runtime.listeners import Listener, listen_http
+from radixlm.runtime.transport.discovery import (
+    DefaultClaim,
+    DefaultServer,
+    RuntimeDirError,
+    claim_default,
+)
 
 __all__ = ["run_serve"]
 

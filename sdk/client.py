@@ -29,7 +29,6 @@ import anyio
 import msgspec
 from anyio.from_thread import run_sync as run_sync_from_thread
 from anyio.lowlevel import EventLoopToken, current_token
-from radixlm.runtime.discovery import client_endpoint, find_server
 from radixlm.runtime.protocol import (
     Chunk,
     CloseSession,
@@ -59,6 +58,7 @@ from radixlm.runtime.protocol import (
 )
 from radixlm.runtime.transport.connection import Connection, Liveness, Request
 from radixlm.runtime.transport.curve import load_curve_keys
+from radixlm.runtime.transport.discovery import client_endpoint, find_server
 from radixlm.runtime.transport.mailbox import Waiter
 from radixlm.sdk.errors import EngineDeadError, InternalError, InvalidParamsError, ProgramError
 from radixlm.sdk.options import SamplingOptions, sampling_params

@@ -32,7 +32,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from radixlm.runtime.progress import Spinner, starting_label
+from radixlm.runtime.transport.progress import Spinner, starting_label
 from radixlm.sdk.errors import EngineDeadError, EngineStartError
 from radixlm.sdk.sync import Client
 

@@ -27,8 +27,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from radixlm.runtime.cli_common import add_key_arguments
-from radixlm.runtime.discovery import default_server
+from radixlm.runtime.transport.curve import add_key_arguments
+from radixlm.runtime.transport.discovery import default_server
 from radixlm.sdk.errors import EngineDeadError, EngineError, NoServerError
 from radixlm.sdk.sync import ChatSession, Client, connect
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import radixlm as rl
 from conftest import ServerHandle, start_test_server
-from radixlm.runtime.discovery import default_endpoint, default_server
 from radixlm.runtime.protocol import Input, Message, OpenSession, SessionOpened
 from radixlm.runtime.raw_client import RawClient
 from radixlm.runtime.top import Sample, render
+from radixlm.runtime.transport.discovery import default_endpoint, default_server
 from radixlm.runtime.transport.probe import NoServerError, probe_endpoint
 
 CLI = [sys.executable, "-m", "radixlm.runtime.cli"]
@@ -231,7 +231,7 @@ def test_top_refreshes_in_place_until_ctrl_c(server: ServerHandle) -> None:
 
 def test_the_default_record_is_json(root: Path) -> None:
     """What other tools may read: the lock file's record (see docs/architecture.md)."""
-    from radixlm.runtime.discovery import DefaultServer, claim_default, runtime_root
+    from radixlm.runtime.transport.discovery import DefaultServer, claim_default, runtime_root
 
     claim = claim_default(runtime_root())
     assert not isinstance(claim, DefaultServer)

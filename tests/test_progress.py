@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import time
 
-from radixlm.runtime.progress import Spinner, starting_label
+from radixlm.runtime.transport.progress import Spinner, starting_label
 
 
 class Terminal(io.StringIO):

@@ -5,7 +5,7 @@ that does not exist, or of a port nobody listens on, would wait out its whole ti
 silence. `probe_endpoint` asks the kernel instead (one ``connect``, closed at once: a
 server sees a connection that ends before its handshake, and ignores it) and raises
 `NoServerError` saying what it found, with a hint. The SDK and the CLI call it before
-they connect (through `radixlm.runtime.discovery.find_server`).
+they connect (through `radixlm.runtime.transport.discovery.find_server`).
 """
 
 from __future__ import annotations

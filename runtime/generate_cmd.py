@@ -27,7 +27,7 @@ from radixlm.runtime.cli_common import (
 )
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.launcher import RunningServer, ServerStartError, connect_address, start_server
-from radixlm.runtime.protocol import Abort, ErrorCode, Input, Message
+from radixlm.runtime.protocol import Abort, Chunk, ErrorCode, Input, Message
 from radixlm.runtime.raw_client import RawClient, ServerError
 from radixlm.runtime.transport.discovery import client_endpoint
 from radixlm.runtime.transport.probe import NoServerError
@@ -116,12 +116,18 @@ def _generate(endpoint: str, args: argparse.Namespace, options: dict[int, Any]) 
             inputs = _inputs(args)
             for i, inp in enumerate(inputs):
                 rid = client.new_rid("gen")
+                waiting = Spinner("waiting for the reply")  # (on a terminal, until text comes)
+
+                def show(chunk: Chunk, waiting: Spinner = waiting) -> None:
+                    waiting.stop()
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+
                 try:
-                    client.generate(
-                        inp, rid=rid, stream=True, timeout_s=None,
-                        on_chunk=lambda c: (sys.stdout.write(c.text), sys.stdout.flush()),
-                        max_tokens=args.max_tokens, temperature=args.temperature,
-                        top_p=args.top_p, stop=args.stop)
+                    waiting.start()
+                    client.generate(inp, rid=rid, stream=True, timeout_s=None, on_chunk=show,
+                                    max_tokens=args.max_tokens, temperature=args.temperature,
+                                    top_p=args.top_p, stop=args.stop)
                 except ServerError as e:
                     if e.code == ErrorCode.NO_TEMPLATE and i + 1 < len(inputs):
                         continue  # not a chat model: complete the plain text
@@ -129,6 +135,8 @@ def _generate(endpoint: str, args: argparse.Namespace, options: dict[int, Any]) 
                 except BaseException:  # Ctrl-C, SIGTERM: stop the generation first
                     _abort(client, rid)
                     raise
+                finally:
+                    waiting.stop()
                 break
             sys.stdout.write("\n")
         return 0

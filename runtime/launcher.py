@@ -1,20 +1,24 @@
 """Start a radixlm server: an engine process and a frontend process, supervised.
 
 `start_server(config)` makes a private (0700) runtime directory for the ipc sockets,
-starts both processes (``python -m radixlm.runtime.launcher ROLE ...``: plain
-subprocesses, so nothing of the caller's ``__main__`` is re-imported and no pickle is
-involved), and returns once the frontend has bound its client socket and said so in the
-runtime directory (rundir.py: the bound endpoint, with the port the system picked for
-port 0, and the `Welcome`). A process that dies during start-up raises `ServerStartError`
-with its error (each child writes a one-line summary to ``<runtime dir>/<role>.error``
-before exiting; a user error, such as a model that is not there, logs no traceback).
-Runtime directories left behind by servers that were killed are removed first.
+binds the client endpoint itself (listeners.py: a taken address fails here, before any
+process starts or any model loads), starts both processes (``python -m
+radixlm.runtime.launcher ROLE ...``: plain subprocesses, so nothing of the caller's
+``__main__`` is re-imported and no pickle is involved; the frontend adopts the bound
+socket), and returns once the frontend serves and said so in the runtime directory
+(rundir.py: the bound endpoint and the `Welcome`). A process that dies during start-up
+raises `ServerStartError` with its error (each child writes a one-line summary to
+``<runtime dir>/<role>.error`` before exiting; a user error, such as a model that is not
+there or a device this machine lacks, has no traceback; others have one with
+``--debug``). Runtime directories left behind by servers that were killed are removed
+first.
 
 Shutdown (`RunningServer.stop`, also on ``with`` exit): SIGTERM to every child, a grace
 period, then SIGKILL; the runtime directory (sockets included) is removed. Children also
 die with their parent: they ask Linux for ``PR_SET_PDEATHSIG`` (SIGTERM) as they start,
-and exit at once if the parent is already gone. Ctrl-C reaches the whole foreground
-process group, so children ignore SIGINT and leave the stopping order to the parent.
+and exit at once if the parent is already gone. They run in sessions of their own, so a
+Ctrl-C in the terminal reaches only the process that started them, which decides what it
+means (`radixlm serve` stops; `radixlm chat` aborts a reply); they ignore SIGINT too.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ from radixlm.runtime.channel import (
 )
 from radixlm.runtime.config import Endpoints, EngineConfig
 from radixlm.runtime.curve_keys import check_auth_dir
+from radixlm.runtime.listeners import Listener, listen_zmq
 from radixlm.runtime.protocol import Welcome
-from radixlm.runtime.rundir import read_ready, remove_stale, write_owner
+from radixlm.runtime.rundir import READY_FILE, read_ready, remove_stale, write_owner
 
 __all__ = [
     "RunningServer",
@@ -149,20 +154,38 @@ def start_server(
     stdout: Any = None,
     stderr: Any = None,
     engine_command: Sequence[str] | None = None,
+    preflight: bool = True,
+    takeover: bool = False,
 ) -> RunningServer:
-    """Start engine + frontend and wait until a client handshake succeeds.
+    """Start engine + frontend and wait until the frontend serves.
 
     `stdout`/`stderr` are passed to the children (None: inherit, so their logs show).
     `engine_command` replaces the engine process (benchmarks and tests run a stub engine):
     it is run with the spec file and this process's pid appended (see `load_spec`).
-    Raises `ServerStartError` (children stopped, directory removed) on failure or timeout.
+    `preflight`: refuse, before anything starts, a model path that does not exist or a
+    device that cannot be named (`check_config`). `takeover`: the ipc path of
+    ``config.endpoint`` is this server's whatever listens there (the default server's
+    socket while this process holds its lock: a server still there was killed, and its
+    frontend is about to go).
+    Raises `ServerStartError` (children stopped, directory removed) on failure or timeout,
+    `EndpointError` at once for an endpoint that cannot be bound.
     """
+    if preflight:
+        check_config(config)
+    takeover_path = ipc_path(config.endpoint) if takeover else None
+    if takeover_path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            takeover_path.unlink()
     runtime_dir = make_runtime_dir()
     processes: dict[str, subprocess.Popen[bytes]] = {}
+    listener: Listener | None = None
     try:
         write_owner(runtime_dir)
         remove_stale(runtime_dir.parent)
         endpoints = make_endpoints(config, runtime_dir)
+        listener = listen_zmq(endpoints.client)
+        endpoints = dataclasses.replace(endpoints, client=listener.address,
+                                        client_fd=listener.fd)
         spec = runtime_dir / "spec.json"
         spec.write_bytes(_encode_spec(config, endpoints))
         spec.chmod(stat.S_IRUSR | stat.S_IWUSR)
@@ -174,18 +197,71 @@ def start_server(
                 [*command, str(spec), str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
                 env=engine_environment(config) if role == "engine" else None,
+                pass_fds=(listener.fd,) if role == "frontend" else (),
+                start_new_session=True,  # a Ctrl-C in the terminal is the parent's to handle
             )
+        listener.close()  # the frontend holds it now
         bound, welcome = _wait_ready(processes, runtime_dir, start_timeout_s)
         endpoints = dataclasses.replace(endpoints, client=bound)
     except BaseException:
         _stop_processes(processes, STOP_GRACE_S)
-        # A user-chosen socket path is ours to remove only once our frontend may own it.
-        _remove_runtime_files(runtime_dir, config.endpoint if processes else "")
+        if listener is not None:
+            listener.close(unlink=True)  # bound here: ours to remove
+        _remove_runtime_files(runtime_dir, "")
         raise
     log.info("serving %s at %s (context %d tokens, KV pool %d tokens, page size %d)",
              welcome.model, endpoints.client, welcome.context_length, welcome.kv_capacity,
              welcome.page_size)
     return RunningServer(config, endpoints, welcome, processes, runtime_dir)
+
+
+# Devices `--device` may name (the index of cuda:N is checked by the engine).
+_DEVICE_KINDS = ("auto", "cpu", "cuda", "mps")
+
+
+def check_config(config: EngineConfig) -> None:
+    """Refuse, in milliseconds and before anything starts, what a user can get wrong
+    without a model loaded: a model path that does not exist, a device name that is none.
+    (Whether the device exists is asked in the engine process, which imports torch.)"""
+    model = config.model
+    if model not in ("", "default") and not Path(model).expanduser().exists():
+        raise ServerStartError(
+            f"model {model!r} not found: give 'default', a .gguf file or an HF model "
+            "directory (models are not downloaded)")
+    kind, _, index = config.device.partition(":")
+    if kind not in _DEVICE_KINDS or (index and (kind != "cuda" or not index.isdigit())):
+        raise ServerStartError(f"unknown device {config.device!r}: give auto, cpu, cuda, "
+                               "cuda:N or mps")
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot run the engine here (None: it can). Imports torch."""
+    import torch
+
+    kind, _, index = device.partition(":")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch build has no CUDA support (a CPU build)"
+                   if torch.version.cuda is None else
+                   "torch finds no CUDA device (driver, or CUDA_VISIBLE_DEVICES?)")
+            return f"--device {device}: no CUDA device here: {why}; use --device cpu"
+        count = torch.cuda.device_count()
+        if index and int(index) >= count:
+            return f"--device {device}: this machine has {count} CUDA device(s) (cuda:0..)"
+    if kind == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            return "--device mps: no Apple MPS device here (macOS on Apple silicon only); " \
+                   "use --device cpu"
+    return None
+
+
+def keep_triton_out() -> None:
+    """Make ``import triton`` fail in this process when no GPU driver is present: torch
+    imports it when installed (xgrammar depends on it) though nothing on CPU uses it, and
+    it costs start-up time (and, at exit, ~40 lines of nanobind leak reports)."""
+    if not (os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/kfd")):
+        sys.modules.setdefault("triton", None)  # type: ignore[arg-type]
 
 
 def engine_environment(config: EngineConfig, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -330,12 +406,21 @@ def stop_when_gone(pid: int, interval_s: float = 0.5) -> threading.Thread:
 _USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError)
 
 
+class DeviceError(ValueError):
+    """The device the user named is not on this machine."""
+
+
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
 def _run_role(role: str, config: EngineConfig, endpoints: Endpoints) -> None:
     if role == "engine":
+        if not config.device.startswith("cuda"):
+            keep_triton_out()
+        problem = device_problem(config.device)
+        if problem is not None:
+            raise DeviceError(problem)
         from radixlm.runtime.engine.engine_main import run_engine
 
         run_engine(config, endpoints)
@@ -347,7 +432,7 @@ def _run_role(role: str, config: EngineConfig, endpoints: Endpoints) -> None:
 
 def child_main(argv: Sequence[str] | None = None) -> int:
     """``python -m radixlm.runtime.launcher ROLE SPEC PARENT_PID`` (started by start_server)."""
-    parser = argparse.ArgumentParser(prog="radixlm.runtime.launcher",
+    parser = argparse.ArgumentParser(prog="radixlm.runtime.launcher", allow_abbrev=False,
                                      description="internal: one process of a radixlm server")
     parser.add_argument("role", choices=ROLES)
     parser.add_argument("spec", type=Path, help="JSON file with the config and the endpoints")
@@ -366,17 +451,28 @@ def child_main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0
     except BaseException as e:
-        role_log = logging.getLogger(f"radixlm.{args.role}")
-        if isinstance(e, _USER_ERRORS):  # the user's to fix: the message says what
-            role_log.error("%s", e)
-            role_log.debug("%s", traceback.format_exc())
-        else:
-            role_log.error("%s", traceback.format_exc())
-        error_file = Path(endpoints.runtime_dir) / f"{args.role}.error"
-        with contextlib.suppress(OSError):
-            error_file.write_text(f"{type(e).__name__}: {e}\n", encoding="utf-8")
+        _report(args.role, config, endpoints, e)
         return 1
     return 0
+
+
+def _report(role: str, config: EngineConfig, endpoints: Endpoints, e: BaseException) -> None:
+    """Say once why a child failed: the one-line summary goes to ``<role>.error``, which
+    the parent reports (`ServerStartError`); this process's log repeats it only when the
+    parent may not be told (the server was serving already). A user error carries no
+    traceback; anything else has one with ``--debug``."""
+    role_log = logging.getLogger(f"radixlm.{role}")
+    user_error = isinstance(e, _USER_ERRORS)
+    summary = str(e) if user_error else f"{type(e).__name__}: {e}"
+    serving = (Path(endpoints.runtime_dir) / READY_FILE).exists()
+    if config.debug:
+        role_log.error("%s", traceback.format_exc())
+    elif serving or not endpoints.runtime_dir:
+        role_log.error("%s", summary if user_error else
+                       f"{summary} (run with --debug for the traceback)")
+    error_file = Path(endpoints.runtime_dir) / f"{role}.error"
+    with contextlib.suppress(OSError):
+        error_file.write_text(summary + "\n", encoding="utf-8")
 
 
 def _exit_now(code: int) -> None:

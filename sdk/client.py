@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import anyio
@@ -57,6 +58,7 @@ from radixlm.runtime.protocol import (
 )
 from radixlm.runtime.transport.connection import Connection, Liveness, Request
 from radixlm.runtime.transport.curve import load_curve_keys
+from radixlm.runtime.transport.discovery import client_endpoint, find_server
 from radixlm.runtime.transport.mailbox import Waiter
 from radixlm.sdk.errors import EngineDeadError, InternalError, InvalidParamsError, ProgramError
 from radixlm.sdk.options import SamplingOptions, sampling_params
@@ -212,7 +214,9 @@ class EngineFacts:
 class AsyncClient(EngineFacts):
     """An async client of one radixlm engine (one DEALER socket, one reader task).
 
-    `endpoint`: the engine's client endpoint (``ipc://...`` or ``tcp://host:port``).
+    `endpoint`: the engine's client endpoint (``ipc://...`` or ``tcp://host:port``);
+    None: ``$RADIXLM_ENDPOINT``, else this user's default server (``radixlm serve``
+    without ``--endpoint``). Nothing listening there is `NoServerError` at once.
     `connect_timeout`: how long to wait for the engine's Welcome (a new engine may still
     be loading its model). `heartbeat_timeout`: a call fails with `EngineDeadError` once
     the server's frontend has been silent this long while requests wait (the frontend
@@ -225,7 +229,7 @@ class AsyncClient(EngineFacts):
 
     def __init__(
         self,
-        endpoint: str,
+        endpoint: str | None = None,
         *,
         name: str = "radixlm-python",
         connect_timeout: float = 30.0,
@@ -234,7 +238,11 @@ class AsyncClient(EngineFacts):
         server_key: str | os.PathLike[str] | None = None,
         client_key: str | os.PathLike[str] | None = None,
     ) -> None:
+        endpoint, self._source = client_endpoint(endpoint)
         self.endpoint = endpoint
+        # A server this client did not start is looked for before waiting for it (one
+        # with a `liveness` hook is being started by the caller, and may not listen yet).
+        self._probe = liveness is None
         self._conn = Connection(endpoint, client_name=name, heartbeat_timeout=heartbeat_timeout,
                                 liveness=liveness, curve=load_curve_keys(server_key, client_key))
         self._connect_timeout = connect_timeout
@@ -247,6 +255,8 @@ class AsyncClient(EngineFacts):
     # -- lifecycle ------------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncClient:
+        if self._probe:
+            await self._find_server()
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
@@ -267,6 +277,11 @@ class AsyncClient(EngineFacts):
             raise
         self._stack = stack
         return self
+
+    async def _find_server(self) -> None:
+        """Raise `NoServerError` at once when nothing listens at the endpoint."""
+        given = self.endpoint if self._source == "given" else None
+        await anyio.to_thread.run_sync(partial(find_server, given, flag='rl.connect("ENDPOINT")'))
 
     async def __aexit__(self, *exc: Any) -> None:
         stack, self._stack = self._stack, None

@@ -8,18 +8,22 @@
     engine = rl.Engine(http="127.0.0.1:8000")   # also the OpenAI-compatible HTTP API:
     openai.OpenAI(base_url=engine.http_url, api_key="unused")
 
-The server listens on an ipc socket in a private (0700) directory of its own. It stops
-when the Engine is closed, when it is garbage collected, or at interpreter exit; a call
+The server listens on an ipc socket in a private (0700) directory of its own (no HTTP
+API unless ``http=`` asks for one). It runs in a session of its own, so a Ctrl-C in the
+terminal reaches only this program: a call it interrupts is aborted in the engine, and
+the engine keeps serving the next one. It stops when the Engine is closed, when it is
+garbage collected, or when this program exits (even if killed: ``--parent-pid``); a call
 made after it died fails at once with `EngineDeadError` carrying its exit code and the
-end of its log.
+end of its log. While it starts, a spinner shows on stderr when stderr is a terminal.
+Errors name keyword arguments as they were given (``kv_tokens=10``, not ``--kv-tokens``).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +32,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from radixlm.runtime.transport.progress import Spinner, starting_label
 from radixlm.sdk.errors import EngineDeadError, EngineStartError
 from radixlm.sdk.sync import Client
 
@@ -37,6 +42,35 @@ _STOP_GRACE_S = 10.0
 _LOG_TAIL_LINES = 15
 # Keyword names that differ from the `serve` flag (EngineConfig field -> flag).
 _FLAG_NAMES = {"default_session_ttl_s": "session-ttl", "session_ttl_s": "session-ttl"}
+
+
+_KEYWORD_NAMES = {flag: key for key, flag in _FLAG_NAMES.items() if not key.startswith("default_")}
+_FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
+_HTTP_LINE = re.compile(r"^radixlm serve: HTTP API at (\S+)$", re.M)
+_UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)")
+_ARGUMENT = re.compile(r"argument --([a-z][a-z0-9-]*)(?:/[-\w]+)*: ")  # argparse's
+
+
+def keyword_words(text: str, options: dict[str, Any] | None = None) -> str:
+    """A server's message in the words of `rl.Engine`'s caller: a flag and the value it
+    was given as that keyword (``--kv-tokens 10`` -> ``kv_tokens=10`` for
+    ``kv_tokens=10`` in `options`), other flags as keyword names (``--kv-tokens`` ->
+    ``kv_tokens``); argparse's "unrecognized arguments" names the unknown keywords."""
+    text = _ARGUMENT.sub(lambda m: _keyword(m.group(1)) + ": ", text)
+    unknown = _UNRECOGNIZED.search(text)
+    if unknown is not None:
+        names = [_keyword(a[2:]) for a in unknown.group(1).split() if a.startswith("--")]
+        return (f"unknown keyword argument(s) {', '.join(names)}: rl.Engine takes the "
+                "flags of `radixlm serve` (see `radixlm serve --help`) as keywords")
+    for key, value in (options or {}).items():
+        flag = engine_flags({key: value})
+        if len(flag) == 2:  # "--flag value", as the server repeats it
+            text = text.replace(" ".join(flag), f"{key}={value!r}")
+    return _FLAG.sub(lambda m: _keyword(m.group(1)), text)
+
+
+def _keyword(flag: str) -> str:
+    return _KEYWORD_NAMES.get(flag, flag.replace("-", "_"))
 
 
 def engine_flags(options: dict[str, Any]) -> list[str]:
@@ -65,17 +99,21 @@ class EngineProcess:
 
     def __init__(self, model: str, options: dict[str, Any], endpoint: str | None = None,
                  python: str = sys.executable) -> None:
+        self.options = dict(options)
         self.dir = _private_dir()
         self.endpoint = endpoint or f"ipc://{self.dir / 'engine.sock'}"
         self.log_path = self.dir / "engine.log"
         # --parent-pid: the server stops itself if this process dies without closing it
         # (SIGKILL, a crash), so an engine never outlives the program that started it.
+        # No HTTP API unless asked for (`radixlm serve` serves one by default).
+        no_http = [] if options.get("http") else ["--no-http"]
         command = [python, "-m", "radixlm.runtime.cli", "serve", "--model", model,
                    "--endpoint", self.endpoint, "--parent-pid", str(os.getpid()),
-                   *engine_flags(options)]
+                   *no_http, *engine_flags(options)]
         with open(self.log_path, "wb") as log:
+            # A session of its own: the terminal's Ctrl-C is this program's, not the engine's.
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT)
+                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
     def pid(self) -> int:
@@ -98,9 +136,21 @@ class EngineProcess:
         summary = [line for line in tail.splitlines() if line.startswith("radixlm serve:")]
         what = f"the server process (radixlm serve, pid {self.proc.pid}) exited with code {code}"
         if summary:  # it names the process that failed (engine or frontend) and why
-            return f"{what}: {summary[-1]}"
+            message = summary[-1].removeprefix("radixlm serve: ")
+            return f"{what}: {keyword_words(message, self.options)}"
+        usage = [line for line in tail.splitlines() if "error: " in line]
+        if usage:  # argparse refused a keyword: "radixlm serve: error: ..."
+            return f"{what}: {keyword_words(usage[-1].partition('error: ')[2], self.options)}"
         return what + (
             f"; the end of its log:\n{tail}" if tail else "")
+
+    def status(self) -> str:
+        """The server's last log message, shortened (shown while it starts)."""
+        lines = self.log_tail(1).splitlines()
+        if not lines:
+            return ""
+        message = lines[-1].rpartition(": ")[2] if " radixlm" in lines[-1] else lines[-1]
+        return message[:80]
 
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
         """SIGTERM (the server stops its children), SIGKILL after `grace_s`; remove the dir."""
@@ -140,9 +190,10 @@ class Engine(Client):
         # Registered before the client's finalizer, so at exit it runs after it.
         self._process_finalizer = weakref.finalize(self, self.process.stop)
         try:
-            super().__init__(self.process.endpoint, connect_timeout=startup_timeout,
-                             heartbeat_timeout=heartbeat_timeout,
-                             liveness=self.process.exit_reason)
+            with Spinner(starting_label(model), status=self.process.status):
+                super().__init__(self.process.endpoint, connect_timeout=startup_timeout,
+                                 heartbeat_timeout=heartbeat_timeout,
+                                 liveness=self.process.exit_reason)
         except EngineDeadError as e:
             reason = self.process.exit_reason() or f"{e.message}\n{self.process.log_tail()}"
             self._process_finalizer()
@@ -152,14 +203,11 @@ class Engine(Client):
             raise
         self.http_url: str | None = None
         if engine_flags.get("http"):
-            host, _, port = str(engine_flags["http"]).rpartition(":")
-            host = {"localhost": "127.0.0.1", "0.0.0.0": "127.0.0.1"}.get(host, host)
             try:
-                _wait_http(host.strip("[]"), int(port), startup_timeout, self.process)
+                self.http_url = _wait_http(startup_timeout, self.process)
             except BaseException:
                 self.close()
                 raise
-            self.http_url = f"http://{host}:{port}/v1"
 
     def close(self) -> None:
         """Disconnect, then stop the engine process (idempotent)."""
@@ -174,19 +222,17 @@ class Engine(Client):
         return self.process.pid
 
 
-def _wait_http(host: str, port: int, timeout_s: float, process: EngineProcess) -> None:
-    """Until the HTTP API accepts connections: it starts just after the protocol endpoint,
-    and listens only once its engine connection is up."""
+def _wait_http(timeout_s: float, process: EngineProcess) -> str:
+    """The HTTP API's base URL, once the server says it serves it (``radixlm serve:
+    HTTP API at URL``, with the port it bound: port 0 works)."""
     deadline = time.monotonic() + timeout_s
     while (reason := process.exit_reason()) is None:
-        try:
-            socket.create_connection((host, port), timeout=2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise EngineStartError(f"the HTTP API did not answer on {host}:{port} "
-                                       f"within {timeout_s:.0f} s") from None
-            time.sleep(0.1)
+        said = _HTTP_LINE.search(process.log_tail(50))
+        if said is not None:
+            return said.group(1)
+        if time.monotonic() > deadline:
+            raise EngineStartError(f"the HTTP API did not start within {timeout_s:.0f} s")
+        time.sleep(0.05)
     raise EngineStartError(f"the HTTP API did not start: {reason}")
 
 

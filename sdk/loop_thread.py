@@ -27,6 +27,9 @@ __all__ = ["LoopThread"]
 
 T = TypeVar("T")
 _ALIVE_CHECK_S = 1.0  # while waiting for a call, how often to check the loop still runs
+# An interrupted call's unwinding (a generation's abort awaits its final reply for up to
+# the connection's abort_timeout, 2 s) is waited for this long.
+_INTERRUPT_GRACE_S = 5.0
 
 
 class LoopThread:
@@ -75,30 +78,47 @@ class LoopThread:
     def spawn(self, fn: Callable[..., Awaitable[T]], *args: Any) -> Future[T]:
         """Start ``fn(*args)`` as a task in the loop, from another thread, without waiting
         for it to start. Cancelling the returned future cancels the task."""
+        return self._spawn(fn, args, None)
+
+    def _spawn(self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...],
+               settled: threading.Event | None) -> Future[T]:
         future: Future[T] = Future()
         try:
-            self._aloop.call_soon_threadsafe(self._start, future, fn, args)
+            self._aloop.call_soon_threadsafe(self._start, future, fn, args, settled)
         except RuntimeError:  # the loop is closed
             raise RuntimeError("this client's event loop is not running (closed?)") from None
         return future
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """Run ``fn(*args)`` in the loop and wait for its result (from another thread)."""
-        future = self.spawn(fn, *args)
-        while True:
-            try:
-                return future.result(timeout=_ALIVE_CHECK_S)
-            except TimeoutError:
-                if not self._thread.is_alive():  # it stopped before taking the call
-                    raise RuntimeError("this client's event loop stopped") from None
+        """Run ``fn(*args)`` in the loop and wait for its result (from another thread).
+
+        Interrupted (Ctrl-C: KeyboardInterrupt in this thread), it cancels the call and
+        lets it unwind in the loop -- a generation is aborted in the engine, its session
+        freed -- for up to `_INTERRUPT_GRACE_S` before the interrupt goes on: the client
+        stays usable for the next call."""
+        settled = threading.Event()
+        future = self._spawn(fn, args, settled)
+        try:
+            while True:
+                try:
+                    return future.result(timeout=_ALIVE_CHECK_S)
+                except TimeoutError:
+                    if not self._thread.is_alive():  # it stopped before taking the call
+                        raise RuntimeError("this client's event loop stopped") from None
+        except KeyboardInterrupt:
+            future.cancel()
+            settled.wait(_INTERRUPT_GRACE_S)
+            raise
 
     def _start(self, future: Future[T], fn: Callable[..., Awaitable[T]],
-               args: tuple[Any, ...]) -> None:
+               args: tuple[Any, ...], settled: threading.Event | None = None) -> None:
         try:
-            scope = self._tasks.start(_into_future, future, fn, args)
+            scope = self._tasks.start(_into_future, future, fn, args, settled)
         except RuntimeError:  # the task set closed: the loop is stopping
             if future.set_running_or_notify_cancel():
                 future.set_exception(RuntimeError("this client's event loop is stopping"))
+            if settled is not None:
+                settled.set()
             return
 
         def on_done(f: Future[T]) -> None:  # cancelling the future cancels the call
@@ -141,9 +161,19 @@ def _backend_options() -> dict[str, Any]:
 
 
 async def _into_future(future: Future[T], fn: Callable[..., Awaitable[T]],
-                       args: tuple[Any, ...]) -> None:
+                       args: tuple[Any, ...], settled: threading.Event | None = None) -> None:
     """Run the call and settle `future` as anyio's portal does: it stays pending while the
-    call runs, so that cancelling it still cancels the call."""
+    call runs, so that cancelling it still cancels the call. `settled` is set once the
+    call has returned or unwound, whatever became of the future."""
+    try:
+        await _settle(future, fn, args)
+    finally:
+        if settled is not None:
+            settled.set()
+
+
+async def _settle(future: Future[T], fn: Callable[..., Awaitable[T]],
+                  args: tuple[Any, ...]) -> None:
     try:
         result = await fn(*args)
     except anyio.get_cancelled_exc_class():

@@ -220,7 +220,9 @@ class Client(EngineFacts):
 @constructor_parameters(AsyncClient)
 def connect(*args: Any, **kwargs: Any) -> Client:
     """Attach to a running engine (``radixlm serve``) at `endpoint` (``ipc://PATH`` or
-    ``tcp://HOST:PORT``, as the server printed it); a synchronous `Client`. For async code
+    ``tcp://HOST:PORT``, as the server printed it; none: ``$RADIXLM_ENDPOINT``, else this
+    user's default server); a synchronous `Client`. Nothing listening there raises
+    `NoServerError` at once. For async code
     use ``async with rl.AsyncClient(endpoint) as client``. For a server started with
     ``--auth-dir DIR``: ``server_key="DIR/server.key"``,
     ``client_key="DIR/clients/NAME.key_secret"`` (CurveZMQ, over pyzmq's libzmq socket)."""

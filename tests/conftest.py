@@ -30,23 +30,54 @@ Fixture API (any test file may use these; nothing here imports torch at collecti
 ``assert_pool_clean(client)`` waits until nothing runs, then asserts the engine's own
 invariant flag, ``private == 0``, and ``free + evictable + protected == capacity``
 recomputed here from the reported sizes.
+
+Isolation (set as this module loads, inherited by every process a test starts): the
+radixlm directory, where the default server's socket lives, is a private temporary one
+(``$RADIXLM_RUNTIME_DIR``), and ``$RADIXLM_ENDPOINT`` is unset, so no test ever finds or
+takes the user's real default server; servers start with ``--no-http`` unless a test
+asks for HTTP (never the fixed default port). ``import triton`` is made to fail where no
+GPU driver is present (torch imports it when installed; nothing on CPU uses it, and at
+exit it prints ~40 lines of nanobind leak reports).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from radixlm.runtime.launcher import keep_triton_out
 from radixlm.runtime.protocol import StatsReply, Welcome
 from radixlm.runtime.raw_client import RawClient
+
+keep_triton_out()
+
+
+def _isolate_runtime_dir() -> None:
+    """A radixlm directory of this test run's own (this module may be imported twice: as
+    conftest and as tests.conftest; the first import sets it up)."""
+    os.environ.pop("RADIXLM_ENDPOINT", None)
+    if "RADIXLM_TEST_RUNTIME_DIR" in os.environ:
+        os.environ["RADIXLM_RUNTIME_DIR"] = os.environ["RADIXLM_TEST_RUNTIME_DIR"]
+        return
+    root = tempfile.mkdtemp(prefix="rlm-test-", dir="/tmp")  # short: ipc paths are short
+    os.environ["RADIXLM_TEST_RUNTIME_DIR"] = os.environ["RADIXLM_RUNTIME_DIR"] = root
+    owner = os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(root, ignore_errors=True))
+
+
+_isolate_runtime_dir()
+HTTP_FLAGS = ("--http", "--port", "--host", "--no-http")
 
 pytest.register_assert_rewrite("toy_stub")  # fixtures shared by the SDK's stub tests
 
@@ -162,14 +193,16 @@ class ServerHandle:
 
 @contextlib.contextmanager
 def start_test_server(workdir: Path, model_dir: Path, *flags: str) -> Iterator[ServerHandle]:
-    """``radixlm serve`` on `model_dir` (CPU) in its own process group; stopped on exit."""
+    """``radixlm serve`` on `model_dir` (CPU) in its own process group, without HTTP
+    unless `flags` name it; stopped on exit."""
     workdir.mkdir(parents=True, exist_ok=True)
     endpoint_file = workdir / "endpoint"
     log_path = workdir / "server.log"
+    no_http = [] if any(f in HTTP_FLAGS for f in flags) else ["--no-http"]
     command = [
         sys.executable, "-m", "radixlm.runtime.cli", "serve", "--model", str(model_dir),
         "--device", "cpu", "--dtype", "float32", "--kv-tokens", str(SERVER_KV_TOKENS),
-        "--threads", "1", "--endpoint-file", str(endpoint_file), *flags,
+        "--threads", "1", "--endpoint-file", str(endpoint_file), *no_http, *flags,
     ]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,

@@ -174,6 +174,30 @@ def test_control_requests_are_answered_while_a_forward_runs(served) -> None:
     assert pipes.finish_of(1, 30) == "length"
 
 
+def test_an_early_answer_is_counted_before_its_reply_leaves(served) -> None:
+    """Whoever reads `answered_early` after the reply arrived sees it counted: the intake
+    thread counts before it sends. (It counted after: on a loaded machine the test above
+    read 3 of 4. Here the intake thread is held right after sending, which made the old
+    order fail every time.)"""
+    pipes, held, sched, loop = served
+    send = loop._send_outbox
+
+    def send_then_pause() -> None:
+        send()
+        if threading.current_thread().name == "radixlm-intake":
+            time.sleep(0.2)  # the reply is out; the intake thread is not done yet
+
+    loop._send_outbox = send_then_pause
+    held.hold()
+    pipes.send(gen(1, b"a", 50))
+    assert held.entered.wait(30), "the prefill never started"
+    pipes.send(EngineCommand(client=b"b", msg=GetStats(rid="s1")))
+    assert isinstance(pipes.reply_to(b"b", 5), StatsReply)
+    assert loop.intake.answered_early == 1
+    held.release()
+    assert pipes.finish_of(1, 30) == "length"
+
+
 def test_a_control_request_waits_behind_its_clients_queued_messages(served) -> None:
     pipes, held, sched, loop = served
     held.hold()

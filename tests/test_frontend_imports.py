@@ -123,7 +123,7 @@ def test_the_import_scan_sees_every_form() -> None:
     model = {name for _, name in _imported(PACKAGE_ROOT / "runtime" / "model" / "runner.py")}
     assert "radixlm.runtime.model.batch.ForwardBatch" in model  # `from .batch import ...`
     lazy = {name for _, name in _imported(PACKAGE_ROOT / CLI_ENTRY)}
-    assert "radixlm.runtime.transport.curve.load_curve_keys" in lazy  # inside a function
+    assert "radixlm.runtime.serve_cmd.run_serve" in lazy  # inside a function
 
 
 def test_the_transport_imports_only_the_protocol() -> None:

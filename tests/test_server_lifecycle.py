@@ -111,12 +111,14 @@ def test_serve_stops_cleanly_when_its_parent_pid_exits(tmp_path: Path, tiny_mode
 
 
 def test_engine_start_failure_is_reported(tmp_path: Path) -> None:
-    missing = tmp_path / "no-such-model"
-    proc = subprocess.run([*CLI, "generate", "hi", "--model", str(missing), "--device", "cpu"],
-                          capture_output=True, text=True, timeout=180)
+    not_a_model = tmp_path / "not-a-model"  # there (so the launcher's checks pass), but empty
+    not_a_model.mkdir()
+    proc = subprocess.run([*CLI, "generate", "hi", "--model", str(not_a_model), "--device",
+                           "cpu"], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1, proc
     assert "engine process exited with code 1 during start-up" in proc.stderr, proc.stderr
-    assert str(missing) in proc.stderr, proc.stderr  # the engine's own error, not a timeout
+    assert str(not_a_model) in proc.stderr, proc.stderr  # the engine's own error, not a timeout
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr  # said once
 
 
 @pytest.mark.usefixtures("pool_integrity")
@@ -125,7 +127,7 @@ def test_cli_generate_and_sessions_against_a_running_server(server: Any) -> None
         reference = c.generate("Once upon a time", max_tokens=6, temperature=0, ignore_eos=True)
     out = subprocess.run(
         [*CLI, "generate", "Once upon a time", "--endpoint", server.endpoint, "--max-tokens", "6",
-         "--temperature", "0"],
+         "--temperature", "0", "--raw"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

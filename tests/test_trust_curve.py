@@ -152,6 +152,10 @@ def test_cli_clients_take_the_keys(curve_server: tuple[str, Path, Path]) -> None
     listed = subprocess.run([*CLI, "sessions", "--endpoint", address, *keys],
                             capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0 and "SESSION" in listed.stdout, listed.stderr
+    chat = subprocess.run([*CLI, "chat", "--endpoint", address, "--message", "hi",
+                           "--max-tokens", "2", *keys], capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL)
+    assert chat.returncode == 0 and "tokens in" in chat.stdout, chat.stderr
     half = subprocess.run([*CLI, "sessions", "--endpoint", address, keys[0], keys[1]],
                           capture_output=True, text=True, timeout=60)
     assert half.returncode == 2 and "--client-key" in half.stderr

@@ -24,7 +24,7 @@ import torch
 import zmq
 from radixlm.cache import KVPool, PrefixCache
 from radixlm.runtime.channel import open_socket
-from radixlm.runtime.config import Endpoints, EngineConfig
+from radixlm.runtime.config import Endpoints, EngineConfig, context_length_for
 from radixlm.runtime.engine.messages import EngineReady, encode
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.pool_size import kv_capacity
@@ -62,7 +62,7 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     mcfg = ModelConfig.from_dir(model_dir)
-    context = config.context_length or mcfg.max_position_embeddings
+    context = context_length_for(config, mcfg.max_position_embeddings)
     capacity = kv_capacity(
         config.kv_tokens, config.kv_memory_fraction, mcfg, device, dtype, config.page_size,
         usable_tokens=context * config.max_running,
@@ -132,7 +132,9 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
     try:
         outbox.send(encode(engine.ready))
         log.info("engine ready")
-        EngineLoop(sched, inbox, outbox, stop, on_step=_ThroughputLog(sched).maybe_log).run()
+        loop = EngineLoop(sched, inbox, outbox, stop)
+        loop.on_step = _ThroughputLog(sched, loop).maybe_log
+        loop.run()
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -145,11 +147,14 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
 
 
 class _ThroughputLog:
-    """A line every STATS_EVERY_S while busy: throughput, cache hits, pool use."""
+    """A line every STATS_EVERY_S while busy: throughput over the time the engine spent
+    in steps (not over idle time), cache hits, pool use."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Scheduler, loop: EngineLoop) -> None:
         self.sched = sched
+        self.loop = loop
         self.t = time.monotonic()
+        self.busy = loop.busy_s
         c = sched.counters
         self.last = (c.generated_tokens, c.computed_tokens, c.prompt_tokens, c.cached_tokens)
 
@@ -160,16 +165,17 @@ class _ThroughputLog:
         s, c = self.sched, self.sched.counters
         cur = (c.generated_tokens, c.computed_tokens, c.prompt_tokens, c.cached_tokens)
         gen, comp, prompt, cached = (a - b for a, b in zip(cur, self.last, strict=True))
-        dt = now - self.t
-        self.t, self.last = now, cur
+        dt, busy = now - self.t, self.loop.busy_s - self.busy
+        self.t, self.last, self.busy = now, cur, self.loop.busy_s
         if not (gen or comp or s.has_work()):
             return
         sizes = s.cache.sizes()
+        per_s = 1.0 / busy if busy > 0 else 0.0
         log.info(
-            "engine: %d running, %d waiting | decode %.1f tok/s, prefill %.1f tok/s | "
-            "cache hit %.1f%% (%d/%d prompt tokens) | pool free %d, evictable %d, "
-            "protected %d, private %d | %d retractions",
-            len(s.running), len(s.waiting), gen / dt, comp / dt,
+            "engine: %d running, %d waiting | busy %.1f of %.0f s: decode %.1f tok/s, "
+            "prefill %.1f tok/s | cache hit %.1f%% (%d/%d prompt tokens) | pool free %d, "
+            "evictable %d, protected %d, private %d | %d retractions",
+            len(s.running), len(s.waiting), busy, dt, gen * per_s, comp * per_s,
             100.0 * cached / prompt if prompt else 0.0, cached, prompt,
             sizes.free, sizes.evictable, sizes.protected, s.private_tokens(),
             c.retractions,

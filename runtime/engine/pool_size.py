@@ -70,8 +70,10 @@ def kv_capacity(
             per_token * 1000 / 2**20, weights / 2**20,
         )  # fmt: skip
     tokens -= tokens % page_size
+    if tokens < MIN_TOKENS and kv_tokens > 0:
+        raise ValueError(f"--kv-tokens {kv_tokens} is below the smallest KV pool, "
+                         f"{MIN_TOKENS} tokens (with --page-size {page_size}); give more")
     if tokens < MIN_TOKENS:
-        raise ValueError(
-            f"the KV pool would hold only {tokens} tokens; give --kv-tokens or free memory"
-        )
+        raise ValueError(f"free memory leaves room for a KV pool of only {tokens} tokens; "
+                         f"free memory, or give --kv-tokens {MIN_TOKENS} or more")
     return tokens

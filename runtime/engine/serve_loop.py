@@ -201,6 +201,7 @@ class EngineLoop:
         self.outbox = outbox
         self.stop = stop
         self.on_step = on_step
+        self.busy_s = 0.0  # time spent in scheduler steps that ran (for throughput figures)
         self.intake = Intake()
         # The loop rings this when a forward starts (the intake thread then answers control
         # requests that were queued while the loop was busy): an inproc pair, one message
@@ -250,7 +251,10 @@ class EngineLoop:
             if self.stop.set:
                 break
             sched.maybe_tick()
+            started = time.monotonic()
             ran = sched.step() if sched.has_work() else False
+            if ran:
+                self.busy_s += time.monotonic() - started
             self._send_outbox()
             if self.on_step is not None:
                 self.on_step()
@@ -320,8 +324,8 @@ class EngineLoop:
                 return False
             t0 = time.perf_counter()
             self.sched.handle(msg)
+            self.intake.answered_early += 1  # counted before the reply leaves
             self._send_outbox()
-            self.intake.answered_early += 1
             log.debug("answered %s during a forward in %.1f ms", type(msg).__name__,
                       1e3 * (time.perf_counter() - t0))
             return True

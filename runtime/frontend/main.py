@@ -1,10 +1,11 @@
 """The frontend process entry: `run_frontend(config, endpoints)`.
 
-Start-up order: bind the engine->frontend pipe, wait for the engine's `EngineReady`, load
-the tokenizer from the directory the engine resolved, and only then bind the client
-socket, so a client that connects early simply waits in ZeroMQ's reconnect loop; once
-it is bound, the frontend writes the bound endpoint and the Welcome into the runtime
-directory (rundir.py), which is what the launcher waits for.
+Start-up order: adopt the client socket the launcher bound before anything started
+(listeners.py; ``endpoints.client_fd``, else bind ``endpoints.client`` here), bind the
+engine->frontend pipe, wait for the engine's `EngineReady`, load the tokenizer from the
+directory the engine resolved, then serve. A client that connects while the model loads
+waits for its Welcome; once serving, the frontend writes the bound endpoint and the
+Welcome into the runtime directory (rundir.py), which is what the launcher waits for.
 
 The client socket is the trust boundary: its frames are size-limited by libzmq
 (``--max-message-bytes``), and with ``--auth-dir`` it is a CURVE server whose clients
@@ -68,11 +69,14 @@ def load_text_model(config: EngineConfig, ready: EngineReady) -> TextModel:
     return TextModel.load(tokenizer, ready.context_length, ready.vocab_size or tokenizer.vocab_size)
 
 
-def client_socket_options(config: EngineConfig) -> dict[int, int | bytes]:
+def client_socket_options(config: EngineConfig, client_fd: int = -1) -> dict[int, int | bytes]:
     """The client ROUTER's options: mandatory routing (a send to a gone client fails), the
     frame size limit (libzmq drops a connection whose frame is larger, before buffering
-    it), and CURVE server keys when clients must authenticate."""
+    it), CURVE server keys when clients must authenticate, and the listening socket the
+    launcher bound (`client_fd`; libzmq then owns and closes it)."""
     options: dict[int, int | bytes] = {zmq.ROUTER_MANDATORY: 1}
+    if client_fd >= 0:
+        options[zmq.USE_FD] = client_fd
     if config.max_message_bytes > 0:
         options[zmq.MAXMSGSIZE] = config.max_message_bytes
     if config.auth_dir:
@@ -89,18 +93,18 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
     clients: zmq.Socket[Any] | None = None
     authenticator: ThreadAuthenticator | None = None
     try:
+        if config.auth_dir:  # before the socket listens: CURVE without ZAP admits anyone
+            authenticator = start_authenticator(ctx, Path(config.auth_dir))
+        clients = open_socket(ctx, zmq.ROUTER, endpoints.client, bind=True,
+                              options=client_socket_options(config, endpoints.client_fd))
+        sockets.append(clients)
+        monitor = clients.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sockets.append(monitor)
         from_engine = open_socket(ctx, zmq.PULL, endpoints.to_frontend, bind=True)
         to_engine = open_socket(ctx, zmq.PUSH, endpoints.to_engine, bind=False)
         sockets += [from_engine, to_engine]
         ready = wait_for_engine(from_engine)
         model = load_text_model(config, ready)
-        if config.auth_dir:
-            authenticator = start_authenticator(ctx, Path(config.auth_dir))
-        clients = open_socket(ctx, zmq.ROUTER, endpoints.client, bind=True,
-                              options=client_socket_options(config))
-        sockets.append(clients)
-        monitor = clients.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sockets.append(monitor)
         welcome = welcome_from(ready, server_version(), config.max_message_bytes)
         frontend = Frontend(model=model, welcome=welcome,
                             clients=clients, monitor=monitor, from_engine=from_engine,
@@ -133,5 +137,7 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
             authenticator.stop()
         ctx.term()
         client_socket_file = ipc_path(endpoints.client)
-        if clients is not None and client_socket_file is not None:
-            client_socket_file.unlink(missing_ok=True)  # libzmq leaves ipc files behind
+        # libzmq leaves ipc files behind; one the launcher bound is the launcher's to
+        # remove (it may be the default server's path, which a new server may own by now).
+        if clients is not None and client_socket_file is not None and endpoints.client_fd < 0:
+            client_socket_file.unlink(missing_ok=True)

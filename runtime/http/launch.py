@@ -1,4 +1,7 @@
-"""Starting the HTTP frontend as a child process of `radixlm serve`, and waiting for it."""
+"""Starting the HTTP frontend as a child process of `radixlm serve`, and waiting for it.
+
+`radixlm serve` binds the HTTP address itself before anything starts (listeners.py) and
+hands the listening socket to the child: the readiness probe can only reach this server."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import sys
 import time
 
 from radixlm.runtime.http.config import API_KEY_ENV, HttpConfig
+from radixlm.runtime.listeners import Listener
 
 _PROBE_INTERVAL_S = 0.1
 
@@ -17,11 +21,13 @@ class HttpStartError(RuntimeError):
     """The HTTP frontend did not come up (the message says why)."""
 
 
-def child_command(config: HttpConfig, parent_pid: int, log_level: str) -> list[str]:
+def child_command(config: HttpConfig, parent_pid: int, log_level: str,
+                  fd: int | None = None) -> list[str]:
     host = f"[{config.host}]" if ":" in config.host else config.host
     command = [
         sys.executable, "-m", "radixlm.runtime.http", "--engine", config.engine_endpoint,
         "--http", f"{host}:{config.port}", "--parent-pid", str(parent_pid),
+        *(["--fd", str(fd)] if fd is not None else []),
         "--log-level", log_level, "--response-ttl", str(config.response_ttl_s),
         "--max-body-bytes", str(config.max_body_bytes),
         "--default-max-tokens", str(config.default_max_tokens),
@@ -36,15 +42,21 @@ def child_command(config: HttpConfig, parent_pid: int, log_level: str) -> list[s
 
 
 def start_http(config: HttpConfig, *, log_level: str = "warning",
-               timeout_s: float = 60.0) -> subprocess.Popen[bytes]:
-    """Start the HTTP frontend (the key travels in its environment, not its argv) and
+               timeout_s: float = 60.0, listener: Listener | None = None
+               ) -> subprocess.Popen[bytes]:
+    """Start the HTTP frontend (the key travels in its environment, not its argv) on
+    `listener` (bound at ``config.host``/``config.port``; the child takes it over) and
     return once /health answers."""
     env = dict(os.environ)
     env.pop(API_KEY_ENV, None)
     if config.api_key is not None:
         env[API_KEY_ENV] = config.api_key
-    proc = subprocess.Popen(child_command(config, os.getpid(), log_level), env=env,
-                            stdin=subprocess.DEVNULL)
+    fd = listener.fd if listener is not None else None
+    proc = subprocess.Popen(child_command(config, os.getpid(), log_level, fd), env=env,
+                            stdin=subprocess.DEVNULL, pass_fds=() if fd is None else (fd,),
+                            start_new_session=True)  # Ctrl-C is the parent's to handle
+    if listener is not None:
+        listener.close()  # the child holds it now
     try:
         wait_ready(config.host, config.port, proc, timeout_s)
     except BaseException:

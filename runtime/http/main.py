@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -20,13 +21,37 @@ from radixlm.runtime.http.config import (
     read_api_key,
 )
 
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000  # vLLM's (llama-server's is 8080, SGLang's 30000)
 
-def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True) -> None:
-    """The HTTP flags, shared by `radixlm serve` and this module's own command line
+
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: pick a free one), got {text!r}")
+    return int(text)
+
+
+def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True,
+                       serve: bool = False) -> None:
+    """The HTTP flags, shared by `radixlm serve` (`serve`: the API is on by default, at
+    --host/--port, --no-http turns it off) and this module's own command line
     (`insecure`: also add --insecure, which `radixlm serve` has already)."""
     g = p.add_argument_group("HTTP (OpenAI-compatible API)")
-    g.add_argument("--http", default=None, metavar="HOST:PORT",
-                   help="also serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000)")
+    if serve:
+        g.add_argument("--host", default=None,
+                       help=f"address of the HTTP API; a non-loopback one needs --api-key "
+                            f"(default: {DEFAULT_HOST})")
+        g.add_argument("--port", type=_port, default=None,
+                       help=f"port of the HTTP API; 0 = a free one (default: {DEFAULT_PORT})")
+        g.add_argument("--no-http", action="store_true",
+                       help="no HTTP API: serve the ZeroMQ protocol only")
+        g.add_argument("--http", default=None, metavar="[HOST:]PORT",
+                       help="the HTTP API's address in one flag (8000 = 127.0.0.1:8000)")
+    else:
+        g.add_argument("--http", default=None, metavar="[HOST:]PORT",
+                       help="serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000)")
+        g.add_argument("--fd", type=int, default=None, metavar="FD",
+                       help="serve this listening socket (bound by the parent) at --http")
     g.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every HTTP route but /health "
                         f"(also read from ${API_KEY_ENV})")
@@ -51,9 +76,34 @@ def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True) -> 
                         "token-id prompts (without it: 'token_id:N')")
 
 
-def http_config(args: argparse.Namespace, engine_endpoint: str) -> HttpConfig:
-    """The HttpConfig for parsed flags (raises HttpConfigError for a bad value)."""
-    host, port = parse_listen(args.http)
+def http_listen(args: argparse.Namespace) -> tuple[str, int] | None:
+    """Where `radixlm serve`'s HTTP API listens: --http, or --host/--port, or the default;
+    None with --no-http (raises HttpConfigError for flags that contradict each other)."""
+    given = [f for f, v in (("--http", args.http), ("--host", args.host),
+                            ("--port", args.port)) if v is not None]
+    if args.no_http:
+        if given:
+            raise HttpConfigError(f"--no-http contradicts {', '.join(given)}")
+        return None
+    if args.http is not None:
+        if args.host is not None or args.port is not None:
+            raise HttpConfigError("give --http [HOST:]PORT or --host/--port, not both")
+        return parse_listen(args.http)
+    host = DEFAULT_HOST if args.host is None else args.host.strip("[]")
+    return ("127.0.0.1" if host == "localhost" else host), (
+        DEFAULT_PORT if args.port is None else args.port)
+
+
+def http_asked(args: argparse.Namespace) -> bool:
+    """Whether the user asked for the HTTP API by a flag (not only by default)."""
+    return any(getattr(args, f, None) is not None for f in ("http", "host", "port"))
+
+
+def http_config(args: argparse.Namespace, engine_endpoint: str,
+                listen: tuple[str, int] | None = None) -> HttpConfig:
+    """The HttpConfig for parsed flags (raises HttpConfigError for a bad value); `listen`:
+    the address, when not --http's."""
+    host, port = listen if listen is not None else parse_listen(args.http)
     key = read_api_key(args.api_key or os.environ.get(API_KEY_ENV) or None, args.api_key_file)
     check_bind(host, key, args.insecure)
     if args.response_ttl <= 0 or args.max_body_bytes <= 0 or args.default_max_tokens <= 0:
@@ -66,8 +116,8 @@ def http_config(args: argparse.Namespace, engine_endpoint: str) -> HttpConfig:
                       served_model_name=args.served_model_name, tokenizer_dir=args.tokenizer)
 
 
-def serve(config: HttpConfig, log_level: str = "warning") -> None:
-    """Run the HTTP frontend until SIGTERM/SIGINT."""
+def serve(config: HttpConfig, log_level: str = "warning", fd: int | None = None) -> None:
+    """Run the HTTP frontend until SIGTERM/SIGINT (on listening socket `fd` when given)."""
     import uvicorn
     from radixlm.runtime.http.app import build_app
 
@@ -82,14 +132,14 @@ def serve(config: HttpConfig, log_level: str = "warning") -> None:
         lifespan="on", log_level=log_level, access_log=log_level == "debug",
         timeout_graceful_shutdown=5,
     ))
-    server.run()
+    server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
     if not server.started:
         sys.exit(1)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m radixlm.runtime.http",
+        prog="python -m radixlm.runtime.http", allow_abbrev=False,
         description="The OpenAI-compatible HTTP frontend of a running radixlm server.")
     parser.add_argument("--engine", required=True, metavar="ENDPOINT",
                         help="the server's protocol endpoint (ipc://... or tcp://...)")
@@ -112,5 +162,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         from radixlm.runtime.launcher import stop_when_gone
 
         stop_when_gone(args.parent_pid)
-    serve(config, args.log_level)
+    serve(config, args.log_level, args.fd)
     return 0

@@ -9,6 +9,9 @@ client process (the SDK and the HTTP server), so that neither depends on the oth
 - `mailbox`: `Mailbox` and `Latch`, the cheap one-loop queue and flag the hot paths use.
 - `curve`: `CurveKeys` / `load_curve_keys`, a client's CurveZMQ keys.
 - `errors`: `EngineError` and one class per protocol `ErrorCode` (`error_from_reply`).
+- `probe`: `probe_endpoint`, whether anything listens (asked before a client waits);
+  `discovery`: where a user's default server is (``$RADIXLM_ENDPOINT``, the default
+  server's socket and lock), `find_server`; `progress`: the start-up `Spinner`.
 
 It imports the protocol module (`radixlm.runtime.protocol`) and nothing else of ours:
 never torch, the engine, the frontend or the SDK.

@@ -405,8 +405,8 @@ class Connection:
         self._dead = exc
         if self._opening is not None:
             self._opening.cancel()
-        if not quiet:
-            log.error("%s", exc.message)
+        if not quiet:  # (debug: the caller gets the error itself, raised once)
+            log.debug("%s", exc.message)
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None

@@ -1,5 +1,6 @@
 """CurveZMQ client keys for a server started with ``radixlm serve --auth-dir DIR``: read
-here once, for every client (the SDK, the ``radixlm generate``/``sessions`` commands).
+here once, for every client (the SDK, the ``radixlm generate``/``sessions``/``top``/``chat``
+commands, whose ``--server-key``/``--client-key`` flags `add_key_arguments` adds).
 
 The server's public key (DIR/server.key) and this client's key pair (a
 ``NAME.key_secret`` certificate from ``radixlm keys DIR --client NAME``) are read with
@@ -11,12 +12,13 @@ the native one. The server's side (its key, the authenticator) is
 
 from __future__ import annotations
 
+import argparse
 import os
 from typing import Any, NamedTuple
 
 import zmq.auth
 
-__all__ = ["CurveKeys", "load_curve_keys"]
+__all__ = ["CurveKeys", "add_key_arguments", "load_curve_keys"]
 
 
 class CurveKeys(NamedTuple):
@@ -51,3 +53,14 @@ def load_curve_keys(server_key: str | os.PathLike[str] | None,
         raise ValueError(f"{client_name} {os.fspath(client_key)!r} holds no secret key: give "
                          "the NAME.key_secret file")
     return CurveKeys(server_public, public, secret)
+
+
+def add_key_arguments(p: argparse.ArgumentParser) -> None:
+    """A client command's --server-key / --client-key flags (read with `load_curve_keys`,
+    ``names=("--server-key", "--client-key")``)."""
+    p.add_argument("--server-key", default=None, metavar="FILE",
+                   help="for a server started with --auth-dir: its public certificate "
+                        "(DIR/server.key)")
+    p.add_argument("--client-key", default=None, metavar="FILE",
+                   help="for a server started with --auth-dir: this client's secret "
+                        "certificate (DIR/clients/NAME.key_secret)")

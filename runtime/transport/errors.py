@@ -28,6 +28,7 @@ __all__ = [
     "HandshakeRequiredError",
     "InternalError",
     "InvalidParamsError",
+    "NoServerError",
     "NoTemplateError",
     "NotFoundError",
     "TooLongError",
@@ -146,6 +147,13 @@ class EngineDeadError(EngineError, ConnectionError):
     """The engine stopped answering, its process exited, or the client was closed."""
 
     code = "engine_dead"
+
+
+class NoServerError(EngineDeadError):
+    """Nothing listens at the endpoint: no server runs there. Reported at once (a
+    client looks before it waits), with where the endpoint came from and what to do."""
+
+    code = "no_server"
 
 
 class EngineUnavailableError(EngineDeadError):

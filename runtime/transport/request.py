@@ -92,6 +92,8 @@ class Request:
     async def aclose(self) -> None:
         """Stop routing replies here. A generation still running is aborted first, and its
         final reply awaited (briefly) so its session is no longer busy afterwards."""
+        if self._box.closed:  # closed already (an interrupted stream is closed twice)
+            return
         try:
             if not self.finished and self._generate and self._conn.alive:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(self._conn.abort_timeout):

@@ -36,6 +36,7 @@ from radixlm.runtime.transport.curve import add_key_arguments
 _DEFAULTS = EngineConfig()
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4", "gguf")
 QUANTIZE = ("none", "int8", "int4", "gguf")
+KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "shortest-prefill-first")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -113,8 +114,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
                         "(default: %(default)s)")
     g.add_argument("--quantize", default=d.quantize, choices=QUANTIZE,
                    help="CPU weight-only quantization: int8 (Q8_0 blocks), int4 (Q4_1, Q8_0 head), "
-                        "gguf (a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored); activations and KV "
-                        "stay float32 (default: %(default)s)")
+                        "gguf (a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored); activations stay "
+                        "float32 (default: %(default)s)")
     g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
                    help="attention backend; 'auto' = flashinfer on CUDA when installed, else torch "
                         "(default: %(default)s)")
@@ -147,6 +148,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
                    help="share of free device memory (CUDA) or of RAM (CPU) for the KV pool, when "
                         "--kv-tokens is 0; on CPU also at most context x --max-running tokens "
                         "and 2 GiB (default: %(default)s)")
+    g.add_argument("--kv-dtype", default=d.kv_dtype, choices=KV_DTYPES,
+                   help="KV pool element type; 'auto' = float16 on CPU with quantized weights "
+                        "(half the bytes attention reads), else the model's dtype; CPU pools "
+                        "may hold any of them (default: %(default)s)")
     g.add_argument("--host-kv-tokens", type=_non_negative_int, default=d.host_kv_tokens,
                    help="host-memory KV tier for demoted sessions, in tokens; 0 = off "
                         "(default: %(default)s)")
@@ -229,6 +234,7 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         page_size=args.page_size,
         kv_tokens=args.kv_tokens,
         kv_memory_fraction=args.kv_memory_fraction,
+        kv_dtype=args.kv_dtype,
         schedule_policy=args.schedule_policy,
         max_running=args.max_running,
         chunked_prefill=args.chunked_prefill,

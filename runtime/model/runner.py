@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -15,6 +17,23 @@ from .fused_decode import FusedDecode
 from .loader import load_model, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
+
+# A CPU forward of this many tokens (a prefill chunk) hands its temporaries' memory back to
+# the OS when it ends: glibc keeps freed heap memory below its (adaptive, up to 32 MiB)
+# mmap threshold, and the activations, dequantized matrices and attention buffers of a
+# 2,048-token chunk would otherwise stay resident (measured: +180 MB on SmolLM2 after an
+# 8k-token prompt). malloc_trim takes ~1 ms; such a forward takes seconds.
+TRIM_TOKENS = 256
+
+
+@cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None elsewhere."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
 
 # KV pool element types a CPU model may use whatever it computes in (`--kv-dtype`).
 KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -131,7 +150,10 @@ class ModelRunner:
                 hidden = self.model.forward_hidden(batch, self.attn)
         # Outside inference mode, so callers (sampling) may edit the logits in place.
         with torch.no_grad():
-            return self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
+        if batch.num_tokens >= TRIM_TOKENS and self.device.type == "cpu" and (trim := _malloc_trim()):
+            trim(0)
+        return logits
 
     def build_batch(self, requests) -> ForwardBatch:
         """`ForwardBatch.build(requests, device=self.device)`."""

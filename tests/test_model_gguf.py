@@ -214,3 +214,32 @@ def test_dense_weights_on_demand_load_in_transformers(tmp_path):
     assert (got - ref).abs().max().item() < 1e-4
     with pytest.raises(FileNotFoundError, match="names no GGUF"):
         ensure_dense_weights(tmp_path)
+
+
+@pytest.mark.parametrize("quant", [None, "Q8_0"])
+def test_gguf_reader_agrees_with_gguf_py(tmp_path, quant):
+    """`GGUFFile` (our reader: tensor table, mapped data, metadata decoded on demand)
+    against gguf-py's own reader on the same file."""
+    import gguf
+    from radixlm.runtime.model.gguf_file import GGUFFile, GGUFFormatError
+
+    path = make_tiny_gguf(make_tiny_checkpoint(tmp_path, "qwen2", name="rd"), quant=quant)
+    ours, ref = GGUFFile(path), gguf.GGUFReader(str(path))
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert a.ggml_type == int(b.tensor_type) and a.offset == b.data_offset
+        assert a.shape == tuple(int(x) for x in reversed(b.shape))
+        assert np.array_equal(ours.data(a), np.asarray(b.data).reshape(-1).view(np.uint8))
+    meta = ours.metadata()
+    for name, field in ref.fields.items():
+        if name.startswith("GGUF."):  # gguf-py's own header fields
+            continue
+        want = field.contents()
+        assert meta[name] == pytest.approx(want) if isinstance(want, float) else meta[name] == want, name
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(GGUFFormatError):
+        GGUFFile(bad)
+    bad.write_bytes(b"GGML" + path.read_bytes()[4:])
+    with pytest.raises(GGUFFormatError, match="magic"):
+        GGUFFile(bad)

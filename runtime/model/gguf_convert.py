@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import uuid
@@ -86,26 +87,6 @@ _PRE_SPLITS = {
 
 
 # ---------------------------------------------------------------------------- metadata
-
-
-def _field_value(field) -> Any:
-    """A GGUF metadata value as Python (str, int, float, bool or list of them)."""
-    import gguf
-
-    if hasattr(field, "contents"):
-        return field.contents()
-    types = list(field.types)  # pragma: no cover - old gguf versions only
-    if types[0] == gguf.GGUFValueType.ARRAY:  # pragma: no cover
-        if types[-1] == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if types[0] == gguf.GGUFValueType.STRING:  # pragma: no cover
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    return field.parts[field.data[0]].tolist()[0]  # pragma: no cover
-
-
-def read_metadata(reader) -> dict[str, Any]:
-    return {name: _field_value(f) for name, f in reader.fields.items()}
 
 
 def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -315,15 +296,15 @@ def hf_tensor_name(name: str) -> str | None:
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
     """Write `gguf_path`'s config, tokenizer and generation config into `out_dir` (created;
     should be new). `progress` is accepted for the callers' sake: this takes ~a second."""
-    import gguf
+    from .gguf_file import GGUFFile
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    reader = gguf.GGUFReader(str(gguf_path))
-    meta = read_metadata(reader)
-    names = {t.name for t in reader.tensors}
+    f = GGUFFile(gguf_path)
+    meta = f.metadata()
+    names = {t.name for t in f.tensors}
     config = hf_config_from_gguf(meta, names)
-    n_params = sum(int(t.n_elements) for t in reader.tensors)
+    n_params = sum(math.prod(t.shape) for t in f.tensors)
     config["torch_dtype"] = "float32" if n_params <= F32_MAX_PARAMS else "bfloat16"
     build_tokenizer(meta).save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config_from_gguf(meta))

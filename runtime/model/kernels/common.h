@@ -116,6 +116,7 @@ void rows_product(const qact *acts, int64_t M, int64_t K, const int64_t *rowptr,
                   int64_t n0, int64_t n1, float *y, int64_t ldy, const float *bias,
                   int accumulate, void *tile);
 int64_t tile_bytes(int64_t K);
-#define PRODUCT_CHUNK 16 /* output rows a thread takes at a time (two tiles) */
+#define PRODUCT_CHUNK 16 /* output rows of a split's unit (two tiles) */
+void thread_rows(int64_t N, int64_t *n0, int64_t *n1);
 
 #endif

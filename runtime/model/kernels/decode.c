@@ -119,16 +119,13 @@ static qmat mat_at(const int64_t *t, int i) {
     return w;
 }
 
-/* Inside a parallel region: y[B, N] (row stride ldy) from B quantized rows, the threads
- * sharing chunks of output rows, then `bar`. */
+/* Inside a parallel region: y[B, N] (row stride ldy) from B quantized rows, each thread
+ * taking its own range of output rows (`thread_rows`), then `bar`. */
 static void par_product(const qact *acts, int64_t B, int64_t K, qmat w, int64_t N, float *y,
                         int64_t ldy, int accumulate, void *tile, team_bar *bar, int64_t *spin) {
-    const int64_t chunks = (N + PRODUCT_CHUNK - 1) / PRODUCT_CHUNK;
-#pragma omp for schedule(static) nowait
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t n0 = c * PRODUCT_CHUNK, n1 = n0 + PRODUCT_CHUNK < N ? n0 + PRODUCT_CHUNK : N;
-        rows_product(acts, B, K, w.rowptr, w.qtype, n0, n1, y, ldy, w.bias, accumulate, tile);
-    }
+    int64_t n0, n1;
+    thread_rows(N, &n0, &n1);
+    rows_product(acts, B, K, w.rowptr, w.qtype, n0, n1, y, ldy, w.bias, accumulate, tile);
     team_wait(bar, omp_get_num_threads(), spin);
 }
 
@@ -295,6 +292,52 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return s;
 }
 
+/* out[i] = scale * q . rows[i] for i < n. With AVX2 four rows at a time, their four sums
+ * reduced together (a dot product's own horizontal sum cost as much as its FMAs). */
+static void scores(const float *q, const float *const *rows, int64_t n, int64_t hd, float scale,
+                   float *out) {
+    int64_t i = 0;
+#if defined(QAVX2)
+    if (hd % 8 == 0) {
+        const __m128 vs = _mm_set1_ps(scale);
+        for (; i + 4 <= n; i += 4) {
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t j = 0; j < hd; j += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + j);
+                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[i] + j), a0);
+                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[i + 1] + j), a1);
+                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[i + 2] + j), a2);
+                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(rows[i + 3] + j), a3);
+            }
+            /* [a0 a1 a2 a3] lane sums: two hadds, then the two 128-bit halves added */
+            const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+            const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            _mm_storeu_ps(out + i, _mm_mul_ps(sum, vs));
+        }
+    }
+#endif
+    for (; i < n; i++) out[i] = dot_f32(q, rows[i], hd) * scale;
+}
+
+/* Ask for the pool rows of work item (g, c) (see att_item) ahead of it. They are scattered
+ * (one slot's row per position, nkv rows apart) and, between steps, evicted by the
+ * weights' stream, so each is a DRAM miss the hardware prefetchers do not see coming:
+ * waited for one by one they were ~75% of attention's time. Called one item (or, for
+ * the first, one matrix product) before the item runs. */
+static void prefetch_item(const void *kp, const void *vp, int kvt, const int64_t *slots,
+                          int64_t L, int64_t nkv, int64_t hd, int64_t g, int64_t c) {
+    const int64_t p0 = c * ATT_CHUNK, p1 = p0 + ATT_CHUNK < L - 1 ? p0 + ATT_CHUNK : L - 1;
+    const int64_t row_bytes = hd * kv_elem_bytes(kvt);
+    for (int64_t p = p0; p < p1; p++) {
+        const char *kr = (const char *)kp + (slots[p] * nkv + g) * row_bytes;
+        const char *vr = (const char *)vp + (slots[p] * nkv + g) * row_bytes;
+        for (int64_t o = 0; o < row_bytes; o += 64) {
+            __builtin_prefetch(kr + o);
+            __builtin_prefetch(vr + o);
+        }
+    }
+}
+
 /* One attention work item: KV head g's query heads over positions [c * ATT_CHUNK, ...) of
  * a new token's L (its own K/V, not yet in the pool, from k_new / v_new): for each query
  * head, the chunk's max score, sum of exponentials and unnormalised output, at
@@ -320,8 +363,7 @@ static void att_item(const float *q, const float *k_new, const float *v_new, con
             rv[i] = kv_row(vp, kvt, row, hd, vb + i * hd);
         }
     }
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t h = 0; h < group; h++) sc[h][i] = dot_f32(q + (g * group + h) * hd, rk[i], hd) * scale;
+    for (int64_t h = 0; h < group; h++) scores(q + (g * group + h) * hd, rk, n, hd, scale, sc[h]);
     for (int64_t h = 0; h < group; h++) {
         float *part = parts + ((g * group + h) * nchunk + c) * (hd + 2), *row = sc[h];
         float mx = -INFINITY, den = 0.0f;
@@ -395,17 +437,22 @@ static void decode_attention(const float *q, const float *k_new, const float *v_
                              float *shared_parts, float *own_parts, float *buf, float *out,
                              team_bar *bar, int64_t *spin) {
     const int64_t nchunk = (L + ATT_CHUNK - 1) / ATT_CHUNK;
-    if (L <= ATT_ALONE_MAX) {
-        for (int64_t it = 0; it < nkv * nchunk; it++)
+    const int64_t items = nkv * nchunk;
+    if (L <= ATT_ALONE_MAX) { /* item 0 was asked for before the QKV product */
+        for (int64_t it = 0; it < items; it++) {
+            if (it + 1 < items) prefetch_item(kp, vp, kvt, slots, L, nkv, hd, (it + 1) / nchunk, (it + 1) % nchunk);
             att_item(q, k_new, v_new, kp, vp, kvt, slots, L, nh, nkv, hd, scale, it / nchunk,
                      it % nchunk, own_parts, buf);
+        }
         att_combine(own_parts, L, nh, hd, out);
         return;
     }
 #pragma omp for schedule(static) nowait
-    for (int64_t it = 0; it < nkv * nchunk; it++)
+    for (int64_t it = 0; it < items; it++) {
+        if (it + 1 < items) prefetch_item(kp, vp, kvt, slots, L, nkv, hd, (it + 1) / nchunk, (it + 1) % nchunk);
         att_item(q, k_new, v_new, kp, vp, kvt, slots, L, nh, nkv, hd, scale, it / nchunk,
                  it % nchunk, shared_parts, buf);
+    }
     team_wait(bar, omp_get_num_threads(), spin);
     att_combine(shared_parts, L, nh, hd, out);
 }
@@ -479,6 +526,7 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
             char *kp = (char *)kv_ptrs[2 * l], *vp = (char *)kv_ptrs[2 * l + 1];
             rms_norm(x, (const float *)t[0], hidden, eps, h);
             quantize_act(h, hidden, &a);
+            prefetch_item(kp, vp, kvt, slots, L, nkv, hd, 0, 0); /* attention's first rows */
             par_product(&a, 1, hidden, mat_at(t, 0), nqkv, qkv, 0, 0, NULL, &bar, &spin);
             for (int64_t i = 0; i < nh + nkv; i++) rope(qkv + i * hd, cos, sin, hd, qk + i * hd);
             const float *k_new = qk + nh * hd, *v_new = qkv + (nh + nkv) * hd;
@@ -591,6 +639,12 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
             for (int64_t it = 0; it < items; it++) {
                 const int64_t b = item_row[it], L = kv_indptr[b + 1] - kv_indptr[b];
                 const int64_t nc = (L + ATT_CHUNK - 1) / ATT_CHUNK;
+                if (it + 1 < items) { /* the next item's rows (often this thread's next) */
+                    const int64_t b1 = item_row[it + 1], L1 = kv_indptr[b1 + 1] - kv_indptr[b1];
+                    const int64_t nc1 = (L1 + ATT_CHUNK - 1) / ATT_CHUNK;
+                    prefetch_item(kp, vp, kvt, kv_indices + kv_indptr[b1], L1, nkv, hd,
+                                  item_c[it + 1] / nc1, item_c[it + 1] % nc1);
+                }
                 const float *q = qk + b * nqk;
                 att_item(q, q + nh * hd, qkv + b * nqkv + nqk, kp, vp, kvt, kv_indices + kv_indptr[b],
                          L, nh, nkv, hd, scale, item_c[it] / nc, item_c[it] % nc, parts + parts_at[b],

@@ -28,8 +28,8 @@
 #ifndef NR
 #define NR 4         /* weight rows interleaved by the one-row streaming product */
 #endif
-#ifndef PF_BLOCKS
-#define PF_BLOCKS 8  /* software prefetch distance of the streaming product, in blocks */
+#ifndef PF_GROUPS
+#define PF_GROUPS 1  /* the streaming product prefetches the rows this many groups ahead */
 #endif
 #ifndef TILE_MB
 #define TILE_MB 6    /* activation rows per sweep of a tile (registers: 2 per row) */
@@ -212,20 +212,28 @@ static inline __m256i block_dot(const uint8_t *blk, int qtype, __m256i x0, __m25
 /* y[i][n + r] for i < M activation rows and r < R weight rows (constants once inlined). */
 static inline __attribute__((always_inline)) void
 stream_block(const qact *acts, const int M, const int R, int64_t nb, const int64_t *rowptr,
-             const int qtype, int64_t n, float *y, int64_t ldy, const float *bias, int accumulate) {
+             const int qtype, int64_t n, float *y, int64_t ldy, const float *bias, int accumulate,
+             const int64_t *ahead) {
     const int64_t bb = qblock_bytes(qtype);
-    const uint8_t *row[NR];
+    const uint8_t *row[NR], *pf[NR];
     __m256 acc[4][NR > 4 ? NR : 4];
     __m128 off[4][NR > 4 ? NR : 4];
-    for (int r = 0; r < R; r++) row[r] = (const uint8_t *)rowptr[n + r];
+    for (int r = 0; r < R; r++) {
+        row[r] = (const uint8_t *)rowptr[n + r];
+        pf[r] = ahead ? (const uint8_t *)ahead[r] : NULL;
+    }
     for (int i = 0; i < M; i++)
         for (int r = 0; r < R; r++) {
             acc[i][r] = _mm256_setzero_ps();
             off[i][r] = _mm_setzero_ps();
         }
     for (int64_t b = 0; b < nb; b++) {
-        if (PF_BLOCKS)
-            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(row[r] + (b + PF_BLOCKS) * bb), _MM_HINT_T0);
+        /* The rows a group ahead, at the same offset: a decode row is a few hundred bytes
+         * to a few KB, too short a stream for the hardware prefetchers to get ahead of
+         * (measured, 84 MB of Q4_1 rows 2048 wide from DRAM: 2.0 GB/s without, see
+         * BENCHMARKS.md for with). */
+        if (ahead)
+            for (int r = 0; r < R; r++) _mm_prefetch((const char *)(pf[r] + b * bb), _MM_HINT_T0);
         for (int r = 0; r < R; r++) {
             const uint8_t *blk = row[r] + b * bb;
             const __m128 dm = block_dm(blk, qtype);
@@ -254,19 +262,24 @@ stream_rows_q(const qact *acts, int64_t M, int64_t nb, const int64_t *rowptr, co
               int64_t n0, int64_t n1, float *y, int64_t ldy, const float *bias, int accumulate) {
     if (M == 1) {
         int64_t n = n0;
-        for (; n + NR <= n1; n += NR) stream_block(acts, 1, NR, nb, rowptr, qtype, n, y, ldy, bias, accumulate);
-        for (; n < n1; n++) stream_block(acts, 1, 1, nb, rowptr, qtype, n, y, ldy, bias, accumulate);
+        for (; n + NR <= n1; n += NR) {
+            const int64_t a = n + NR * PF_GROUPS;
+            stream_block(acts, 1, NR, nb, rowptr, qtype, n, y, ldy, bias, accumulate,
+                         a + NR <= n1 ? rowptr + a : NULL);
+        }
+        for (; n < n1; n++) stream_block(acts, 1, 1, nb, rowptr, qtype, n, y, ldy, bias, accumulate, NULL);
         return;
     }
     for (int64_t i0 = 0; i0 < M; i0 += 4) {
         const int64_t k = M - i0 < 4 ? M - i0 : 4;
         float *yi = y + i0 * ldy;
         for (int64_t n = n0; n < n1; n++) {
+            const int64_t *a = n + 2 < n1 ? rowptr + n + 2 : NULL;
             switch (k) {
-            case 2: stream_block(acts + i0, 2, 1, nb, rowptr, qtype, n, yi, ldy, bias, accumulate); break;
-            case 3: stream_block(acts + i0, 3, 1, nb, rowptr, qtype, n, yi, ldy, bias, accumulate); break;
-            case 4: stream_block(acts + i0, 4, 1, nb, rowptr, qtype, n, yi, ldy, bias, accumulate); break;
-            default: stream_block(acts + i0, 1, 1, nb, rowptr, qtype, n, yi, ldy, bias, accumulate); break;
+            case 2: stream_block(acts + i0, 2, 1, nb, rowptr, qtype, n, yi, ldy, bias, accumulate, a); break;
+            case 3: stream_block(acts + i0, 3, 1, nb, rowptr, qtype, n, yi, ldy, bias, accumulate, a); break;
+            case 4: stream_block(acts + i0, 4, 1, nb, rowptr, qtype, n, yi, ldy, bias, accumulate, a); break;
+            default: stream_block(acts + i0, 1, 1, nb, rowptr, qtype, n, yi, ldy, bias, accumulate, a); break;
             }
         }
     }
@@ -433,6 +446,18 @@ void rows_product(const qact *acts, int64_t M, int64_t K, const int64_t *rowptr,
 
 /* ------------------------------------------------------------------------- q_matmul */
 
+/* Inside a parallel region: the calling thread's output rows [n0, n1) of N: contiguous
+ * chunks of PRODUCT_CHUNK rows (which keep each thread's writes off its neighbours'
+ * lines), the same split OpenMP's static schedule would make, but as one range, so that
+ * the streaming product can prefetch across chunks. */
+void thread_rows(int64_t N, int64_t *n0, int64_t *n1) {
+    const int64_t chunks = (N + PRODUCT_CHUNK - 1) / PRODUCT_CHUNK;
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t c0 = chunks * t / nt, c1 = chunks * (t + 1) / nt;
+    *n0 = c0 * PRODUCT_CHUNK;
+    *n1 = c1 * PRODUCT_CHUNK < N ? c1 * PRODUCT_CHUNK : N;
+}
+
 /* Bytes of `scratch` q_matmul needs for M activation rows of width K on `threads` threads. */
 int64_t q_matmul_scratch_bytes(int64_t M, int64_t K, int64_t threads) {
     return M * ((int64_t)sizeof(qact) + qact_bytes(K)) + threads * tile_bytes(K) + 128;
@@ -443,7 +468,6 @@ int64_t q_matmul_scratch_bytes(int64_t M, int64_t K, int64_t threads) {
  * q_matmul_scratch_bytes(M, K, omp_get_max_threads()) bytes. */
 void q_matmul(const float *x, int64_t M, int64_t ldx, int64_t K, const int64_t *rowptr, int qtype,
               int64_t N, float *y, int64_t ldy, const float *bias, int accumulate, void *scratch) {
-    const int64_t chunks = (N + PRODUCT_CHUNK - 1) / PRODUCT_CHUNK;
     qact *acts = (qact *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     char *bufs = (char *)(acts + M);
     char *tiles = bufs + M * qact_bytes(K);
@@ -456,11 +480,8 @@ void q_matmul(const float *x, int64_t M, int64_t ldx, int64_t K, const int64_t *
             quantize_act(x + i * ldx, K, &acts[i]);
         }
         void *tile = tiles + (int64_t)omp_get_thread_num() * tile_bytes(K);
-        /* Chunks of output rows keep each thread's writes off its neighbours' lines. */
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t n0 = c * PRODUCT_CHUNK, n1 = n0 + PRODUCT_CHUNK < N ? n0 + PRODUCT_CHUNK : N;
-            rows_product(acts, M, K, rowptr, qtype, n0, n1, y, ldy, bias, accumulate, tile);
-        }
+        int64_t n0, n1;
+        thread_rows(N, &n0, &n1);
+        rows_product(acts, M, K, rowptr, qtype, n0, n1, y, ldy, bias, accumulate, tile);
     }
 }

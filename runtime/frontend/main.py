@@ -101,7 +101,8 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
         sockets.append(clients)
         monitor = clients.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sockets.append(monitor)
-        welcome = welcome_from(ready, server_version(), config.max_message_bytes)
+        welcome = welcome_from(ready, server_version(), config.max_message_bytes,
+                               model.tool_format)
         frontend = Frontend(model=model, welcome=welcome,
                             clients=clients, monitor=monitor, from_engine=from_engine,
                             to_engine=to_engine, executor=executor,

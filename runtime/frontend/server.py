@@ -99,11 +99,13 @@ BATCH = 256
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
-def welcome_from(ready: EngineReady, server_version: str, max_message_bytes: int = 0) -> wire.Welcome:
+def welcome_from(ready: EngineReady, server_version: str, max_message_bytes: int = 0,
+                 tool_format: str = "generic") -> wire.Welcome:
     return wire.Welcome(
         protocol_version=PROTOCOL_VERSION, server_version=server_version, model=ready.model,
         context_length=ready.context_length, page_size=ready.page_size,
         kv_capacity=ready.kv_capacity, max_message_bytes=max_message_bytes,
+        tool_format=tool_format,
     )
 
 
@@ -176,6 +178,7 @@ class Frontend:
             wire.Generate: self._generate,
             wire.Abort: self._abort,
             wire.Tokenize: self._tokenize,
+            wire.Detokenize: self._detokenize,
             wire.OpenSession: self._open_session,
             wire.Pin: self._pin,
             wire.ForkSession: self._fork_session,
@@ -379,7 +382,7 @@ class Frontend:
             self._error(client, msg.rid, wire.ErrorCode.HANDSHAKE_REQUIRED,
                         f"send hello (protocol_version={PROTOCOL_VERSION}) first")
             return
-        if self._watch.down and type(msg) is not wire.Tokenize:  # tokenize needs no engine
+        if self._watch.down and type(msg) not in (wire.Tokenize, wire.Detokenize):  # no engine needed
             self._error(client, msg.rid, wire.ErrorCode.ENGINE_UNAVAILABLE, self._unavailable())
             return
         try:
@@ -477,6 +480,19 @@ class Frontend:
         model = self.model
         self._enqueue(client, lambda: input_ids(model, msg.input, EMPTY_HISTORY), then,
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
+
+    def _detokenize(self, client: ClientState, msg: wire.Detokenize) -> None:
+        check_input(wire.Input(input_ids=msg.token_ids), self.model.vocab_size)
+        tokenizer = self.model.tokenizer
+
+        def then(text: str | RequestError) -> None:
+            if isinstance(text, RequestError):
+                self._error(client, msg.rid, text.code, text.message)
+            else:
+                self._reply(client, wire.Detokenized(rid=msg.rid, text=text))
+
+        self._enqueue(client, lambda: tokenizer.decode(msg.token_ids), then,
+                      heavy=len(msg.token_ids) > INLINE_PREPARE_CHARS)
 
     def _open_session(self, client: ClientState, msg: wire.OpenSession) -> None:
         if msg.input is not None:

@@ -28,6 +28,10 @@ def child_command(config: HttpConfig, parent_pid: int, log_level: str) -> list[s
     ]
     if config.insecure:
         command.append("--insecure")
+    if config.metrics_require_key:
+        command.append("--metrics-require-key")
+    if config.gateway_token_file:
+        command += ["--gateway-token-file", config.gateway_token_file]
     if config.served_model_name:
         command += ["--served-model-name", config.served_model_name]
     if config.tokenizer_dir:
@@ -41,8 +45,8 @@ def start_http(config: HttpConfig, *, log_level: str = "warning",
     return once /health answers."""
     env = dict(os.environ)
     env.pop(API_KEY_ENV, None)
-    if config.api_key is not None:
-        env[API_KEY_ENV] = config.api_key
+    if config.api_keys:
+        env[API_KEY_ENV] = "\n".join(config.api_keys)
     proc = subprocess.Popen(child_command(config, os.getpid(), log_level), env=env,
                             stdin=subprocess.DEVNULL)
     try:

@@ -17,7 +17,7 @@ from radixlm.runtime.http.config import (
     HttpConfigError,
     check_bind,
     parse_listen,
-    read_api_key,
+    read_api_keys,
 )
 
 
@@ -27,11 +27,15 @@ def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True) -> 
     g = p.add_argument_group("HTTP (OpenAI-compatible API)")
     g.add_argument("--http", default=None, metavar="HOST:PORT",
                    help="also serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000)")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every HTTP route but /health "
-                        f"(also read from ${API_KEY_ENV})")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every HTTP route but /health; "
+                        "repeat it for several keys, each its own tenant (also read, one a "
+                        f"line, from ${API_KEY_ENV})")
     g.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="read the API key from the first line of this file")
+                   help="read API keys from this file, one a line ('#' comments)")
+    g.add_argument("--metrics-require-key", action="store_true",
+                   help="/metrics asks for an API key on loopback too (beyond loopback it "
+                        "always does when keys are set)")
     if insecure:
         g.add_argument("--insecure", action="store_true",
                        help="allow a non-loopback --http address without an API key")
@@ -54,13 +58,14 @@ def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True) -> 
 def http_config(args: argparse.Namespace, engine_endpoint: str) -> HttpConfig:
     """The HttpConfig for parsed flags (raises HttpConfigError for a bad value)."""
     host, port = parse_listen(args.http)
-    key = read_api_key(args.api_key or os.environ.get(API_KEY_ENV) or None, args.api_key_file)
-    check_bind(host, key, args.insecure)
+    keys = read_api_keys(args.api_key, args.api_key_file, os.environ.get(API_KEY_ENV))
+    check_bind(host, keys, args.insecure)
     if args.response_ttl <= 0 or args.max_body_bytes <= 0 or args.default_max_tokens <= 0:
         raise HttpConfigError("--response-ttl, --max-body-bytes and --default-max-tokens must "
                               "be > 0")
-    return HttpConfig(engine_endpoint=engine_endpoint, host=host, port=port, api_key=key,
-                      insecure=args.insecure, response_ttl_s=args.response_ttl,
+    return HttpConfig(engine_endpoint=engine_endpoint, host=host, port=port, api_keys=keys,
+                      insecure=args.insecure, metrics_require_key=args.metrics_require_key,
+                      gateway_token_file=getattr(args, "gateway_token_file", None), response_ttl_s=args.response_ttl,
                       max_body_bytes=args.max_body_bytes,
                       default_max_tokens=args.default_max_tokens,
                       served_model_name=args.served_model_name, tokenizer_dir=args.tokenizer)
@@ -97,6 +102,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="stop once this process has exited")
     parser.add_argument("--log-level", default="warning",
                         choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--gateway-token-file", default=None, metavar="PATH",
+                        help="the server's gateway credential (its runtime directory's "
+                             "gateway.token): each API key becomes its own tenant")
     add_http_arguments(parser)
     args = parser.parse_args(argv)
     if args.http is None:

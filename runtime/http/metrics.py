@@ -48,7 +48,7 @@ class Metrics:
         self.cached_tokens.inc(usage.cached_tokens)
         self.completion_tokens.inc(completion_tokens)
 
-    def render(self, stats: StatsReply | None, stored: int) -> bytes:
+    def render(self, stats: StatsReply | None, stored: int, model_name: str = "") -> bytes:
         if stats is not None:
             self.hit_rate.set(stats.hit_rate)
             for state in ("free", "evictable", "protected", "private"):

@@ -11,13 +11,10 @@ import json
 import jsonschema
 import openai
 import pytest
+from http_helpers import WEATHER, accumulate_calls
 
 pytestmark = pytest.mark.timeout(180)
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
-                   "required": ["city"], "additionalProperties": False}}}
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -90,25 +87,6 @@ def test_required_tool_call(http_server, api) -> None:  # noqa: ANN001
     calls = accumulate_calls(chunks)
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
         (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
-
-
-def accumulate_calls(chunks) -> list[dict]:  # noqa: ANN001
-    """Streamed tool calls put together as OpenAI's clients do (by index)."""
-    calls: dict[int, dict] = {}
-    for c in chunks:
-        for tc in (c.choices[0].delta.tool_calls or []) if c.choices else []:
-            entry = calls.setdefault(tc.index, {"id": None, "name": None, "arguments": "",
-                                                "fragments": 0})
-            if tc.id:
-                assert entry["id"] is None, "a call's id comes once, first"
-                entry["id"] = tc.id
-            if tc.function and tc.function.name:
-                entry["name"] = tc.function.name
-            if tc.function and tc.function.arguments:
-                assert entry["name"] is not None, "the name comes before the arguments"
-                entry["arguments"] += tc.function.arguments
-                entry["fragments"] += 1
-    return [calls[i] for i in sorted(calls)]
 
 
 def test_responses_function_call_round_trip(http_server, api) -> None:  # noqa: ANN001

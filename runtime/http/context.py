@@ -37,6 +37,14 @@ class TokenTexts:
             return f"token_id:{token_id}"
         return self._tok.token_text(token_id)
 
+    def piece(self, token_id: int) -> str | None:
+        """The vocabulary's own string for the token (as `convert_ids_to_tokens`)."""
+        return None if self._tok is None else self._tok.id_to_token(token_id)
+
+    @property
+    def available(self) -> bool:
+        return self._tok is not None
+
     def decode(self, token_ids: list[int]) -> str | None:
         """The text of `token_ids`, or None without a tokenizer."""
         return None if self._tok is None else self._tok.decode(token_ids)

@@ -36,10 +36,10 @@ async def tokenize(ctx: HttpContext, request: Request) -> Response:
     body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.context_length,
                             "tokens": ids}
     if req.return_token_strs:
-        if ctx.tokens.decode([]) is None:
+        if not ctx.tokens.available:
             raise invalid("return_token_strs needs the server's tokenizer (--tokenizer)",
                           "return_token_strs")
-        body["token_strs"] = [ctx.tokens(t) for t in ids]
+        body["token_strs"] = [ctx.tokens.piece(t) for t in ids]
     return Response(_json.encode(body), media_type="application/json")
 
 

@@ -349,6 +349,7 @@ def _stop_on_sigterm(signum: int, frame: object) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from radixlm.runtime.channel import EndpointError
+    from radixlm.runtime.frontend.tenants import GATEWAY_TOKEN
     from radixlm.runtime.http.config import HttpConfigError
     from radixlm.runtime.http.launch import HttpStartError, start_http
     from radixlm.runtime.http.main import http_config
@@ -381,7 +382,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         server = start_server(config, start_timeout_s=args.start_timeout)
         if http is not None:
-            http = dataclasses.replace(http, engine_endpoint=connect_address(server.endpoint))
+            http = dataclasses.replace(
+                http, engine_endpoint=connect_address(server.endpoint),
+                gateway_token_file=str(server.runtime_dir / GATEWAY_TOKEN))
             server.processes["http"] = start_http(http, log_level=args.log_level)
             print(f"radixlm serve: HTTP API at http://{args.http}/v1", flush=True)
         print(f"radixlm serve: ready at {server.endpoint}", flush=True)

@@ -31,6 +31,7 @@ from radixlm.runtime.curve_keys import server_socket_options, start_authenticato
 from radixlm.runtime.engine.messages import EngineReady, to_frontend_decoder
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.server import Frontend, welcome_from
+from radixlm.runtime.frontend.tenants import write_gateway_token
 from radixlm.runtime.rundir import write_ready
 from radixlm.tokenizer import Tokenizer
 from zmq.auth.thread import ThreadAuthenticator
@@ -103,7 +104,9 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
         sockets.append(monitor)
         welcome = welcome_from(ready, server_version(), config.max_message_bytes,
                                model.tool_format)
-        frontend = Frontend(model=model, welcome=welcome,
+        token = (write_gateway_token(Path(endpoints.runtime_dir)) if endpoints.runtime_dir
+                 else None)
+        frontend = Frontend(model=model, welcome=welcome, gateway_token=token,
                             clients=clients, monitor=monitor, from_engine=from_engine,
                             to_engine=to_engine, executor=executor,
                             engine_timeout_s=config.engine_timeout_s,

@@ -77,7 +77,7 @@ from radixlm.runtime.frontend.session_state import (
 )
 from radixlm.runtime.frontend.streams import Outcome, RequestStream
 from radixlm.runtime.frontend.structured import plan_structured
-from radixlm.runtime.frontend.tenants import names_for
+from radixlm.runtime.frontend.tenants import GatewayRefused, gateway_names, names_for
 from radixlm.runtime.frontend.validate import (
     RequestError,
     check_count,
@@ -153,8 +153,10 @@ class Frontend:
                  monitor: zmq.Socket[Any], from_engine: zmq.Socket[Any],
                  to_engine: zmq.Socket[Any], executor: Executor,
                  engine_timeout_s: float = 60.0, multi_tenant: bool = False,
-                 max_inflight: int = 0, max_priority: int | None = None) -> None:
+                 max_inflight: int = 0, max_priority: int | None = None,
+                 gateway_token: str | None = None) -> None:
         self.model = model
+        self._gateway_token = gateway_token  # trusted gateways declare tenants with it
         self._max_inflight = max_inflight  # per client; 0 = no cap
         self._max_priority = max_priority  # None = as asked
         self._multi_tenant = multi_tenant  # clients authenticate: each key is a tenant
@@ -413,6 +415,17 @@ class Frontend:
                         f"this server speaks protocol version {PROTOCOL_VERSION}, "
                         f"the client {msg.protocol_version}")
             return
+        if msg.gateway is not None:
+            try:
+                names = gateway_names(msg.gateway, self._gateway_token)
+            except GatewayRefused as e:
+                self._error(client, None, e.code, str(e))
+                return
+            if client.welcomed and names.tenant != client.names.tenant:
+                self._error(client, None, wire.ErrorCode.FORBIDDEN,
+                            "a connection's tenant is declared once, in its first hello")
+                return
+            client.names = names
         client.welcomed = True
         log.debug("client %s (%r) connected", client.identity.hex(), msg.client_name)
         self._send(client.identity, self._welcome)

@@ -63,7 +63,7 @@ def _route(ctx: HttpContext, name: str, handler: Handler, *,
         try:
             if tenant is None and not public:
                 raise _unauthorized()
-            response = await handler(ctx.for_tenant(tenant or tenants.first), request)
+            response = await handler(ctx.for_tenant(tenant or tenants.control), request)
         except ApiError as e:
             response = e.response()
         except EngineError as e:
@@ -105,7 +105,7 @@ async def _model(ctx: HttpContext, request: Request) -> Response:
 async def _health(ctx: HttpContext, request: Request) -> Response:
     """200 once the engine itself answers (a stats request, which the engine serves even
     mid-step) within --health-timeout; 503 otherwise -- a frozen engine included."""
-    link = ctx.tenants.first.link
+    link = ctx.tenants.control.link
     ok = False
     if link.alive:
         with anyio.move_on_after(ctx.config.health_timeout_s):
@@ -122,7 +122,7 @@ async def _metrics(ctx: HttpContext, request: Request) -> Response:
     if not ctx.config.metrics_public and ctx.tenants.of(
             request.headers.get("authorization", "")) is None:
         raise _unauthorized()
-    link = ctx.tenants.first.link
+    link = ctx.tenants.control.link
     stats = None
     if link.alive:
         with anyio.move_on_after(ctx.config.health_timeout_s), contextlib.suppress(EngineError):

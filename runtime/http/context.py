@@ -76,7 +76,7 @@ class HttpContext:
 
     @property
     def welcome(self) -> Welcome:
-        welcome = self.tenants.first.link.welcome
+        welcome = self.tenants.control.link.welcome
         assert welcome is not None
         return welcome
 

@@ -111,6 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--http HOST:PORT is required")
     try:
         config = http_config(args, args.engine)
+        if len(config.api_keys) > 1 and config.gateway_token_file is None:
+            raise HttpConfigError(
+                "several API keys are several tenants, which needs the server's gateway "
+                "credential: --gateway-token-file RUNTIME_DIR/gateway.token (radixlm serve "
+                "--http passes it)")
     except HttpConfigError as e:
         print(f"radixlm http: {e}", file=sys.stderr)
         return 2

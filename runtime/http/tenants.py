@@ -9,8 +9,8 @@ scopes its cache, namespaces and listings exactly as for a CurveZMQ key
 (`radixlm.runtime.frontend.tenants`): nothing crosses keys, not even by the timing or
 the ``cached_tokens`` of a shared prefix.
 
-Without API keys there is one tenant, the server's local one (`LOCAL`): the HTTP API
-then shares the cache with the local ipc clients, as every client on loopback does.
+Without API keys there is one tenant, the server's local one: the HTTP API then shares
+the cache with the local ipc clients, as every client on loopback does.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from dataclasses import dataclass
 
 from radixlm.runtime.http.engine_link import EngineLink
 from radixlm.runtime.http.store import ConversationStore
-
-LOCAL = "local"
 
 
 @dataclass
@@ -39,30 +37,27 @@ def tenant_name(key: str) -> str:
 
 
 class Tenants:
-    """API key -> tenant; with no keys, the one local tenant answers every request."""
+    """API key -> tenant. `control` is the server's local tenant: it answers every request
+    when there are no keys, and reads the engine's stats for /health and /metrics (a
+    tenant's own connection sees no server-wide activity)."""
 
     def __init__(self, keys: tuple[str, ...], make: Callable[[str | None], Tenant]) -> None:
+        self.control = make(None)
         self._by_key = {k.encode(): make(k) for k in dict.fromkeys(keys)}
-        self._local = None if keys else make(None)
 
     def __iter__(self) -> Iterator[Tenant]:
-        if self._local is not None:
-            yield self._local
+        yield self.control
         yield from self._by_key.values()
 
     @property
-    def first(self) -> Tenant:
-        return next(iter(self))
-
-    @property
     def keyed(self) -> bool:
-        return self._local is None
+        return bool(self._by_key)
 
     def of(self, authorization: str) -> Tenant | None:
         """The tenant of an ``Authorization`` header's bearer key (None: not a key here).
         Every key is compared in constant time, so timing tells nothing of which matched."""
-        if self._local is not None:
-            return self._local
+        if not self._by_key:
+            return self.control
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer":
             return None

@@ -372,8 +372,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.served_model_name is None and args.model == "default":
             args.served_model_name = "SmolLM2-135M-Instruct"  # "default" is accepted too
         try:
-            if args.auth_dir:  # its engine link would need a client key of its own
-                raise HttpConfigError("--http cannot be combined with --auth-dir yet")
             http = http_config(args, engine_endpoint="")
         except HttpConfigError as e:
             print(f"radixlm serve: {e}", file=sys.stderr)
@@ -385,6 +383,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             http = dataclasses.replace(
                 http, engine_endpoint=connect_address(server.endpoint),
                 gateway_token_file=str(server.runtime_dir / GATEWAY_TOKEN))
+            if args.auth_dir:  # the gateway's own CurveZMQ key, authorized by the frontend
+                http = dataclasses.replace(
+                    http, server_key=os.path.join(args.auth_dir, "server.key"),
+                    client_key=str(server.runtime_dir / "gateway.key_secret"))
             server.processes["http"] = start_http(http, log_level=args.log_level)
             print(f"radixlm serve: HTTP API at http://{args.http}/v1", flush=True)
         print(f"radixlm serve: ready at {server.endpoint}", flush=True)

@@ -27,7 +27,11 @@ import zmq
 from radixlm.runtime import channel
 from radixlm.runtime.channel import ipc_path, open_socket
 from radixlm.runtime.config import Endpoints, EngineConfig
-from radixlm.runtime.curve_keys import server_socket_options, start_authenticator
+from radixlm.runtime.curve_keys import (
+    make_gateway_keys,
+    server_socket_options,
+    start_authenticator,
+)
 from radixlm.runtime.engine.messages import EngineReady, to_frontend_decoder
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.server import Frontend, welcome_from
@@ -96,7 +100,9 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
         ready = wait_for_engine(from_engine)
         model = load_text_model(config, ready)
         if config.auth_dir:
-            authenticator = start_authenticator(ctx, Path(config.auth_dir))
+            accepted = (make_gateway_keys(Path(endpoints.runtime_dir), Path(config.auth_dir))
+                        if endpoints.runtime_dir else None)
+            authenticator = start_authenticator(ctx, Path(config.auth_dir), accepted)
         clients = open_socket(ctx, zmq.ROUTER, endpoints.client, bind=True,
                               options=client_socket_options(config))
         sockets.append(clients)

@@ -27,6 +27,7 @@ from radixlm.runtime.http.errors import ApiError, from_engine
 from radixlm.runtime.http.metrics import Metrics
 from radixlm.runtime.http.store import ConversationStore
 from radixlm.runtime.http.tenants import Tenant, Tenants, tenant_name
+from radixlm.runtime.transport.curve import load_curve_keys
 from radixlm.runtime.transport.errors import EngineError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -157,11 +158,12 @@ def _read_token(path: str | None) -> str | None:
 
 def build_app(config: HttpConfig) -> Starlette:
     token = _read_token(config.gateway_token_file)
+    curve = load_curve_keys(config.server_key, config.client_key)
 
     def make_tenant(key: str | None) -> Tenant:
         name = "local" if key is None else tenant_name(key)
         link = EngineLink(config.engine_endpoint, tenant=None if key is None else name,
-                          gateway_token=token)
+                          gateway_token=token, curve=curve)
         return Tenant(name, link, ConversationStore(config.response_ttl_s, link.close_sessions))
 
     tenants = Tenants(config.api_keys, make_tenant)

@@ -34,6 +34,8 @@ class HttpConfig:
     connect_timeout_s: float = 60.0
     health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S  # /health: 503 if the engine is slower
     gateway_token_file: str | None = None  # the frontend's gateway credential (tenants)
+    server_key: str | None = None  # an --auth-dir server: its server.key ...
+    client_key: str | None = None  # ... and the runtime directory's gateway.key_secret
 
     @property
     def metrics_public(self) -> bool:

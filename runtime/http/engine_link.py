@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 from anyio.abc import TaskGroup
 from radixlm.runtime import protocol as p
 from radixlm.runtime.transport.connection import Connection, Request
+from radixlm.runtime.transport.curve import CurveKeys
 from radixlm.runtime.transport.errors import InternalError
 
 R = TypeVar("R")
@@ -21,14 +22,16 @@ R = TypeVar("R")
 
 class EngineLink:
     def __init__(self, endpoint: str, *, heartbeat_timeout: float = 15.0,
-                 tenant: str | None = None, gateway_token: str | None = None) -> None:
+                 tenant: str | None = None, gateway_token: str | None = None,
+                 curve: CurveKeys | None = None) -> None:
         """`tenant` with `gateway_token`: the connection is that tenant's (the frontend
         trusts the gateway credential); without a token it is the server's local one."""
         gateway = None
         if tenant is not None and gateway_token is not None:
             gateway = p.Gateway(tenant=tenant, token=gateway_token)
         self.conn = Connection(endpoint, client_name="radixlm-http",
-                               heartbeat_timeout=heartbeat_timeout, gateway=gateway)
+                               heartbeat_timeout=heartbeat_timeout, gateway=gateway,
+                               curve=curve)
         self._rids = itertools.count()
         self.welcome: p.Welcome | None = None
 

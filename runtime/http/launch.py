@@ -32,6 +32,8 @@ def child_command(config: HttpConfig, parent_pid: int, log_level: str) -> list[s
         command.append("--metrics-require-key")
     if config.gateway_token_file:
         command += ["--gateway-token-file", config.gateway_token_file]
+    if config.server_key and config.client_key:
+        command += ["--server-key", config.server_key, "--client-key", config.client_key]
     if config.served_model_name:
         command += ["--served-model-name", config.served_model_name]
     if config.tokenizer_dir:

@@ -65,7 +65,9 @@ def http_config(args: argparse.Namespace, engine_endpoint: str) -> HttpConfig:
                               "be > 0")
     return HttpConfig(engine_endpoint=engine_endpoint, host=host, port=port, api_keys=keys,
                       insecure=args.insecure, metrics_require_key=args.metrics_require_key,
-                      gateway_token_file=getattr(args, "gateway_token_file", None), response_ttl_s=args.response_ttl,
+                      gateway_token_file=getattr(args, "gateway_token_file", None),
+                      server_key=getattr(args, "server_key", None),
+                      client_key=getattr(args, "client_key", None), response_ttl_s=args.response_ttl,
                       max_body_bytes=args.max_body_bytes,
                       default_max_tokens=args.default_max_tokens,
                       served_model_name=args.served_model_name, tokenizer_dir=args.tokenizer)
@@ -102,6 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="stop once this process has exited")
     parser.add_argument("--log-level", default="warning",
                         choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--server-key", default=None, metavar="PATH",
+                        help="with an --auth-dir server: its public certificate (server.key)")
+    parser.add_argument("--client-key", default=None, metavar="PATH",
+                        help="with an --auth-dir server: the gateway's secret certificate "
+                             "(its runtime directory's gateway.key_secret)")
     parser.add_argument("--gateway-token-file", default=None, metavar="PATH",
                         help="the server's gateway credential (its runtime directory's "
                              "gateway.token): each API key becomes its own tenant")

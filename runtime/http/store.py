@@ -92,15 +92,17 @@ class ConversationStore:
 
     def get(self, id: str) -> Stored | None:
         """The live entry for `id` (its TTL restarts), or None if unknown or expired."""
-        entry = self._entries.get(id)
-        if entry is None:
+        return self._live(self._entries.get(id), self.delete)
+
+    def _live(self, obj: Any, delete: Callable[[str], bool]) -> Any:
+        if obj is None:
             return None
         now = self._clock()
-        if entry.expires_at <= now and not entry.busy:
-            self.delete(id)
+        if obj.expires_at <= now and not obj.busy:
+            delete(obj.id)
             return None
-        entry.expires_at = now + self.ttl_s
-        return entry
+        obj.expires_at = now + self.ttl_s
+        return obj
 
     def delete(self, id: str) -> bool:
         entry = self._entries.pop(id, None)
@@ -125,15 +127,8 @@ class ConversationStore:
         return conv
 
     def conversation(self, id: str) -> Conversation | None:
-        conv = self._conversations.get(id)
-        if conv is None:
-            return None
-        now = self._clock()
-        if conv.expires_at <= now and not conv.busy:
-            self.delete_conversation(id)
-            return None
-        conv.expires_at = now + self.ttl_s
-        return conv
+        """The live conversation `id` (its TTL restarts), or None."""
+        return self._live(self._conversations.get(id), self.delete_conversation)
 
     def delete_conversation(self, id: str) -> bool:
         conv = self._conversations.pop(id, None)

@@ -54,23 +54,33 @@ async def begin(ctx: HttpContext, previous: str | None, *, fork: bool, keep: boo
     return Turn(await ctx.link.fork_session(entry.session), fresh=True, keep=keep)
 
 
-def finish(ctx: HttpContext, turn: Turn, done: Done | None, new_id: str) -> Stored | None:
-    """Store the turn's result under `new_id` (or under the entry it advanced); on failure
-    (`done` None, or aborted) close what was opened for it."""
-    ok = done is not None and done.finish_reason != "abort" and done.session is not None
-    if turn.in_place is not None:
-        turn.in_place.busy = False
-        if ok:
-            assert done is not None and done.session_length is not None
-            turn.in_place.length = done.session_length
-        return turn.in_place
+def _succeeded(done: Done | None) -> bool:
+    return done is not None and done.finish_reason != "abort" and done.session is not None
+
+
+def _kept(ctx: HttpContext, turn: Turn, done: Done | None) -> int | None:
+    """The history length a new session of `turn` keeps; None when there is nothing to
+    keep (no new session, failed, aborted, not stored) -- the session is closed then."""
     if turn.session is None or not turn.fresh:
         return None
-    if not ok or not turn.keep:
+    if not _succeeded(done) or not turn.keep:
         ctx.link.close_sessions([turn.session])
         return None
     assert done is not None
-    return ctx.store.put(new_id, turn.session, done.session_length or 0)
+    return done.session_length or 0
+
+
+def finish(ctx: HttpContext, turn: Turn, done: Done | None, new_id: str) -> Stored | None:
+    """Store the turn's result under `new_id` (or under the entry it advanced); on failure
+    (`done` None, or aborted) close what was opened for it."""
+    if turn.in_place is not None:
+        turn.in_place.busy = False
+        if _succeeded(done):
+            assert done is not None and done.session_length is not None
+            turn.in_place.length = done.session_length
+        return turn.in_place
+    length = _kept(ctx, turn, done)
+    return None if length is None else ctx.store.put(new_id, turn.session or "", length)
 
 
 async def continue_held(ctx: HttpContext, keys: list[bytes], n_messages: int, *,
@@ -93,11 +103,6 @@ def hold(ctx: HttpContext, turn: Turn, done: Done | None, key: bytes, chain: byt
     """After a Responses turn: the held session now holding its history (one reference
     for the caller), or None -- failed, aborted, or nothing to keep (what the turn opened
     is closed then)."""
-    ok = done is not None and done.finish_reason != "abort" and done.session is not None
-    if turn.session is None or not turn.fresh:
-        return None
-    if not ok or not turn.keep:
-        ctx.link.close_sessions([turn.session])
-        return None
-    assert done is not None
-    return ctx.store.index.hold(key, chain, turn.session, done.session_length or 0)
+    length = _kept(ctx, turn, done)
+    return None if length is None else ctx.store.index.hold(key, chain, turn.session or "",
+                                                            length)

@@ -130,3 +130,40 @@ def test_health_is_503_while_the_engine_is_frozen(two_keys: HttpServer) -> None:
     while two_keys.request("GET", "/health", key=None)[0] != 200:
         assert time.monotonic() < deadline, "/health did not recover"
         time.sleep(0.2)
+
+
+def test_http_beside_auth_dir(tmp_path: Path, http_model_dir: Path) -> None:
+    """--http with --auth-dir: the HTTP process reaches the CURVE endpoint with the
+    gateway key the frontend made and authorized; its key's tenant is not a CurveZMQ
+    client's (alice's identical prompt finds nothing of it cached)."""
+    import radixlm as rl
+    from test_trust_curve import make_keys, serve
+
+    auth = tmp_path / "auth"
+    make_keys(auth, "alice")
+    port = free_port()
+    with serve(tmp_path, http_model_dir, "--auth-dir", str(auth), "--endpoint",
+               "tcp://127.0.0.1:0", "--http", f"127.0.0.1:{port}", "--api-key", KEY_A) as (
+            endpoint, log):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY_A,
+                               max_retries=0)
+        deadline = time.monotonic() + 60
+        while True:  # serve() returns at the endpoint file; the HTTP API follows it
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+        prompt = f"{PREFIX} {PIN}. Keep it safe."
+        first = client.chat.completions.create(model=http_model_dir.name, max_tokens=2,
+                                               temperature=0,
+                                               messages=[{"role": "user", "content": prompt}])
+        assert first.choices[0].finish_reason in ("stop", "length")
+        assert _cached(client, http_model_dir.name, prompt) == first.usage.prompt_tokens - 1
+        with rl.connect(endpoint, server_key=auth / "server.key",
+                        client_key=auth / "clients" / "alice.key_secret") as alice:
+            r = alice.generate(messages=[{"role": "user", "content": prompt}], max_tokens=1,
+                               temperature=0)
+            assert r.meta_info["cached_tokens"] == 0
+        client.close()

@@ -75,7 +75,7 @@ class Message(Struct):
 class SamplingParams(Struct):
     """Per-request sampling. ``temperature == 0`` means greedy."""
 
-    max_tokens: int = 128
+    max_tokens: Union[int, None] = 128  # None: what is left of the context after the prompt
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0): off

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 DEFAULT_RESPONSE_TTL_S = 3600.0
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-DEFAULT_MAX_TOKENS = 1024
+DEFAULT_MAX_TOKENS = None  # what is left of the context, as vLLM
 API_KEY_ENV = "RADIXLM_API_KEY"  # how `radixlm serve` hands the keys (one a line) to the HTTP process
 DEFAULT_HEALTH_TIMEOUT_S = 5.0
 
@@ -28,7 +28,7 @@ class HttpConfig:
     metrics_require_key: bool = False  # /metrics asks for a key (always beyond loopback)
     response_ttl_s: float = DEFAULT_RESPONSE_TTL_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS
     served_model_name: str | None = None  # None: the engine's model name
     tokenizer_dir: str | None = None  # token strings for logprobs ("token_id:N" without)
     connect_timeout_s: float = 60.0

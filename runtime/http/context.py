@@ -104,10 +104,10 @@ class HttpContext:
                                 f"'{self.model_name}')", type="invalid_request_error",
                            param="model", code="model_not_found")
 
-    def default_max_tokens(self) -> int:
-        """When a request names no limit: the configured default, at most half the context
-        (a longer prompt must then name a smaller limit)."""
-        return max(1, min(self.config.default_max_tokens, self.context_length // 2))
+    def default_max_tokens(self) -> int | None:
+        """When a request names no limit: --default-max-tokens, else what is left of the
+        context after the prompt (None: the engine works it out, as vLLM does)."""
+        return self.config.default_max_tokens
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -133,7 +133,7 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def sampling(req: SamplingExtras, *, max_tokens: int, stop: list[str], logprobs: bool = False,
+def sampling(req: SamplingExtras, *, max_tokens: int | None, stop: list[str], logprobs: bool = False,
              top_logprobs: int = 0, json_schema: str | None = None) -> SamplingParams:
     """The engine's SamplingParams; the engine validates ranges and names the bad field."""
     given: dict[str, Any] = {
@@ -160,7 +160,7 @@ def n_of(value: int | None) -> int:
     return value
 
 
-def max_tokens_of(value: int | None, default: int, param: str) -> int:
+def max_tokens_of(value: int | None, default: int | None, param: str) -> int | None:
     if value is None:
         return default
     if value < 0:

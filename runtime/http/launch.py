@@ -24,8 +24,9 @@ def child_command(config: HttpConfig, parent_pid: int, log_level: str) -> list[s
         "--http", f"{host}:{config.port}", "--parent-pid", str(parent_pid),
         "--log-level", log_level, "--response-ttl", str(config.response_ttl_s),
         "--max-body-bytes", str(config.max_body_bytes),
-        "--default-max-tokens", str(config.default_max_tokens),
     ]
+    if config.default_max_tokens is not None:
+        command += ["--default-max-tokens", str(config.default_max_tokens)]
     if config.insecure:
         command.append("--insecure")
     if config.metrics_require_key:

@@ -46,8 +46,8 @@ def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True) -> 
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (413 beyond) (default: %(default)s)")
     g.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help="output limit of requests that name none, capped at half the context "
-                        "(default: %(default)s)")
+                   help="output limit of requests that name none (default: what is left of "
+                        "the context after the prompt)")
     g.add_argument("--served-model-name", default=None,
                    help="the model id of /v1/models and of requests (default: the engine's)")
     g.add_argument("--tokenizer", default=None, metavar="DIR",
@@ -60,7 +60,8 @@ def http_config(args: argparse.Namespace, engine_endpoint: str) -> HttpConfig:
     host, port = parse_listen(args.http)
     keys = read_api_keys(args.api_key, args.api_key_file, os.environ.get(API_KEY_ENV))
     check_bind(host, keys, args.insecure)
-    if args.response_ttl <= 0 or args.max_body_bytes <= 0 or args.default_max_tokens <= 0:
+    if args.response_ttl <= 0 or args.max_body_bytes <= 0 or (
+            args.default_max_tokens is not None and args.default_max_tokens <= 0):
         raise HttpConfigError("--response-ttl, --max-body-bytes and --default-max-tokens must "
                               "be > 0")
     return HttpConfig(engine_endpoint=engine_endpoint, host=host, port=port, api_keys=keys,

@@ -74,7 +74,7 @@ def _text_part(text: str) -> dict[str, Any]:
 class _Turn:
     """A response being made: its request's fields, its conversation, where it runs."""
 
-    def __init__(self, ctx: HttpContext, req: ResponsesRequest, rid: str, max_tokens: int,
+    def __init__(self, ctx: HttpContext, req: ResponsesRequest, rid: str, max_tokens: int | None,
                  tools: list[Tool] | None, conversation: Conversation | None) -> None:
         self.ctx = ctx
         self.rid = rid

@@ -170,3 +170,18 @@ def test_tokenize_and_detokenize(http_server, hf_tok) -> None:  # noqa: ANN001
     assert s == 400 and err["error"]["code"] == "invalid_value"
     s, err = http_server.request("POST", "/v1/tokenize", b'{"prompt": "a", "messages": []}')
     assert s == 400
+
+
+def test_max_tokens_defaults_to_what_is_left_of_the_context(http_server, api, hf_tok) -> None:  # noqa: ANN001
+    """A prompt of most of the 2,048-token context, no max_tokens: it runs (vLLM's
+    default), and cannot run past the context."""
+    words = " ".join(f"w{i}" for i in range(4000))
+    ids = hf_tok(words, add_special_tokens=False)["input_ids"][:1990]
+    text = hf_tok.decode(ids)
+    r = api.completions.create(model=http_server.model, prompt=text, temperature=0,
+                               extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == 2048
+    assert r.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=http_server.model, prompt=ids * 2, temperature=0)
+    assert e.value.code == "context_length_exceeded"

@@ -28,7 +28,7 @@ from radixlm.runtime.http.metrics import Metrics
 from radixlm.runtime.http.store import ConversationStore
 from radixlm.runtime.http.tenants import Tenant, Tenants, tenant_name
 from radixlm.runtime.transport.curve import load_curve_keys
-from radixlm.runtime.transport.errors import EngineError
+from radixlm.runtime.transport.errors import EngineDeadError, EngineError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -110,8 +110,12 @@ async def _health(ctx: HttpContext, request: Request) -> Response:
     ok = False
     if link.alive:
         with anyio.move_on_after(ctx.config.health_timeout_s):
-            with contextlib.suppress(EngineError):
+            try:
                 await link.stats()
+                ok = True
+            except EngineDeadError:  # unreachable, or its frontend gave up on it
+                pass
+            except EngineError:  # it answered, if with a refusal
                 ok = True
     if not ok:
         raise ApiError(503, "the engine is not answering", type="server_error",

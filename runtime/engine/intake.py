@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import torch
 from radixlm.runtime.engine.errors import RequestError
@@ -121,7 +122,8 @@ class MessageHandler:
                     ErrorCode.INVALID_PARAMS,
                     f"prompt_logprobs_start ({start}) must be in [0, {len(appended)}]",
                 )
-            self._check_fits(len(prompt), msg.sampling.max_tokens, history)
+            sampling = self._resolve_max_tokens(msg.sampling, len(prompt))
+            self._check_fits(len(prompt), sampling.max_tokens, history)
             grammar = self._grammar(msg.grammar)
         except RequestError as e:
             if intake is not None:
@@ -132,7 +134,7 @@ class MessageHandler:
             return
         self._enqueue(RequestGroup(
             key=msg.key, kind=RequestKind.GENERATE, client=msg.client, rid=msg.rid,
-            prompt=prompt, sampling=msg.sampling, n=msg.n,
+            prompt=prompt, sampling=sampling, n=msg.n,
             namespace=intake.namespace if intake is not None else msg.namespace,
             turn=intake.turn if intake is not None else None,
             prompt_logprobs_start=None if start is None else history + start,
@@ -194,6 +196,14 @@ class MessageHandler:
             raise RequestError(ErrorCode.INVALID_PARAMS, f"n must be in [1, {MAX_N}], got {n}")
         if n > 1 and sampling.max_tokens == 0:
             raise RequestError(ErrorCode.INVALID_PARAMS, "n > 1 needs max_tokens >= 1")
+
+    def _resolve_max_tokens(self, sampling: SamplingParams, prompt_len: int) -> SamplingParams:
+        """``max_tokens`` None: what is left of the context (and of the KV pool) after the
+        prompt -- at least 1, so a prompt that fills it all is refused as too long."""
+        if sampling.max_tokens is not None:
+            return sampling
+        room = min(self.opt.context_length, self.capacity) - prompt_len
+        return msgspec.structs.replace(sampling, max_tokens=max(1, room))
 
     def _check_fits(self, prompt_len: int, max_tokens: int, history_len: int) -> None:
         """Refuse up front what can never run: empty, beyond the context, or beyond the

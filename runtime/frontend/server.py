@@ -77,7 +77,7 @@ from radixlm.runtime.frontend.session_state import (
 )
 from radixlm.runtime.frontend.streams import Outcome, RequestStream
 from radixlm.runtime.frontend.structured import plan_structured
-from radixlm.runtime.frontend.tenants import names_for
+from radixlm.runtime.frontend.tenants import GatewayRefused, gateway_names, names_for
 from radixlm.runtime.frontend.validate import (
     RequestError,
     check_count,
@@ -99,11 +99,13 @@ BATCH = 256
 _SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
-def welcome_from(ready: EngineReady, server_version: str, max_message_bytes: int = 0) -> wire.Welcome:
+def welcome_from(ready: EngineReady, server_version: str, max_message_bytes: int = 0,
+                 tool_format: str = "generic") -> wire.Welcome:
     return wire.Welcome(
         protocol_version=PROTOCOL_VERSION, server_version=server_version, model=ready.model,
         context_length=ready.context_length, page_size=ready.page_size,
         kv_capacity=ready.kv_capacity, max_message_bytes=max_message_bytes,
+        tool_format=tool_format,
     )
 
 
@@ -151,8 +153,10 @@ class Frontend:
                  monitor: zmq.Socket[Any], from_engine: zmq.Socket[Any],
                  to_engine: zmq.Socket[Any], executor: Executor,
                  engine_timeout_s: float = 60.0, multi_tenant: bool = False,
-                 max_inflight: int = 0, max_priority: int | None = None) -> None:
+                 max_inflight: int = 0, max_priority: int | None = None,
+                 gateway_token: str | None = None) -> None:
         self.model = model
+        self._gateway_token = gateway_token  # trusted gateways declare tenants with it
         self._max_inflight = max_inflight  # per client; 0 = no cap
         self._max_priority = max_priority  # None = as asked
         self._multi_tenant = multi_tenant  # clients authenticate: each key is a tenant
@@ -176,6 +180,7 @@ class Frontend:
             wire.Generate: self._generate,
             wire.Abort: self._abort,
             wire.Tokenize: self._tokenize,
+            wire.Detokenize: self._detokenize,
             wire.OpenSession: self._open_session,
             wire.Pin: self._pin,
             wire.ForkSession: self._fork_session,
@@ -379,7 +384,7 @@ class Frontend:
             self._error(client, msg.rid, wire.ErrorCode.HANDSHAKE_REQUIRED,
                         f"send hello (protocol_version={PROTOCOL_VERSION}) first")
             return
-        if self._watch.down and type(msg) is not wire.Tokenize:  # tokenize needs no engine
+        if self._watch.down and type(msg) not in (wire.Tokenize, wire.Detokenize):  # no engine needed
             self._error(client, msg.rid, wire.ErrorCode.ENGINE_UNAVAILABLE, self._unavailable())
             return
         try:
@@ -410,6 +415,17 @@ class Frontend:
                         f"this server speaks protocol version {PROTOCOL_VERSION}, "
                         f"the client {msg.protocol_version}")
             return
+        if msg.gateway is not None:
+            try:
+                names = gateway_names(msg.gateway, self._gateway_token)
+            except GatewayRefused as e:
+                self._error(client, None, e.code, str(e))
+                return
+            if client.welcomed and names.tenant != client.names.tenant:
+                self._error(client, None, wire.ErrorCode.FORBIDDEN,
+                            "a connection's tenant is declared once, in its first hello")
+                return
+            client.names = names
         client.welcomed = True
         log.debug("client %s (%r) connected", client.identity.hex(), msg.client_name)
         self._send(client.identity, self._welcome)
@@ -477,6 +493,19 @@ class Frontend:
         model = self.model
         self._enqueue(client, lambda: input_ids(model, msg.input, EMPTY_HISTORY), then,
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
+
+    def _detokenize(self, client: ClientState, msg: wire.Detokenize) -> None:
+        check_input(wire.Input(input_ids=msg.token_ids), self.model.vocab_size)
+        tokenizer = self.model.tokenizer
+
+        def then(text: str | RequestError) -> None:
+            if isinstance(text, RequestError):
+                self._error(client, msg.rid, text.code, text.message)
+            else:
+                self._reply(client, wire.Detokenized(rid=msg.rid, text=text))
+
+        self._enqueue(client, lambda: tokenizer.decode(msg.token_ids), then,
+                      heavy=len(msg.token_ids) > INLINE_PREPARE_CHARS)
 
     def _open_session(self, client: ClientState, msg: wire.OpenSession) -> None:
         if msg.input is not None:

@@ -93,7 +93,8 @@ def check_prompt_length(
         return
     if n_prompt == 0:
         raise RequestError(ErrorCode.EMPTY_PROMPT, "the prompt is empty")
-    if n_prompt + sampling.max_tokens > context_length:
+    if n_prompt + (sampling.max_tokens or 0) > context_length or (
+            sampling.max_tokens is None and n_prompt >= context_length):
         raise RequestError(
             ErrorCode.TOO_LONG,
             f"prompt ({n_prompt} tokens) + max_tokens ({sampling.max_tokens}) exceeds the "

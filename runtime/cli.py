@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from radixlm import __version__
 from radixlm.runtime.cli_common import say
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.transport.curve import add_key_arguments
@@ -259,12 +258,24 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
     )
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the package metadata is read only when asked (it costs start-up)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        from radixlm import __version__
+
+        parser.exit(message=f"radixlm {__version__}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixlm", allow_abbrev=False,
         description="A local LLM engine with a radix prefix KV cache and persistent sessions.",
     )
-    parser.add_argument("--version", action="version", version=f"radixlm {__version__}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:

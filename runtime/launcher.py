@@ -416,6 +416,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def _run_role(role: str, config: EngineConfig, endpoints: Endpoints) -> None:
     if role == "engine":
+        t_import = time.perf_counter()
         if not config.device.startswith("cuda"):
             keep_triton_out()
         problem = device_problem(config.device)
@@ -423,6 +424,9 @@ def _run_role(role: str, config: EngineConfig, endpoints: Endpoints) -> None:
             raise DeviceError(problem)
         from radixlm.runtime.engine.engine_main import run_engine
 
+        # The first stage of a start (torch alone takes ~2 s); the engine logs the others.
+        logging.getLogger("radixlm.engine").info(
+            "imports (torch, the engine) in %.2fs", time.perf_counter() - t_import)
         run_engine(config, endpoints)
     else:
         from radixlm.runtime.frontend import run_frontend

@@ -49,6 +49,7 @@ from radixlm.runtime.transport.discovery import (
     RuntimeDirError,
     claim_default,
 )
+from radixlm.runtime.transport.progress import starting_label
 
 __all__ = ["run_serve"]
 
@@ -122,6 +123,9 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         http_url = f"http://{_url_host(http.host)}:{http.port}/v1" if http else ""
         if claim is not None:
             claim.publish(DefaultServer(os.getpid(), claim.endpoint, http_url))
+        # A line at once: the engine's own log lines (imports, weights, tokenizer, pool)
+        # follow as each stage ends.
+        say("serve", f"{starting_label(config.model or 'default')}: loading the model")
         server = start_server(config, start_timeout_s=args.start_timeout, preflight=False,
                               takeover=claim is not None)
         if http is not None:

@@ -15,15 +15,20 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
 from radixlm.runtime.grammar.spec import GrammarSpec
+
+if TYPE_CHECKING:  # xgrammar (and transformers, which it imports) load on first use:
+    import xgrammar as xgr  # ~3 s and ~50 MB that a start-up serving no grammar never pays
+    from xgrammar import CompiledGrammar
+else:
+    CompiledGrammar = Any  # annotations only
 
 __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError", "Pending"]
 
 log = logging.getLogger(__name__)
 
-CompiledGrammar = xgr.CompiledGrammar
 DEFAULT_CACHE_ENTRIES = 256
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
@@ -104,6 +109,8 @@ class GrammarCompiler:
             raise
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        import xgrammar as xgr  # on the worker thread: the first grammar pays the import
+
         if self._xgr is None:
             info = self._info if isinstance(self._info, xgr.TokenizerInfo) else self._info()
             # xgrammar's own cache would grow without bound; ours is the bounded one.
@@ -123,6 +130,8 @@ class GrammarCompiler:
 def _grammar(spec: GrammarSpec) -> xgr.Grammar:
     """The spec as one xgrammar `Grammar`: framed by its literal `begin` and `end`,
     repeated after `separator`, or'd with its `alternative`."""
+    import xgrammar as xgr
+
     grammar = _framed(spec)
     if spec.separator is not None:
         grammar = _repeated(grammar, spec.separator)
@@ -133,6 +142,8 @@ def _grammar(spec: GrammarSpec) -> xgr.Grammar:
 
 def _repeated(grammar: xgr.Grammar, separator: str) -> xgr.Grammar:
     """``grammar (separator grammar)*``: its own rules, under a new root rule."""
+    import xgrammar as xgr
+
     text = str(grammar)
     name = "radixlm_repeat"
     while name in text:
@@ -142,6 +153,9 @@ def _repeated(grammar: xgr.Grammar, separator: str) -> xgr.Grammar:
 
 
 def _framed(spec: GrammarSpec) -> xgr.Grammar:
+    """The spec's body, between its literal `begin` and `end`."""
+    import xgrammar as xgr
+
     if spec.kind == "regex":
         body = xgr.Grammar.from_regex(spec.text)
     elif spec.kind == "json_schema":
@@ -178,6 +192,8 @@ _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
 def _strict_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    import xgrammar as xgr
+
     text = str(grammar)
     if _LOOSE_STRING_CHAR not in text:
         return grammar
@@ -185,6 +201,8 @@ def _strict_strings(grammar: xgr.Grammar) -> xgr.Grammar:
 
 
 def _literal(text: str) -> xgr.Grammar:
+    import xgrammar as xgr
+
     return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 

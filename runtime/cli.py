@@ -267,7 +267,8 @@ class _VersionAction(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
         from radixlm import __version__
 
-        parser.exit(message=f"radixlm {__version__}\n")
+        print(f"radixlm {__version__}")  # on stdout, as argparse's own version action
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -367,6 +367,7 @@ class SessionOpened(Struct, tag="session_opened"):
 class SessionsForked(Struct, tag="sessions_forked"):
     rid: str
     sessions: list[str]
+    length: int = 0  # the history length of each new session (its parent's)
 
 
 class Pinned(Struct, tag="pinned"):

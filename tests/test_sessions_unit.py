@@ -21,9 +21,9 @@ import pytest
 import torch
 from radixlm.cache import KVPool, OutOfSlots, PrefixCache
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.sessions import Residency, SessionManager
 from radixlm.runtime.protocol import MAX_FORK, ErrorCode
+from radixlm.runtime.rules import RequestError
 
 ALICE, BOB = b"alice", b"bob"
 _MOD = 2**31 - 1

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 
-from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.request import RequestGroup
 from radixlm.runtime.engine.table import RequestTable
 from radixlm.runtime.grammar.compiler import GrammarError, Pending
 from radixlm.runtime.protocol import ErrorCode
+from radixlm.runtime.rules import RequestError
 
 log = logging.getLogger(__name__)
 

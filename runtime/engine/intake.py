@@ -11,30 +11,29 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.lifecycle import Endings
-from radixlm.runtime.engine.messages import (
-    ClientGone,
-    EngineAbort,
-    EngineCommand,
-    EngineFinishAt,
-    EngineGenerate,
-    EngineOpenSession,
-    EnginePin,
-    EngineTrimSession,
-    TokenOutput,
-)
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
 from radixlm.runtime.engine.session_controller import Intake, SessionController, Turn
 from radixlm.runtime.engine.state import TERMINAL, ReqState
 from radixlm.runtime.engine.table import RequestTable
+from radixlm.runtime.engine_wire import (
+    ClientGone,
+    EngineAbort,
+    EngineCommand,
+    EngineGenerate,
+    EngineOpenSession,
+    EnginePin,
+    TokenOutput,
+)
 from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.protocol import MAX_N, Error, ErrorCode, SamplingParams, Struct
+from radixlm.runtime.rules import RequestError
 from radixlm.runtime.sampling import make_generator, validate_sampling
+from radixlm.tokenizer import Tokenizer, TokenStopMatcher
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +54,7 @@ class MessageHandler:
     device: torch.device  # where seeded requests' generators live
     engine_command: Callable[[EngineCommand], Struct]  # stats, flush: the scheduler's
     grammars: Grammars | None = None  # None: constrained requests are refused
+    tokenizer: Tokenizer | None = None  # None: stop strings are refused
     _arrival: Iterator[int] = field(default_factory=itertools.count)
     _internal_keys: Iterator[int] = field(default_factory=lambda: itertools.count(-1, -1))
 
@@ -80,14 +80,10 @@ class MessageHandler:
             self._on_generate(msg)
         elif isinstance(msg, EngineAbort):
             self.endings.abort(msg.key)
-        elif isinstance(msg, EngineFinishAt):
-            self._on_finish_at(msg)
         elif isinstance(msg, EngineOpenSession):
             self._on_open_session(msg)
         elif isinstance(msg, EnginePin):
             self._on_pin(msg)
-        elif isinstance(msg, EngineTrimSession):
-            self.sessions.trim(msg)
         elif isinstance(msg, EngineCommand):
             reply = self.sessions.command(msg)
             self.outbox.reply(msg.client, reply if reply is not None else self.engine_command(msg))
@@ -113,7 +109,10 @@ class MessageHandler:
             appended = np.asarray(msg.input_ids, dtype=np.int64)
             if msg.session is not None:
                 intake = self.sessions.begin_generate(msg, appended)
-            prompt = intake.prompt if intake is not None else appended
+            if intake is not None:
+                prompt, appended = intake.prompt, intake.appended
+            else:
+                prompt = appended
             history = len(prompt) - len(appended)
             start = msg.prompt_logprobs_start
             if start is not None and not 0 <= start <= len(appended):
@@ -123,6 +122,9 @@ class MessageHandler:
                 )
             self._check_fits(len(prompt), msg.sampling.max_tokens, history)
             grammar = self._grammar(msg.grammar)
+            if msg.sampling.stop and self.tokenizer is None:
+                raise RequestError(ErrorCode.INVALID_PARAMS,
+                                   "this engine has no tokenizer: it cannot match stop strings")
         except RequestError as e:
             if intake is not None:
                 self.sessions.abort_intake(intake, msg.client)
@@ -137,7 +139,7 @@ class MessageHandler:
             turn=intake.turn if intake is not None else None,
             prompt_logprobs_start=None if start is None else history + start,
             priority=msg.priority, grammar=grammar,
-        ))  # fmt: skip
+        ), stop_context=msg.input_ids)  # fmt: skip
 
     def _grammar(self, spec: GrammarSpec | None) -> CompiledGrammar | Pending | None:
         """The compiled grammar, or its compilation in flight (the group then waits in
@@ -217,7 +219,9 @@ class MessageHandler:
                 f"retain {retained} of the pool's {cap} tokens",
             )
 
-    def _enqueue(self, g: RequestGroup) -> None:
+    def _enqueue(self, g: RequestGroup, stop_context: list[int] | None = None) -> None:
+        """Queue the group's branches (`stop_context`: the input's ids, the left context
+        of a stop-string matcher's text, as of the frontend's detokenizer)."""
         g.stop_ids = frozenset(g.sampling.stop_token_ids) | (
             frozenset() if g.sampling.ignore_eos else self.eos_token_ids
         )
@@ -235,32 +239,13 @@ class MessageHandler:
             if g.sampling.logprobs or g.sampling.top_logprobs:
                 r.logprobs = []
                 r.top_logprobs = [] if g.sampling.top_logprobs else None
+            if g.sampling.stop and stop_context is not None:
+                r.stops = TokenStopMatcher(self.tokenizer, g.sampling.stop, stop_context)
             g.branches.append(r)
             queue.append(r)
         self.table.groups[g.key] = g
 
     # ---------------------------------------------------------------- endings
-    def _on_finish_at(self, msg: EngineFinishAt) -> None:
-        """A stop string matched in the frontend: keep that many output tokens."""
-        g = self.table.groups.get(msg.key)
-        if g is None or not 0 <= msg.index < len(g.branches):
-            return
-        r = g.branches[msg.index]
-        if r.state in TERMINAL or r.reported:  # reported: the frontend truncates the history
-            return
-        keep = max(0, min(msg.keep_tokens, len(r.output)))
-        del r.output[keep:]
-        r.num_tokens = g.prompt_len + keep
-        if r.logprobs is not None:
-            del r.logprobs[keep:]
-        if r.top_logprobs is not None:
-            del r.top_logprobs[keep:]
-        if (self.sessions.needs_tail(g) and r.state is ReqState.DECODING
-                and r.kv_len < r.num_tokens):  # fmt: skip
-            self.endings.wait_for_tail(r, "stop", msg.matched_stop, None)
-            return
-        self.endings.end(r, ReqState.FINISHED, "stop", msg.matched_stop)
-
     def _on_client_gone(self, client: bytes) -> None:
         for g in [g for g in self.table.groups.values() if g.client == client]:
             for r in g.branches:

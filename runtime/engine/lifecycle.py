@@ -1,8 +1,9 @@
 """How requests leave the running set: finish, abort, fail, or retract (requeue).
 
-Every ending goes through `Endings.end`: cache the branch's KV (not after an error),
-settle its session turn or pin, unlock, free its private slots, leave the queues and
-emit its last output. Shared pages are never freed at finish.
+Every ending goes through `Endings.end`: settle the branch's stop strings (the output is
+cut where one matched), cache its KV (not after an error), settle its session turn or
+pin, unlock, free its private slots, leave the queues and emit its last output. Shared
+pages are never freed at finish.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from radixlm.runtime.engine.cache_manager import CacheManager
-from radixlm.runtime.engine.errors import RequestError
-from radixlm.runtime.engine.messages import TokenOutput
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
 from radixlm.runtime.engine.session_controller import SessionController
 from radixlm.runtime.engine.state import TERMINAL, ReqState, advance
 from radixlm.runtime.engine.table import Counters, RequestTable
+from radixlm.runtime.engine_wire import TokenOutput
 from radixlm.runtime.protocol import Error, ErrorCode, Usage
+from radixlm.runtime.rules import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class Endings:
         """Finish/abort one branch: cache its KV (not after an error), settle its session
         turn or pin, unlock, free its private slots, and emit its last output."""
         g = r.group
+        if r.stops is not None and error is None and not r.reported:
+            reason, matched = self.settle(r, reason, matched)
         try:
             if r.locked is not None and error is None:
                 self.kv.cache_finished(r)
@@ -73,6 +76,26 @@ class Endings:
         if all(b.state in TERMINAL for b in g.branches):
             self.table.groups.pop(g.key, None)
             self.sessions.on_group_done(g)
+
+    def settle(self, r: Request, reason: str, matched: int | str | None
+               ) -> tuple[str, int | str | None]:
+        """A branch with stop strings ends: the text its matcher held back may still
+        complete one. Once one has matched, the output is cut to the kept tokens and the
+        branch ends with "stop" and that string (whatever else ended it)."""
+        stops = r.stops
+        assert stops is not None
+        if not stops.finish():
+            return reason, matched
+        keep = stops.kept
+        assert keep is not None
+        if len(r.output) > keep:
+            del r.output[keep:]
+            r.num_tokens = r.group.prompt_len + keep
+            if r.logprobs is not None:
+                del r.logprobs[keep:]
+            if r.top_logprobs is not None:
+                del r.top_logprobs[keep:]
+        return "stop", stops.hit
 
     def wait_for_tail(self, r: Request, reason: str, matched: int | str | None,
                       out: TokenOutput | None) -> None:
@@ -101,6 +124,14 @@ class Endings:
         if out is None:
             out = TokenOutput(key=g.key, token_ids=[], index=r.index)
             outputs.append(out)
+        if r.stops is not None:  # what the matcher held back goes with the last output
+            sent = r.sent
+            out.token_ids = r.output[sent:]
+            if r.logprobs is not None:
+                out.logprobs = r.logprobs[sent:]
+                out.top_logprobs = r.top_logprobs[sent:] if r.top_logprobs is not None else None
+            out.text_trim = r.stops.trim
+            r.sent = len(r.output)
         out.finish_reason = r.finish_reason
         out.matched_stop = r.matched_stop
         out.usage = Usage(

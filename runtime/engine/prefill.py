@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from radixlm.cache import MatchResult, TreeNode
 from radixlm.runtime.engine.batch import Scheduled
 from radixlm.runtime.engine.cache_manager import CacheManager
-from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.policy import FairShare, fair_victims, held_back, order_waiting
@@ -29,6 +28,7 @@ from radixlm.runtime.engine.session_controller import SessionController
 from radixlm.runtime.engine.state import ReqState, advance
 from radixlm.runtime.engine.table import Counters, RequestTable
 from radixlm.runtime.protocol import ErrorCode
+from radixlm.runtime.rules import RequestError
 
 
 @dataclass(eq=False)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from radixlm.runtime.engine.session_controller import Turn
     from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
     from radixlm.runtime.grammar.matcher import GrammarState
+    from radixlm.tokenizer import TokenStopMatcher
 
 __all__ = ["Request", "RequestGroup", "RequestKind"]
 
@@ -109,6 +110,10 @@ class Request:
     # Its Done already went out (before its tail row ran): nothing more is emitted for it.
     reported: bool = False
     grammar: GrammarState | None = None  # this branch's place in its group's grammar
+    # With stop strings: this branch's matcher, and how many output tokens went to the
+    # frontend (only those it released: the others may begin a stop string).
+    stops: TokenStopMatcher | None = None
+    sent: int = 0
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 

@@ -39,7 +39,6 @@ from radixlm.runtime.engine.decode import DecodeManager
 from radixlm.runtime.engine.grammar_wait import release_compiled
 from radixlm.runtime.engine.intake import MessageHandler
 from radixlm.runtime.engine.lifecycle import Endings
-from radixlm.runtime.engine.messages import EngineAbort, EngineCommand, ToFrontend
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.outputs import OutputProcessor
@@ -51,10 +50,12 @@ from radixlm.runtime.engine.state import ReqState
 from radixlm.runtime.engine.stats import stats_reply
 from radixlm.runtime.engine.step_budget import StepBudget
 from radixlm.runtime.engine.table import Counters, RequestTable
+from radixlm.runtime.engine_wire import EngineAbort, EngineCommand, ToFrontend
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model.batch import ForwardBatch
 from radixlm.runtime.protocol import Error, ErrorCode, FlushCache, GetStats, Ok, Struct
 from radixlm.runtime.sampling import Sampler
+from radixlm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class Scheduler:
         sessions: SessionManager | None = None,  # None: sessions and pins refused
         clock: Callable[[], float] = time.monotonic,
         grammars: Grammars | None = None,  # None: constrained requests refused
+        tokenizer: Tokenizer | None = None,  # None: stop strings refused
     ) -> None:
         self.cache = cache
         self.model = model
@@ -103,7 +105,7 @@ class Scheduler:
         self.table = RequestTable()
         self.counters = Counters()
         self.outbox = Outbox()
-        self.sessions = SessionController(sessions, self.outbox.reply, self.outbox.note)
+        self.sessions = SessionController(sessions, self.outbox.reply)
         self.kv = CacheManager(cache, self.sessions.make_room)
         self.endings = Endings(self.table, self.kv, self.sessions, self.outbox, self.counters)
         self.intake = MessageHandler(
@@ -111,7 +113,7 @@ class Scheduler:
             opt=options, capacity=cache.capacity, page_size=cache.page_size,
             vocab_size=sampler.vocab_size, eos_token_ids=frozenset(int(t) for t in eos_token_ids),
             device=self.device,
-            engine_command=self._engine_command, grammars=grammars,
+            engine_command=self._engine_command, grammars=grammars, tokenizer=tokenizer,
         )  # fmt: skip
         self.prefill = PrefillManager(self.table, self.kv, self.sessions, self.endings, options,
                                       self.counters)

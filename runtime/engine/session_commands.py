@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.sessions import SessionManager
 from radixlm.runtime.protocol import (
     CloseSession,
@@ -20,6 +19,7 @@ from radixlm.runtime.protocol import (
     TruncateSession,
     Unpin,
 )
+from radixlm.runtime.rules import RequestError
 
 
 def is_session_command(msg: object) -> bool:
@@ -29,7 +29,8 @@ def is_session_command(msg: object) -> bool:
 def answer(m: SessionManager, msg: Any, client: bytes) -> Struct:
     """The reply to one session command of `client`; refusals raise RequestError."""
     if isinstance(msg, ForkSession):
-        return SessionsForked(rid=msg.rid, sessions=m.fork(msg.session, client, msg.n))
+        forks = m.fork(msg.session, client, msg.n)
+        return SessionsForked(rid=msg.rid, sessions=forks, length=m.get(msg.session, client).length)
     if isinstance(msg, TruncateSession):
         m.truncate(msg.session, client, msg.length)
         return Ok(rid=msg.rid)

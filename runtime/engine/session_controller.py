@@ -13,10 +13,11 @@ through the hooks of `SessionController`, called at fixed points of a request's 
 - the pool: `make_room` (demote idle soft sessions), `tick` (idle TTL),
   `unreclaimable_tokens` (what pins and hard sessions hold), `client_gone`.
 
-Every change to a session's history is also noted for the frontend (`SessionNote`:
-length, last token, whether its rendering left an assistant turn open), ahead of the
-reply or output that reports it, so the frontend renders the next append without
-reading replies.
+A session's view (its length, last token, and whether its last turn is an open
+assistant turn) is the engine's alone: an append arrives rendered for each way a history
+may end (`AppendVariants`) and `begin_generate` picks the rendering for this history.
+Replies report the resulting length (`Done.session_length`, `SessionOpened.length`,
+`SessionsForked.length`).
 
 A session request's own state lives in its group's `Turn`, which only this module reads
 and writes. Without a SessionManager every session or pin request gets a clear error.
@@ -45,37 +46,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from radixlm.runtime.engine.errors import RequestError
-from radixlm.runtime.engine.messages import (
+from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
+from radixlm.runtime.engine.session_commands import answer, is_session_command
+from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.engine_wire import (
     EngineAbort,
     EngineCommand,
     EngineGenerate,
     EngineOpenSession,
     EnginePin,
-    EngineTrimSession,
-    SessionNote,
 )
-from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
-from radixlm.runtime.engine.session_commands import answer, is_session_command
-from radixlm.runtime.engine.sessions import Session, SessionManager
 from radixlm.runtime.protocol import (
     CloseSession,
     Error,
     ErrorCode,
     GetStats,
     ListSessions,
-    Ok,
     Pinned,
     SessionOpened,
-    SessionsForked,
     Struct,
-    TruncateSession,
 )
+from radixlm.runtime.rules import RequestError
 
 log = logging.getLogger(__name__)
 
 Reply = Callable[[bytes, Struct], None]
-Note = Callable[[SessionNote], None]
 
 
 @dataclass(eq=False)
@@ -92,10 +87,12 @@ class Turn:
 
 @dataclass(frozen=True)
 class Intake:
-    """What a session request adds to its group: the full prompt, the namespace it is
-    matched in, and its turn."""
+    """What a session request adds to its group: the full prompt, the input it appends
+    (the rendering picked for this history), the namespace it is matched in, and its
+    turn."""
 
     prompt: np.ndarray
+    appended: np.ndarray
     namespace: str | None
     turn: Turn
 
@@ -104,8 +101,6 @@ def sessions_of(msg: object) -> list[str]:
     """The sessions a message acts on (a close may name several)."""
     if isinstance(msg, EngineGenerate):
         return [msg.session] if msg.session is not None else []
-    if isinstance(msg, EngineTrimSession):
-        return [msg.session]
     if isinstance(msg, EngineCommand):
         if isinstance(msg.msg, CloseSession):
             return msg.msg.ids()
@@ -117,10 +112,9 @@ def sessions_of(msg: object) -> list[str]:
 class SessionController:
     """The hooks the scheduler calls (see the module doc), over one SessionManager."""
 
-    def __init__(self, manager: SessionManager | None, reply: Reply, note: Note) -> None:
+    def __init__(self, manager: SessionManager | None, reply: Reply) -> None:
         self.manager = manager
         self._reply = reply
-        self._note = note
         self._held: dict[str, list[object]] = {}  # session in its tail -> messages held
         self._held_by: dict[str, bytes] = {}  # session in its tail -> its client
         self._ready: list[object] = []
@@ -135,31 +129,23 @@ class SessionController:
     def session_of(g: RequestGroup) -> str | None:
         return g.turn.session if g.turn is not None else None
 
-    def _note_session(self, s: Session) -> None:
-        last = int(s.history[-1]) if s.length else None
-        self._note(SessionNote(session=s.id, client=s.client, length=s.length,
-                               last_token=last, assistant_open=s.assistant_open))
-
-    def _note_by_id(self, session: str, client: bytes) -> None:
-        """Note the session as it is now, or as closed if it is gone."""
-        assert self.manager is not None
-        try:
-            s = self.manager.get(session, client)
-        except RequestError:  # not found: closed
-            self._note(SessionNote(session=session, client=client, closed=True))
-            return
-        self._note_session(s)
-
     # ------------------------------------------------------------------- intake
     def begin_generate(self, msg: EngineGenerate, appended: np.ndarray) -> Intake:
         """Begin the turn of a Generate naming a session (the caller undoes it with
         `abort_intake` if it then refuses the request)."""
         assert msg.session is not None
         m = self._m()
+        s = m.get(msg.session, msg.client)
+        if msg.variants is not None:
+            last = int(s.history[-1]) if s.length else None
+            try:
+                ids = msg.variants.pick(msg.input_ids, s.length, last, s.assistant_open)
+            except ValueError as e:  # the template cannot render the input for this history
+                raise RequestError(ErrorCode.INVALID_PARAMS, str(e)) from None
+            appended = np.asarray(ids, dtype=np.int64)
         prompt = m.begin_turn(msg.session, msg.client, appended, msg.namespace)
-        namespace = m.get(msg.session, msg.client).namespace
         turn = Turn(session=msg.session, open=True, assistant_open=msg.assistant_open)
-        return Intake(np.asarray(prompt, dtype=np.int64), namespace, turn)
+        return Intake(np.asarray(prompt, dtype=np.int64), appended, s.namespace, turn)
 
     def abort_intake(self, intake: Intake, client: bytes, opened: bool = False) -> None:
         """The request was refused after its turn began: idle again (an opening turn's
@@ -177,7 +163,6 @@ class SessionController:
         m = self._m()
         s = m.open(msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids)
         if not msg.input_ids:
-            self._note_session(s)
             self._reply(
                 msg.client,
                 SessionOpened(rid=msg.rid, session=s.id, length=s.length, cached_tokens=s.held_len),
@@ -189,7 +174,8 @@ class SessionController:
             m.close(s.id, msg.client)
             raise
         turn = Turn(session=s.id, open=True, assistant_open=msg.assistant_open)
-        return Intake(np.asarray(prompt, dtype=np.int64), s.namespace, turn)
+        return Intake(np.asarray(prompt, dtype=np.int64),
+                      np.asarray(msg.input_ids, dtype=np.int64), s.namespace, turn)
 
     def begin_pin(self, msg: EnginePin, prompt: np.ndarray) -> Turn:
         """Refuse a pin before it is prefilled: name taken, or beyond the retention cap."""
@@ -215,30 +201,7 @@ class SessionController:
             reply = answer(self._m(), msg, cmd.client)
         except RequestError as e:
             return Error(rid=msg.rid, code=e.code, message=e.message)
-        changed: list[str] = []
-        if isinstance(reply, SessionsForked):
-            changed = reply.sessions
-        elif isinstance(msg, CloseSession):
-            changed = msg.ids()  # (those a partial failure left open are noted as they are)
-        elif isinstance(msg, TruncateSession) and isinstance(reply, Ok):
-            changed = [msg.session]
-        for session in changed:
-            self._note_by_id(session, cmd.client)
         return reply
-
-    def trim(self, msg: EngineTrimSession) -> None:
-        """Cut a finished turn's history back to where a stop string matched (no reply:
-        the frontend already reported that length)."""
-        m = self.manager
-        if m is None:
-            return
-        try:
-            s = m.get(msg.session, msg.client)
-            m.truncate(msg.session, msg.client, msg.length, s.assistant_open)
-        except RequestError as e:  # closed meanwhile
-            log.warning("could not trim session %s after a stop string: %s", msg.session[:8], e)
-            return
-        self._note_session(s)
 
     # -------------------------------------------------------------------- tails
     def defer(self, msg: object) -> bool:
@@ -294,17 +257,6 @@ class SessionController:
         turn.ended_in[r.index] = session
         self._held.setdefault(session, [])
         self._held_by[session] = g.client
-        # Its history as the turn will leave it, noted now: the client may answer the
-        # Done before the tail row has run.
-        n = r.num_tokens
-        flag = turn.assistant_open
-        if flag is None:
-            try:
-                flag = self.manager.get(session, g.client).assistant_open
-            except RequestError:  # closed meanwhile: nothing to render
-                flag = False
-        self._note(SessionNote(session=session, client=g.client, length=n,
-                               last_token=int(r.tokens[n - 1]), assistant_open=flag))
         return True
 
     # ---------------------------------------------------------------- admission
@@ -377,8 +329,6 @@ class SessionController:
                 turn.ended_in[r.index] = session
             else:
                 turn.ended_in[r.index] = m.branch(session, history, r.index, turn.assistant_open)
-            if not r.reported:  # (a reported turn was noted as it reported)
-                self._note_by_id(turn.ended_in[r.index], g.client)
         except Exception as e:  # noqa: BLE001 - the output stands; the session keeps its history
             log.exception("session %s: could not record the turn", session[:8])
             if g.n == 1:
@@ -435,7 +385,6 @@ class SessionController:
         try:
             if g.prefilled:
                 m.end_turn(turn.session, g.prompt, turn.assistant_open)
-                self._note_by_id(turn.session, g.client)
             else:
                 m.abort_turn(turn.session)
         except Exception:  # noqa: BLE001

@@ -47,7 +47,6 @@ from radixlm.cache import (
     TreeNode,
 )
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.host_tier import HostTier
 from radixlm.runtime.engine.retention import (
     Held,
@@ -56,6 +55,7 @@ from radixlm.runtime.engine.retention import (
     retained_by_class,
 )
 from radixlm.runtime.protocol import MAX_FORK, ErrorCode, SessionInfo
+from radixlm.runtime.rules import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +113,9 @@ class Session:
     # What an opening turn with input will hold once prefilled: counted against the
     # retention cap from the open on, so that opens sent back to back cannot all pass.
     reserved: Held | None = None
-    # Whether the frontend's rendering of the history leaves an assistant turn open (its
-    # header rendered, the model's reply not closed by the template's end-of-turn markup
-    # yet). Kept for the frontend, which renders appends from it; never read here.
+    # Whether the history ends inside an assistant turn (its header rendered, the model's
+    # reply not closed by the template's end-of-turn markup yet): an appended message then
+    # takes the rendering that closes it first (`AppendVariants.pick`).
     assistant_open: bool = False
 
     @property
@@ -401,12 +401,10 @@ class SessionManager:
         s.last_used = self.clock()
         return ids
 
-    def truncate(
-        self, session_id: str, client: bytes, length: int, assistant_open: bool = False
-    ) -> Session:
+    def truncate(self, session_id: str, client: bytes, length: int) -> Session:
         """Rewind the history to its first `length` tokens. The cut-off tail stays in the
-        tree as ordinary evictable cache. `assistant_open` is the frontend's flag for the
-        cut history (a cut at a point it cannot know closes whatever turn was open)."""
+        tree as ordinary evictable cache. A cut closes whatever assistant turn was open
+        (its point is the client's, who sees tokens, not turns)."""
         s = self._idle(session_id, client)
         if not 0 <= length <= s.length:
             raise RequestError(
@@ -415,7 +413,7 @@ class SessionManager:
             )
         old = s.wanted
         s.history = s.history[:length]
-        s.assistant_open = assistant_open
+        s.assistant_open = False
         s.kv_len = min(s.kv_len, length)
         if s.held_len > length:  # shrinking always fits under the cap
             self._lock_at(s, self.cache.match(s.history, s.namespace))

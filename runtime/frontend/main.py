@@ -29,7 +29,7 @@ from radixlm.runtime import channel
 from radixlm.runtime.channel import ipc_path, open_socket
 from radixlm.runtime.config import Endpoints, EngineConfig
 from radixlm.runtime.curve_keys import server_socket_options, start_authenticator
-from radixlm.runtime.engine.messages import EngineReady, to_frontend_decoder
+from radixlm.runtime.engine_wire import EngineReady, to_frontend_decoder
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.server import Frontend, welcome_from
 from radixlm.runtime.rundir import write_ready

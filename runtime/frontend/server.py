@@ -16,8 +16,9 @@ Message handling, in order of arrival per client (see clients.py for the queue):
   `Tokenize` is answered here;
 - `StepOutputs` become Chunks and Dones (streams.py); `ToClient` replies are forwarded,
   read only for liveness bookkeeping and a tenant's names (one that ends a Generate says
-  so in `ends`); `SessionNotes` update the session views appends are rendered from
-  (session_state.py): no reply is watched for session bookkeeping.
+  so in `ends`). The frontend keeps no record of sessions: the engine owns histories and
+  ends every turn; an append is rendered for each way its history may end and the
+  engine picks (prepare.py).
 
 Client disconnects are seen two ways: a send to a vanished client fails
 (``ROUTER_MANDATORY`` -> EHOSTUNREACH), and the socket monitor reports a closed
@@ -43,7 +44,8 @@ import msgspec
 import zmq
 from radixlm.runtime import channel
 from radixlm.runtime import protocol as wire
-from radixlm.runtime.engine.messages import (
+from radixlm.runtime.engine_wire import (
+    AppendVariants,
     ClientGone,
     EngineAbort,
     EngineCommand,
@@ -51,8 +53,6 @@ from radixlm.runtime.engine.messages import (
     EngineOpenSession,
     EnginePin,
     EngineReady,
-    EngineTrimSession,
-    SessionNotes,
     StepOutputs,
     ToClient,
     ToEngine,
@@ -64,18 +64,13 @@ from radixlm.runtime.frontend.frames import FrameError, decode_frame
 from radixlm.runtime.frontend.liveness import PROBE_CLIENT, Change, EngineWatch
 from radixlm.runtime.frontend.prepare import (
     TextModel,
+    assistant_flag,
     generate_ids,
     input_ids,
     open_session_ids,
     pin_ids,
 )
-from radixlm.runtime.frontend.session_state import (
-    EMPTY_HISTORY,
-    UNKNOWN_HISTORY,
-    SessionTracker,
-    assistant_flag,
-)
-from radixlm.runtime.frontend.streams import Outcome, RequestStream
+from radixlm.runtime.frontend.streams import RequestStream
 from radixlm.runtime.frontend.structured import plan_structured
 from radixlm.runtime.frontend.tenants import names_for
 from radixlm.runtime.frontend.validate import (
@@ -167,7 +162,6 @@ class Frontend:
         self._keys = itertools.count(1)
         self._streams: dict[int, RequestStream] = {}
         self._clients = ClientRegistry()
-        self._sessions = SessionTracker()
         self._woken: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -425,7 +419,6 @@ class Frontend:
         self._check_size(msg.input)
         plan = plan_structured(msg, self.model.tool_format)
         key = next(self._keys)
-        history = self._sessions.view(msg.session) if msg.session is not None else None
         stream = RequestStream(key, client.identity, msg.rid, stream=msg.stream, n=msg.n,
                                sampling=msg.sampling, session=msg.session,
                                tokenizer=self.model.tokenizer,
@@ -433,11 +426,12 @@ class Frontend:
         self._streams[key] = stream
         client.inflight[msg.rid] = key
 
-        def then(ids: list[int] | RequestError) -> None:
-            if isinstance(ids, RequestError):
+        def then(prepared: tuple[list[int], AppendVariants | None] | RequestError) -> None:
+            if isinstance(prepared, RequestError):
                 self._end_request(stream)
-                self._error(client, msg.rid, ids.code, ids.message)
+                self._error(client, msg.rid, prepared.code, prepared.message)
                 return
+            ids, variants = prepared
             stream.prepared(ids)
             self._to_engine(client, EngineGenerate(
                 key=key, client=client.identity, rid=msg.rid, input_ids=ids,
@@ -449,10 +443,11 @@ class Frontend:
                            else client.names.turn_namespace(msg.namespace)),
                 grammar=plan.grammar,
                 assistant_open=assistant_flag(msg.input) if msg.session is not None else None,
+                variants=variants,
             ))
 
         model = self.model
-        self._enqueue(client, lambda: generate_ids(model, msg, history), then,
+        self._enqueue(client, lambda: generate_ids(model, msg), then,
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
 
     def _check_size(self, inp: wire.Input | None) -> None:
@@ -475,14 +470,13 @@ class Frontend:
                 self._reply(client, wire.Tokens(rid=msg.rid, input_ids=ids))
 
         model = self.model
-        self._enqueue(client, lambda: input_ids(model, msg.input, EMPTY_HISTORY), then,
+        self._enqueue(client, lambda: input_ids(model, msg.input), then,
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
 
     def _open_session(self, client: ClientState, msg: wire.OpenSession) -> None:
         if msg.input is not None:
             check_input(msg.input, self.model.vocab_size)
             self._check_size(msg.input)
-        start = UNKNOWN_HISTORY if msg.pinned is not None else EMPTY_HISTORY
 
         def then(ids: list[int] | RequestError) -> None:
             if isinstance(ids, RequestError):
@@ -496,7 +490,7 @@ class Frontend:
             ))
 
         model = self.model
-        self._enqueue(client, lambda: open_session_ids(model, msg, start), then,
+        self._enqueue(client, lambda: open_session_ids(model, msg), then,
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
 
     def _pin(self, client: ClientState, msg: wire.Pin) -> None:
@@ -548,14 +542,11 @@ class Frontend:
 
     # -- engine messages -------------------------------------------------------------------
 
-    def on_engine_message(self, msg: StepOutputs | SessionNotes | ToClient | EngineReady) -> None:
+    def on_engine_message(self, msg: StepOutputs | ToClient | EngineReady) -> None:
         if isinstance(msg, StepOutputs):
             self._on_step(msg.outputs)
         elif isinstance(msg, ToClient):
             self._on_reply(msg)
-        elif isinstance(msg, SessionNotes):
-            for note in msg.notes:
-                self._sessions.apply(note)
         else:
             log.warning("unexpected EngineReady while serving (engine restarted?)")
 
@@ -571,39 +562,24 @@ class Frontend:
                 continue  # its client is gone (or an error already ended it)
             try:
                 if out.finish_reason is None:
-                    chunk, finish_at, done = stream.on_output(out)
-                    if finish_at is None and done is None:
-                        if chunk is not None:
-                            send(stream.client, encode_reply(chunk))
-                        continue
-                    self._on_token_output(stream, out, (chunk, finish_at, done))
+                    chunk = stream.on_output(out).chunk
+                    if chunk is not None:
+                        send(stream.client, encode_reply(chunk))
                 else:
-                    self._on_token_output(stream, out, None)
+                    self._on_last_output(stream, out)
             except Exception as e:  # a bug: fail this request, keep serving the rest
                 log.exception("output of request key %d failed", out.key)
                 self._fail_request(out.key, f"{type(e).__name__}: {e}")
 
-    def _on_token_output(self, stream: RequestStream, out: TokenOutput,
-                         outcome: Outcome | None) -> None:
-        """An output that ends a branch or stops at a stop string (`outcome`: what
-        `stream.on_output(out)` returned, None if not called yet)."""
+    def _on_last_output(self, stream: RequestStream, out: TokenOutput) -> None:
+        """The output that ends a branch: its last chunk and its Done."""
         if out.finish_reason == "error":  # the engine sent the client an Error for it
             self._end_request(stream)
             return
-        chunk, finish_at, done = outcome if outcome is not None else stream.on_output(out)
+        chunk, done = stream.on_output(out)
         if chunk is not None and not self._send(stream.client, wire.encode(chunk)):
             return
-        if finish_at is not None:
-            self._to_engine(None, finish_at)
         if done is not None:
-            if (done.session is not None and done.session_length is not None
-                    and done.session_length != out.session_length):
-                # A stop string matched after the engine had finished the turn: cut the
-                # history back to what the Done reports, before the client can answer it.
-                self._to_engine(None, EngineTrimSession(
-                    client=stream.client, session=done.session, length=done.session_length))
-                kept = stream.output_ids(done.index) or stream.appended
-                self._sessions.trimmed(done.session, kept[-1] if kept else None)
             if not self._send(stream.client, wire.encode(done)):
                 return
             if stream.remaining == 0:
@@ -677,7 +653,6 @@ class Frontend:
         for key in client.inflight.values():
             self._streams.pop(key, None)
         client.pending.clear()  # queued work of a gone client never runs
-        self._sessions.forget_client(identity)
         log.log(logging.INFO if client.inflight else logging.DEBUG,
                 "client %s %s: %d request(s) aborted", identity.hex(), why, len(client.inflight))
         if client.touched_engine:

@@ -8,8 +8,8 @@ rid.
 
 from __future__ import annotations
 
-from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.protocol import MAX_N, ErrorCode, Generate, Input, SamplingParams
+from radixlm.runtime.rules import RequestError
 from radixlm.runtime.sampling_params import validate_sampling
 
 

@@ -10,8 +10,8 @@ import dataclasses
 
 import pytest
 from radixlm.runtime.frontend.prepare import TextModel, append_ids, assistant_flag, input_ids
-from radixlm.runtime.frontend.validate import RequestError, check_generate
 from radixlm.runtime.protocol import ErrorCode, Generate, Input, Message, SamplingParams
+from radixlm.runtime.rules import RequestError, check_generate
 from radixlm.tokenizer import Tokenizer
 
 CONTEXT = 256
@@ -118,10 +118,10 @@ def generate(**fields: object) -> Generate:
         generate(input=Input(text="a", input_ids=[1])),
         generate(input=Input(input_ids=[1, 10_000])),
         generate(input=Input(input_ids=[-1])),
-        generate(prompt_logprobs_start=-1),
+        generate(n=2, sampling=SamplingParams(max_tokens=0)),
     ],
     ids=["temperature", "top_p=0", "top_p>1", "max_tokens", "top_k", "empty-stop", "n=0",
-         "n=65", "no-input", "two-inputs", "id-past-vocab", "negative-id", "logprob-start"],
+         "n=65", "no-input", "two-inputs", "id-past-vocab", "negative-id", "n2-no-output"],
 )
 def test_invalid_requests_are_refused_before_tokenizing(model: TextModel, request_: Generate) -> None:
     with pytest.raises(RequestError) as err:

@@ -258,7 +258,7 @@ def test_refusals_leave_the_engine_serving(make_harness):
     h.generate(random_prompt(rng, 10), max_tokens=CONTEXT)  # beyond the context
     h.generate(random_prompt(rng, 200), max_tokens=100)  # beyond context and pool
     h.generate([], max_tokens=4)
-    h.generate(random_prompt(rng, 10), sampling=SamplingParams(temperature=-1.0))
+    h.generate(random_prompt(rng, 10), prompt_logprobs_start=11)  # past the input
     h.generate(random_prompt(rng, 10), session="nope")  # no session manager here
     codes = [r.code for r in h.replies if isinstance(r, Error)]
     assert codes == [ErrorCode.TOO_LONG, ErrorCode.TOO_LONG, ErrorCode.EMPTY_PROMPT,

@@ -13,7 +13,6 @@ import jsonschema
 import pytest
 from radixlm.runtime.frontend.prepare import TextModel, input_ids
 from radixlm.runtime.frontend.structured import plan_structured
-from radixlm.runtime.frontend.validate import RequestError
 from radixlm.runtime.protocol import (
     ErrorCode,
     Generate,
@@ -24,6 +23,7 @@ from radixlm.runtime.protocol import (
     Tool,
     ToolCall,
 )
+from radixlm.runtime.rules import RequestError
 from radixlm.tokenizer import ChatTemplate, Tokenizer
 from radixlm.tokenizer.tools import (
     call_frame,

@@ -30,9 +30,9 @@ from radixlm.runtime.engine_wire import (
 from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.grammar.spec import GrammarSpec
-from radixlm.runtime.protocol import MAX_N, Error, ErrorCode, SamplingParams, Struct
-from radixlm.runtime.rules import RequestError
-from radixlm.runtime.sampling import make_generator, validate_sampling
+from radixlm.runtime.protocol import Error, ErrorCode, SamplingParams, Struct, branch_seed
+from radixlm.runtime.rules import RequestError, check_prompt, check_prompt_logprobs_start
+from radixlm.runtime.sampling import make_generator
 from radixlm.tokenizer import Tokenizer, TokenStopMatcher
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,6 @@ class MessageHandler:
             return
         intake: Intake | None = None
         try:
-            self._check_sampling(msg.sampling, msg.n)
             appended = np.asarray(msg.input_ids, dtype=np.int64)
             if msg.session is not None:
                 intake = self.sessions.begin_generate(msg, appended)
@@ -115,11 +114,7 @@ class MessageHandler:
                 prompt = appended
             history = len(prompt) - len(appended)
             start = msg.prompt_logprobs_start
-            if start is not None and not 0 <= start <= len(appended):
-                raise RequestError(
-                    ErrorCode.INVALID_PARAMS,
-                    f"prompt_logprobs_start ({start}) must be in [0, {len(appended)}]",
-                )
+            check_prompt_logprobs_start(start, len(appended))
             self._check_fits(len(prompt), msg.sampling.max_tokens, history)
             grammar = self._grammar(msg.grammar)
             if msg.sampling.stop and self.tokenizer is None:
@@ -170,10 +165,8 @@ class MessageHandler:
     def _on_pin(self, msg: EnginePin) -> None:
         prompt = np.asarray(msg.input_ids, dtype=np.int64)
         try:
-            if not len(prompt):
-                raise RequestError(ErrorCode.EMPTY_PROMPT, f"pin {msg.name!r} has an empty input")
+            self._check_fits(len(prompt), 0, 0, what=f"the input of pin {msg.name!r}")
             turn = self.sessions.begin_pin(msg, prompt)
-            self._check_fits(len(prompt), 0, 0)
         except RequestError as e:
             self.outbox.reply(msg.client, Error(rid=msg.rid, code=e.code, message=e.message))
             return
@@ -188,36 +181,13 @@ class MessageHandler:
             namespace=namespace, turn=turn,
         )  # fmt: skip
 
-    def _check_sampling(self, sampling: SamplingParams, n: int) -> None:
-        problem = validate_sampling(sampling, self.vocab_size)
-        if problem is not None:
-            raise RequestError(ErrorCode.INVALID_PARAMS, problem)
-        if not 1 <= n <= MAX_N:
-            raise RequestError(ErrorCode.INVALID_PARAMS, f"n must be in [1, {MAX_N}], got {n}")
-        if n > 1 and sampling.max_tokens == 0:
-            raise RequestError(ErrorCode.INVALID_PARAMS, "n > 1 needs max_tokens >= 1")
-
-    def _check_fits(self, prompt_len: int, max_tokens: int, history_len: int) -> None:
-        """Refuse up front what can never run: empty, beyond the context, or beyond the
-        pool less what pins and hard sessions retain (the request's own history aside)."""
-        if prompt_len == 0:
-            raise RequestError(ErrorCode.EMPTY_PROMPT, "the prompt is empty")
-        total = prompt_len + max_tokens
-        ctx, cap = self.opt.context_length, self.capacity
-        for limit, what in ((ctx, f"the context length ({ctx})"),
-                            (cap, f"the KV pool ({cap} tokens)")):  # fmt: skip
-            if total > limit:
-                raise RequestError(
-                    ErrorCode.TOO_LONG,
-                    f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds {what}",
-                )
-        retained = self.sessions.unreclaimable_tokens()
-        if total > cap - max(0, retained - history_len):
-            raise RequestError(
-                ErrorCode.CAPACITY,
-                f"prompt + max_tokens ({total} tokens) cannot fit: pins and hard sessions "
-                f"retain {retained} of the pool's {cap} tokens",
-            )
+    def _check_fits(self, prompt_len: int, max_tokens: int, history_len: int,
+                    what: str = "the prompt") -> None:
+        """The prompt rules (rules.check_prompt) against this engine's context and pool
+        and what pins and hard sessions retain."""
+        check_prompt(prompt_len, max_tokens, context_length=self.opt.context_length,
+                     pool=self.capacity, retained=self.sessions.unreclaimable_tokens(),
+                     history_len=history_len, what=what)
 
     def _enqueue(self, g: RequestGroup, stop_context: list[int] | None = None) -> None:
         """Queue the group's branches (`stop_context`: the input's ids, the left context
@@ -227,13 +197,13 @@ class MessageHandler:
         )
         g.token_limit = min(g.prompt_len + g.max_tokens, self.opt.context_length)
         seed = g.sampling.seed
-        if seed is not None:
-            seed = self.sessions.seed_for(g, seed)
+        if seed is not None:  # a forked session's turn: its lineage's offset
+            seed = branch_seed(seed, self.sessions.seed_offset(g))
         queue = self.table.compiling if isinstance(g.grammar, Pending) else self.table.waiting
         for i in range(g.n):
             r = Request.new(g, i, next(self._arrival), self.page_size)
             if seed is not None:
-                r.generator = make_generator(seed + i, self.device)
+                r.generator = make_generator(branch_seed(seed, i), self.device)
             if i > 0:
                 r.after = g.branches[0]
             if g.sampling.logprobs or g.sampling.top_logprobs:

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from radixlm.cache import MatchResult, TreeNode
+from radixlm.cache.pages import align_down
 from radixlm.runtime.engine.batch import Scheduled
 from radixlm.runtime.engine.cache_manager import CacheManager
 from radixlm.runtime.engine.lifecycle import Endings
@@ -167,16 +168,14 @@ class PrefillManager:
         if remaining <= budget:
             return remaining
         end = r.kv_len + budget
-        aligned = end - end % self.kv.page_size
+        aligned = align_down(end, self.kv.page_size)
         return (aligned if aligned > r.kv_len else end) - r.kv_len
 
     @staticmethod
     def logits_from(r: Request, ext: int) -> int:
-        """The first extend offset whose logits are needed: owed prompt logprobs, or
-        only the last one (it samples the next token)."""
-        if r.owes_prompt_logprobs:
-            return min(max(0, r.plp_next - 1 - r.kv_len), ext - 1)
-        return ext - 1
+        """The first extend offset whose logits are needed (`Request.compute_from`: owed
+        prompt logprobs, or only the last one, which samples the next token)."""
+        return min(max(0, r.compute_from - r.kv_len), ext - 1)
 
     # ------------------------------------------------------------------ stalls
     def break_stall(self) -> None:

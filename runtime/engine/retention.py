@@ -16,6 +16,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple
 
 import numpy as np
+from radixlm.cache.pages import align_down
 
 # Classes in the order a shared token is attributed (the strongest holder counts it).
 RETENTION_CLASSES: tuple[str, ...] = ("pinned", "hard", "soft")
@@ -54,7 +55,7 @@ def distinct_tokens(held: Iterable[Held], page_size: int = 1) -> int:
         for t in seqs:
             if prev is not None:
                 shared = common_prefix_len(prev, t)
-                total -= shared - shared % page_size
+                total -= align_down(shared, page_size)
             total += len(t)
             prev = t
     return total

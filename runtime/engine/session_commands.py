@@ -9,7 +9,6 @@ from radixlm.runtime.engine.sessions import SessionManager
 from radixlm.runtime.protocol import (
     CloseSession,
     Error,
-    ErrorCode,
     ForkSession,
     ListSessions,
     Ok,
@@ -47,9 +46,6 @@ def close_sessions(m: SessionManager, msg: CloseSession, client: bytes) -> Struc
     """Close every listed session that can be; `ok` if all were, else one `error` with
     the first refusal's code naming every id left open."""
     ids = msg.ids()
-    if not ids:
-        return Error(rid=msg.rid, code=ErrorCode.INVALID_PARAMS,
-                     message="close_session: name a `session` or a list of `sessions`")
     failed: list[tuple[str, RequestError]] = []
     for session in ids:
         try:

@@ -302,13 +302,13 @@ class SessionController:
         if self.manager is not None:
             self.manager.client_gone(client)
 
-    def seed_for(self, g: RequestGroup, seed: int) -> int:
-        """The sampling seed of branch 0 of `g` given the request's `seed`: forked
-        sessions each draw their own stream (see `SessionManager.seed_offset`)."""
+    def seed_offset(self, g: RequestGroup) -> int:
+        """What `g`'s seed is offset by (`protocol.branch_seed`): forked sessions each
+        draw their own stream (see `SessionManager.seed_offset`)."""
         session = self.session_of(g)
         if self.manager is None or session is None:
-            return seed
-        return seed + self.manager.seed_offset(session)
+            return 0
+        return self.manager.seed_offset(session)
 
     # ------------------------------------------------------------------ endings
     def on_finish(self, r: Request) -> None:

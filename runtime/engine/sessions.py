@@ -46,6 +46,7 @@ from radixlm.cache import (
     PrefixCache,
     TreeNode,
 )
+from radixlm.cache.pages import align_down
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.host_tier import HostTier
 from radixlm.runtime.engine.retention import (
@@ -54,8 +55,8 @@ from radixlm.runtime.engine.retention import (
     distinct_tokens,
     retained_by_class,
 )
-from radixlm.runtime.protocol import MAX_FORK, ErrorCode, SessionInfo
-from radixlm.runtime.rules import RequestError
+from radixlm.runtime.protocol import ErrorCode, SessionInfo
+from radixlm.runtime.rules import RequestError, check_truncate
 
 log = logging.getLogger(__name__)
 
@@ -386,10 +387,6 @@ class SessionManager:
         """n new sessions on the same node: no copy, no recompute (a demoted session's
         forks are demoted too)."""
         s = self._idle(session_id, client)
-        if not 1 <= n <= MAX_FORK:
-            raise RequestError(
-                ErrorCode.INVALID_PARAMS, f"fork: n must be in [1, {MAX_FORK}], got {n}"
-            )
         ids = []
         for i in range(n):
             f = self._clone(s, s.history, i)
@@ -406,11 +403,7 @@ class SessionManager:
         tree as ordinary evictable cache. A cut closes whatever assistant turn was open
         (its point is the client's, who sees tokens, not turns)."""
         s = self._idle(session_id, client)
-        if not 0 <= length <= s.length:
-            raise RequestError(
-                ErrorCode.INVALID_PARAMS,
-                f"truncate: length must be in [0, {s.length}], got {length}"
-            )
+        check_truncate(length, s.length)
         old = s.wanted
         s.history = s.history[:length]
         s.assistant_open = False
@@ -449,8 +442,6 @@ class SessionManager:
     ) -> None:
         """Refuse a pin before it is prefilled: name taken, or beyond the retention cap
         (after demoting idle soft sessions)."""
-        if not name:
-            raise RequestError(ErrorCode.INVALID_PARAMS, "pin: the name must not be empty")
         if name in self._pins:
             raise RequestError(ErrorCode.DUPLICATE_ID, f"a prefix is already pinned as {name!r}")
         self._admit(Held(namespace, self._cacheable(_frozen(ids))))
@@ -593,7 +584,7 @@ class SessionManager:
 
     def _cacheable(self, ids: np.ndarray) -> np.ndarray:
         page = self.cache.page_size
-        return ids[: len(ids) - len(ids) % page]
+        return ids[: align_down(len(ids), page)]
 
     def _advance_lock(self, s: Session) -> None:
         """After the history grew: lock its cached part if the cap allows (demoting idle
@@ -745,7 +736,7 @@ class SessionManager:
             h = s.wanted
             if np.array_equal(h[:p], seg.prefix_tokens):
                 want = max(want, common_prefix_len(seg.tokens, h[p:]))
-        want -= want % page
+        want = align_down(want, page)
         if want:
             self.host.save(seg.namespace, seg.prefix_tokens, seg.tokens[:want], seg.slots[:want])
 

@@ -11,7 +11,8 @@ Message handling, in order of arrival per client (see clients.py for the queue):
 - decode (frames.py): not msgpack / not a valid message -> bad_message, an unknown
   ``"type"`` -> unknown_type; anything but Hello before the handshake ->
   handshake_required; Hello with another version -> unsupported_version, else Welcome;
-- requests are validated (validate.py), tokenized (prepare.py), then forwarded as
+- requests are checked (the rules of runtime/rules.py that need no engine state),
+  tokenized (prepare.py), then forwarded as
   `EngineGenerate` / `EngineOpenSession` / `EnginePin` / `EngineAbort` / `EngineCommand`;
   `Tokenize` is answered here;
 - `StepOutputs` become Chunks and Dones (streams.py); `ToClient` replies are forwarded,
@@ -73,14 +74,16 @@ from radixlm.runtime.frontend.prepare import (
 from radixlm.runtime.frontend.streams import RequestStream
 from radixlm.runtime.frontend.structured import plan_structured
 from radixlm.runtime.frontend.tenants import names_for
-from radixlm.runtime.frontend.validate import (
+from radixlm.runtime.protocol import PROTOCOL_VERSION
+from radixlm.runtime.rules import (
     RequestError,
-    check_count,
+    check_close,
+    check_fork,
     check_generate,
     check_input,
     check_input_size,
+    check_pin_name,
 )
-from radixlm.runtime.protocol import MAX_CLOSE, MAX_FORK, PROTOCOL_VERSION
 from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("radixlm.frontend")
@@ -173,7 +176,7 @@ class Frontend:
             wire.OpenSession: self._open_session,
             wire.Pin: self._pin,
             wire.ForkSession: self._fork_session,
-            wire.TruncateSession: self._truncate_session,
+            wire.TruncateSession: self._command,  # its length is the engine's to judge
             wire.CloseSession: self._close_session,
             wire.Unpin: self._unpin,
             wire.ListSessions: self._command,
@@ -494,6 +497,7 @@ class Frontend:
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
 
     def _pin(self, client: ClientState, msg: wire.Pin) -> None:
+        check_pin_name(msg.name)
         check_input(msg.input, self.model.vocab_size)
         self._check_size(msg.input)
 
@@ -511,22 +515,11 @@ class Frontend:
                       heavy=_input_chars(msg.input) > INLINE_PREPARE_CHARS)
 
     def _fork_session(self, client: ClientState, msg: wire.ForkSession) -> None:
-        check_count("n", msg.n, MAX_FORK)
-        self._command(client, msg)
-
-    def _truncate_session(self, client: ClientState, msg: wire.TruncateSession) -> None:
-        if msg.length < 0:
-            raise RequestError(wire.ErrorCode.INVALID_PARAMS, f"length must be >= 0, got {msg.length}")
+        check_fork(msg.n)
         self._command(client, msg)
 
     def _close_session(self, client: ClientState, msg: wire.CloseSession) -> None:
-        ids = msg.ids()
-        if not ids:
-            raise RequestError(wire.ErrorCode.INVALID_PARAMS,
-                               "close_session: name a `session` or a list of `sessions`")
-        if len(ids) > MAX_CLOSE:
-            raise RequestError(wire.ErrorCode.INVALID_PARAMS,
-                               f"close_session: at most {MAX_CLOSE} sessions, got {len(ids)}")
+        check_close(msg)
         self._command(client, msg)
 
     def _unpin(self, client: ClientState, msg: wire.Unpin) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from radixlm.runtime.engine.cache_manager import CacheManager
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
-from radixlm.runtime.engine.session_controller import SessionController
+from radixlm.runtime.engine.sessions.controller import SessionController
 from radixlm.runtime.engine.state import TERMINAL, ReqState, advance
 from radixlm.runtime.engine.table import Counters, RequestTable
 from radixlm.runtime.engine_wire import TokenOutput

@@ -26,7 +26,7 @@ from radixlm.runtime.engine.cache_manager import CacheManager
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request
-from radixlm.runtime.engine.session_controller import SessionController
+from radixlm.runtime.engine.sessions.controller import SessionController
 from radixlm.runtime.engine.state import ReqState, advance
 from radixlm.runtime.engine.table import Counters
 from radixlm.runtime.engine_wire import TokenOutput

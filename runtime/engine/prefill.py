@@ -25,7 +25,7 @@ from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.policy import FairShare, fair_victims, held_back, order_waiting
 from radixlm.runtime.engine.request import Request
-from radixlm.runtime.engine.session_controller import SessionController
+from radixlm.runtime.engine.sessions.controller import SessionController
 from radixlm.runtime.engine.state import ReqState, advance
 from radixlm.runtime.engine.table import Counters, RequestTable
 from radixlm.runtime.protocol import ErrorCode

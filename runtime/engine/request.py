@@ -28,7 +28,7 @@ from radixlm.runtime.engine.state import ReqState
 from radixlm.runtime.protocol import SamplingParams, TopLogprob
 
 if TYPE_CHECKING:
-    from radixlm.runtime.engine.session_controller import Turn
+    from radixlm.runtime.engine.sessions.controller import Turn
     from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
     from radixlm.runtime.grammar.matcher import GrammarState
     from radixlm.tokenizer import TokenStopMatcher

@@ -44,8 +44,8 @@ from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.outputs import OutputProcessor
 from radixlm.runtime.engine.prefill import PrefillManager
 from radixlm.runtime.engine.request import Request
-from radixlm.runtime.engine.session_controller import SessionController
 from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.engine.sessions.controller import SessionController
 from radixlm.runtime.engine.state import ReqState
 from radixlm.runtime.engine.stats import stats_reply
 from radixlm.runtime.engine.step_budget import StepBudget
@@ -128,7 +128,7 @@ class Scheduler:
     # ================================================================== messages
     def handle(self, msg: object) -> None:
         """One message from the frontend (Shutdown is the loop's business). Messages for
-        a session whose turn is finishing its tail wait for it (session_controller.py)."""
+        a session whose turn is finishing its tail wait for it (sessions/tails.py)."""
         if self.sessions.defer(msg):
             return
         self.intake.handle(msg)

@@ -4,8 +4,9 @@ The scheduler knows requests, the cache and the model; everything about sessions
 through the hooks of `SessionController`, called at fixed points of a request's life:
 
 - intake: `begin_generate` (a Generate naming a session: its full prompt is history +
-  appended), `begin_open` (OpenSession), `begin_pin` (Pin), `command` (fork, truncate,
-  close, unpin, list), and `defer`/`take_ready` (messages held while a turn runs its tail);
+  the rendering of the input picked for that history), `begin_open` (OpenSession),
+  `begin_pin` (Pin), `command` (fork, truncate, close, unpin, list: commands.py), and
+  `defer`/`take_ready` (messages held while a turn runs its tail: tails.py);
 - admission: `restore` (copy back history the host tier kept) and `on_admit` (usage);
 - the last sampled token: `needs_tail` / `report_early`;
 - endings: `on_finish` (the branch's tokens are in the tree: settle its turn or pin),
@@ -29,12 +30,8 @@ an n > 1 turn, `branch(session, prompt + output_i)` and, once every branch is do
 `end_turn(session, prompt)` (the history grows by the input only). On abort or error:
 `abort_turn`.
 
-Tails: an n == 1 session turn reports its Done as soon as it samples its last token; that
-token's KV is computed by one more decode row before the turn ends, so the next turn hits
-the whole history. A client that answers the Done at once must not see `busy` for that
-one step (nor an old length): messages naming the session (its next Generate, a fork, a
-truncate, a close, and an abort of a held Generate) and the client's session listings
-wait and are replayed in arrival order once the tail is done.
+Tails (tails.py): an n == 1 session turn reports its Done with its last token, and the
+messages naming its session wait for the one step that computes that token's KV.
 """
 
 from __future__ import annotations
@@ -47,21 +44,13 @@ from typing import Any
 
 import numpy as np
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
-from radixlm.runtime.engine.session_commands import answer, is_session_command
-from radixlm.runtime.engine.sessions import SessionManager
-from radixlm.runtime.engine_wire import (
-    EngineAbort,
-    EngineCommand,
-    EngineGenerate,
-    EngineOpenSession,
-    EnginePin,
-)
+from radixlm.runtime.engine.sessions.commands import answer, is_session_command
+from radixlm.runtime.engine.sessions.manager import SessionManager
+from radixlm.runtime.engine.sessions.tails import HeldMessages
+from radixlm.runtime.engine_wire import EngineCommand, EngineGenerate, EngineOpenSession, EnginePin
 from radixlm.runtime.protocol import (
-    CloseSession,
     Error,
     ErrorCode,
-    GetStats,
-    ListSessions,
     Pinned,
     SessionOpened,
     Struct,
@@ -97,27 +86,15 @@ class Intake:
     turn: Turn
 
 
-def sessions_of(msg: object) -> list[str]:
-    """The sessions a message acts on (a close may name several)."""
-    if isinstance(msg, EngineGenerate):
-        return [msg.session] if msg.session is not None else []
-    if isinstance(msg, EngineCommand):
-        if isinstance(msg.msg, CloseSession):
-            return msg.msg.ids()
-        session = getattr(msg.msg, "session", None)  # ForkSession/TruncateSession
-        return [session] if session is not None else []
-    return []
-
-
 class SessionController:
     """The hooks the scheduler calls (see the module doc), over one SessionManager."""
 
     def __init__(self, manager: SessionManager | None, reply: Reply) -> None:
         self.manager = manager
         self._reply = reply
-        self._held: dict[str, list[object]] = {}  # session in its tail -> messages held
-        self._held_by: dict[str, bytes] = {}  # session in its tail -> its client
-        self._ready: list[object] = []
+        self.held = HeldMessages()
+        self.defer = self.held.defer  # (called for every inbound message)
+        self.take_ready = self.held.take_ready  # (called after every step and message)
 
     # ------------------------------------------------------------------ helpers
     def _m(self) -> SessionManager:
@@ -204,41 +181,6 @@ class SessionController:
         return reply
 
     # -------------------------------------------------------------------- tails
-    def defer(self, msg: object) -> bool:
-        """Keep `msg` if it acts on a session whose turn runs its tail; False: handle it
-        now."""
-        if not self._held:
-            return False
-        if isinstance(msg, EngineAbort):
-            for msgs in self._held.values():
-                if any(isinstance(m, EngineGenerate) and m.key == msg.key for m in msgs):
-                    msgs.append(msg)
-                    return True
-            return False
-        if isinstance(msg, EngineCommand) and isinstance(msg.msg, (ListSessions, GetStats)):
-            # A listing (or stats) shows every turn its client was told is done and every
-            # command it sent before: it waits for that client's tails and held messages
-            # (replayed, it is checked again).
-            for session, client in self._held_by.items():
-                if client == msg.client:
-                    self._held[session].append(msg)
-                    return True
-            return False
-        for session in sessions_of(msg):  # replayed, it is checked again for the others
-            held = self._held.get(session)
-            if held is not None:
-                held.append(msg)
-                return True
-        return False
-
-    def take_ready(self) -> list[object]:
-        """Messages released by finished tails, in arrival order (asked after every step
-        and message: no copy when there are none)."""
-        ready = self._ready
-        if ready:
-            self._ready = []
-        return ready
-
     def needs_tail(self, g: RequestGroup) -> bool:
         """Whether a branch that sampled its last token ends one step later, once that
         token's KV is computed (a session turn: the next turn must hit it)."""
@@ -255,8 +197,7 @@ class SessionController:
         turn = g.turn
         assert turn is not None and self.manager is not None
         turn.ended_in[r.index] = session
-        self._held.setdefault(session, [])
-        self._held_by[session] = g.client
+        self.held.hold(session, g.client)
         return True
 
     # ---------------------------------------------------------------- admission
@@ -368,12 +309,8 @@ class SessionController:
         """A branch that reported early has ended: its session's held messages are
         replayed (dropped if it did not finish: its client is gone)."""
         session = self.session_of(r.group)
-        if session is None:
-            return
-        msgs = self._held.pop(session, None)
-        self._held_by.pop(session, None)
-        if msgs and finished:
-            self._ready.extend(msgs)
+        if session is not None:
+            self.held.release(session, finished)
 
     def on_group_done(self, g: RequestGroup) -> None:
         """Every branch ended. An n > 1 session turn appends the input to the history once

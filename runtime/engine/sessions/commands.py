@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.engine.sessions.manager import SessionManager
 from radixlm.runtime.protocol import (
     CloseSession,
     Error,

@@ -40,7 +40,4 @@ def release_compiled(table: RequestTable, endings: Endings) -> None:
             endings.fail_group(g, RequestError(
                 ErrorCode.INTERNAL, f"grammar compilation failed: {type(e).__name__}: {e}"))
             continue
-        for b in g.branches:
-            if b in table.compiling:
-                table.compiling.remove(b)
-                table.waiting.append(b)
+        table.release(g)

@@ -199,7 +199,6 @@ class MessageHandler:
         seed = g.sampling.seed
         if seed is not None:  # a forked session's turn: its lineage's offset
             seed = branch_seed(seed, self.sessions.seed_offset(g))
-        queue = self.table.compiling if isinstance(g.grammar, Pending) else self.table.waiting
         for i in range(g.n):
             r = Request.new(g, i, next(self._arrival), self.page_size)
             if seed is not None:
@@ -212,8 +211,7 @@ class MessageHandler:
             if g.sampling.stop and stop_context is not None:
                 r.stops = TokenStopMatcher(self.tokenizer, g.sampling.stop, stop_context)
             g.branches.append(r)
-            queue.append(r)
-        self.table.groups[g.key] = g
+        self.table.add(g)
 
     # ---------------------------------------------------------------- endings
     def _on_client_gone(self, client: bytes) -> None:

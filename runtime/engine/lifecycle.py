@@ -16,7 +16,7 @@ from radixlm.runtime.engine.cache_manager import CacheManager
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
 from radixlm.runtime.engine.sessions.controller import SessionController
-from radixlm.runtime.engine.state import TERMINAL, ReqState, advance
+from radixlm.runtime.engine.state import TERMINAL, ReqState
 from radixlm.runtime.engine.table import Counters, RequestTable
 from radixlm.runtime.engine_wire import TokenOutput
 from radixlm.runtime.protocol import Error, ErrorCode, Usage
@@ -61,11 +61,7 @@ class Endings:
         finally:
             if r.locked is not None or r.alloc_len:
                 self.kv.detach(r)
-            if r.state in (ReqState.PREFILLING, ReqState.DECODING):
-                self.table.running.remove(r)
-            elif r.state is ReqState.WAITING:
-                self.table.unqueue(r)
-            advance(r, state)
+            self.table.move(r, state)
         r.finish_reason, r.matched_stop = reason, matched
         if state is ReqState.FINISHED:
             self.counters.finished += 1
@@ -74,7 +70,7 @@ class Endings:
         elif g.kind is RequestKind.GENERATE:
             self.emit_last(r, out, error)
         if all(b.state in TERMINAL for b in g.branches):
-            self.table.groups.pop(g.key, None)
+            self.table.drop_group(g)
             self.sessions.on_group_done(g)
 
     def settle(self, r: Request, reason: str, matched: int | str | None
@@ -159,10 +155,8 @@ class Endings:
             return False
         self.kv.cache_finished(r)
         self.kv.detach(r)
-        self.table.running.remove(r)
-        advance(r, ReqState.RETRACTED)
-        advance(r, ReqState.WAITING)
-        self.table.waiting.append(r)
+        self.table.move(r, ReqState.RETRACTED)
+        self.table.move(r, ReqState.WAITING)
         self.counters.retractions += 1
         log.log(level, "retracted request %s (%d+%d tokens) %s; it will resume",
                 r.group.rid, r.group.prompt_len, len(r.output), reason)  # fmt: skip

@@ -27,8 +27,8 @@ from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request
 from radixlm.runtime.engine.sessions.controller import SessionController
-from radixlm.runtime.engine.state import ReqState, advance
-from radixlm.runtime.engine.table import Counters
+from radixlm.runtime.engine.state import ReqState
+from radixlm.runtime.engine.table import Counters, RequestTable
 from radixlm.runtime.engine_wire import TokenOutput
 from radixlm.runtime.grammar.matcher import GrammarState
 from radixlm.runtime.grammar.runtime import Grammars
@@ -41,6 +41,7 @@ from radixlm.runtime.sampling import Sampler, prompt_logprobs
 class OutputProcessor:
     """Turns one forward's logits into KV bookkeeping, samples and outputs."""
 
+    table: RequestTable
     kv: CacheManager
     sampler: Sampler
     sessions: SessionController
@@ -81,7 +82,7 @@ class OutputProcessor:
             if r.is_prefill_only:
                 self.endings.end(r, ReqState.FINISHED, "length")
                 continue
-            advance(r, decoding)
+            self.table.move(r, decoding)
             to_sample.append(r)
             rows.append(row - 1)
         if to_sample:

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -119,7 +119,7 @@ class Scheduler:
                                       self.counters)
         self.budget = StepBudget(options.fair_step_factor, options.max_running)
         self.decode = DecodeManager(self.table, self.kv, self.endings, self.budget)
-        self.outputs = OutputProcessor(self.kv, sampler, self.sessions, self.endings,
+        self.outputs = OutputProcessor(self.table, self.kv, sampler, self.sessions, self.endings,
                                        self.outbox, self.counters, grammars)
         self.grammars = grammars
         self._last_tick = -math.inf
@@ -216,11 +216,11 @@ class Scheduler:
 
     # ===================================================================== state
     @property
-    def running(self) -> list[Request]:
+    def running(self) -> Sequence[Request]:
         return self.table.running
 
     @property
-    def waiting(self) -> list[Request]:
+    def waiting(self) -> Sequence[Request]:
         return self.table.waiting
 
     def private_tokens(self) -> int:
@@ -229,7 +229,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """The pool invariant plus the cache's own structural checks (debug/tests)."""
         self.cache.check_integrity(self.private_tokens())
-        for r in self.table.waiting + self.table.compiling:
+        for r in [*self.table.waiting, *self.table.compiling]:
             assert r.alloc_len == 0 and r.locked is None, f"waiting request holds KV: {r}"
 
     def flush_cache(self, namespaces: Callable[[Hashable], bool] | None = None) -> int:

@@ -35,6 +35,8 @@ def test_state_table_rejects_illegal_transitions():
         state = ReqState.WAITING
 
     o = Obj()
+    with pytest.raises(IllegalTransition):  # a request ends only after running
+        advance(o, ReqState.FINISHED)
     advance(o, ReqState.PREFILLING)
     advance(o, ReqState.DECODING)
     with pytest.raises(IllegalTransition):

@@ -23,7 +23,7 @@ import sys
 import radixlm.runtime.launcher
 from radixlm.runtime.frontend import run_frontend
 from radixlm.runtime.frontend import (clients, frames, main, prepare, replies, requests,
-                                     routes, server, streams, structured, tenants)
+                                     server, streams, structured, tenants)
 # The HTTP frontend is a protocol client like the SDK: it builds its app without them too.
 from radixlm.runtime.http.app import build_app
 from radixlm.runtime.http.config import HttpConfig

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from radixlm.cache import TreeNode
 from radixlm.cache.pages import align_down
 from radixlm.runtime.engine.request import Request
-from radixlm.runtime.engine.sessions.accounting import common_prefix_len
+from radixlm.runtime.engine.sessions.retention import common_prefix_len
 from radixlm.runtime.engine.state import TERMINAL
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "shortest-prefill-first")

@@ -128,7 +128,7 @@ class Scheduler:
     # ================================================================== messages
     def handle(self, msg: object) -> None:
         """One message from the frontend (Shutdown is the loop's business). Messages for
-        a session whose turn is finishing its tail wait for it (sessions/tails.py)."""
+        a session whose turn is finishing its tail wait for it (sessions/controller.py, HeldMessages)."""
         if self.sessions.defer(msg):
             return
         self.intake.handle(msg)

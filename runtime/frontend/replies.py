@@ -13,8 +13,7 @@ import logging
 import msgspec
 from radixlm.runtime import protocol as wire
 from radixlm.runtime.engine_wire import EngineAbort, EngineReady, StepOutputs, ToClient, TokenOutput
-from radixlm.runtime.frontend.clients import ClientState
-from radixlm.runtime.frontend.routes import Routes
+from radixlm.runtime.frontend.clients import ClientState, Routes
 from radixlm.runtime.frontend.streams import RequestStream
 
 log = logging.getLogger("radixlm.frontend")

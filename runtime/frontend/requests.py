@@ -23,7 +23,7 @@ from radixlm.runtime.engine_wire import (
     EnginePin,
     ToEngine,
 )
-from radixlm.runtime.frontend.clients import ClientState
+from radixlm.runtime.frontend.clients import ClientState, Routes
 from radixlm.runtime.frontend.prepare import (
     TextModel,
     assistant_flag,
@@ -32,7 +32,6 @@ from radixlm.runtime.frontend.prepare import (
     open_session_ids,
     pin_ids,
 )
-from radixlm.runtime.frontend.routes import Routes
 from radixlm.runtime.frontend.streams import RequestStream
 from radixlm.runtime.frontend.structured import plan_structured
 from radixlm.runtime.rules import (

@@ -46,13 +46,12 @@ from radixlm.runtime.engine_wire import (
     EngineReady,
     to_frontend_decoder,
 )
-from radixlm.runtime.frontend.clients import ClientState, Pending
+from radixlm.runtime.frontend.clients import ClientState, Pending, Routes
 from radixlm.runtime.frontend.frames import FrameError, decode_frame
 from radixlm.runtime.frontend.liveness import PROBE_CLIENT, Change, EngineWatch
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.replies import EngineReplies
 from radixlm.runtime.frontend.requests import ClientRequests
-from radixlm.runtime.frontend.routes import Routes
 from radixlm.runtime.frontend.tenants import names_for
 from radixlm.runtime.protocol import PROTOCOL_VERSION
 from radixlm.runtime.rules import RequestError

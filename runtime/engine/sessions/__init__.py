@@ -4,11 +4,11 @@ and the bounded retention of all they hold.
 - records.py: session and pin records, ownership, and the locks they hold;
 - manager.py: `SessionManager`, the sessions' API (open, turns, forks, truncate, close,
   pins);
-- retention.py + accounting.py: the retention cap, demotion, eviction priorities, and
-  the count of distinct retained tokens;
+- retention.py: the retention cap, demotion, eviction priorities, and the count of
+  distinct retained tokens;
 - host_tier.py + backup.py: the host-memory tier and its glue to sessions;
 - controller.py: `SessionController`, the scheduler's one door to all of this (its
-  hooks), with tails.py (messages held while a turn runs its tail) and commands.py
+  hooks), and `HeldMessages` (messages held while a turn runs its tail); commands.py
   (fork, truncate, close, unpin, list).
 """
 

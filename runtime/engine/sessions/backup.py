@@ -14,9 +14,9 @@ import logging
 import numpy as np
 from radixlm.cache import EvictedSegment, OutOfSlots, PrefixCache
 from radixlm.cache.pages import align_down
-from radixlm.runtime.engine.sessions.accounting import common_prefix_len
 from radixlm.runtime.engine.sessions.host_tier import HostTier
 from radixlm.runtime.engine.sessions.records import Records, Session
+from radixlm.runtime.engine.sessions.retention import common_prefix_len
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from radixlm.cache import HostKVPool, KVPool, PageAllocator
 from radixlm.cache.pages import align_down
-from radixlm.runtime.engine.sessions.accounting import common_prefix_len
+from radixlm.runtime.engine.sessions.retention import common_prefix_len
 
 log = logging.getLogger(__name__)
 

@@ -30,20 +30,20 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 from radixlm.cache import KVPool, PrefixCache
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.engine.sessions.accounting import Held, common_prefix_len
 from radixlm.runtime.engine.sessions.backup import HostBackup
 from radixlm.runtime.engine.sessions.host_tier import HostTier
 from radixlm.runtime.engine.sessions.records import (
     EMPTY_IDS,
     HARD,
     SOFT,
+    Held,
     PinnedPrefix,
     Records,
     Residency,
     Session,
     frozen_ids,
 )
-from radixlm.runtime.engine.sessions.retention import Retention
+from radixlm.runtime.engine.sessions.retention import Retention, common_prefix_len
 from radixlm.runtime.protocol import ErrorCode, SessionInfo
 from radixlm.runtime.rules import RequestError, check_truncate
 

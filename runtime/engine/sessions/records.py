@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import enum
 import secrets
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from radixlm.cache import MatchResult, PrefixCache, TreeNode
-from radixlm.runtime.engine.sessions.accounting import Held
 from radixlm.runtime.protocol import ErrorCode, SessionInfo
 from radixlm.runtime.rules import RequestError
 
 HARD, SOFT = "hard", "soft"
 EMPTY_IDS = np.zeros(0, dtype=np.int64)
 EMPTY_IDS.flags.writeable = False
+
+
+class Held(NamedTuple):
+    """One holder's locked path: its namespace and the cached tokens it pins."""
+
+    namespace: Hashable
+    tokens: np.ndarray  # int64; the page-aligned cached part of the holder's history
 
 
 class Residency(enum.Enum):

@@ -1,7 +1,7 @@
 """Retention: the cap on what pins and sessions hold, demotion, and eviction priorities.
 
 Retention is bounded, or hard locks deadlock the engine. Retained tokens (pinned +
-session-held, a shared path counted once: accounting.py) stay under a cap: an admission
+session-held, a shared path counted once: `distinct_tokens`) stay under a cap: an admission
 beyond it first demotes the least recently used idle *soft* sessions and is otherwise
 refused (CAPACITY). A *demoted* session's lock is released and its path gets a higher
 eviction priority than plain cache (`DEMOTED_PRIORITY`; the engine's cache policy must be
@@ -18,23 +18,79 @@ the pool.
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 from radixlm.cache import PrefixCache
 from radixlm.cache.pages import align_down
-from radixlm.runtime.engine.sessions.accounting import (
-    Held,
-    common_prefix_len,
-    distinct_tokens,
-    retained_by_class,
-)
-from radixlm.runtime.engine.sessions.records import SOFT, Records, Residency, Session
+from radixlm.runtime.engine.sessions.records import SOFT, Held, Records, Residency, Session
 from radixlm.runtime.protocol import ErrorCode
 from radixlm.runtime.rules import RequestError
 
 log = logging.getLogger(__name__)
 
 DEMOTED_PRIORITY = 1  # eviction priority of demoted histories; plain cache is 0
+
+
+# ----------------------------------------------------------------- accounting
+# How many distinct cached tokens pins and sessions hold. Every holder (a pin, an open
+# session) keeps a lock on one path of the radix tree; a path shared by several holders
+# is retained once. The count is computed from the held token sequences, not from the
+# tree, so an admission (a pin, an open with input) can be checked *before* anything is
+# prefilled. The distinct prefixes of a set of sequences are the nodes of their trie: sum
+# of lengths minus the longest common prefix of each sequence with its neighbour in
+# sorted order. With pages of P tokens the tree shares whole pages only, so common
+# prefixes are rounded down to a multiple of P.
+
+# Classes in the order a shared token is attributed (the strongest holder counts it).
+RETENTION_CLASSES: tuple[str, ...] = ("pinned", "hard", "soft")
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two int64 arrays."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    neq = a[:n] != b[:n]
+    i = int(neq.argmax())
+    return i if neq[i] else n
+
+
+def distinct_tokens(held: Iterable[Held], page_size: int = 1) -> int:
+    """Tokens in the union of the held paths (shared whole pages counted once); the
+    paths are page-aligned."""
+    by_ns: dict[Hashable, list[np.ndarray]] = defaultdict(list)
+    for h in held:
+        if len(h.tokens):
+            by_ns[h.namespace].append(h.tokens)
+    total = 0
+    for seqs in by_ns.values():
+        # Any consistent lexicographic order keeps sequences that share a prefix adjacent;
+        # raw int64 bytes give one (a prefix sorts before its extensions).
+        seqs.sort(key=lambda t: t.tobytes())
+        prev: np.ndarray | None = None
+        for t in seqs:
+            if prev is not None:
+                shared = common_prefix_len(prev, t)
+                total -= align_down(shared, page_size)
+            total += len(t)
+            prev = t
+    return total
+
+
+def retained_by_class(held: Sequence[tuple[str, Held]], page_size: int = 1) -> dict[str, int]:
+    """Distinct retained tokens per class; a token held by several classes counts for
+    the strongest ("pinned" > "hard" > "soft"), so the values sum to the union."""
+    out: dict[str, int] = {}
+    acc: list[Held] = []
+    before = 0
+    for cls in RETENTION_CLASSES:
+        acc.extend(h for c, h in held if c == cls)
+        now = distinct_tokens(acc, page_size)
+        out[cls] = now - before
+        before = now
+    return out
 
 
 class Retention:

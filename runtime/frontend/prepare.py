@@ -94,13 +94,35 @@ class TextModel:
         return found
 
     def markup_ids(self, text: str) -> list[int]:
-        """Template markup's ids, memoised (closing markups repeat in every request)."""
+        """Template markup's ids, memoised: the closing markups, and the start of a
+        conversation (a default system prompt), repeat in request after request. The memo
+        is bounded (the ids are a cache of `encode`, never state)."""
         ids = self._markup.get(text)
         if ids is None:
+            if len(self._markup) >= MARKUP_MEMO:
+                self._markup.clear()
             ids = self._markup[text] = _encode(self.tokenizer, text, add_special_tokens=False)
         return ids
 
+    @cached_property
+    def closings(self) -> tuple[str, list[tuple[int, str]]] | str:
+        """The markup closing an open assistant turn, and for each end-of-turn token the
+        markup left once the model has emitted it (special tokens kept in its text:
+        ``<|im_end|>``); the template's message if it cannot close a turn."""
+        template = self.template
+        assert template is not None
+        tokenizer = self.tokenizer
+        try:
+            return template.assistant_end(), [
+                (t, template.assistant_end(tokenizer.decode([t])))
+                for t in sorted(tokenizer.eos_token_ids)]
+        except ChatTemplateError as e:
+            return f"chat template: {e}"
+
     _markup: dict[str, list[int]] = field(default_factory=dict, init=False, repr=False)
+
+
+MARKUP_MEMO = 256  # distinct markups memoised by `TextModel.markup_ids`
 
 
 # Slack on top of "context x longest token": normalizers that drop characters are rare in
@@ -159,17 +181,16 @@ def append_ids(model: TextModel, inp: Input, tools: Sequence[Tool] | None = None
         variants.empty_error = e.message
     if body is None:
         return [], variants
-    template = model.template
-    assert template is not None  # _render checked
-    try:
-        close = template.assistant_end()
+    closings = model.closings
+    if isinstance(closings, str):
+        variants.open_error = closings
+    else:
+        close, after = closings
         variants.if_open = _prefixed(model, close, body)
-        for token, markup in _closings_after(model, template):
+        for token, markup in after:
             if markup != close:
                 variants.if_open_after = variants.if_open_after or {}
                 variants.if_open_after[token] = _prefixed(model, markup, body)
-    except ChatTemplateError as e:
-        variants.open_error = f"chat template: {e}"
     return _encode(tokenizer, body, add_special_tokens=False), variants
 
 
@@ -209,25 +230,16 @@ def _variant_for(model: TextModel, full: str, body: str) -> Variant | None:
     if full == body:
         return None
     if body and full.endswith(body):
-        return _prefixed(model, full[: len(full) - len(body)], body, memo=False)
+        return _prefixed(model, full[: len(full) - len(body)], body)
     return Variant(ids=_encode(model.tokenizer, full, add_special_tokens=False), whole=True)
 
 
-def _prefixed(model: TextModel, prefix: str, body: str, memo: bool = True) -> Variant:
+def _prefixed(model: TextModel, prefix: str, body: str) -> Variant:
     """`prefix` + `body`: only the prefix's ids where the body starts at a seam."""
     if model.splits_before(body):
-        ids = model.markup_ids(prefix) if memo else _encode(model.tokenizer, prefix,
-                                                             add_special_tokens=False)
-        return Variant(ids=ids)
+        return Variant(ids=model.markup_ids(prefix))
     return Variant(ids=_encode(model.tokenizer, prefix + body, add_special_tokens=False),
                    whole=True)
-
-
-def _closings_after(model: TextModel, template: ChatTemplate) -> list[tuple[int, str]]:
-    """For each end-of-turn token: the closing markup left once the model has emitted it."""
-    tokenizer = model.tokenizer
-    # special tokens kept: "<|im_end|>"
-    return [(t, template.assistant_end(tokenizer.decode([t]))) for t in sorted(tokenizer.eos_token_ids)]
 
 
 def _encode(tokenizer: Tokenizer, text: str, *, add_special_tokens: bool) -> list[int]:

@@ -144,19 +144,21 @@ class OutputProcessor:
             r.tokens[n:end] = toks
             r.num_tokens = end
             r.output.extend(toks)
+            reason: str | None = None
+            matched: int | None = tok
+            if tok in g.stop_ids or (state is not None and state.terminated):
+                reason = "stop"
+            elif end >= g.token_limit:
+                reason, matched = "length", None
             stops = r.stops
             if stops is None:
                 outputs.append(out)
-                if tok in g.stop_ids or (state is not None and state.terminated):
-                    self._finish(r, "stop", tok, out)
-                elif end >= g.token_limit:
-                    self._finish(r, "length", None, out)
-            elif stops.feed(toks):
+                if reason is not None:
+                    self._finish(r, reason, matched, out)
+            elif stops.feed(toks):  # (its last output is made as it ends)
                 self._finish(r, "stop", stops.hit, None)
-            elif tok in g.stop_ids or (state is not None and state.terminated):
-                self._finish(r, "stop", tok, None)
-            elif end >= g.token_limit:
-                self._finish(r, "length", None, None)
+            elif reason is not None:
+                self._finish(r, reason, matched, None)
             else:
                 self._release(r, out)
 

@@ -3,6 +3,11 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# instructor pins jiter<0.15, which every openai >= 3.31 (and so openai-agents) refuses:
+# it gets a virtual environment of its own, where pip picks the openai it can use, and
+# tests/openai_api/test_http_agents.py runs it there against the server.
+INSTRUCTOR_VENV := .venv-instructor
+INSTRUCTOR_STAMP := $(INSTRUCTOR_VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
 .PHONY: install test demo lint bench schema clean
@@ -24,9 +29,15 @@ endif
 		cd examples/node-client && npm install --no-audit --no-fund --silent; fi
 	touch $(STAMP)
 
-install: $(STAMP)
+$(INSTRUCTOR_STAMP): Makefile
+	test -x $(INSTRUCTOR_VENV)/bin/python || $(PY) -m venv $(INSTRUCTOR_VENV)
+	$(INSTRUCTOR_VENV)/bin/python -m pip install -q --upgrade pip
+	$(INSTRUCTOR_VENV)/bin/python -m pip install -q "instructor>=1.15.3,<2"
+	touch $(INSTRUCTOR_STAMP)
 
-test: $(STAMP)
+install: $(STAMP) $(INSTRUCTOR_STAMP)
+
+test: $(STAMP) $(INSTRUCTOR_STAMP)
 	$(VPY) -m pytest -q
 
 demo: $(STAMP)
@@ -39,4 +50,4 @@ schema: $(STAMP)
 	$(VPY) -m radixlm.runtime.cli protocol-schema > docs/protocol.schema.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(INSTRUCTOR_VENV) build *.egg-info

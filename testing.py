@@ -308,7 +308,7 @@ class StubServer:
             raise _Refused(p.ErrorCode.INVALID_PARAMS,
                            f"n must be in [1, {p.MAX_N}], got {msg.n}")
         sp = msg.sampling
-        if sp.max_tokens < 0 or sp.temperature < 0 or not 0 < sp.top_p <= 1:
+        if (sp.max_tokens is not None and sp.max_tokens < 0) or sp.temperature < 0 or not 0 < sp.top_p <= 1:
             raise _Refused(p.ErrorCode.INVALID_PARAMS, "bad sampling parameters")
         if not 0 <= sp.top_logprobs <= p.MAX_TOP_LOGPROBS:
             raise _Refused(p.ErrorCode.INVALID_PARAMS,
@@ -320,6 +320,8 @@ class StubServer:
         prompt = (session.history if session is not None else []) + appended
         if not prompt:
             raise _Refused(p.ErrorCode.EMPTY_PROMPT, "the prompt is empty")
+        if sp.max_tokens is None:  # what is left of the context
+            sp = msgspec.structs.replace(sp, max_tokens=max(1, CONTEXT_LENGTH - len(prompt)))
         if len(prompt) + sp.max_tokens > CONTEXT_LENGTH:
             raise _Refused(p.ErrorCode.TOO_LONG, "prompt + max_tokens exceeds the context")
         start = msg.prompt_logprobs_start
@@ -331,6 +333,8 @@ class StubServer:
             session.busy = True
             if msg.input.messages is not None:
                 session.open_assistant = msg.input.add_generation_prompt
+        if sp is not msg.sampling:
+            msg = msgspec.structs.replace(msg, sampling=sp)
         job = _Job(client, msg, prompt, cached, [_Branch(i) for i in range(msg.n)], session,
                    appended=len(appended), next_at=time.monotonic() + self.token_delay_s)
         self._jobs[(client, msg.rid)] = job

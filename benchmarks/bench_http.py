@@ -15,8 +15,15 @@ client: chat completions re-sending the whole history each turn, against the Res
 API continuing with previous_response_id (engine sessions). Prompt tokens computed (=
 input - cached) and wall time side by side; the cache is flushed between the two.
 
+(c) `tools`: a streamed tool-calling agent turn on SmolLM2-135M-Instruct: chat completions
+and the Responses API with a tool bound (tool_choice "required", and "auto" with a JSON
+schema: the union grammar), time to the first delta (a call's name, or text) against time
+to the whole reply, median of --repeats interleaved rounds. Before calls streamed, the
+first delta came with the whole reply.
+
     .venv/bin/python benchmarks/bench_http.py overhead [--requests 2000] [--streams 64]
     .venv/bin/python benchmarks/bench_http.py agents [--agents 8] [--turns 6]
+    .venv/bin/python benchmarks/bench_http.py tools [--repeats 5]
 
 Results and commands go to benchmarks/results_http.md (both parts, appended per run).
 """
@@ -320,6 +327,89 @@ def agents(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+ANSWER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                           "summary": {"type": "string", "maxLength": 40}},
+          "required": ["city", "summary"], "additionalProperties": False}
+
+
+def _chat_turn(client: Any, model: str, choice: str) -> tuple[float, float, str]:
+    kw: dict[str, Any] = {}
+    if choice == "auto+schema":
+        kw["response_format"] = {"type": "json_schema",
+                                 "json_schema": {"name": "answer", "schema": ANSWER}}
+    t0 = time.perf_counter()
+    first = None
+    kind = "text"
+    stream = client.chat.completions.create(
+        model=model, stream=True, temperature=0, max_tokens=120, tools=[TOOL],
+        tool_choice="required" if choice == "required" else "auto", messages=[
+            {"role": "system", "content": "You answer weather questions."},
+            {"role": "user", "content": "What is the weather in Paris?"}], **kw)
+    for chunk in stream:
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if first is None and delta is not None and (delta.tool_calls or delta.content):
+            first = time.perf_counter() - t0
+            kind = "call" if delta.tool_calls else "text"
+    return first or 0.0, time.perf_counter() - t0, kind
+
+
+def _responses_turn(client: Any, model: str, choice: str) -> tuple[float, float, str]:
+    kw: dict[str, Any] = {}
+    if choice == "auto+schema":
+        kw["text"] = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}}
+    tool = {"type": "function", **TOOL["function"]}
+    t0 = time.perf_counter()
+    first = None
+    kind = "text"
+    for event in client.responses.create(
+            model=model, stream=True, temperature=0, max_output_tokens=120, tools=[tool],
+            tool_choice="required" if choice == "required" else "auto",
+            instructions="You answer weather questions.",
+            input="What is the weather in Paris?", **kw):
+        if first is None and event.type in ("response.output_text.delta",
+                                            "response.output_item.added"):
+            first = time.perf_counter() - t0
+            kind = "call" if event.type == "response.output_item.added" and \
+                event.item.type == "function_call" else "text"
+    return first or 0.0, time.perf_counter() - t0, kind
+
+
+def tools(args: argparse.Namespace) -> list[str]:
+    import statistics
+
+    import openai
+    import radixlm as rl
+
+    port = free_port()
+    cases = [(api, choice) for api in ("chat", "responses") for choice in ("required", "auto+schema")]
+    times: dict[tuple[str, str], list[tuple[float, float, str]]] = {c: [] for c in cases}
+    with rl.Engine("default", device="cpu", kv_tokens=16384, http=f"127.0.0.1:{port}",
+                   threads=args.threads, startup_timeout=600) as engine:
+        assert engine.http_url is not None
+        client = openai.OpenAI(base_url=engine.http_url, api_key="unused", max_retries=0)
+        for _ in range(args.repeats + 1):  # the first round warms the grammar cache
+            for api, choice in cases:
+                run = _chat_turn if api == "chat" else _responses_turn
+                times[(api, choice)].append(run(client, "SmolLM2-135M-Instruct", choice))
+        client.close()
+    lines = ["| API | tool_choice | first delta | whole reply | first delta is |",
+             "|---|---|---:|---:|---|"]
+    for (api, choice), got in times.items():
+        rounds = got[1:]
+        first = statistics.median(t[0] for t in rounds) * 1000
+        whole = statistics.median(t[1] for t in rounds) * 1000
+        lines.append(f"| {api} | {choice} | {first:.0f} ms | {whole:.0f} ms | "
+                     f"{', '.join(sorted({t[2] for t in rounds}))} |")
+    lines.append(f"\nMedian of {args.repeats} interleaved rounds (one warm-up round dropped); "
+                 "one streamed request at a time through `openai.OpenAI`, SmolLM2-135M-Instruct "
+                 "on CPU (gguf weights), a cached prompt after the first round.")
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="part", required=True)
@@ -337,9 +427,13 @@ def main() -> int:
     b.add_argument("--threads", type=int, default=0, help="engine CPU threads (0: torch's)")
     b.add_argument("--responses-first", action="store_true",
                    help="run the responses mode first (wall times drift with the host's load)")
+    c = sub.add_parser("tools", help="(c) a streamed tool-calling turn's first delta")
+    c.add_argument("--repeats", type=int, default=5)
+    c.add_argument("--threads", type=int, default=0, help="engine CPU threads (0: torch's)")
     p.add_argument("--no-write", action="store_true", help="do not append to the results file")
     args = p.parse_args()
-    lines = overhead(args) if args.part == "overhead" else agents(args)
+    parts = {"overhead": overhead, "agents": agents, "tools": tools}
+    lines = parts[args.part](args)
     print("\n".join(lines))
     if not args.no_write:
         command = " ".join(["benchmarks/bench_http.py", *sys.argv[1:]])

@@ -91,11 +91,30 @@ def server_socket_options(directory: Path) -> dict[int, int | bytes]:
     return {zmq.CURVE_SERVER: 1, zmq.CURVE_PUBLICKEY: public, zmq.CURVE_SECRETKEY: secret}
 
 
-def start_authenticator(ctx: zmq.Context[Any], directory: Path) -> ThreadAuthenticator:
-    """zmq.auth's ZAP handler for `ctx`, accepting the keys in DIR/authorized_clients
-    (read once, at start)."""
+GATEWAY = "gateway"  # the runtime directory's own key pair, for the HTTP frontend
+
+
+def make_gateway_keys(runtime_dir: Path, directory: Path) -> Path:
+    """A key pair for this server's trusted gateway (the HTTP frontend) in the private
+    runtime directory, and the keys the server accepts: DIR/authorized_clients and it
+    (RUNTIME/authorized, a copy made at start). Returns that directory."""
+    check_auth_dir(directory)
+    zmq.auth.create_certificates(runtime_dir, GATEWAY)
+    (runtime_dir / f"{GATEWAY}.key_secret").chmod(0o600)
+    accepted = runtime_dir / "authorized"
+    accepted.mkdir(mode=0o700, exist_ok=True)
+    for key in (directory / AUTHORIZED).glob("*.key"):
+        shutil.copy(key, accepted / key.name)
+    shutil.copy(runtime_dir / f"{GATEWAY}.key", accepted / f"{GATEWAY}.radixlm-gateway.key")
+    return accepted
+
+
+def start_authenticator(ctx: zmq.Context[Any], directory: Path,
+                        accepted: Path | None = None) -> ThreadAuthenticator:
+    """zmq.auth's ZAP handler for `ctx`, accepting the keys in DIR/authorized_clients, or
+    those in `accepted` (`make_gateway_keys`) (read once, at start)."""
     check_auth_dir(directory)
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve(domain="*", location=os.fspath(directory / AUTHORIZED))
+    auth.configure_curve(domain="*", location=os.fspath(accepted or directory / AUTHORIZED))
     return auth

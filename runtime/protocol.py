@@ -85,7 +85,7 @@ class Message(Struct):
 class SamplingParams(Struct):
     """Per-request sampling. ``temperature == 0`` means greedy."""
 
-    max_tokens: int = 128
+    max_tokens: Union[int, None] = 128  # None: what is left of the context after the prompt
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0): off
@@ -108,11 +108,22 @@ class SamplingParams(Struct):
 # --- client -> engine -------------------------------------------------------------
 
 
+class Gateway(Struct):
+    """A trusted gateway speaking for one of its own users: `token` is the server's
+    gateway credential (its private runtime directory's ``gateway.token``, which only the
+    server's user can read), and the connection is then `tenant`'s (docs/protocol.md,
+    "Tenants"). A wrong token is refused (``forbidden``)."""
+
+    tenant: str  # 1-64 of letters, digits, '_', '-'
+    token: str
+
+
 class Hello(Struct, tag="hello"):
     """First message on a connection; the engine answers `Welcome` or `Error`."""
 
     protocol_version: int
     client_name: str = ""
+    gateway: Union[Gateway, None] = None
 
 
 class Input(Struct):
@@ -145,9 +156,12 @@ class Generate(Struct, tag="generate"):
     # forked session (named in its `Done.session`).
     n: int = 1
     # Functions the model may call, rendered by the model's chat template (`messages`
-    # input). "required" or a named function constrains the output to a valid call.
+    # input). "required" or a named function constrains the output to a valid call;
+    # "auto" with a grammar (json_schema, ...) to calls or content that follows it.
     tools: Union[list[Tool], None] = None
     tool_choice: Union[ToolChoiceMode, NamedToolChoice] = "auto"
+    # False: at most one call per answer ("required": exactly one).
+    parallel_tool_calls: bool = True
 
 
 class Abort(Struct, tag="abort"):
@@ -229,6 +243,13 @@ class Tokenize(Struct, tag="tokenize"):
     input: Input
 
 
+class Detokenize(Struct, tag="detokenize"):
+    """The text of token ids (special tokens included), answered `Detokenized`."""
+
+    rid: str
+    token_ids: list[int]
+
+
 ClientMessage = Union[
     Hello,
     Generate,
@@ -243,6 +264,7 @@ ClientMessage = Union[
     Unpin,
     ListSessions,
     Tokenize,
+    Detokenize,
 ]
 
 
@@ -258,6 +280,8 @@ class Welcome(Struct, tag="welcome"):
     kv_capacity: int  # tokens
     # Largest frame the server accepts; a larger one makes it drop the connection. 0 = no limit.
     max_message_bytes: int = 0
+    # How the model writes tool calls: "hermes", "llama3" or "generic" (docs/protocol.md).
+    tool_format: str = "generic"
 
 
 class TopLogprob(Struct, array_like=True):
@@ -405,6 +429,11 @@ class Tokens(Struct, tag="tokens"):
     input_ids: list[int]
 
 
+class Detokenized(Struct, tag="detokenized"):
+    rid: str
+    text: str
+
+
 ServerMessage = Union[
     Welcome,
     Chunk,
@@ -417,6 +446,7 @@ ServerMessage = Union[
     Pinned,
     SessionList,
     Tokens,
+    Detokenized,
 ]
 
 _client_decoder = msgspec.msgpack.Decoder(ClientMessage)

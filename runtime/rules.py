@@ -7,9 +7,9 @@ A rule is checked where its facts are first known, and only there:
   input's form and size, sampling, `n`, fork counts, close lists, pin names (before a
   tenant's prefix makes an empty name look taken);
 - at the engine, which alone knows a session's history, the pool and what is retained:
-  the prompt's length (empty, context, pool, retention), `prompt_logprobs_start` against
-  the input it counts in, truncate lengths, and every session and pin rule
-  (runtime/engine/sessions/).
+  the prompt's length (empty, context, pool, retention; an unset ``max_tokens`` is what
+  is left of them), `prompt_logprobs_start` against the input it counts in, truncate
+  lengths, and every session and pin rule (runtime/engine/sessions/).
 
 Nothing here imports torch or anything of the engine or the frontend: both import it.
 Each check raises `RequestError` with a stable protocol `ErrorCode`; the caller turns it
@@ -18,6 +18,7 @@ into an `Error` reply for the request's rid.
 
 from __future__ import annotations
 
+import msgspec
 from radixlm.runtime.protocol import (
     MAX_CLOSE,
     MAX_FORK,
@@ -143,6 +144,17 @@ def check_prompt(prompt_len: int, max_tokens: int, *, context_length: int, pool:
             f"prompt + max_tokens ({total} tokens) cannot fit: pins and hard sessions "
             f"retain {retained} of the pool's {pool} tokens",
         )
+
+
+def resolve_max_tokens(sampling: SamplingParams, prompt_len: int, *, context_length: int,
+                       pool: int) -> SamplingParams:
+    """``max_tokens`` None: what is left of the context (and of the KV pool) after the
+    prompt -- at least 1, so a prompt that fills it all is refused as too long by
+    `check_prompt`."""
+    if sampling.max_tokens is not None:
+        return sampling
+    room = min(context_length, pool) - prompt_len
+    return msgspec.structs.replace(sampling, max_tokens=max(1, room))
 
 
 def check_prompt_logprobs_start(start: int | None, input_len: int) -> None:

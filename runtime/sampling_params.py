@@ -30,7 +30,7 @@ PENALTY_RANGE = (-2.0, 2.0)  # frequency / presence penalties (OpenAI's range)
 class SamplingParamsLike(Protocol):
     """The attributes read by sampling (``radixlm.runtime.protocol.SamplingParams`` has them)."""
 
-    max_tokens: int
+    max_tokens: int | None
     temperature: float
     top_p: float
     top_k: int
@@ -77,10 +77,10 @@ def validate_sampling(params: SamplingParamsLike, vocab_size: int | None = None)
             return f"{name} must be a finite number, got {value!r}"
     for name in _INT_FIELDS:
         value = getattr(params, name)
-        if not _integer(value):
+        if not _integer(value) and not (name == "max_tokens" and value is None):
             return f"{name} must be an integer, got {value!r}"
 
-    if params.max_tokens < 0:
+    if params.max_tokens is not None and params.max_tokens < 0:
         return f"max_tokens must be >= 0 (0: score the prompt only), got {params.max_tokens}"
     if params.temperature < 0:
         return f"temperature must be >= 0 (0 means greedy), got {params.temperature}"

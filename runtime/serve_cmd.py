@@ -30,6 +30,7 @@ from radixlm.runtime.cli_common import (
 )
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.curve_keys import AuthDirError, check_auth_dir
+from radixlm.runtime.frontend.tenants import GATEWAY_TOKEN
 from radixlm.runtime.http.config import HttpConfig, HttpConfigError
 from radixlm.runtime.http.launch import HttpStartError, start_http
 from radixlm.runtime.http.main import http_asked, http_config, http_listen
@@ -59,10 +60,9 @@ def _checked_http(args: argparse.Namespace) -> HttpConfig | None:
     listen = http_listen(args)
     if listen is None:
         return None
-    if args.auth_dir:  # its engine link would need a client key of its own
-        if http_asked(args):
-            raise HttpConfigError("the HTTP API cannot be combined with --auth-dir yet "
-                                  "(give --no-http)")
+    if args.auth_dir and not http_asked(args):
+        # A server of CurveZMQ tenants serves HTTP only when asked: on by default, a
+        # loopback API without a key would let any local user in beside the keys.
         return None  # (said once the other checks have passed)
     if args.tokenizer is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
         args.tokenizer = args.model
@@ -110,7 +110,7 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         say("serve", str(e))
         return 1
     if args.auth_dir and http is None and not args.no_http:
-        log.info("no HTTP API: it cannot be combined with --auth-dir yet")
+        log.info("no HTTP API with --auth-dir unless asked (--http, --host or --port)")
     claim: DefaultClaim | None = None
     http_socket: Listener | None = None
     server: RunningServer | None = None
@@ -125,7 +125,13 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         server = start_server(config, start_timeout_s=args.start_timeout, preflight=False,
                               takeover=claim is not None)
         if http is not None:
-            http = dataclasses.replace(http, engine_endpoint=connect_address(server.endpoint))
+            http = dataclasses.replace(
+                http, engine_endpoint=connect_address(server.endpoint),
+                gateway_token_file=str(server.runtime_dir / GATEWAY_TOKEN))
+            if args.auth_dir:  # the gateway's own CurveZMQ key, authorized by the frontend
+                http = dataclasses.replace(
+                    http, server_key=os.path.join(args.auth_dir, "server.key"),
+                    client_key=str(server.runtime_dir / "gateway.key_secret"))
             server.processes["http"] = start_http(http, log_level=args.log_level,
                                                   listener=http_socket)
             http_socket = None  # the HTTP process holds it

@@ -6,7 +6,13 @@ import subprocess
 import sys
 
 import pytest
-from radixlm.runtime.http.config import HttpConfigError, check_bind, parse_listen, read_api_key
+from radixlm.runtime.http.config import (
+    HttpConfig,
+    HttpConfigError,
+    check_bind,
+    parse_listen,
+    read_api_keys,
+)
 from radixlm.runtime.http.store import ConversationStore
 
 
@@ -29,27 +35,30 @@ def test_parse_listen_refuses(text: str) -> None:
 
 def test_non_loopback_needs_a_key_or_insecure() -> None:
     for host in ("127.0.0.1", "::1", "localhost"):
-        check_bind(host, None, False)
+        check_bind(host, (), False)
     for host in ("0.0.0.0", "::", "192.0.2.7"):
         with pytest.raises(HttpConfigError, match="--insecure"):
-            check_bind(host, None, False)
-        check_bind(host, "k", False)
-        check_bind(host, None, True)
+            check_bind(host, (), False)
+        check_bind(host, ("k",), False)
+        check_bind(host, (), True)
 
 
-def test_api_key_file(tmp_path) -> None:  # noqa: ANN001
-    path = tmp_path / "key"
-    path.write_text("s3cret\nignored\n")
-    assert read_api_key(None, str(path)) == "s3cret"
-    assert read_api_key("k", None) == "k"
-    assert read_api_key(None, None) is None
-    with pytest.raises(HttpConfigError, match="not both"):
-        read_api_key("k", str(path))
+def test_api_keys_from_flags_file_and_environment(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "keys"
+    path.write_text("# the team's keys\ns3cret\n\n  other  \n")
+    assert read_api_keys(None, str(path)) == ("s3cret", "other")
+    assert read_api_keys(["k", "k2"], None) == ("k", "k2")
+    assert read_api_keys(["k"], str(path), "envkey\nk") == ("k", "envkey", "s3cret", "other")
+    assert read_api_keys(None, None) == ()
     with pytest.raises(HttpConfigError, match="cannot read"):
-        read_api_key(None, str(tmp_path / "missing"))
-    (tmp_path / "empty").write_text("\n")
+        read_api_keys(None, str(tmp_path / "missing"))
+    (tmp_path / "empty").write_text("\n# none\n")
+    with pytest.raises(HttpConfigError, match="holds no key"):
+        read_api_keys(None, str(tmp_path / "empty"))
     with pytest.raises(HttpConfigError, match="empty"):
-        read_api_key(None, str(tmp_path / "empty"))
+        read_api_keys([" "], None)
+    with pytest.raises(HttpConfigError, match="white space"):
+        read_api_keys(["a b"], None)
 
 
 def test_serve_refuses_a_public_bind_without_a_key_before_loading() -> None:
@@ -105,3 +114,11 @@ def test_an_error_after_the_first_event_is_the_last_event() -> None:
     assert kind == b"event: error"
     assert json.loads(payload.removeprefix(b"data: ")) == {
         "type": "error", "code": "engine_dead", "message": "the engine went away", "param": None}
+
+
+def test_metrics_are_open_on_loopback_unless_asked() -> None:
+    assert HttpConfig("ipc://x").metrics_public
+    assert HttpConfig("ipc://x", api_keys=("k",)).metrics_public
+    assert not HttpConfig("ipc://x", api_keys=("k",), metrics_require_key=True).metrics_public
+    assert not HttpConfig("ipc://x", host="0.0.0.0", api_keys=("k",)).metrics_public
+    assert HttpConfig("ipc://x", host="0.0.0.0", insecure=True).metrics_public

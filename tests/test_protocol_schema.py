@@ -171,6 +171,7 @@ def test_schema_names_every_message_and_error_code() -> None:
 VALID_CLIENT = [
     {"type": "hello", "protocol_version": 1},
     {"type": "hello", "protocol_version": 1, "client_name": "x"},
+    {"type": "hello", "protocol_version": 1, "gateway": {"tenant": "k1", "token": "t"}},
     {"type": "generate", "rid": "r", "input": {"text": "hi"}},
     {
         "type": "generate", "rid": "r", "stream": True, "n": 2, "session": "s", "priority": 3,
@@ -208,6 +209,7 @@ VALID_CLIENT = [
     {"type": "unpin", "rid": "r", "name": "tools"},
     {"type": "list_sessions", "rid": "r"},
     {"type": "tokenize", "rid": "r", "input": {"input_ids": []}},
+    {"type": "detokenize", "rid": "r", "token_ids": [1, 2]},
 ]  # fmt: skip
 
 USAGE = {"prompt_tokens": 5, "cached_tokens": 3, "completion_tokens": 2}
@@ -239,6 +241,7 @@ VALID_SERVER = [
     {"type": "session_list", "rid": "r", "sessions": [
         {"session": "s", "length": 3, "idle_s": 0.5, "retention": "demoted", "busy": False}]},
     {"type": "tokens", "rid": "r", "input_ids": [1, 2]},
+    {"type": "detokenized", "rid": "r", "text": "hi"},
 ]  # fmt: skip
 
 

@@ -134,7 +134,8 @@ def test_tool_choice_forces_a_valid_call(raw_client: RawClient, choice: Any) -> 
         # Text input: the tools constrain and parse the output without being rendered (a
         # generic tool prompt does not fit the tiny model's 256-token context).
         raw_client.send(Generate(rid=rid, input=Input(text="Call:"), tools=[WEATHER, CALC],
-                                 tool_choice=choice, sampling=SamplingParams(seed=seed, **SAMPLED)))
+                                 tool_choice=choice, parallel_tool_calls=False,
+                                 sampling=SamplingParams(seed=seed, **SAMPLED)))
         done = raw_client.collect(rid)[0]
         assert done.tool_calls is not None and len(done.tool_calls) == 1, done.text
         call = done.tool_calls[0]

@@ -184,8 +184,6 @@ def gen(**kw) -> Generate:
     (gen(tool_choice=NamedToolChoice(name="calc")), "no tools are given"),
     (gen(tool_choice="required"), "needs tools"),
     (gen(tools=[]), "tools is empty"),
-    (gen(tools=TOOLS, tool_choice="required", sampling=SamplingParams(regex="a")),
-     "cannot be combined with regex"),
     (gen(tools=[Tool(name="f", parameters={"type": "array"})]), "must be an object schema"),
 ])  # fmt: skip
 def test_plan_refuses_bad_tool_requests(msg: Generate, needle: str) -> None:

@@ -31,7 +31,12 @@ from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.protocol import Error, ErrorCode, SamplingParams, Struct, branch_seed
-from radixlm.runtime.rules import RequestError, check_prompt, check_prompt_logprobs_start
+from radixlm.runtime.rules import (
+    RequestError,
+    check_prompt,
+    check_prompt_logprobs_start,
+    resolve_max_tokens,
+)
 from radixlm.runtime.sampling import make_generator
 from radixlm.tokenizer import Tokenizer, TokenStopMatcher
 
@@ -115,7 +120,10 @@ class MessageHandler:
             history = len(prompt) - len(appended)
             start = msg.prompt_logprobs_start
             check_prompt_logprobs_start(start, len(appended))
-            self._check_fits(len(prompt), msg.sampling.max_tokens, history)
+            sampling = resolve_max_tokens(msg.sampling, len(prompt),
+                                          context_length=self.opt.context_length,
+                                          pool=self.capacity)
+            self._check_fits(len(prompt), sampling.max_tokens, history)
             grammar = self._grammar(msg.grammar)
             if msg.sampling.stop and self.tokenizer is None:
                 raise RequestError(ErrorCode.INVALID_PARAMS,
@@ -129,7 +137,7 @@ class MessageHandler:
             return
         self._enqueue(RequestGroup(
             key=msg.key, kind=RequestKind.GENERATE, client=msg.client, rid=msg.rid,
-            prompt=prompt, sampling=msg.sampling, n=msg.n,
+            prompt=prompt, sampling=sampling, n=msg.n,
             namespace=intake.namespace if intake is not None else msg.namespace,
             turn=intake.turn if intake is not None else None,
             prompt_logprobs_start=None if start is None else history + start,

@@ -28,10 +28,15 @@ import zmq
 from radixlm.runtime import channel
 from radixlm.runtime.channel import ipc_path, open_socket
 from radixlm.runtime.config import Endpoints, EngineConfig
-from radixlm.runtime.curve_keys import server_socket_options, start_authenticator
+from radixlm.runtime.curve_keys import (
+    make_gateway_keys,
+    server_socket_options,
+    start_authenticator,
+)
 from radixlm.runtime.engine_wire import EngineReady, to_frontend_decoder
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.server import Frontend, welcome_from
+from radixlm.runtime.frontend.tenants import write_gateway_token
 from radixlm.runtime.rundir import write_ready
 from radixlm.tokenizer import Tokenizer
 from zmq.auth.thread import ThreadAuthenticator
@@ -94,7 +99,9 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
     authenticator: ThreadAuthenticator | None = None
     try:
         if config.auth_dir:  # before the socket listens: CURVE without ZAP admits anyone
-            authenticator = start_authenticator(ctx, Path(config.auth_dir))
+            accepted = (make_gateway_keys(Path(endpoints.runtime_dir), Path(config.auth_dir))
+                        if endpoints.runtime_dir else None)
+            authenticator = start_authenticator(ctx, Path(config.auth_dir), accepted)
         clients = open_socket(ctx, zmq.ROUTER, endpoints.client, bind=True,
                               options=client_socket_options(config, endpoints.client_fd))
         sockets.append(clients)
@@ -105,8 +112,11 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
         sockets += [from_engine, to_engine]
         ready = wait_for_engine(from_engine)
         model = load_text_model(config, ready)
-        welcome = welcome_from(ready, server_version(), config.max_message_bytes)
-        frontend = Frontend(model=model, welcome=welcome,
+        welcome = welcome_from(ready, server_version(), config.max_message_bytes,
+                               model.tool_format)
+        token = (write_gateway_token(Path(endpoints.runtime_dir)) if endpoints.runtime_dir
+                 else None)
+        frontend = Frontend(model=model, welcome=welcome, gateway_token=token,
                             clients=clients, monitor=monitor, from_engine=from_engine,
                             to_engine=to_engine, executor=executor,
                             engine_timeout_s=config.engine_timeout_s,

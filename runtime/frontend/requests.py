@@ -1,6 +1,6 @@
 """Client requests: checked, prepared (tokenized) in each client's order, then forwarded
 to the engine as `EngineGenerate` / `EngineOpenSession` / `EnginePin` / `EngineAbort` /
-`EngineCommand`; `Tokenize` is answered here.
+`EngineCommand`; `Tokenize` and `Detokenize` are answered here.
 
 The checks are the rules of runtime/rules.py a message alone decides (the engine checks
 the rest). A handler raises `RequestError` for a refusal (the loop answers it); a
@@ -78,6 +78,7 @@ class ClientRequests:
             wire.Generate: self.generate,
             wire.Abort: self.abort,
             wire.Tokenize: self.tokenize,
+            wire.Detokenize: self.detokenize,
             wire.OpenSession: self.open_session,
             wire.Pin: self.pin,
             wire.ForkSession: self.fork_session,
@@ -91,9 +92,11 @@ class ClientRequests:
 
     def _prepare(self, client: ClientState, rid: str, inp: wire.Input | None,
                  job: Callable[[], Any], then: Callable[[Any], None],
-                 on_refused: Callable[[], None] | None = None) -> None:
-        """Run the preparation `job` in the client's order; `then(result)` unless it was
-        refused (answered, after `on_refused`)."""
+                 on_refused: Callable[[], None] | None = None,
+                 heavy: bool | None = None) -> None:
+        """Run the preparation `job` in the client's order (in the pool if `heavy`, by
+        default if `inp` is long); `then(result)` unless it was refused (answered, after
+        `on_refused`)."""
         def done(result: Any) -> None:
             if isinstance(result, RequestError):
                 if on_refused is not None:
@@ -102,7 +105,9 @@ class ClientRequests:
             else:
                 then(result)
 
-        self._enqueue(client, job, done, heavy=_input_chars(inp) > INLINE_PREPARE_CHARS)
+        if heavy is None:
+            heavy = _input_chars(inp) > INLINE_PREPARE_CHARS
+        self._enqueue(client, job, done, heavy=heavy)
 
     def _check(self, inp: wire.Input) -> None:
         check_input(inp, self.model.vocab_size)
@@ -162,6 +167,13 @@ class ClientRequests:
         model = self.model
         self._prepare(client, msg.rid, msg.input, lambda: input_ids(model, msg.input),
                       lambda ids: self.routes.reply(client, wire.Tokens(rid=msg.rid, input_ids=ids)))
+
+    def detokenize(self, client: ClientState, msg: wire.Detokenize) -> None:
+        check_input(wire.Input(input_ids=msg.token_ids), self.model.vocab_size)
+        tokenizer = self.model.tokenizer
+        self._prepare(client, msg.rid, None, lambda: tokenizer.decode(msg.token_ids),
+                      lambda text: self.routes.reply(client, wire.Detokenized(rid=msg.rid, text=text)),
+                      heavy=len(msg.token_ids) > INLINE_PREPARE_CHARS)
 
     def open_session(self, client: ClientState, msg: wire.OpenSession) -> None:
         if msg.input is not None:

@@ -52,7 +52,7 @@ from radixlm.runtime.frontend.liveness import PROBE_CLIENT, Change, EngineWatch
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.replies import EngineReplies
 from radixlm.runtime.frontend.requests import ClientRequests
-from radixlm.runtime.frontend.tenants import names_for
+from radixlm.runtime.frontend.tenants import GatewayRefused, gateway_names, names_for
 from radixlm.runtime.protocol import PROTOCOL_VERSION
 from radixlm.runtime.rules import RequestError
 from zmq.utils.monitor import parse_monitor_message
@@ -63,11 +63,13 @@ log = logging.getLogger("radixlm.frontend")
 BATCH = 256
 
 
-def welcome_from(ready: EngineReady, server_version: str, max_message_bytes: int = 0) -> wire.Welcome:
+def welcome_from(ready: EngineReady, server_version: str, max_message_bytes: int = 0,
+                 tool_format: str = "generic") -> wire.Welcome:
     return wire.Welcome(
         protocol_version=PROTOCOL_VERSION, server_version=server_version, model=ready.model,
         context_length=ready.context_length, page_size=ready.page_size,
         kv_capacity=ready.kv_capacity, max_message_bytes=max_message_bytes,
+        tool_format=tool_format,
     )
 
 
@@ -96,8 +98,10 @@ class Frontend:
                  monitor: zmq.Socket[Any], from_engine: zmq.Socket[Any],
                  to_engine: zmq.Socket[Any], executor: Executor,
                  engine_timeout_s: float = 60.0, multi_tenant: bool = False,
-                 max_inflight: int = 0, max_priority: int | None = None) -> None:
+                 max_inflight: int = 0, max_priority: int | None = None,
+                 gateway_token: str | None = None) -> None:
         self.model = model
+        self._gateway_token = gateway_token  # trusted gateways declare tenants with it
         self._multi_tenant = multi_tenant  # clients authenticate: each key is a tenant
         self._watch = EngineWatch(engine_timeout_s, time.monotonic())
         self._welcome = wire.encode(welcome)
@@ -271,7 +275,7 @@ class Frontend:
             error(client, msg.rid, wire.ErrorCode.HANDSHAKE_REQUIRED,
                   f"send hello (protocol_version={PROTOCOL_VERSION}) first")
             return
-        if self._watch.down and type(msg) is not wire.Tokenize:  # tokenize needs no engine
+        if self._watch.down and type(msg) not in (wire.Tokenize, wire.Detokenize):  # no engine
             error(client, msg.rid, wire.ErrorCode.ENGINE_UNAVAILABLE, self._unavailable())
             return
         try:
@@ -302,6 +306,17 @@ class Frontend:
                               f"this server speaks protocol version {PROTOCOL_VERSION}, "
                               f"the client {msg.protocol_version}")
             return
+        if msg.gateway is not None:
+            try:
+                names = gateway_names(msg.gateway, self._gateway_token)
+            except GatewayRefused as e:
+                self.routes.error(client, None, e.code, str(e))
+                return
+            if client.welcomed and names.tenant != client.names.tenant:
+                self.routes.error(client, None, wire.ErrorCode.FORBIDDEN,
+                                  "a connection's tenant is declared once, in its first hello")
+                return
+            client.names = names
         client.welcomed = True
         log.debug("client %s (%r) connected", client.identity.hex(), msg.client_name)
         self.routes.send(client.identity, self._welcome)

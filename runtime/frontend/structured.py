@@ -1,5 +1,12 @@
-"""A Generate's structured-output plan: its grammar (own regex / json_schema / ebnf, or
-the call format `tool_choice` forces) and how tool calls are read from its output.
+"""A Generate's structured-output plan: its grammar and how tool calls are read from
+its output, with OpenAI's semantics for tools beside a response format:
+
+- ``tool_choice`` "required" or a named function: the output is a call (a required one
+  may be several, joined by newlines, unless ``parallel_tool_calls`` is false); a
+  request's own grammar applies to content, and there is none;
+- "auto" with the request's own grammar (json_schema, ...): either calls or content that
+  follows it -- one union grammar (`GrammarSpec.alternative`), compiled once and cached;
+- "auto" without one: free text, read as calls when it is calls; "none": no calls.
 
 Built on the frontend's main thread as the request arrives (no tokenizer work, no
 xgrammar: a grammar that does not compile is reported by the engine, which compiles it).
@@ -24,12 +31,17 @@ from radixlm.tokenizer.tools import (
 __all__ = ["StructuredPlan", "plan_structured"]
 
 
+# Between parallel calls (every format's parser also reads calls split by newlines).
+CALL_SEPARATOR = "\n"
+
+
 @dataclass(frozen=True)
 class StructuredPlan:
     grammar: GrammarSpec | None
     tools: list[Tool] | None  # rendered with the prompt (messages input)
     fmt: ToolFormat
     parse_calls: bool  # read tool calls out of the output into Done.tool_calls
+    parallel: bool = True  # several calls may be answered at once
 
     def tool_calls(self, text: str) -> list[ToolCall] | None:
         if not self.parse_calls or not self.tools:
@@ -37,11 +49,21 @@ class StructuredPlan:
         parsed = parse_tool_calls(text, self.fmt, self.tools)
         if parsed is None:
             return None
+        if not self.parallel:
+            parsed = parsed[:1]
         return [ToolCall(id=f"call_{secrets.token_hex(12)}", name=c.name, arguments=c.arguments)
                 for c in parsed]
 
 
 NO_PLAN = StructuredPlan(grammar=None, tools=None, fmt="generic", parse_calls=False)
+
+
+def call_grammar(tools: list[Tool], fmt: ToolFormat, *, several: bool,
+                 alternative: GrammarSpec | None = None) -> GrammarSpec:
+    """A call of one of `tools` (`several`: one or more), or else `alternative`."""
+    begin, end = call_frame(fmt)
+    return GrammarSpec(kind="json_schema", text=call_schema(tools, fmt), begin=begin, end=end,
+                       separator=CALL_SEPARATOR if several else None, alternative=alternative)
 
 
 def plan_structured(msg: Generate, fmt: ToolFormat) -> StructuredPlan:
@@ -60,14 +82,14 @@ def plan_structured(msg: Generate, fmt: ToolFormat) -> StructuredPlan:
         if problem := check_tools(tools):
             raise _invalid(problem)
     forced = _forced_tools(tools, choice)
-    if forced is not None:
-        if grammar is not None:
-            raise _invalid(f"tool_choice {_choice_name(choice)} constrains the output: "
-                           f"it cannot be combined with {given[0]}")
-        begin, end = call_frame(fmt)
-        grammar = GrammarSpec(kind="json_schema", text=call_schema(forced, fmt), begin=begin, end=end)
-    parse = tools is not None and choice != "none" and not given
-    return StructuredPlan(grammar=grammar, tools=tools, fmt=fmt, parse_calls=parse)
+    parallel = msg.parallel_tool_calls
+    if forced is not None:  # a call; the request's own grammar would shape content
+        grammar = call_grammar(forced, fmt, several=parallel and choice == "required")
+    elif tools is not None and choice == "auto" and grammar is not None:
+        grammar = call_grammar(tools, fmt, several=parallel, alternative=grammar)
+    parse = tools is not None and choice != "none"
+    return StructuredPlan(grammar=grammar, tools=tools, fmt=fmt, parse_calls=parse,
+                          parallel=parallel)
 
 
 def _forced_tools(tools: list[Tool] | None, choice: str | NamedToolChoice) -> list[Tool] | None:
@@ -84,10 +106,6 @@ def _forced_tools(tools: list[Tool] | None, choice: str | NamedToolChoice) -> li
             raise _invalid('tool_choice "required" needs tools')
         return tools
     return None
-
-
-def _choice_name(choice: str | NamedToolChoice) -> str:
-    return repr(choice.name) if isinstance(choice, NamedToolChoice) else f'"{choice}"'
 
 
 def _invalid(message: str) -> RequestError:

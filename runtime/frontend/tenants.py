@@ -16,17 +16,61 @@ Engine-side names: ``TENANT`` for a request without a namespace, ``TENANT/NAMESP
 otherwise, and ``TENANT/NAME`` for pins. A tenant tag never holds a ``/``, so each
 engine-side name has exactly one (tenant, namespace) it can come from. A server without
 authentication has one tenant only, whose names pass unchanged (`LOCAL`).
+
+Gateways. A trusted gateway -- the HTTP frontend, one connection per API key -- may
+declare in its ``hello`` the tenant a connection speaks for (`Gateway`). It proves it is
+trusted with the server's gateway credential: a random token the frontend writes at
+start into its private runtime directory (``gateway.token``, 0600, in a 0700 directory:
+only the server's own user can read it), which `radixlm serve` hands to the HTTP process
+it starts. A declared tenant becomes ``gw-NAME``: a tenant like any CurveZMQ key's, on
+any server, so keys never share cache, sessions or listings, with each other or with
+the server's other clients. An ordinary client cannot declare one (it has no token; a
+wrong one is refused with ``forbidden``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
+import re
+import secrets
+from pathlib import Path
 from typing import Any
 
 import msgspec
-from radixlm.runtime.protocol import Pinned, SessionList
+from radixlm.runtime.protocol import ErrorCode, Gateway, Pinned, SessionList
 
-__all__ = ["LOCAL", "EngineNames", "names_for"]
+__all__ = ["GATEWAY_TOKEN", "LOCAL", "EngineNames", "GatewayRefused", "gateway_names",
+           "names_for", "write_gateway_token"]
+
+GATEWAY_TOKEN = "gateway.token"  # in the runtime directory
+_TENANT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class GatewayRefused(Exception):
+    """A ``hello`` declaring a tenant without the server's gateway credential."""
+
+    code = ErrorCode.FORBIDDEN
+
+
+def write_gateway_token(directory: Path) -> str:
+    """A new gateway credential, written 0600 into the (private) runtime directory."""
+    token = secrets.token_urlsafe(32)
+    path = directory / GATEWAY_TOKEN
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="ascii") as f:
+        f.write(token)
+    return token
+
+
+def gateway_names(gateway: Gateway, token: str | None) -> EngineNames:
+    """The names of the tenant a gateway declares, if its credential is the server's."""
+    if token is None or not hmac.compare_digest(gateway.token.encode(), token.encode()):
+        raise GatewayRefused("hello.gateway: not this server's gateway credential")
+    if not _TENANT.match(gateway.tenant):
+        raise GatewayRefused("hello.gateway.tenant must be 1-64 letters, digits, '_' or '-'")
+    return EngineNames("gw-" + gateway.tenant)
 
 
 def names_for(frame: Any, *, multi_tenant: bool) -> EngineNames:

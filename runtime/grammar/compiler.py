@@ -121,7 +121,27 @@ class GrammarCompiler:
 
 
 def _grammar(spec: GrammarSpec) -> xgr.Grammar:
-    """The spec as one xgrammar `Grammar` (framed by its literal `begin` and `end`)."""
+    """The spec as one xgrammar `Grammar`: framed by its literal `begin` and `end`,
+    repeated after `separator`, or'd with its `alternative`."""
+    grammar = _framed(spec)
+    if spec.separator is not None:
+        grammar = _repeated(grammar, spec.separator)
+    if spec.alternative is not None:
+        grammar = xgr.Grammar.union(grammar, _grammar(spec.alternative))
+    return grammar
+
+
+def _repeated(grammar: xgr.Grammar, separator: str) -> xgr.Grammar:
+    """``grammar (separator grammar)*``: its own rules, under a new root rule."""
+    text = str(grammar)
+    name = "radixlm_repeat"
+    while name in text:
+        name += "_"
+    return xgr.Grammar.from_ebnf(f"{text}\n{name} ::= root ({json.dumps(separator)} root)*",
+                                 root_rule_name=name)
+
+
+def _framed(spec: GrammarSpec) -> xgr.Grammar:
     if spec.kind == "regex":
         body = xgr.Grammar.from_regex(spec.text)
     elif spec.kind == "json_schema":

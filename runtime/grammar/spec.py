@@ -7,7 +7,7 @@ the compiled-grammar cache's key.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import msgspec
 
@@ -18,17 +18,23 @@ GRAMMAR_FIELDS: tuple[GrammarKind, ...] = ("regex", "json_schema", "ebnf")
 
 
 class GrammarSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """A grammar of `kind` over `text`, optionally framed by fixed text.
+    """A grammar of `kind` over `text`, optionally framed by fixed text, repeated, or
+    offered beside another grammar.
 
     `begin` and `end` are literal strings the output starts and ends with around the
     grammar's match (a tool call's ``<tool_call>`` markup around its JSON); empty for a
-    request's own regex / json_schema / ebnf.
+    request's own regex / json_schema / ebnf. With `separator` the framed match may
+    repeat, each repeat after that text (parallel tool calls). With `alternative` the
+    output matches either this grammar or that one (tool calls, or content that follows
+    the request's own schema): one union grammar, compiled once and cached as a whole.
     """
 
     kind: GrammarKind
     text: str
     begin: str = ""
     end: str = ""
+    separator: Union[str, None] = None
+    alternative: Union[GrammarSpec, None] = None
 
 
 def grammar_fields_given(sampling: Any) -> list[str]:

@@ -12,6 +12,7 @@ from radixlm.runtime.http import convert, generation, sse, turns
 from radixlm.runtime.http.context import HttpContext, decode_body, now, read_body
 from radixlm.runtime.http.errors import invalid
 from radixlm.runtime.http.logprobs import chat_content
+from radixlm.runtime.http.reply_stream import ArgsDelta, CallBegin, Event, ReplyParser, TextDelta
 from radixlm.runtime.http.schemas import ChatCompletionRequest
 from radixlm.runtime.http.store import Stored, new_id
 from radixlm.runtime.protocol import Chunk, Done, Generate, Input
@@ -62,23 +63,24 @@ async def chat_completions(ctx: HttpContext, request: Request) -> Response:
         stop=convert.stop_list(req.stop), logprobs=bool(req.logprobs),
         top_logprobs=req.top_logprobs or 0, json_schema=convert.chat_json_schema(req.response_format))
     messages = convert.chat_messages(req.messages)
+    parallel = req.parallel_tool_calls is not False
     spec = req.session
     turn = turns.Turn(None, keep=False)
     if spec is not None:
         turn = await turns.begin(ctx, spec.id, fork=spec.fork, keep=True, kind="session")
     msg = Generate(rid=ctx.link.rid(), input=Input(messages=messages), sampling=sampling,
                    stream=bool(req.stream), session=turn.session, n=n, tools=tools,
-                   tool_choice=tool_choice)
+                   tool_choice=tool_choice, parallel_tool_calls=parallel)
     cid = f"chatcmpl-{secrets.token_hex(12)}"
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        buffer_text = tools is not None and tool_choice != "none"
+        parser = ReplyParser(ctx.welcome.tool_format, tools, tool_choice != "none", n, parallel)
         try:
             first, rest = await sse.first_then_rest(generation.replies(ctx, msg))
         except BaseException:
             turns.finish(ctx, turn, None, "")
             raise
-        return sse.response(_stream(ctx, cid, first, rest, n, include_usage, buffer_text, turn))
+        return sse.response(_stream(ctx, cid, first, rest, n, include_usage, parser, turn))
     done = None
     try:
         dones = await generation.run(ctx, msg)
@@ -108,11 +110,12 @@ def _choice(ctx: HttpContext, done: Done, logprobs: bool) -> dict[str, Any]:
 
 
 async def _stream(ctx: HttpContext, cid: str, first: Chunk | Done, rest: AsyncIterator[Any],
-                  n: int, include_usage: bool, buffer_text: bool,
+                  n: int, include_usage: bool, parser: ReplyParser,
                   turn: turns.Turn) -> AsyncIterator[bytes]:
     """OpenAI chunks: a role delta per choice, content deltas, a finish chunk per choice,
-    then (include_usage) a usage chunk, then [DONE]. With tools the text is held back
-    until the end, when it is known to be a reply or tool calls."""
+    then (include_usage) a usage chunk, then [DONE]. With tools, text streams as it
+    comes except what may begin a call, and each call comes as ``delta.tool_calls``: its
+    index, id and name first, then fragments of its arguments."""
     head = {"id": cid, "object": "chat.completion.chunk", "created": now(),
             "model": ctx.model_name}
     # Content chunks are by far the most frequent: their JSON is assembled around the text.
@@ -123,30 +126,60 @@ async def _stream(ctx: HttpContext, cid: str, first: Chunk | Done, rest: AsyncIt
     def chunk(choice: dict[str, Any], **more: Any) -> bytes:
         return sse.data({**head, "choices": [choice], **extra, **more})
 
+    def delta(index: int, d: dict[str, Any], logprobs: Any = None) -> bytes:
+        return chunk({"index": index, "delta": d, "logprobs": logprobs, "finish_reason": None})
+
+    def events(index: int, evs: list[Event], logprobs: Any = None) -> list[bytes]:
+        out = []
+        for e in evs:
+            if type(e) is TextDelta:
+                out.append(delta(index, {"content": e.text}, logprobs))
+            elif type(e) is CallBegin:
+                out.append(delta(index, {"tool_calls": [{
+                    "index": e.index, "id": parser.call_id(index, e.index), "type": "function",
+                    "function": {"name": e.name, "arguments": ""}}]}, logprobs))
+            elif type(e) is ArgsDelta:
+                out.append(delta(index, {"tool_calls": [{
+                    "index": e.index, "function": {"arguments": e.text}}]}, logprobs))
+            else:
+                continue
+            logprobs = None
+        if logprobs is not None:  # its text is held back: the logprobs go now
+            out.append(delta(index, {}, logprobs))
+        return out
+
+    plain = not parser.parsing
     dones: list[Done] = []
     entry = None
     try:
         for i in range(n):
-            yield chunk({"index": i, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None})
+            yield delta(i, {"role": "assistant", "content": ""})
         reply = first
         while True:
             if type(reply) is Chunk:
-                if not buffer_text:
-                    if reply.logprobs is None:
+                lp = None
+                if reply.logprobs is not None:
+                    lp = {"content": chat_content(ctx.tokens, reply.token_ids, reply.logprobs,
+                                                  reply.top_logprobs)}
+                if plain and lp is None:
+                    if reply.text:
                         yield (prefix + str(reply.index).encode() + b',"delta":{"content":'
                                + _json.encode(reply.text) + b"}" + tail)
-                    else:
-                        lp = chat_content(ctx.tokens, reply.token_ids, reply.logprobs,
-                                          reply.top_logprobs)
-                        yield chunk({"index": reply.index, "delta": {"content": reply.text},
-                                     "logprobs": {"content": lp}, "finish_reason": None})
+                else:
+                    for data in events(reply.index, parser.feed(reply.index, reply.text), lp):
+                        yield data
             else:
+                for data in events(reply.index, parser.finish(reply.index)):
+                    yield data
                 dones.append(reply)
                 if len(dones) == n:
                     entry = turns.finish(ctx, turn, reply, new_id("sess"))
-                yield _final_chunk(chunk, reply, buffer_text,
-                                   session_json(entry) if turn.session else None)
+                calls = parser.calls(reply.index)
+                reason = "tool_calls" if calls else (
+                    "length" if reply.finish_reason == "length" else "stop")
+                more = {"session": session_json(entry)} if turn.session else {}
+                yield chunk({"index": reply.index, "delta": {}, "logprobs": None,
+                             "finish_reason": reason}, **more)
             try:
                 reply = await rest.__anext__()
             except StopAsyncIteration:
@@ -159,14 +192,3 @@ async def _stream(ctx: HttpContext, cid: str, first: Chunk | Done, rest: AsyncIt
         if len(dones) < n:
             turns.finish(ctx, turn, None, "")
         await rest.aclose()  # type: ignore[attr-defined]
-
-
-def _final_chunk(chunk: Any, done: Done, buffered: bool, session: dict[str, Any] | None) -> bytes:
-    delta: dict[str, Any] = {}
-    if done.tool_calls:
-        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls_json(done))]
-    elif buffered and done.text:
-        delta["content"] = done.text
-    more = {"session": session} if session is not None else {}
-    return chunk({"index": done.index, "delta": delta, "logprobs": None,
-                  "finish_reason": finish_reason(done)}, **more)

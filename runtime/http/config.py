@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 DEFAULT_RESPONSE_TTL_S = 3600.0
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-DEFAULT_MAX_TOKENS = 1024
-API_KEY_ENV = "RADIXLM_API_KEY"  # how `radixlm serve` hands the key to the HTTP process
+DEFAULT_MAX_TOKENS = None  # what is left of the context, as vLLM
+API_KEY_ENV = "RADIXLM_API_KEY"  # how `radixlm serve` hands the keys (one a line) to the HTTP process
+DEFAULT_HEALTH_TIMEOUT_S = 5.0
 
 
 class HttpConfigError(ValueError):
@@ -22,14 +23,24 @@ class HttpConfig:
     engine_endpoint: str  # the engine's protocol endpoint (ipc:// or tcp://)
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # each key a tenant; none: no key asked, one tenant
     insecure: bool = False  # allow a non-loopback bind without an API key
+    metrics_require_key: bool = False  # /metrics asks for a key (always beyond loopback)
     response_ttl_s: float = DEFAULT_RESPONSE_TTL_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS
     served_model_name: str | None = None  # None: the engine's model name
     tokenizer_dir: str | None = None  # token strings for logprobs ("token_id:N" without)
     connect_timeout_s: float = 60.0
+    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S  # /health: 503 if the engine is slower
+    gateway_token_file: str | None = None  # the frontend's gateway credential (tenants)
+    server_key: str | None = None  # an --auth-dir server: its server.key ...
+    client_key: str | None = None  # ... and the runtime directory's gateway.key_secret
+
+    @property
+    def metrics_public(self) -> bool:
+        """/metrics without a key: on loopback, unless asked otherwise (as vLLM, open)."""
+        return not self.api_keys or (not self.metrics_require_key and is_loopback(self.host))
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -61,24 +72,32 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
-def check_bind(host: str, api_key: str | None, insecure: bool) -> None:
+def check_bind(host: str, api_keys: tuple[str, ...], insecure: bool) -> None:
     """Refuse to serve an unauthenticated API beyond this machine unless asked to."""
-    if api_key is None and not insecure and not is_loopback(host):
+    if not api_keys and not insecure and not is_loopback(host):
         raise HttpConfigError(
             f"refusing to serve HTTP on {host} (not loopback) without an API key: give "
             "--api-key/--api-key-file, or --insecure to serve it unauthenticated on purpose")
 
 
-def read_api_key(key: str | None, key_file: str | None) -> str | None:
-    """The API key from --api-key or the first line of --api-key-file (not both)."""
-    if key is not None and key_file is not None:
-        raise HttpConfigError("give --api-key or --api-key-file, not both")
+def read_api_keys(keys: list[str] | None, key_file: str | None, env: str | None = None) -> tuple[str, ...]:
+    """The API keys: every --api-key, every line of --api-key-file (blank lines and
+    ``#`` comments skipped), and the lines of `env` (the environment's keys)."""
+    found = [k.strip() for k in keys or []]
+    texts = [env] if env else []
     if key_file is not None:
         try:
             with open(key_file, encoding="utf-8") as f:
-                key = f.readline().strip()
+                texts.append(f.read())
         except OSError as e:
             raise HttpConfigError(f"cannot read --api-key-file: {e}") from None
-    if key is not None and not key:
-        raise HttpConfigError("the API key is empty")
-    return key
+    for text in texts:
+        found += [line.strip() for line in text.splitlines()
+                  if line.strip() and not line.lstrip().startswith("#")]
+    if key_file is not None and not found:
+        raise HttpConfigError(f"--api-key-file {key_file} holds no key (it is empty)")
+    if any(not k for k in found):
+        raise HttpConfigError("an API key is empty")
+    if any(any(c.isspace() for c in k) for k in found):
+        raise HttpConfigError("an API key holds white space")
+    return tuple(dict.fromkeys(found))

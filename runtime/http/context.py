@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from radixlm.runtime.http.engine_link import EngineLink
 from radixlm.runtime.http.errors import ApiError
 from radixlm.runtime.http.metrics import Metrics
 from radixlm.runtime.http.store import ConversationStore
+from radixlm.runtime.http.tenants import Tenant, Tenants
+from radixlm.runtime.protocol import Welcome
 from starlette.requests import Request
 
 T = TypeVar("T")
@@ -34,6 +37,14 @@ class TokenTexts:
             return f"token_id:{token_id}"
         return self._tok.token_text(token_id)
 
+    def piece(self, token_id: int) -> str | None:
+        """The vocabulary's own string for the token (as `convert_ids_to_tokens`)."""
+        return None if self._tok is None else self._tok.id_to_token(token_id)
+
+    @property
+    def available(self) -> bool:
+        return self._tok is not None
+
     def decode(self, token_ids: list[int]) -> str | None:
         """The text of `token_ids`, or None without a tokenizer."""
         return None if self._tok is None else self._tok.decode(token_ids)
@@ -41,39 +52,62 @@ class TokenTexts:
 
 @dataclass
 class HttpContext:
+    """Shared by every request; `tenant` is the request's own (set by the route wrapper:
+    `link` and `store` are that tenant's)."""
+
     config: HttpConfig
-    link: EngineLink
-    store: ConversationStore
+    tenants: Tenants
     metrics: Metrics
     tokens: TokenTexts
+    tenant: Tenant | None = None
+
+    def for_tenant(self, tenant: Tenant) -> HttpContext:
+        return dataclasses.replace(self, tenant=tenant)
+
+    @property
+    def link(self) -> EngineLink:
+        assert self.tenant is not None
+        return self.tenant.link
+
+    @property
+    def store(self) -> ConversationStore:
+        assert self.tenant is not None
+        return self.tenant.store
+
+    @property
+    def welcome(self) -> Welcome:
+        welcome = self.tenants.control.link.welcome
+        assert welcome is not None
+        return welcome
 
     @property
     def model_name(self) -> str:
         """--served-model-name, else the engine's model name (a path's last component)."""
         if self.config.served_model_name:
             return self.config.served_model_name
-        assert self.link.welcome is not None
-        return os.path.basename(self.link.welcome.model.rstrip("/")) or self.link.welcome.model
+        model = self.welcome.model
+        return os.path.basename(model.rstrip("/")) or model
 
     @property
     def context_length(self) -> int:
-        assert self.link.welcome is not None
-        return self.link.welcome.context_length
+        return self.welcome.context_length
 
-    def check_model(self, name: str) -> None:
-        """Requests name the served model: its id, or the engine's name for it (a path's
-        last component will do)."""
-        assert self.link.welcome is not None
-        engine_name = self.link.welcome.model
-        if name not in (self.model_name, engine_name, os.path.basename(engine_name.rstrip("/"))):
+    def model_names(self) -> tuple[str, ...]:
+        """The names requests may use: the model's id, or the engine's name for it."""
+        engine_name = self.welcome.model
+        return (self.model_name, engine_name, os.path.basename(engine_name.rstrip("/")))
+
+    def check_model(self, name: str | None) -> None:
+        """Requests name the served model (or no model: there is one)."""
+        if name is not None and name not in self.model_names():
             raise ApiError(404, f"The model '{name}' does not exist (this server serves "
                                 f"'{self.model_name}')", type="invalid_request_error",
                            param="model", code="model_not_found")
 
-    def default_max_tokens(self) -> int:
-        """When a request names no limit: the configured default, at most half the context
-        (a longer prompt must then name a smaller limit)."""
-        return max(1, min(self.config.default_max_tokens, self.context_length // 2))
+    def default_max_tokens(self) -> int | None:
+        """When a request names no limit: --default-max-tokens, else what is left of the
+        context after the prompt (None: the engine works it out, as vLLM does)."""
+        return self.config.default_max_tokens
 
 
 async def read_body(request: Request, limit: int) -> bytes:

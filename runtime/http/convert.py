@@ -10,13 +10,11 @@ from typing import Any, Union
 
 import msgspec
 from radixlm.runtime.http.errors import ApiError, invalid
+from radixlm.runtime.http.items import ROLES, text_of
 from radixlm.runtime.http.schemas import (
     ChatMessage,
     ChatTool,
     ChatToolChoice,
-    ContentPart,
-    InputContent,
-    InputItem,
     ResponseFormat,
     ResponseTool,
     ResponseToolChoice,
@@ -25,24 +23,9 @@ from radixlm.runtime.http.schemas import (
 )
 from radixlm.runtime.protocol import Message, NamedToolChoice, SamplingParams, Tool, ToolCall
 
-# Roles the chat templates know; OpenAI's "developer" is the newer name of "system".
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
-          "tool": "tool"}
 # A JSON object of any shape: what response_format json_object constrains to.
 ANY_OBJECT_SCHEMA = {"type": "object"}
 ToolChoice = Union[str, NamedToolChoice]
-
-
-def _text_of(content: Union[str, list[ContentPart], list[InputContent], None], where: str) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    texts = []
-    for i, part in enumerate(content):
-        if part.type not in ("text", "input_text", "output_text") or part.text is None:
-            raise invalid(f"{where}.content[{i}]: only text parts are supported (got "
-                          f"{part.type!r})", f"{where}.content")
-        texts.append(part.text)
-    return "".join(texts)
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[Message]:
@@ -51,15 +34,15 @@ def chat_messages(messages: list[ChatMessage]) -> list[Message]:
         raise invalid("messages must not be empty", "messages")
     out = []
     for i, m in enumerate(messages):
-        role = _ROLES.get(m.role)
+        role = ROLES.get(m.role)
         if role is None:
-            raise invalid(f"messages[{i}].role must be one of {sorted(_ROLES)}, got {m.role!r}",
+            raise invalid(f"messages[{i}].role must be one of {sorted(ROLES)}, got {m.role!r}",
                           f"messages[{i}].role")
         calls = None
         if m.tool_calls:
             calls = [ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
                      for c in m.tool_calls]
-        content = _text_of(m.content, f"messages[{i}]")
+        content = text_of(m.content, f"messages[{i}]")
         if content is None and calls is None:
             raise invalid(f"messages[{i}] has no content", f"messages[{i}].content")
         out.append(Message(role=role, content=content, tool_calls=calls,
@@ -67,35 +50,9 @@ def chat_messages(messages: list[ChatMessage]) -> list[Message]:
     return out
 
 
-def response_input(items: Union[str, list[InputItem]], instructions: str | None) -> list[Message]:
-    """A Responses ``input`` (text or items) and ``instructions`` -> protocol messages."""
-    out = [Message(role="system", content=instructions)] if instructions else []
-    if isinstance(items, str):
-        return [*out, Message(role="user", content=items)]
-    for i, item in enumerate(items):
-        kind = item.type or "message"
-        if kind == "message":
-            role = _ROLES.get(item.role or "")
-            if role is None or role == "tool":
-                raise invalid(f"input[{i}].role must be system, developer, user or assistant",
-                              f"input[{i}].role")
-            content = _text_of(item.content, f"input[{i}]")
-            out.append(Message(role=role, content=content or ""))
-        elif kind == "function_call":
-            if not item.call_id or not item.name:
-                raise invalid(f"input[{i}]: a function_call needs call_id and name", f"input[{i}]")
-            out.append(Message(role="assistant", tool_calls=[ToolCall(
-                id=item.call_id, name=item.name, arguments=item.arguments or "{}")]))
-        elif kind == "function_call_output":
-            if not item.call_id or item.output is None:
-                raise invalid(f"input[{i}]: a function_call_output needs call_id and output",
-                              f"input[{i}]")
-            out.append(Message(role="tool", content=item.output, tool_call_id=item.call_id))
-        else:
-            raise invalid(f"input[{i}].type {kind!r} is not supported", f"input[{i}].type")
-    if not out:
-        raise invalid("input must not be empty", "input")
-    return out
+def system_prompt(instructions: str | None) -> list[Message]:
+    """Responses ``instructions``: the system message that starts the prompt."""
+    return [Message(role="system", content=instructions)] if instructions else []
 
 
 def chat_tools(tools: list[ChatTool] | None, choice: str | ChatToolChoice | None) -> tuple[list[Tool] | None, ToolChoice]:
@@ -176,7 +133,7 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [s for s in stops if s]
 
 
-def sampling(req: SamplingExtras, *, max_tokens: int, stop: list[str], logprobs: bool = False,
+def sampling(req: SamplingExtras, *, max_tokens: int | None, stop: list[str], logprobs: bool = False,
              top_logprobs: int = 0, json_schema: str | None = None) -> SamplingParams:
     """The engine's SamplingParams; the engine validates ranges and names the bad field."""
     given: dict[str, Any] = {
@@ -203,7 +160,7 @@ def n_of(value: int | None) -> int:
     return value
 
 
-def max_tokens_of(value: int | None, default: int, param: str) -> int:
+def max_tokens_of(value: int | None, default: int | None, param: str) -> int | None:
     if value is None:
         return default
     if value < 0:

@@ -1,8 +1,9 @@
-"""The HTTP process's one connection to the engine (the SDK's transport, no torch).
+"""One engine connection of the HTTP process (the SDK's transport, no torch): one per
+tenant (API key).
 
-Every HTTP request is one or more protocol requests on this connection; stored responses
-and chat sessions are engine sessions owned by it, so they live as long as the HTTP
-process stays connected.
+Every HTTP request is one or more protocol requests on its tenant's connection; stored
+responses and chat sessions are engine sessions owned by it, so they live as long as the
+HTTP process stays connected.
 """
 
 from __future__ import annotations
@@ -13,15 +14,24 @@ from typing import Any, TypeVar
 from anyio.abc import TaskGroup
 from radixlm.runtime import protocol as p
 from radixlm.runtime.transport.connection import Connection, Request
+from radixlm.runtime.transport.curve import CurveKeys
 from radixlm.runtime.transport.errors import InternalError
 
 R = TypeVar("R")
 
 
 class EngineLink:
-    def __init__(self, endpoint: str, *, heartbeat_timeout: float = 15.0) -> None:
+    def __init__(self, endpoint: str, *, heartbeat_timeout: float = 15.0,
+                 tenant: str | None = None, gateway_token: str | None = None,
+                 curve: CurveKeys | None = None) -> None:
+        """`tenant` with `gateway_token`: the connection is that tenant's (the frontend
+        trusts the gateway credential); without a token it is the server's local one."""
+        gateway = None
+        if tenant is not None and gateway_token is not None:
+            gateway = p.Gateway(tenant=tenant, token=gateway_token)
         self.conn = Connection(endpoint, client_name="radixlm-http",
-                               heartbeat_timeout=heartbeat_timeout)
+                               heartbeat_timeout=heartbeat_timeout, gateway=gateway,
+                               curve=curve)
         self._rids = itertools.count()
         self.welcome: p.Welcome | None = None
 
@@ -83,3 +93,7 @@ class EngineLink:
 
     async def tokenize(self, inp: p.Input) -> list[int]:
         return (await self.call(p.Tokenize(rid=self.rid(), input=inp), p.Tokens)).input_ids
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return (await self.call(p.Detokenize(rid=self.rid(), token_ids=token_ids),
+                                p.Detokenized)).text

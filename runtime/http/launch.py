@@ -30,10 +30,17 @@ def child_command(config: HttpConfig, parent_pid: int, log_level: str,
         *(["--fd", str(fd)] if fd is not None else []),
         "--log-level", log_level, "--response-ttl", str(config.response_ttl_s),
         "--max-body-bytes", str(config.max_body_bytes),
-        "--default-max-tokens", str(config.default_max_tokens),
     ]
+    if config.default_max_tokens is not None:
+        command += ["--default-max-tokens", str(config.default_max_tokens)]
     if config.insecure:
         command.append("--insecure")
+    if config.metrics_require_key:
+        command.append("--metrics-require-key")
+    if config.gateway_token_file:
+        command += ["--gateway-token-file", config.gateway_token_file]
+    if config.server_key and config.client_key:
+        command += ["--server-key", config.server_key, "--client-key", config.client_key]
     if config.served_model_name:
         command += ["--served-model-name", config.served_model_name]
     if config.tokenizer_dir:
@@ -49,8 +56,8 @@ def start_http(config: HttpConfig, *, log_level: str = "warning",
     return once /health answers."""
     env = dict(os.environ)
     env.pop(API_KEY_ENV, None)
-    if config.api_key is not None:
-        env[API_KEY_ENV] = config.api_key
+    if config.api_keys:
+        env[API_KEY_ENV] = "\n".join(config.api_keys)
     fd = listener.fd if listener is not None else None
     proc = subprocess.Popen(child_command(config, os.getpid(), log_level, fd), env=env,
                             stdin=subprocess.DEVNULL, pass_fds=() if fd is None else (fd,),

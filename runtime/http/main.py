@@ -18,7 +18,7 @@ from radixlm.runtime.http.config import (
     HttpConfigError,
     check_bind,
     parse_listen,
-    read_api_key,
+    read_api_keys,
 )
 
 DEFAULT_HOST = "127.0.0.1"
@@ -52,11 +52,15 @@ def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True,
                        help="serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000)")
         g.add_argument("--fd", type=int, default=None, metavar="FD",
                        help="serve this listening socket (bound by the parent) at --http")
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every HTTP route but /health "
-                        f"(also read from ${API_KEY_ENV})")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every HTTP route but /health; "
+                        "repeat it for several keys, each its own tenant (also read, one a "
+                        f"line, from ${API_KEY_ENV})")
     g.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="read the API key from the first line of this file")
+                   help="read API keys from this file, one a line ('#' comments)")
+    g.add_argument("--metrics-require-key", action="store_true",
+                   help="/metrics asks for an API key on loopback too (beyond loopback it "
+                        "always does when keys are set)")
     if insecure:
         g.add_argument("--insecure", action="store_true",
                        help="allow a non-loopback --http address without an API key")
@@ -67,8 +71,8 @@ def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True,
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (413 beyond) (default: %(default)s)")
     g.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help="output limit of requests that name none, capped at half the context "
-                        "(default: %(default)s)")
+                   help="output limit of requests that name none (default: what is left of "
+                        "the context after the prompt)")
     g.add_argument("--served-model-name", default=None,
                    help="the model id of /v1/models and of requests (default: the engine's)")
     g.add_argument("--tokenizer", default=None, metavar="DIR",
@@ -104,13 +108,17 @@ def http_config(args: argparse.Namespace, engine_endpoint: str,
     """The HttpConfig for parsed flags (raises HttpConfigError for a bad value); `listen`:
     the address, when not --http's."""
     host, port = listen if listen is not None else parse_listen(args.http)
-    key = read_api_key(args.api_key or os.environ.get(API_KEY_ENV) or None, args.api_key_file)
-    check_bind(host, key, args.insecure)
-    if args.response_ttl <= 0 or args.max_body_bytes <= 0 or args.default_max_tokens <= 0:
+    keys = read_api_keys(args.api_key, args.api_key_file, os.environ.get(API_KEY_ENV))
+    check_bind(host, keys, args.insecure)
+    if args.response_ttl <= 0 or args.max_body_bytes <= 0 or (
+            args.default_max_tokens is not None and args.default_max_tokens <= 0):
         raise HttpConfigError("--response-ttl, --max-body-bytes and --default-max-tokens must "
                               "be > 0")
-    return HttpConfig(engine_endpoint=engine_endpoint, host=host, port=port, api_key=key,
-                      insecure=args.insecure, response_ttl_s=args.response_ttl,
+    return HttpConfig(engine_endpoint=engine_endpoint, host=host, port=port, api_keys=keys,
+                      insecure=args.insecure, metrics_require_key=args.metrics_require_key,
+                      gateway_token_file=getattr(args, "gateway_token_file", None),
+                      server_key=getattr(args, "server_key", None),
+                      client_key=getattr(args, "client_key", None), response_ttl_s=args.response_ttl,
                       max_body_bytes=args.max_body_bytes,
                       default_max_tokens=args.default_max_tokens,
                       served_model_name=args.served_model_name, tokenizer_dir=args.tokenizer)
@@ -147,12 +155,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="stop once this process has exited")
     parser.add_argument("--log-level", default="warning",
                         choices=("debug", "info", "warning", "error"))
+    parser.add_argument("--server-key", default=None, metavar="PATH",
+                        help="with an --auth-dir server: its public certificate (server.key)")
+    parser.add_argument("--client-key", default=None, metavar="PATH",
+                        help="with an --auth-dir server: the gateway's secret certificate "
+                             "(its runtime directory's gateway.key_secret)")
+    parser.add_argument("--gateway-token-file", default=None, metavar="PATH",
+                        help="the server's gateway credential (its runtime directory's "
+                             "gateway.token): each API key becomes its own tenant")
     add_http_arguments(parser)
     args = parser.parse_args(argv)
     if args.http is None:
         parser.error("--http HOST:PORT is required")
     try:
         config = http_config(args, args.engine)
+        if len(config.api_keys) > 1 and config.gateway_token_file is None:
+            raise HttpConfigError(
+                "several API keys are several tenants, which needs the server's gateway "
+                "credential: --gateway-token-file RUNTIME_DIR/gateway.token (radixlm serve "
+                "--http passes it)")
     except HttpConfigError as e:
         print(f"radixlm http: {e}", file=sys.stderr)
         return 2

@@ -1,60 +1,106 @@
 """Prometheus metrics of the HTTP frontend (one registry per app, no global state).
 
-Counters and latency histograms are updated as requests run; the engine's pool, session
-and queue gauges are read from its stats at each scrape.
+Two sources:
+- the engine's own counters and gauges, read from its stats at each scrape: they count
+  all traffic, every protocol (a ZeroMQ ``generate`` moves them as an HTTP one does);
+- what this process sees of its own requests: HTTP status codes, end-to-end latency,
+  time to first token and between tokens of streams, finish reasons, aborted streams.
+
+Names follow vLLM's where it has a counterpart, with the ``radixlm:`` prefix (the
+mapping is in docs/http.md), each with a ``model_name`` label.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from radixlm.runtime.protocol import StatsReply, Usage
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from radixlm.runtime.protocol import StatsReply
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0, 30.0)
+                    10.0, 30.0, 60.0)
+
+
+class _EngineCollector:
+    """The engine's stats (of the last scrape) as Prometheus families."""
+
+    def __init__(self) -> None:
+        self.stats: StatsReply | None = None
+        self.model = ""
+
+    def describe(self) -> list[object]:
+        return []
+
+    def collect(self) -> Iterator[object]:
+        s = self.stats
+        if s is None:
+            return
+        label = [self.model]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(label, value)
+            return c
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(label, value)
+            return g
+
+        yield counter("radixlm:prompt_tokens", "Prompt tokens, session history included "
+                      "(engine, every protocol)", s.prompt_tokens_total)
+        yield counter("radixlm:generation_tokens", "Generated tokens (engine)",
+                      s.generated_tokens_total)
+        yield counter("radixlm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                      "cache (engine)", s.prompt_tokens_total)
+        yield counter("radixlm:prefix_cache_hits", "Prompt tokens served from the prefix "
+                      "cache (engine)", s.cached_tokens_total)
+        yield counter("radixlm:num_preemptions", "Running requests retracted to the queue "
+                      "(their KV kept as cache)", s.retractions)
+        yield counter("radixlm:fair_preemptions", "Retractions that gave another client its "
+                      "share of running slots", s.fair_preemptions)
+        yield gauge("radixlm:num_requests_running", "Requests decoding", s.running)
+        yield gauge("radixlm:num_requests_waiting", "Requests waiting to start", s.waiting)
+        used = s.capacity - s.free - s.evictable
+        yield gauge("radixlm:kv_cache_usage_perc", "KV pool in use, 0-1 (held by running "
+                    "requests, sessions and pins; evictable cache counts as free)",
+                    used / s.capacity if s.capacity else 0.0)
+        yield gauge("radixlm:prefix_cache_hit_rate", "Cached / prompt tokens", s.hit_rate)
+        yield gauge("radixlm:engine_sessions", "Open engine sessions", s.sessions)
+        pool = GaugeMetricFamily("radixlm:kv_pool_tokens", "KV pool tokens by state",
+                                 labels=["model_name", "state"])
+        for state in ("free", "evictable", "protected", "private"):
+            pool.add_metric([self.model, state], getattr(s, state))
+        yield pool
 
 
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.engine = _EngineCollector()
+        r.register(self.engine)  # type: ignore[arg-type]
         self.requests = Counter("radixlm_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
-        self.prompt_tokens = Counter("radixlm_prompt_tokens", "Prompt tokens (history included)",
-                                     registry=r)
-        self.cached_tokens = Counter("radixlm_cached_tokens",
-                                     "Prompt tokens served from the prefix cache", registry=r)
-        self.completion_tokens = Counter("radixlm_completion_tokens", "Generated tokens",
-                                         registry=r)
-        self.ttft = Histogram("radixlm_time_to_first_token_seconds",
-                              "Time from request to first streamed token", registry=r,
-                              buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram("radixlm_inter_token_latency_seconds",
-                             "Time between streamed tokens", registry=r, buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram("radixlm:e2e_request_latency_seconds",
+                             "Generation requests, from arrival to their last token (HTTP)",
+                             ["model_name"], registry=r, buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram("radixlm:time_to_first_token_seconds",
+                              "Streamed requests: arrival to first token (HTTP)", ["model_name"],
+                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("radixlm:inter_token_latency_seconds",
+                             "Streamed requests: time between streamed tokens (HTTP)",
+                             ["model_name"], registry=r, buckets=_LATENCY_BUCKETS)
+        self.finished = Counter("radixlm:request_success", "Finished generations by finish "
+                                "reason (HTTP)", ["model_name", "finished_reason"], registry=r)
         self.aborted = Counter("radixlm_http_streams_aborted",
                                "Streams whose client left before the end (aborted in the engine)",
                                registry=r)
-        self.hit_rate = Gauge("radixlm_cache_hit_rate",
-                              "Engine prefix-cache hit rate (cached / prompt tokens)", registry=r)
-        self.pool = Gauge("radixlm_kv_pool_tokens", "KV pool tokens by state", ["state"],
-                          registry=r)
-        self.sessions = Gauge("radixlm_engine_sessions", "Open engine sessions", registry=r)
-        self.stored = Gauge("radixlm_http_stored_conversations",
-                            "Stored responses and chat sessions held by this frontend",
+        self.stored = Gauge("radixlm_http_stored_objects",
+                            "Stored responses, chat sessions and conversations, all tenants",
                             registry=r)
-        self.running = Gauge("radixlm_requests_running", "Requests decoding", registry=r)
-        self.waiting = Gauge("radixlm_requests_waiting", "Requests waiting to start", registry=r)
 
-    def count_usage(self, usage: Usage, completion_tokens: int) -> None:
-        self.prompt_tokens.inc(usage.prompt_tokens)
-        self.cached_tokens.inc(usage.cached_tokens)
-        self.completion_tokens.inc(completion_tokens)
-
-    def render(self, stats: StatsReply | None, stored: int) -> bytes:
-        if stats is not None:
-            self.hit_rate.set(stats.hit_rate)
-            for state in ("free", "evictable", "protected", "private"):
-                self.pool.labels(state).set(getattr(stats, state))
-            self.sessions.set(stats.sessions)
-            self.running.set(stats.running)
-            self.waiting.set(stats.waiting)
+    def render(self, stats: StatsReply | None, stored: int, model_name: str) -> bytes:
+        self.engine.stats, self.engine.model = stats, model_name
         self.stored.set(stored)
         return generate_latest(self.registry)

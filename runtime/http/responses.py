@@ -1,11 +1,18 @@
 """/v1/responses: OpenAI's Responses API on engine sessions.
 
-Each stored response is an engine session holding that response's whole history (input
-and output) token-exactly. ``previous_response_id`` forks that session and appends only
-the new input: nothing is re-rendered or re-tokenized and the whole history is a
-prefix-cache hit (``usage.input_tokens_details.cached_tokens``). Any number of responses
-may continue the same previous one. ``store: false`` keeps nothing. A response unused
-for ``--response-ttl`` seconds expires (its session is closed): its id then gets 404.
+A response's conversation is its messages -- the previous response's (with
+``previous_response_id``), or a conversation's items (with ``conversation``), then its
+own input -- under its own ``instructions``, which are never carried over from a previous
+response. The turn continues the longest *held* history those messages start with
+(`history.py`): the engine session of an earlier response whose conversation and
+instructions (and tools) it shares. That session is forked and only the messages after
+it are appended: nothing is re-rendered, re-tokenized or recomputed, and
+``usage.input_tokens_details.cached_tokens`` counts the whole held history. This finds
+the previous response of a chain that re-sends the same instructions, and the last turn
+of a client that sends its whole history each time (openai-agents' sessions). Changed
+instructions or tools find nothing held: the prompt is rendered in full with the new
+system prompt. ``store: false`` keeps nothing. A response unused for ``--response-ttl``
+seconds expires: its id then gets 404.
 """
 
 from __future__ import annotations
@@ -16,10 +23,16 @@ from typing import Any
 
 import msgspec
 from radixlm.runtime.http import convert, generation, sse, turns
+from radixlm.runtime.http import items as item_lists
 from radixlm.runtime.http.context import HttpContext, decode_body, now, read_body
+from radixlm.runtime.http.conversations import page
 from radixlm.runtime.http.errors import invalid
-from radixlm.runtime.http.schemas import ResponsesRequest
-from radixlm.runtime.protocol import Chunk, Done, Generate, Input
+from radixlm.runtime.http.history import MESSAGES_ONLY, chain_keys, root_key
+from radixlm.runtime.http.items import items_of, stored_item, to_messages
+from radixlm.runtime.http.reply_stream import ArgsDelta, CallBegin, CallEnd, ReplyParser, TextDelta
+from radixlm.runtime.http.schemas import InputItem, ResponsesRequest
+from radixlm.runtime.http.store import Conversation, Stored
+from radixlm.runtime.protocol import Chunk, Done, Generate, Input, Message, Tool
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -37,11 +50,14 @@ def usage_json(done: Done) -> dict[str, Any]:
             "total_tokens": u.prompt_tokens + u.completion_tokens}
 
 
+def function_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{secrets.token_hex(12)}", "call_id": call_id,
+            "name": name, "arguments": arguments, "status": status}
+
+
 def output_items(done: Done, msg_id: str) -> list[dict[str, Any]]:
     if done.tool_calls:
-        return [{"type": "function_call", "id": f"fc_{secrets.token_hex(12)}", "call_id": c.id,
-                 "name": c.name, "arguments": c.arguments, "status": "completed"}
-                for c in done.tool_calls]
+        return [function_item(c.id, c.name, c.arguments, "completed") for c in done.tool_calls]
     return [message_item(msg_id, done.text, "completed")]
 
 
@@ -55,21 +71,29 @@ def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-class _Shape:
-    """The fields of a response object that come from its request."""
+class _Turn:
+    """A response being made: its request's fields, its conversation, where it runs."""
 
-    def __init__(self, ctx: HttpContext, req: ResponsesRequest, rid: str, max_tokens: int) -> None:
+    def __init__(self, ctx: HttpContext, req: ResponsesRequest, rid: str, max_tokens: int | None,
+                 tools: list[Tool] | None, conversation: Conversation | None) -> None:
+        self.ctx = ctx
+        self.rid = rid
+        self.conversation = conversation
+        fmt = msgspec.to_builtins(req.text.format) if req.text and req.text.format else {"type": "text"}
         self.base = {
             "id": rid, "object": "response", "created_at": now(), "model": ctx.model_name,
             "instructions": req.instructions, "previous_response_id": req.previous_response_id,
             "max_output_tokens": max_tokens, "metadata": req.metadata or {},
-            "parallel_tool_calls": True, "temperature": req.temperature, "top_p": req.top_p,
-            "tool_choice": "auto", "tools": [msgspec.to_builtins(t) for t in req.tools or []],
-            "text": {"format": msgspec.to_builtins(req.text.format) if req.text and req.text.format
-                     else {"type": "text"}},
-            "store": req.store is not False, "truncation": "disabled", "user": req.user,
-            "error": None, "incomplete_details": None, "reasoning": None,
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "temperature": req.temperature, "top_p": req.top_p,
+            "tool_choice": msgspec.to_builtins(req.tool_choice) if req.tool_choice else "auto",
+            "tools": [msgspec.to_builtins(t) for t in req.tools or []],
+            "text": {"format": fmt}, "store": req.store is not False, "truncation": "disabled",
+            "user": req.user, "error": None, "incomplete_details": None, "reasoning": None,
+            "conversation": {"id": conversation.id} if conversation is not None else None,
         }
+        self.root = root_key(req.instructions, tools)
+        self.system = convert.system_prompt(req.instructions)
 
     def build(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None,
               incomplete: str | None = None) -> dict[str, Any]:
@@ -78,17 +102,19 @@ class _Shape:
             out["incomplete_details"] = {"reason": incomplete}
         return out
 
-    def final(self, done: Done, msg_id: str) -> dict[str, Any]:
-        length = done.finish_reason == "length" and not done.tool_calls
-        return self.build("incomplete" if length else "completed", output_items(done, msg_id),
-                          usage_json(done), "max_output_tokens" if length else None)
+    def final(self, done: Done, output: list[dict[str, Any]]) -> dict[str, Any]:
+        calls = any(item["type"] == "function_call" for item in output)
+        length = done.finish_reason == "length" and not calls
+        return self.build("incomplete" if length else "completed", output, usage_json(done),
+                          "max_output_tokens" if length else None)
 
 
 async def create(ctx: HttpContext, request: Request) -> Response:
     req = decode_body(await read_body(request, ctx.config.max_body_bytes), ResponsesRequest)
     ctx.check_model(req.model)
     keep = req.store is not False
-    messages = convert.response_input(req.input, req.instructions)
+    own_items = item_lists.input_items(req.input)
+    own = to_messages(own_items)
     tools, tool_choice = convert.response_tools(req.tools, req.tool_choice)
     fmt = req.text.format if req.text else None
     if req.top_logprobs:
@@ -98,35 +124,91 @@ async def create(ctx: HttpContext, request: Request) -> Response:
                                        "max_output_tokens")
     sampling = convert.sampling(req, max_tokens=max_tokens, stop=[],
                                 json_schema=convert.text_json_schema(fmt))
-    turn = await turns.begin(ctx, req.previous_response_id, fork=True, keep=keep, kind="response")
+    prior, conversation = _prior(ctx, req)
     rid, msg_id = f"resp_{secrets.token_hex(16)}", f"msg_{secrets.token_hex(12)}"
-    shape = _Shape(ctx, req, rid, max_tokens)
-    msg = Generate(rid=ctx.link.rid(), input=Input(messages=messages), sampling=sampling,
+    turn_info = _Turn(ctx, req, rid, max_tokens, tools, conversation)
+    messages = prior + own
+    keys = chain_keys(turn_info.root, messages)
+    turn, held_len = await turns.continue_held(ctx, keys, len(messages), keep=keep)
+    send = messages[held_len:] if held_len else turn_info.system + messages
+    parallel = req.parallel_tool_calls is not False
+    msg = Generate(rid=ctx.link.rid(), input=Input(messages=send), sampling=sampling,
                    stream=bool(req.stream), session=turn.session, tools=tools,
-                   tool_choice=tool_choice)
+                   tool_choice=tool_choice, parallel_tool_calls=parallel)
+    if conversation is not None:
+        conversation.busy = True
     if req.stream:
+        parser = ReplyParser(ctx.welcome.tool_format, tools, tool_choice != "none", 1, parallel)
         try:
             first, rest = await sse.first_then_rest(generation.replies(ctx, msg))
         except BaseException:
-            turns.finish(ctx, turn, None, rid)
+            _settle(turn_info, turn, None, messages, own_items)
             raise
-        return sse.response(_stream(ctx, shape, msg_id, first, rest, turn, tools is not None),
-                            error_event=True)
+        return sse.response(_stream(turn_info, msg_id, first, rest, turn, parser, messages,
+                                    own_items), error_event=True)
     done = None
+    body: dict[str, Any] | None = None
     try:
         done = (await generation.run(ctx, msg))[0]
+        body = turn_info.final(done, output_items(done, msg_id))
     finally:
-        entry = turns.finish(ctx, turn, done, rid)
-    body = shape.final(done, msg_id)
-    if entry is not None:
-        entry.body = body
+        _settle(turn_info, turn, done, messages, own_items, body)
     return Response(_json.encode(body), media_type="application/json")
 
 
-async def _stream(ctx: HttpContext, shape: _Shape, msg_id: str, first: Chunk | Done,
-                  rest: AsyncIterator[Any], turn: turns.Turn, tools: bool) -> AsyncIterator[bytes]:
-    """The Responses API's streaming events, from response.created to response.completed.
-    With tools the text is held back until it is known to be a reply or function calls."""
+def _prior(ctx: HttpContext, req: ResponsesRequest) -> tuple[list[Message], Conversation | None]:
+    """The messages before this response's input, and its conversation (if any)."""
+    conv_ref = req.conversation
+    if conv_ref is not None and req.previous_response_id is not None:
+        raise invalid("give previous_response_id or conversation, not both", "conversation")
+    if req.previous_response_id is not None:
+        entry = ctx.store.get(req.previous_response_id)
+        if entry is None or entry.body is None:
+            raise turns.unknown("response", req.previous_response_id)
+        return list(entry.history), None
+    if conv_ref is not None:
+        cid = conv_ref if isinstance(conv_ref, str) else conv_ref.id
+        conv = ctx.store.conversation(cid)
+        if conv is None:
+            raise turns.unknown("conversation", cid)
+        return conv.messages(), conv
+    return [], None
+
+
+def _settle(info: _Turn, turn: turns.Turn, done: Done | None, messages: list[Message],
+            own_items: list[InputItem], body: dict[str, Any] | None = None) -> None:
+    """After the turn: hold its session under its whole history, store the response, and
+    add its items to its conversation; on failure, close what it opened."""
+    ctx = info.ctx
+    conv = info.conversation
+    if conv is not None:
+        conv.busy = False
+    if body is None or done is None:
+        turns.hold(ctx, turn, None, b"", b"")
+        return
+    output = items_of(body["output"])
+    history = messages + to_messages(output, "output")
+    held = turns.hold(ctx, turn, done, chain_keys(info.root, history)[-1],
+                      chain_keys(MESSAGES_ONLY, history)[-1])
+    if conv is not None:
+        taken = {item["id"] for item in conv.items}
+        for item in [*own_items, *output]:
+            conv.items.append(stored_item(item, taken))
+            taken.add(conv.items[-1]["id"])
+        if held is not None:
+            ctx.store.index.release(conv.held)
+            conv.held = ctx.store.index.ref(held)
+    if held is not None:
+        ctx.store.put_response(info.rid, held, history, body,
+                               [stored_item(i) for i in own_items])
+
+
+async def _stream(info: _Turn, msg_id: str, first: Chunk | Done, rest: AsyncIterator[Any],
+                  turn: turns.Turn, parser: ReplyParser, messages: list[Message],
+                  own_items: list[InputItem]) -> AsyncIterator[bytes]:
+    """The Responses API's streaming events, from response.created to response.completed:
+    a message item whose text streams as it comes (with tools, except what may begin a
+    call), and for each call a function_call item whose arguments stream in fragments."""
     seq = 0
 
     def emit(kind: str, **fields: Any) -> bytes:
@@ -134,70 +216,126 @@ async def _stream(ctx: HttpContext, shape: _Shape, msg_id: str, first: Chunk | D
         seq += 1
         return sse.event(kind, {"type": kind, "sequence_number": seq - 1, **fields})
 
+    output: list[dict[str, Any]] = []
+    text: list[str] = []  # of the open message item
+    open_msg: dict[str, Any] | None = None
+    call_item: dict[str, Any] | None = None
+
+    def open_message() -> list[bytes]:
+        nonlocal open_msg
+        open_msg = message_item(msg_id, None, "in_progress")
+        index = len(output)
+        output.append(open_msg)
+        return [emit("response.output_item.added", output_index=index, item=open_msg),
+                emit("response.content_part.added", item_id=msg_id, output_index=index,
+                     content_index=0, part=_text_part(""))]
+
+    def close_message() -> list[bytes]:
+        nonlocal open_msg
+        if open_msg is None:
+            return []
+        index = output.index(open_msg)
+        full = "".join(text)
+        done_item = message_item(msg_id, full, "completed")
+        output[index] = done_item
+        open_msg = None
+        return [emit("response.output_text.done", item_id=msg_id, output_index=index,
+                     content_index=0, text=full, logprobs=[]),
+                emit("response.content_part.done", item_id=msg_id, output_index=index,
+                     content_index=0, part=_text_part(full)),
+                emit("response.output_item.done", output_index=index, item=done_item)]
+
+    def events(evs: list[Any]) -> list[bytes]:
+        nonlocal call_item
+        out: list[bytes] = []
+        for e in evs:
+            if type(e) is TextDelta:
+                if open_msg is None:
+                    out += open_message()
+                text.append(e.text)
+                out.append(emit("response.output_text.delta", item_id=msg_id,
+                                output_index=output.index(open_msg), content_index=0,
+                                delta=e.text, logprobs=[]))
+            elif type(e) is CallBegin:
+                out += close_message()
+                call_item = function_item(parser.call_id(0, e.index), e.name, "", "in_progress")
+                output.append(call_item)
+                out.append(emit("response.output_item.added", output_index=len(output) - 1,
+                                item=call_item))
+            elif type(e) is ArgsDelta and call_item is not None:
+                out.append(emit("response.function_call_arguments.delta",
+                                item_id=call_item["id"], output_index=len(output) - 1,
+                                delta=e.text))
+            elif type(e) is CallEnd and call_item is not None:
+                done_item = {**call_item, "arguments": e.arguments, "status": "completed"}
+                output[-1] = done_item
+                out.append(emit("response.function_call_arguments.done",
+                                item_id=call_item["id"], output_index=len(output) - 1,
+                                arguments=e.arguments, name=call_item["name"]))
+                out.append(emit("response.output_item.done", output_index=len(output) - 1,
+                                item=done_item))
+                call_item = None
+        return out
+
     done = None
+    body = None
     try:
-        yield emit("response.created", response=shape.build("in_progress", [], None))
-        yield emit("response.in_progress", response=shape.build("in_progress", [], None))
-        if not tools:
-            yield emit("response.output_item.added", output_index=0,
-                       item=message_item(msg_id, None, "in_progress"))
-            yield emit("response.content_part.added", item_id=msg_id, output_index=0,
-                       content_index=0, part=_text_part(""))
+        yield emit("response.created", response=info.build("in_progress", [], None))
+        yield emit("response.in_progress", response=info.build("in_progress", [], None))
+        if not parser.parsing:
+            for data in open_message():
+                yield data
         reply = first
         while True:
             if type(reply) is Chunk:
-                if not tools and reply.text:
-                    yield emit("response.output_text.delta", item_id=msg_id, output_index=0,
-                               content_index=0, delta=reply.text, logprobs=[])
+                for data in events(parser.feed(0, reply.text)):
+                    yield data
             else:
                 done = reply
+                for data in events(parser.finish(0)):
+                    yield data
             try:
                 reply = await rest.__anext__()
             except StopAsyncIteration:
                 break
         assert done is not None
-        final = shape.final(done, msg_id)
-        entry = turns.finish(ctx, turn, done, shape.base["id"])
-        if entry is not None:
-            entry.body = final
-        for index, item in enumerate(final["output"]):
-            if tools:
-                yield emit("response.output_item.added", output_index=index,
-                           item={**item, "status": "in_progress"})
-            if item["type"] == "message":
-                if tools:
-                    yield emit("response.content_part.added", item_id=msg_id, output_index=index,
-                               content_index=0, part=_text_part(""))
-                    yield emit("response.output_text.delta", item_id=msg_id, output_index=index,
-                               content_index=0, delta=done.text, logprobs=[])
-                yield emit("response.output_text.done", item_id=msg_id, output_index=index,
-                           content_index=0, text=done.text, logprobs=[])
-                yield emit("response.content_part.done", item_id=msg_id, output_index=index,
-                           content_index=0, part=_text_part(done.text))
-            else:
-                yield emit("response.function_call_arguments.done", item_id=item["id"],
-                           output_index=index, arguments=item["arguments"], name=item["name"])
-            yield emit("response.output_item.done", output_index=index, item=item)
-        kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
-        yield emit(kind, response=final)
+        if not output:  # no text and no call: an empty message, as a non-streamed reply has
+            for data in open_message():
+                yield data
+        for data in close_message():
+            yield data
+        body = info.final(done, output)
+        _settle(info, turn, done, messages, own_items, body)
+        kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
+        yield emit(kind, response=body)
     finally:
-        if done is None:
-            turns.finish(ctx, turn, None, "")
+        if body is None:
+            _settle(info, turn, None, messages, own_items)
         await rest.aclose()  # type: ignore[attr-defined]
 
 
 async def get(ctx: HttpContext, request: Request) -> Response:
-    rid = request.path_params["response_id"]
-    entry = ctx.store.get(rid)
-    if entry is None or entry.body is None:
-        raise turns.unknown("response", rid)
+    entry = _stored(ctx, request)
     return Response(_json.encode(entry.body), media_type="application/json")
 
 
 async def delete(ctx: HttpContext, request: Request) -> Response:
+    entry = _stored(ctx, request)
+    ctx.store.delete(entry.id)
+    return Response(_json.encode({"id": entry.id, "object": "response", "deleted": True}),
+                    media_type="application/json")
+
+
+async def input_items(ctx: HttpContext, request: Request) -> Response:
+    """GET /v1/responses/{id}/input_items: this response's own input items (newest first
+    unless ``order=asc``), paged like a conversation's items."""
+    entry = _stored(ctx, request)
+    return page(request, entry.input_items)
+
+
+def _stored(ctx: HttpContext, request: Request) -> Stored:
     rid = request.path_params["response_id"]
     entry = ctx.store.get(rid)
-    if entry is None or entry.body is None or not ctx.store.delete(rid):
+    if entry is None or entry.body is None:
         raise turns.unknown("response", rid)
-    return Response(_json.encode({"id": rid, "object": "response", "deleted": True}),
-                    media_type="application/json")
+    return entry

@@ -107,7 +107,7 @@ class SamplingExtras(Body, kw_only=True):
 class CompletionOptions(SamplingExtras, kw_only=True):
     """What chat and plain completions share."""
 
-    model: str
+    model: Union[str, None] = None  # optional: the one served model
     stream: Union[bool, None] = None
     stream_options: Union[StreamOptions, None] = None
     n: Union[int, None] = None
@@ -123,6 +123,7 @@ class ChatCompletionRequest(CompletionOptions, kw_only=True):
     response_format: Union[ResponseFormat, None] = None
     tools: Union[list[ChatTool], None] = None
     tool_choice: Union[str, ChatToolChoice, None] = None
+    parallel_tool_calls: Union[bool, None] = None
     session: Union[SessionSpec, None] = None
 
 
@@ -147,12 +148,13 @@ class InputItem(Body, kw_only=True):
     """One item of a Responses ``input`` list: a message, or a function call / output."""
 
     type: Union[str, None] = None  # "message" (the default), "function_call", "function_call_output"
+    id: Union[str, None] = None
     role: Union[str, None] = None
     content: Union[str, list[InputContent], None] = None
     call_id: Union[str, None] = None
     name: Union[str, None] = None
     arguments: Union[str, None] = None
-    output: Union[str, None] = None
+    output: Union[str, list[InputContent], None] = None
 
 
 class TextFormat(Body, kw_only=True):
@@ -179,16 +181,54 @@ class ResponseToolChoice(Body, kw_only=True):
     name: Union[str, None] = None
 
 
+class ConversationRef(Body, kw_only=True):
+    id: str
+
+
 class ResponsesRequest(SamplingExtras, kw_only=True):
-    model: str
+    model: Union[str, None] = None
     input: Union[str, list[InputItem]]
     instructions: Union[str, None] = None
     previous_response_id: Union[str, None] = None
+    conversation: Union[str, ConversationRef, None] = None
     store: Union[bool, None] = None
     tool_choice: Union[str, ResponseToolChoice, None] = None
     tools: Union[list[ResponseTool], None] = None
+    parallel_tool_calls: Union[bool, None] = None
     stream: Union[bool, None] = None
     max_output_tokens: Union[int, None] = None
     text: Union[TextConfig, None] = None
     metadata: Union[dict[str, str], None] = None
     top_logprobs: Union[int, None] = None
+
+
+# -- conversations ---------------------------------------------------------------------
+
+
+class ConversationCreate(Body, kw_only=True):
+    items: Union[list[InputItem], None] = None
+    metadata: Union[dict[str, str], None] = None
+
+
+class ConversationUpdate(Body, kw_only=True):
+    metadata: dict[str, str]
+
+
+class ItemsCreate(Body, kw_only=True):
+    items: list[InputItem]
+
+
+# -- tokenize / detokenize (vLLM's shapes) ---------------------------------------------
+
+
+class TokenizeRequest(Body, kw_only=True):
+    model: Union[str, None] = None
+    prompt: Union[str, None] = None
+    messages: Union[list[ChatMessage], None] = None
+    add_generation_prompt: bool = True
+    return_token_strs: Union[bool, None] = None
+
+
+class DetokenizeRequest(Body, kw_only=True):
+    model: Union[str, None] = None
+    tokens: list[int]

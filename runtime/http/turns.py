@@ -1,12 +1,13 @@
 """One generation in a stored conversation: which engine session it runs in, and what is
 stored after it.
 
-- a new conversation opens a soft-retained engine session;
-- continuing stored id X *forks* X's session (X stays as it was: several continuations
-  of X may run at once) -- or, for a chat session continued in place, appends to it;
-- nothing stored (Responses ``store: false`` without a previous id): no session at all.
-The new input is appended to the held history: the engine renders only the new
-messages, and the whole history is a prefix-cache hit.
+- Responses (`continue_held`): the longest held history that the turn's messages start
+  with is *forked* (it stays as it was: several continuations may run at once) and only
+  the messages after it are appended; with none, a new soft-retained session gets the
+  whole conversation; nothing stored and nothing held: no session at all.
+- Chat sessions (`begin`): a new one opens a session; continuing one appends to it in
+  place, or to a fork of it.
+The engine renders only the appended messages, and the held history is a prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from dataclasses import dataclass
 
 from radixlm.runtime.http.context import HttpContext
 from radixlm.runtime.http.errors import ApiError
+from radixlm.runtime.http.history import Held
 from radixlm.runtime.http.store import Stored
 from radixlm.runtime.protocol import Done
+from radixlm.runtime.transport.errors import NotFoundError
 
 
 @dataclass
@@ -51,20 +54,55 @@ async def begin(ctx: HttpContext, previous: str | None, *, fork: bool, keep: boo
     return Turn(await ctx.link.fork_session(entry.session), fresh=True, keep=keep)
 
 
-def finish(ctx: HttpContext, turn: Turn, done: Done | None, new_id: str) -> Stored | None:
-    """Store the turn's result under `new_id` (or under the entry it advanced); on failure
-    (`done` None, or aborted) close what was opened for it."""
-    ok = done is not None and done.finish_reason != "abort" and done.session is not None
-    if turn.in_place is not None:
-        turn.in_place.busy = False
-        if ok:
-            assert done is not None and done.session_length is not None
-            turn.in_place.length = done.session_length
-        return turn.in_place
+def _succeeded(done: Done | None) -> bool:
+    return done is not None and done.finish_reason != "abort" and done.session is not None
+
+
+def _kept(ctx: HttpContext, turn: Turn, done: Done | None) -> int | None:
+    """The history length a new session of `turn` keeps; None when there is nothing to
+    keep (no new session, failed, aborted, not stored) -- the session is closed then."""
     if turn.session is None or not turn.fresh:
         return None
-    if not ok or not turn.keep:
+    if not _succeeded(done) or not turn.keep:
         ctx.link.close_sessions([turn.session])
         return None
     assert done is not None
-    return ctx.store.put(new_id, turn.session, done.session_length or 0)
+    return done.session_length or 0
+
+
+def finish(ctx: HttpContext, turn: Turn, done: Done | None, new_id: str) -> Stored | None:
+    """Store the turn's result under `new_id` (or under the entry it advanced); on failure
+    (`done` None, or aborted) close what was opened for it."""
+    if turn.in_place is not None:
+        turn.in_place.busy = False
+        if _succeeded(done):
+            assert done is not None and done.session_length is not None
+            turn.in_place.length = done.session_length
+        return turn.in_place
+    length = _kept(ctx, turn, done)
+    return None if length is None else ctx.store.put(new_id, turn.session or "", length)
+
+
+async def continue_held(ctx: HttpContext, keys: list[bytes], n_messages: int, *,
+                        keep: bool) -> tuple[Turn, int]:
+    """The session for a turn over `n_messages` messages whose chain keys are `keys`,
+    and how many of those messages it already holds (append the rest)."""
+    found = ctx.store.index.find(keys, n_messages)
+    if found is not None:
+        k, held = found
+        try:
+            return Turn(await ctx.link.fork_session(held.session), fresh=True, keep=keep), k
+        except NotFoundError:  # closed meanwhile (expired): compute it afresh
+            pass
+    if not keep:
+        return Turn(None, keep=False), 0
+    return Turn(await ctx.link.open_session(), fresh=True), 0
+
+
+def hold(ctx: HttpContext, turn: Turn, done: Done | None, key: bytes, chain: bytes) -> Held | None:
+    """After a Responses turn: the held session now holding its history (one reference
+    for the caller), or None -- failed, aborted, or nothing to keep (what the turn opened
+    is closed then)."""
+    length = _kept(ctx, turn, done)
+    return None if length is None else ctx.store.index.hold(key, chain, turn.session or "",
+                                                            length)

@@ -32,6 +32,7 @@ from radixlm.runtime.protocol import (
     Chunk,
     CloseSession,
     Error,
+    Gateway,
     Hello,
     Input,
     Struct,
@@ -115,8 +116,10 @@ class Connection:
         liveness: Liveness | None = None,
         native: bool = True,
         curve: CurveKeys | None = None,
+        gateway: Gateway | None = None,
     ) -> None:
         check_endpoint(endpoint)
+        self.gateway = gateway  # sent with Hello: a trusted gateway's tenant
         self.endpoint, self.client_name = endpoint, client_name
         self.native = native and curve is None  # CURVE needs libzmq
         self.curve = curve
@@ -163,7 +166,8 @@ class Connection:
         try:
             with opening, anyio.fail_after(connect_timeout):
                 await self._connect(tg, connect_timeout)
-                self.send(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name))
+                self.send(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name,
+                                gateway=self.gateway))
                 item = await replies.get()
         except TimeoutError:
             hint = ("is the server key right, and is this client's key authorized?"

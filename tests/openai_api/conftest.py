@@ -12,60 +12,12 @@ API key, shared by the whole session, and `openai` clients pointed at it.
 
 from __future__ import annotations
 
-import http.client
-import json
-import socket
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import ServerHandle, assert_pool_clean, start_test_server
-
-API_KEY = "test-key-7f3a"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class HttpServer:
-    server: ServerHandle
-    url: str
-    model: str
-    model_dir: Path
-    api_key: str = API_KEY
-
-    @property
-    def base_url(self) -> str:
-        return self.url + "/v1"
-
-    def request(self, method: str, path: str, body: bytes | None = None, *,
-                key: str | None = API_KEY, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-        """A raw HTTP request: (status, the JSON body, or the text if not JSON)."""
-        conn = http.client.HTTPConnection(self.url.removeprefix("http://"), timeout=60)
-        try:
-            all_headers = {"content-type": "application/json", **(headers or {})}
-            if key is not None:
-                all_headers["authorization"] = f"Bearer {key}"
-            conn.request(method, path, body=body, headers=all_headers)
-            resp = conn.getresponse()
-            data = resp.read()
-        finally:
-            conn.close()
-        try:
-            return resp.status, json.loads(data)
-        except ValueError:
-            return resp.status, data.decode(errors="replace")
-
-    def openai(self, api_key: str = API_KEY, **kw: object):  # noqa: ANN201 - openai.OpenAI
-        import openai
-
-        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, **kw)
+from conftest import assert_pool_clean, start_test_server
+from http_helpers import API_KEY, HttpServer, free_port
 
 
 @pytest.fixture(scope="session")

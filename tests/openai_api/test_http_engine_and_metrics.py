@@ -44,32 +44,48 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 
 
 def test_metrics(http_server, api) -> None:  # noqa: ANN001
+    model = f'{{model_name="{http_server.model}"}}'
     _, before = http_server.request("GET", "/metrics")
     messages = [{"role": "user", "content": f"Metrics {uuid.uuid4().hex[:6]}"}]
     r = api.chat.completions.create(model=http_server.model, messages=messages, max_tokens=5,
                                     temperature=0)
     list(api.chat.completions.create(model=http_server.model, messages=messages, max_tokens=5,
                                      temperature=0, stream=True))
+    # The token counters are the engine's: ZeroMQ traffic moves them as HTTP traffic does.
+    with http_server.server.client(timeout_s=60) as raw:
+        zmq_done = raw.generate(f"Over ZeroMQ {uuid.uuid4().hex[:6]}", max_tokens=3,
+                                temperature=0)
     http_server.request("POST", "/v1/chat/completions", b"{")
     status, after = http_server.request("GET", "/metrics")
     assert status == 200
-    ok = '{route="chat",status="200"}'
-    assert _metric(after, "radixlm_http_requests_total", ok) == _metric(
-        before, "radixlm_http_requests_total", ok) + 2 if ok in before else True
-    assert _metric(after, "radixlm_http_requests_total", '{route="chat",status="400"}') >= 1
-    grown = _metric(after, "radixlm_completion_tokens_total") - _metric(
-        before, "radixlm_completion_tokens_total")
-    assert grown == 2 * r.usage.completion_tokens
-    assert _metric(after, "radixlm_prompt_tokens_total") - _metric(
-        before, "radixlm_prompt_tokens_total") == 2 * r.usage.prompt_tokens
-    assert _metric(after, "radixlm_time_to_first_token_seconds_count") >= 1
-    assert _metric(after, "radixlm_inter_token_latency_seconds_count") >= 1
-    pool = {s: _metric(after, "radixlm_kv_pool_tokens", f'{{state="{s}"}}')
+
+    def grown(name: str, labels: str = model) -> float:
+        return _metric(after, name, labels) - (_metric(before, name, labels)
+                                                if name + labels in before else 0.0)
+
+    assert grown("radixlm_http_requests_total", '{route="chat",status="200"}') == 2
+    assert grown("radixlm_http_requests_total", '{route="chat",status="400"}') == 1
+    assert grown("radixlm:prompt_tokens_total") == 2 * r.usage.prompt_tokens + zmq_done.usage.prompt_tokens
+    assert grown("radixlm:generation_tokens_total") == (2 * r.usage.completion_tokens
+                                                        + zmq_done.usage.completion_tokens)
+    assert grown("radixlm:prefix_cache_hits_total") == (
+        r.usage.prompt_tokens_details.cached_tokens + r.usage.prompt_tokens - 1
+        + zmq_done.usage.cached_tokens)  # the repeat hits all but its last token
+    assert grown("radixlm:e2e_request_latency_seconds_count") == 2
+    assert grown("radixlm:time_to_first_token_seconds_count") == 1
+    assert grown("radixlm:inter_token_latency_seconds_count") >= 1
+    assert grown("radixlm:request_success_total",
+                 f'{{finished_reason="{r.choices[0].finish_reason}",model_name="{http_server.model}"}}') == 2
+    pool = {s: _metric(after, "radixlm:kv_pool_tokens", f'{{model_name="{http_server.model}",state="{s}"}}')
             for s in ("free", "evictable", "protected", "private")}
     assert sum(pool.values()) == http_server.server.welcome.kv_capacity
-    for name in ("radixlm_cache_hit_rate", "radixlm_engine_sessions", "radixlm_requests_running",
-                 "radixlm_requests_waiting", "radixlm_http_stored_conversations"):
-        _metric(after, name)
+    usage = _metric(after, "radixlm:kv_cache_usage_perc", model)
+    assert usage == pytest.approx((pool["protected"] + pool["private"]) / sum(pool.values()))
+    for name in ("radixlm:prefix_cache_hit_rate", "radixlm:engine_sessions",
+                 "radixlm:num_requests_running", "radixlm:num_requests_waiting",
+                 "radixlm:num_preemptions_total"):
+        _metric(after, name, model)
+    _metric(after, "radixlm_http_stored_objects")
 
 
 def test_openai_example_runs(http_server) -> None:  # noqa: ANN001

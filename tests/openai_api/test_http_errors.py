@@ -31,7 +31,7 @@ def _assert_error(status: int, body: object, expect_status: int, *, param: str |
     (b"{not json", 400, None, "not valid JSON"),
     (b"[1, 2]", 400, None, "Expected `object`"),
     (b'{"model": "m"}', 400, None, "missing required field `messages`"),
-    (json.dumps({"model": 3, "messages": []}).encode(), 400, "model", "Expected `str`"),
+    (json.dumps({"model": 3, "messages": []}).encode(), 400, "model", "Expected `str | null`"),
 ])
 def test_malformed_bodies(http_server, body, status, param, says) -> None:  # noqa: ANN001
     s, b = http_server.request("POST", "/v1/chat/completions", body)
@@ -109,8 +109,12 @@ def test_bad_or_missing_key(http_server) -> None:  # noqa: ANN001
     bad = http_server.openai(api_key="wrong")
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
+    for route in ("/v1/conversations/conv_x", "/v1/models/m", "/v1/responses/r"):
+        s, b = http_server.request("GET", route, key="wrong")
+        _assert_error(s, b, 401, says="API key")
+    # /metrics is open on loopback (as vLLM leaves it), unless --metrics-require-key
     s, b = http_server.request("GET", "/metrics", key=None)
-    assert s == 401
+    assert s == 200 and "radixlm_http_requests_total" in b
 
 
 def test_the_server_keeps_serving_after_errors(http_server, api) -> None:  # noqa: ANN001

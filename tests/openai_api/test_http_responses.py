@@ -38,7 +38,9 @@ def test_chain_four_deep_hits_the_whole_history(http_server, api) -> None:  # no
     chain = [r]
     for turn in range(3):
         text = f"Next {turn} {tag}"
-        nxt = api.responses.create(model=http_server.model, input=text,
+        # Instructions are never carried over: a chain re-sends them (as openai-agents
+        # does every turn) and still continues the held history.
+        nxt = api.responses.create(model=http_server.model, input=text, instructions="Be brief.",
                                    previous_response_id=chain[-1].id, max_output_tokens=6,
                                    temperature=0)
         prev = chain[-1]

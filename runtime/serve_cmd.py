@@ -49,6 +49,7 @@ from radixlm.runtime.transport.discovery import (
     RuntimeDirError,
     claim_default,
 )
+from radixlm.runtime.transport.exits import how_it_ended
 
 __all__ = ["run_serve"]
 
@@ -145,12 +146,14 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         if args.endpoint_file:
             write_endpoint_file(args.endpoint_file, server.endpoint)
         role, code = server.wait()
-        say("serve", f"the {role} process exited with code {code}; stopping")
+        say("serve", f"the {role} process {how_it_ended(code)}; stopping")
         return 1
     except (ServerStartError, EndpointError, RuntimeDirError, HttpStartError) as e:
         say("serve", str(e))
         return 1
-    except (KeyboardInterrupt, StopRequested):
+    except (KeyboardInterrupt, StopRequested) as e:
+        # The last word of the log says why it stopped (rl.Engine reports that line).
+        say("serve", "stopped on " + ("SIGTERM" if isinstance(e, StopRequested) else "Ctrl-C"))
         return 0  # start_server has stopped what it started if it was interrupted
     finally:
         if http_socket is not None:

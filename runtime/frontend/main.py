@@ -34,6 +34,7 @@ from radixlm.runtime.curve_keys import (
     start_authenticator,
 )
 from radixlm.runtime.engine.messages import EngineReady, to_frontend_decoder
+from radixlm.runtime.frontend.identities import unpredictable_routing_ids
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.server import Frontend, welcome_from
 from radixlm.runtime.frontend.tenants import write_gateway_token
@@ -79,7 +80,8 @@ def client_socket_options(config: EngineConfig, client_fd: int = -1) -> dict[int
     frame size limit (libzmq drops a connection whose frame is larger, before buffering
     it), CURVE server keys when clients must authenticate, and the listening socket the
     launcher bound (`client_fd`; libzmq then owns and closes it)."""
-    options: dict[int, int | bytes] = {zmq.ROUTER_MANDATORY: 1}
+    # No handover: a peer naming a live connection's id is ignored, never given its place.
+    options: dict[int, int | bytes] = {zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 0}
     if client_fd >= 0:
         options[zmq.USE_FD] = client_fd
     if config.max_message_bytes > 0:
@@ -102,6 +104,7 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
             accepted = (make_gateway_keys(Path(endpoints.runtime_dir), Path(config.auth_dir))
                         if endpoints.runtime_dir else None)
             authenticator = start_authenticator(ctx, Path(config.auth_dir), accepted)
+        unpredictable_routing_ids()  # before the ROUTER picks its first id (identities.py)
         clients = open_socket(ctx, zmq.ROUTER, endpoints.client, bind=True,
                               options=client_socket_options(config, endpoints.client_fd))
         sockets.append(clients)

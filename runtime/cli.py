@@ -204,6 +204,11 @@ def add_trust_arguments(p: argparse.ArgumentParser) -> None:
             type=_positive_float, default=d.engine_timeout_s, metavar="SECONDS", help=(
                 "fail in-flight requests with engine_unavailable once the engine process has "
                 "not answered for this long (default: %(default)s)"))),
+        ("--drain-timeout", dict(
+            type=_non_negative_float, default=d.drain_timeout_s, metavar="SECONDS", help=(
+                "on SIGTERM (or Ctrl-C) the server takes no new requests and lets running "
+                "ones finish for up to this long, then stops; a second signal stops it at "
+                "once (default: %(default)s)"))),
         ("--max-inflight-per-client", dict(
             type=_non_negative_int, default=d.max_inflight_per_client, metavar="N", help=(
                 "generate requests one client may have in flight (more get 'capacity'); 0 = no "
@@ -251,6 +256,7 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         insecure=getattr(args, "insecure", _DEFAULTS.insecure),
         max_message_bytes=getattr(args, "max_message_bytes", _DEFAULTS.max_message_bytes),
         engine_timeout_s=getattr(args, "engine_timeout", _DEFAULTS.engine_timeout_s),
+        drain_timeout_s=getattr(args, "drain_timeout", _DEFAULTS.drain_timeout_s),
         max_inflight_per_client=getattr(args, "max_inflight_per_client",
                                         _DEFAULTS.max_inflight_per_client),
         max_priority=getattr(args, "max_priority", _DEFAULTS.max_priority),

@@ -40,6 +40,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     insecure: bool = False  # allow a public TCP endpoint without auth_dir
     max_message_bytes: int = 4 * 2**20  # largest client frame; libzmq drops the connection
     engine_timeout_s: float = 60.0  # engine silent this long -> in-flight requests fail
+    drain_timeout_s: float = 30.0  # SIGTERM: running requests may finish for this long
     max_inflight_per_client: int = 0  # generate requests one client may have in flight; 0 = no cap
     max_priority: int = 0  # a request's priority is clamped to this
     fair_step_factor: float = 2.0  # several clients decoding: a step within this many one-row steps; 0 = off

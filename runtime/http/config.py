@@ -47,6 +47,7 @@ class HttpConfig:
     max_messages: int = DEFAULT_MAX_MESSAGES  # 400 beyond, before rendering
     max_tools: int = DEFAULT_MAX_TOOLS
     max_parts: int = DEFAULT_MAX_PARTS
+    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests may finish for this long
 
     @property
     def metrics_public(self) -> bool:

@@ -57,6 +57,10 @@ def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True,
                        help="serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000)")
         g.add_argument("--fd", type=int, default=None, metavar="FD",
                        help="serve this listening socket (bound by the parent) at --http")
+        g.add_argument("--drain-timeout", type=float, default=HttpConfig.drain_timeout_s,
+                       metavar="SECONDS",
+                       help="on SIGTERM, how long in-flight requests may finish (a second "
+                            "signal stops at once) (default: %(default)s)")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every HTTP route but /health; "
                         "repeat it for several keys, each its own tenant (also read, one a "
@@ -146,6 +150,7 @@ def http_config(args: argparse.Namespace, engine_endpoint: str,
                       max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
                       max_messages=args.max_messages, max_tools=args.max_tools,
                       max_parts=args.max_parts,
+                      drain_timeout_s=getattr(args, "drain_timeout", HttpConfig.drain_timeout_s),
                       served_model_name=args.served_model_name, tokenizer_dir=args.tokenizer)
 
 
@@ -165,7 +170,7 @@ def serve(config: HttpConfig, log_level: str = "warning", fd: int | None = None)
         build_app(config), host=config.host, port=config.port, loop=loop,
         http=limited_protocol(config.max_header_bytes, config.max_headers),
         lifespan="on", log_level=log_level, access_log=log_level == "debug",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=config.drain_timeout_s,  # a second signal: at once
     ))
     server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
     if not server.started:

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from radixlm.runtime.engine.messages import EngineAbort
+from radixlm.runtime.engine_wire import EngineAbort
 from radixlm.runtime.grammar.compiler import GrammarCompiler, GrammarTimeout, Pending
 from radixlm.runtime.grammar.matcher import GrammarState
 from radixlm.runtime.grammar.runtime import Grammars

@@ -163,6 +163,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
     g.add_argument("--retained-cap", type=_non_negative_int, default=d.retained_cap,
                    help="cap on tokens held by sessions and pins; 0 = half the KV pool "
                         "(default: %(default)s)")
+    g.add_argument("--max-retained-per-tenant", type=_non_negative_int,
+                   default=d.max_retained_per_tenant, metavar="TOKENS",
+                   help="on a server with several tenants, the most one tenant's sessions "
+                        "and pins may retain; 0 = the retained cap shared equally among the "
+                        "tenants retaining tokens, a quarter of it at least (default: "
+                        "%(default)s)")
     g.add_argument("--grammar-timeout", type=_positive_float, default=d.grammar_timeout_s,
                    metavar="SECONDS",
                    help="a constrained request whose grammar has not compiled in this time "
@@ -244,6 +250,7 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         context_length=args.context_length,
         allow_long_context=args.allow_long_context,
         retained_cap=args.retained_cap,
+        max_retained_per_tenant=args.max_retained_per_tenant,
         default_session_ttl_s=args.session_ttl,
         grammar_timeout_s=args.grammar_timeout,
         host_kv_tokens=args.host_kv_tokens,

@@ -27,6 +27,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     context_length: int = 0  # 0 = the model's max_position_embeddings
     allow_long_context: bool = False  # allow context_length beyond the model's positions (warned)
     retained_cap: int = 0  # cap on retained (pinned + session) tokens; 0 = half the pool
+    max_retained_per_tenant: int = 0  # a tenant's quota of the cap; 0 = an equal share
     grammar_timeout_s: float = 60.0  # a request's wait for its grammar to compile
     default_session_ttl_s: float = 0.0  # 0 = no idle TTL unless a session asks for one
     host_kv_tokens: int = 0  # host-memory KV tier capacity (tokens); 0 = off

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -91,8 +92,17 @@ def client_socket_options(config: EngineConfig, client_fd: int = -1) -> dict[int
     return options
 
 
+def _drain_on(frontend: Frontend, timeout_s: float) -> Callable[[int, object], None]:
+    """The SIGTERM handler: the first drains (`Frontend.begin_drain`), a second exits."""
+    def handler(signum: int, frame: object) -> None:
+        if frontend.draining:
+            raise SystemExit(128 + signum)
+        frontend.begin_drain(timeout_s, signal.Signals(signum).name)
+    return handler
+
+
 def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
-    """Serve clients until interrupted (SIGTERM is turned into SystemExit by the launcher)."""
+    """Serve clients until drained after SIGTERM (a second one exits at once)."""
     ctx: zmq.Context[Any] = zmq.Context()
     sockets: list[zmq.Socket[Any]] = []
     executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixlm-tokenize")
@@ -134,6 +144,7 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
         # A signal may land on ZeroMQ's I/O thread; Python runs its handler on the main
         # thread, which the wake-up fd pulls out of its poll.
         signal.set_wakeup_fd(frontend.wakeup_fd, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, _drain_on(frontend, config.drain_timeout_s))
         try:
             frontend.serve()
         finally:

@@ -70,6 +70,15 @@ def _wait(pending: Pending, timeout_s: float = 30.0):  # noqa: ANN202
     return got
 
 
+def _holding(c: Recording) -> Pending:
+    """A gated compilation that has taken the (one) compile thread."""
+    hold = c.get(regex("slow-hold"), owner="z", party="z")
+    while "slow-hold" not in c.started:
+        time.sleep(0.005)
+    assert isinstance(hold, Pending)
+    return hold
+
+
 def test_each_tenant_has_its_own_cache(tok: Tokenizer) -> None:
     c = Recording(tok, threading.Event(), workers=2)
     try:
@@ -109,9 +118,7 @@ def test_parties_take_turns(tok: Tokenizer) -> None:
     gate = threading.Event()
     c = Recording(tok, gate, workers=1)
     try:
-        hold = c.get(regex("slow-hold"), owner="z", party="z")  # the one thread waits
-        while c.started != ["slow-hold"]:
-            time.sleep(0.005)
+        hold = _holding(c)  # the one thread waits
         a = [c.get(regex(f"a{i}"), owner="a", party="a") for i in range(3)]
         b = [c.get(regex(f"b{i}"), owner="b", party="b") for i in range(3)]
         gate.set()
@@ -127,9 +134,7 @@ def test_a_compilation_nobody_waits_for_leaves_the_queue(tok: Tokenizer) -> None
     gate = threading.Event()
     c = Recording(tok, gate, workers=1)
     try:
-        hold = c.get(regex("slow-hold"), owner="a", party="a")
-        while c.started != ["slow-hold"]:
-            time.sleep(0.005)
+        hold = _holding(c)
         dropped = c.get(regex("dropped"), owner="a", party="a")
         cancelled = c.get(regex("cancelled"), owner="a", party="a")
         kept = c.get(regex("kept"), owner="a", party="a")

@@ -27,7 +27,7 @@ def test_exit_words() -> None:
     assert how_it_ended(0) == "exited with code 0"
 
 
-def _wait_exit(proc, timeout_s: float = 60.0) -> int:  # noqa: ANN001
+def wait_exit(proc, timeout_s: float = 60.0) -> int:  # noqa: ANN001
     deadline = time.monotonic() + timeout_s
     while (code := proc.poll()) is None:
         assert time.monotonic() < deadline, "the server did not exit"
@@ -39,7 +39,7 @@ def test_a_server_stopped_by_sigterm_says_so(tiny_model_dir: Path) -> None:
     with rl.Engine(str(tiny_model_dir), device="cpu", kv_tokens=512, threads=1) as engine:
         assert engine.generate("hello", max_tokens=2)
         os.kill(engine.pid, signal.SIGTERM)
-        _wait_exit(engine.process.proc)
+        wait_exit(engine.process.proc)
         reason = engine.process.exit_reason()
         assert reason is not None and "SIGTERM" in reason, reason
         assert "ready at" not in reason, reason
@@ -50,7 +50,7 @@ def test_a_killed_engine_is_named_with_its_signal(tmp_path: Path, tiny_model_dir
             rl.connect(server.endpoint) as client:
         assert client.generate("hello", max_tokens=2)
         os.kill(role_pid(server.pid, "engine"), signal.SIGKILL)
-        _wait_exit(server.process)
+        wait_exit(server.process)
         log = server.log()
         assert "the engine process was killed by signal 9 (SIGKILL)" in log, log
         with pytest.raises(rl.EngineDeadError) as dead:

@@ -16,6 +16,8 @@ import pytest
 from conftest import start_test_server
 from http_helpers import API_KEY, HttpServer, free_port
 
+from tests.test_trust_liveness import role_pid
+
 pytestmark = pytest.mark.timeout(180)
 
 LIMITS = {"--max-header-bytes": 8192, "--max-headers": 20, "--max-messages": 6,
@@ -200,17 +202,6 @@ def test_message_tool_and_part_counts_are_bounded(bounded: HttpServer) -> None:
 # -- a dead engine ---------------------------------------------------------------------------
 
 
-def _frontend_pid(server: HttpServer) -> int:
-    for pid in server.server.child_pids:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"frontend" in cmdline and b"radixlm.runtime.launcher" in cmdline:
-            return pid
-    raise AssertionError("no frontend process among the server's children")
-
-
 def test_errors_about_a_dead_server_name_no_internal_endpoint(
         tmp_path: Path, http_model_dir: Path) -> None:
     port = free_port()
@@ -218,7 +209,7 @@ def test_errors_about_a_dead_server_name_no_internal_endpoint(
                            f"127.0.0.1:{port}", "--api-key", API_KEY) as handle:
         server = HttpServer(handle, f"http://127.0.0.1:{port}", http_model_dir.name,
                             http_model_dir)
-        frontend = _frontend_pid(server)
+        frontend = role_pid(server.server.pid, "frontend")
         os.kill(frontend, signal.SIGSTOP)  # frozen: the HTTP process's link gives up on it
         try:
             s, b = server.request("POST", "/v1/chat/completions", _chat(server))

@@ -216,10 +216,11 @@ def test_a_killed_worker_fails_the_engine_with_its_name(tmp_path: Path,
     with start_test_server(tmp_path / "srv", tp_model_dir, "--tp", "2") as h:
         with h.client(timeout_s=60) as c:
             assert len(c.generate(wire.Input(input_ids=[5, 6, 7]), **_greedy()).token_ids) == 6
-        engine = [p for p in h.child_pids if " launcher engine " in _cmdline(p)]
+        engine = [p for p in h.child_pids if "launcher engine " in _cmdline(p)]
         assert len(engine) == 1, [_cmdline(p) for p in h.child_pids]
-        workers = [p for p in children_of(engine[0]) if "multiprocessing" in _cmdline(p)]
-        assert len(workers) == 1, [_cmdline(p) for p in children_of(engine[0])]
+        helpers = children_of(engine[0])  # the worker rank and multiprocessing's tracker
+        workers = [p for p in helpers if "spawn_main" in _cmdline(p)]
+        assert len(workers) == 1, [_cmdline(p) for p in helpers]
         os.kill(workers[0], signal.SIGKILL)
         try:
             h.process.wait(60)  # the engine stops, so `radixlm serve` stops: no hang
@@ -230,9 +231,9 @@ def test_a_killed_worker_fails_the_engine_with_its_name(tmp_path: Path,
         assert f"tensor-parallel rank 1 (pid {workers[0]}) stopped (signal 9)" in log, log
         assert "the engine process exited with code 1" in log, log
         deadline = time.monotonic() + 10
-        while any(process_alive(p) for p in [*engine, *workers]) and time.monotonic() < deadline:
+        while any(process_alive(p) for p in [*engine, *helpers]) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(process_alive(p) for p in [*engine, *workers])
+        assert not any(process_alive(p) for p in [*engine, *helpers])
 
 
 def test_a_failed_collective_fails_the_forward_with_the_workers_error(tp_model_dir: Path) -> None:

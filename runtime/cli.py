@@ -128,7 +128,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
                         "its output past them may degrade)")
     g.add_argument("-t", "--threads", dest="threads", type=_non_negative_int, default=d.threads,
                    help="torch intra-op threads on CPU; 0 = torch's default (default: %(default)s)")
-    g.add_argument("--tensor-parallel-size", "--tp", dest="tensor_parallel_size",
+    g.add_argument("--tensor-parallel-size", "--tp", "--tp-size", "-tp", dest="tensor_parallel_size",
                    type=_positive_int, default=d.tensor_parallel_size, metavar="N",
                    help="split the model's heads and MLP over N ranks (torch.distributed: gloo "
                         "on CPU, NCCL on CUDA, one GPU per rank); dense weights only "

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ServerHandle, children_of, process_alive, start_test_server
+from conftest import ServerHandle, assert_pool_clean, children_of, process_alive, start_test_server
 from radixlm.cache import KVPool
 from radixlm.runtime import protocol as wire
 from radixlm.runtime.distributed import (
@@ -31,7 +31,6 @@ from radixlm.runtime.distributed import (
 )
 from radixlm.runtime.distributed.load import check_dense
 from radixlm.runtime.model import ForwardBatch, ModelConfig, ModelRunner
-from radixlm.runtime.raw_client import RawClient
 from tiny_models import TINY_VARIANTS, make_tiny_checkpoint
 
 CLI = [sys.executable, "-m", "radixlm.runtime.cli"]
@@ -177,7 +176,15 @@ def tp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tp_server(tmp_path_factory: pytest.TempPathFactory, tp_model_dir: Path) -> Iterator[ServerHandle]:
     with start_test_server(tmp_path_factory.mktemp("tp-server"), tp_model_dir, "--tp", "2") as h:
+        engine = [p for p in h.child_pids if "launcher engine " in _cmdline(p)]
+        helpers = children_of(engine[0])
+        assert any("spawn_main" in _cmdline(p) for p in helpers)
         yield h
+    assert h.process.returncode == 0, h.log()
+    deadline = time.monotonic() + 10  # the worker rank stops with the engine
+    while any(process_alive(p) for p in helpers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(process_alive(p) for p in helpers), h.log()
 
 
 def _greedy(**kw: object) -> dict[str, object]:
@@ -206,9 +213,9 @@ def test_a_session_turn_and_a_fork_through_serve_tp2(tp_server: ServerHandle,
             d = c.generate(wire.Input(input_ids=more), session=branch, **_greedy())
             assert d.token_ids == hf_greedy(hf, history + more, 6)
             assert d.usage.cached_tokens >= len(history) - 1
-        stats = c.stats()
+        stats = assert_pool_clean(c)
+        assert stats.protected >= len(history)  # the sessions stay held on rank 0's cache
     assert "tensor parallel: 2 ranks (gloo)" in tp_server.log()
-    assert stats is not None
 
 
 def test_a_killed_worker_fails_the_engine_with_its_name(tmp_path: Path,

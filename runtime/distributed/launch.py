@@ -158,12 +158,14 @@ class TensorParallel:
                                  f"tensor-parallel rank {w.rank}: pipe failed ({e})") from e
 
     def collective_failed(self, exc: BaseException) -> TensorParallelError:
-        """A collective raised in rank 0's forward: name the worker behind it."""
+        """Rank 0's forward raised (a collective whose peer died, or anything else: the
+        ranks are out of step either way); name the worker behind it if one is gone."""
         deadline = time.monotonic() + 2.0  # the failed peer is usually exiting right now
         while time.monotonic() < deadline and all(w.process.is_alive() for w in self.workers):
             time.sleep(0.05)
         gone = [w.describe_exit() for w in self.workers if not w.process.is_alive()]
-        return self._fail("; ".join(gone) if gone else f"tensor-parallel collective failed: {exc}")
+        return self._fail("; ".join(gone) if gone else
+                          f"tensor-parallel forward failed on rank 0: {type(exc).__name__}: {exc}")
 
     def on_failure(self, callback: Callable[[], None]) -> None:
         """Call `callback` (from the watcher thread) once a rank has failed; at once if
@@ -221,7 +223,7 @@ class TensorParallelRunner:
         self.tp.send(batch)
         try:
             return self.local.forward(batch)
-        except RuntimeError as e:  # gloo/NCCL errors are RuntimeErrors (DistBackendError)
+        except Exception as e:  # noqa: BLE001 - any failure here leaves the ranks out of step
             raise self.tp.collective_failed(e) from e
 
 

@@ -41,26 +41,28 @@ class Rendezvous:
 
 
 class TPGroup:
-    """This process's membership of the group: `all_reduce` sums over the ranks."""
+    """This process's membership of the group: `all_reduce` sums over the ranks.
+
+    A process group object of its own (not torch's default group, which is one per
+    process): nothing global is set, and one process may hold several (tests)."""
 
     def __init__(self, rendezvous: Rendezvous, rank: int) -> None:
         self.rank = rank
         self.world = rendezvous.world
         self.device = rendezvous.device_of(rank)
-        if self.device.type == "cuda":
+        timeout = datetime.timedelta(seconds=rendezvous.timeout_s)
+        store = dist.FileStore(rendezvous.path, rendezvous.world)
+        if rendezvous.backend == "nccl":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(
-            rendezvous.backend,
-            init_method=f"file://{rendezvous.path}",
-            rank=rank,
-            world_size=rendezvous.world,
-            timeout=datetime.timedelta(seconds=rendezvous.timeout_s),
-        )
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._pg = dist.ProcessGroupNCCL(store, rank, rendezvous.world, options)
+        else:
+            self._pg = dist.ProcessGroupGloo(store, rank, rendezvous.world, timeout)
 
     def all_reduce(self, t: torch.Tensor) -> None:
         """Sum `t` over the ranks, in place."""
-        dist.all_reduce(t)
+        self._pg.allreduce([t]).wait()
 
     def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._pg = None  # its connections close with it

@@ -59,8 +59,8 @@ def hf_greedy(hf, prompt: Sequence[int], n: int) -> list[int]:
 # ----------------------------------------------------------------------------- sizes
 
 
-def test_sizes_that_do_not_divide_the_heads_are_refused(tmp_path: Path) -> None:
-    cfg = ModelConfig.from_dir(make_tiny_checkpoint(tmp_path, "llama"))  # 4 heads, 2 KV heads
+def test_sizes_that_do_not_divide_the_heads_are_refused(tiny_model_dir: Path) -> None:
+    cfg = ModelConfig.from_dir(tiny_model_dir)  # 4 heads, 2 KV heads, intermediate 96
     check_tp_size(cfg, 2)
     with pytest.raises(TensorParallelConfigError, match="num_key_value_heads=2") as e:
         check_tp_size(cfg, 4)
@@ -262,6 +262,32 @@ def test_a_failed_collective_fails_the_forward_with_the_workers_error(tp_model_d
             tp.runner.forward(ForwardBatch.build([([9], None, range(5))]))
     finally:
         tp.close()
+
+
+def test_an_error_in_a_worker_reaches_the_log_and_fails_the_engine(
+        tp_model_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """A worker that raises (here: a step message it cannot read) logs its traceback to
+    the engine's stderr and reports the error, which every later forward raises."""
+    tp = TensorParallel.start(tp_model_dir, 2, device=torch.device("cpu"), dtype=torch.float32,
+                              capacity=CAPACITY, page_size=1, threads=1)  # fmt: skip
+    fired: list[bool] = []
+    try:
+        tp.on_failure(lambda: fired.append(True))
+        tp.workers[0].conn.send_bytes(bytes(48))  # op 0: no such step
+        tp.workers[0].process.join(60)
+        assert tp.workers[0].process.exitcode == 1
+        deadline = time.monotonic() + 10
+        while not fired and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fired == [True]
+        expected = r"rank 1 \(pid \d+\) stopped \(exit code 1\): ValueError: unknown tensor-parallel step op 0"
+        with pytest.raises(TensorParallelError, match=expected):
+            tp.runner.forward(ForwardBatch.build([([5, 6, 7], None, range(3))]))
+    finally:
+        tp.close()
+    err = capfd.readouterr().err
+    assert "radixlm-tp1 ERROR radixlm.tp: tensor-parallel rank 1 failed" in err, err
+    assert "Traceback" in err and "unknown tensor-parallel step op 0" in err, err
 
 
 def _cmdline(pid: int) -> str:

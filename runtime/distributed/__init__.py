@@ -11,8 +11,9 @@ their KV heads.
 """
 
 from .engine_start import start_engine_ranks
-from .launch import TensorParallel, TensorParallelError, TensorParallelRunner
+from .launch import TensorParallel, TensorParallelRunner
 from .shard import TensorParallelConfigError, check_tp_size, shard_config
+from .workers import TensorParallelError
 
 __all__ = [
     "TensorParallel",

@@ -8,13 +8,13 @@ and runs rank 0's shard; the all-reduces inside keep the ranks in step.
 
 A worker that fails or dies fails the forward in progress (its requests get the error)
 and sets `failure`; the watcher thread also notices a death while the engine is idle and
-calls the `on_failure` callback (the engine then stops and reports `failure`). Nothing waits forever:
-collectives time out (group.py), pipes close with their process.
+calls the `on_failure` callback (the engine then stops and reports `failure`). Nothing
+waits forever: collectives time out (group.py), pipes close with their process
+(workers.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -23,8 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
+from multiprocessing.connection import wait
 from pathlib import Path
 
 import torch
@@ -37,51 +36,31 @@ from .group import Rendezvous, TPGroup
 from .linear import RowParallelAdd
 from .load import load_shard
 from .shard import check_tp_size
-from .step_wire import encode_step, encode_stop
-from .worker import FAILED, LOADED, WorkerSpec, worker_main
+from .step_wire import encode_step
+from .worker import WorkerSpec
+from .workers import (
+    TensorParallelError,
+    WorkerProcess,
+    spawn_worker,
+    stop_all,
+    wait_loaded,
+)
 
 log = logging.getLogger("radixlm.tp")
-
-STOP_WAIT_S = 10.0  # a stopped worker exits within this, else it is killed
-
-
-class TensorParallelError(RuntimeError):
-    """A worker rank failed or died: this engine cannot compute any more."""
-
-
-class _Worker:
-    def __init__(self, rank: int, process: BaseProcess, conn: Connection) -> None:
-        self.rank, self.process, self.conn = rank, process, conn
-        self.error: str | None = None  # what it reported before exiting
-
-    def describe_exit(self) -> str:
-        """Why this worker is gone, in one line."""
-        self.read_error()
-        self.process.join(1.0)  # reaped: its exit code is known
-        code = self.process.exitcode
-        how = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
-        detail = f": {self.error}" if self.error else ""
-        return f"tensor-parallel rank {self.rank} (pid {self.process.pid}) stopped ({how}){detail}"
-
-    def read_error(self) -> None:
-        with contextlib.suppress(OSError, EOFError):
-            while self.error is None and self.conn.poll(0):
-                msg = self.conn.recv_bytes()
-                if msg.startswith(FAILED):
-                    self.error = msg[len(FAILED):].decode(errors="replace")
 
 
 class TensorParallel:
     """N ranks of one model; rank 0 is this process. See the module docstring."""
 
-    def __init__(self, world: int, workers: list[_Worker], group: TPGroup, runner: ModelRunner,
-                 tmpdir: str) -> None:  # fmt: skip
+    def __init__(self, world: int, workers: list[WorkerProcess], group: TPGroup,
+                 runner: ModelRunner, tmpdir: str) -> None:  # fmt: skip
         self.world = world
         self.workers = workers
         self.group = group
         self.runner = TensorParallelRunner(self, runner)
         self.failure: str | None = None
         self._on_failure: Callable[[], None] = lambda: None
+        self._fail_lock = threading.Lock()  # the watcher and the forward may both see it
         self._tmpdir = tmpdir
         self._closed = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
@@ -115,7 +94,7 @@ class TensorParallel:
         tmpdir = tempfile.mkdtemp(prefix="radixlm-tp-")  # 0700: a private rendezvous
         rdv = Rendezvous(str(Path(tmpdir) / "rendezvous"), world, str(device))
         ctx = mp.get_context("spawn")
-        workers: list[_Worker] = []
+        workers: list[WorkerProcess] = []
         try:
             for rank in range(1, world):
                 spec = WorkerSpec(
@@ -124,22 +103,17 @@ class TensorParallel:
                     page_size=page_size, attention=attention, threads=threads, seed=seed,
                     log_level=log_level, parent_pid=os.getpid(),
                 )  # fmt: skip
-                mine, theirs = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=worker_main, args=(spec, theirs), daemon=True,
-                                   name=f"radixlm-tp{rank}")  # fmt: skip
-                proc.start()
-                theirs.close()
-                workers.append(_Worker(rank, proc, mine))
+                workers.append(spawn_worker(ctx, spec))
             model = load_shard(model_dir, device, dtype, 0, world)
             c = model.config
             pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, capacity, page_size, dtype,
                           device)  # fmt: skip
             runner = ModelRunner.from_model(model, pool, attention)
-            _wait_loaded(workers, start_timeout_s)
+            wait_loaded(workers, start_timeout_s)
             group = TPGroup(rdv, 0)
             model.add_out_proj = RowParallelAdd(group)
         except BaseException:
-            _stop_all(workers, send_stop=False)
+            stop_all(workers, send_stop=False)
             shutil.rmtree(tmpdir, ignore_errors=True)
             raise
         log.info("tensor parallel: %d ranks (%s), %d heads and %d KV heads per rank",
@@ -179,8 +153,11 @@ class TensorParallel:
             raise TensorParallelError(self.failure)
 
     def _fail(self, why: str) -> TensorParallelError:
-        if self.failure is None:
-            self.failure = why
+        with self._fail_lock:
+            first = self.failure is None
+            if first:
+                self.failure = why
+        if first:
             log.error("%s; the engine stops", why)
             self._on_failure()
         return TensorParallelError(self.failure)
@@ -201,7 +178,7 @@ class TensorParallel:
         if self._closed.is_set():
             return
         self._closed.set()
-        _stop_all(self.workers, send_stop=self.failure is None)
+        stop_all(self.workers, send_stop=self.failure is None)
         self.group.close()
         shutil.rmtree(self._tmpdir, ignore_errors=True)
 
@@ -225,47 +202,3 @@ class TensorParallelRunner:
             return self.local.forward(batch)
         except Exception as e:  # noqa: BLE001 - any failure here leaves the ranks out of step
             raise self.tp.collective_failed(e) from e
-
-
-def _wait_loaded(workers: list[_Worker], timeout_s: float) -> None:
-    """Until every worker has loaded its shard; a failure or death is the start-up error."""
-    pending = {w.conn: w for w in workers}
-    by_sentinel = {w.process.sentinel: w for w in workers}
-    deadline = time.monotonic() + timeout_s
-    while pending:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            ranks = ", ".join(str(w.rank) for w in pending.values())
-            raise TensorParallelError(f"tensor-parallel ranks {ranks} did not load the model "
-                                      f"within {timeout_s:.0f}s")
-        for obj in wait([*pending, *by_sentinel], timeout=left):
-            w = pending.get(obj) or by_sentinel[obj]
-            if obj in pending:
-                try:
-                    msg = w.conn.recv_bytes()
-                except (EOFError, OSError):
-                    msg = b""
-                if msg == LOADED:
-                    del pending[obj]
-                    continue
-                if msg.startswith(FAILED):
-                    w.error = msg[len(FAILED):].decode(errors="replace")
-            w.process.join(5.0)
-            raise TensorParallelError(w.describe_exit())
-
-
-def _stop_all(workers: list[_Worker], send_stop: bool) -> None:
-    for w in workers:
-        if send_stop:
-            with contextlib.suppress(OSError):
-                w.conn.send_bytes(encode_stop())
-        else:
-            w.process.terminate()
-    deadline = time.monotonic() + STOP_WAIT_S
-    for w in workers:
-        w.process.join(max(0.0, deadline - time.monotonic()))
-        if w.process.is_alive():
-            log.warning("tensor-parallel rank %d did not stop: killing it", w.rank)
-            w.process.kill()
-            w.process.join(1.0)
-        w.conn.close()

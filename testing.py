@@ -31,9 +31,11 @@ import argparse
 import contextlib
 import itertools
 import os
+import re
 import tempfile
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,12 +54,17 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML markers of the stub's 
 CONTEXT_LENGTH = 8192  # the stub's context length (its Welcome says so)
 
 
-def toy_next_token(seq: list[int], branch: int = 0) -> int:
-    """The toy model's next token after `seq`: EOS now and then, else a letter."""
+def toy_next_token(seq: list[int], branch: int = 0, banned: Collection[int] = ()) -> int:
+    """The toy model's next token after `seq`: EOS now and then, else a letter. A token in
+    `banned` (masked, as ``min_tokens`` masks EOS and stop ids) gives way to the next
+    letter of the alphabet that is not."""
     h = (sum(seq[-3:]) * 31 + len(seq) * 7 + branch * 13) % 101
-    if h == 0:
-        return EOS
-    return ord(ALPHABET[h % len(ALPHABET)])
+    token = EOS if h == 0 else ord(ALPHABET[h % len(ALPHABET)])
+    i = h
+    while token in banned:
+        i += 1
+        token = ord(ALPHABET[i % len(ALPHABET)])
+    return token
 
 
 def toy_logprob(context: list[int], token: int) -> float:
@@ -325,9 +332,20 @@ class StubServer:
         if len(prompt) + sp.max_tokens > CONTEXT_LENGTH:
             raise _Refused(p.ErrorCode.TOO_LONG, "prompt + max_tokens exceeds the context")
         start = msg.prompt_logprobs_start
-        if start is not None and not 0 <= start <= len(appended):
+        history = len(prompt) - len(appended)
+        if start is not None and not -history <= start <= len(appended):
             raise _Refused(p.ErrorCode.INVALID_PARAMS,
-                           f"prompt_logprobs_start ({start}) must be in [0, {len(appended)}]")
+                           f"prompt_logprobs_start ({start}) must be in [{-history}, "
+                           f"{len(appended)}]")
+        if not 0 <= sp.min_tokens <= sp.max_tokens:
+            raise _Refused(p.ErrorCode.INVALID_PARAMS,
+                           f"min_tokens must be in [0, max_tokens], got {sp.min_tokens}")
+        for pattern in sp.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise _Refused(p.ErrorCode.INVALID_PARAMS,
+                               f"stop_regex {pattern!r} is not a valid regex: {e}") from None
         cached = self._compute(prompt)
         if session is not None:
             session.busy = True
@@ -351,19 +369,21 @@ class StubServer:
 
     def _run_job(self, job: _Job, *, until_done: bool) -> None:
         sp = job.msg.sampling
+        enders = {EOS, *sp.stop_token_ids} if not sp.ignore_eos else set(sp.stop_token_ids)
         for b in job.branches:
             while not b.done:
                 if len(b.output) >= sp.max_tokens:
                     self._finish(job, b, "length", None)
                     break
                 shift = (sp.seed or 0) + b.index if sp.temperature > 0 else 0
-                token = toy_next_token(job.prompt + b.output, shift)
+                banned = enders if len(b.output) < sp.min_tokens else ()
+                token = toy_next_token(job.prompt + b.output, shift, banned)
                 b.output.append(token)
                 self.generated_tokens_total += 1
                 if token == EOS and not sp.ignore_eos:
                     self._finish(job, b, "stop", EOS)
                     break
-                if token in sp.stop_token_ids:
+                if token in sp.stop_token_ids:  # its text is not output (as SGLang trims it)
                     self._finish(job, b, "stop", token)
                     break
                 b.text += _decode([token])
@@ -373,13 +393,33 @@ class StubServer:
                     b.output = _encode_text(b.text)
                     self._finish(job, b, "stop", hit)
                     break
+                pattern = next((r for r in sp.stop_regex if re.search(r, b.text)), None)
+                if pattern is not None:
+                    # SGLang's trim: at the pattern's text, if it occurs literally; a match
+                    # of anything else stays in the output.
+                    cut = b.text.find(pattern)
+                    if cut != -1:
+                        b.text = b.text[:cut]
+                        b.output = _encode_text(b.text)
+                    elif job.msg.stream:
+                        self._chunk(job, b, [token])
+                    self._finish(job, b, "stop", pattern)
+                    break
                 if job.msg.stream:
-                    self._send(job.client, p.Chunk(rid=job.msg.rid, text=_decode([token]),
-                                                    token_ids=[token], index=b.index))
+                    self._chunk(job, b, [token])
                 if not until_done:
                     break
         if all(b.done for b in job.branches):
             self._jobs.pop((job.client, job.msg.rid), None)
+
+    def _chunk(self, job: _Job, b: _Branch, tokens: list[int]) -> None:
+        logprobs = None
+        if job.msg.sampling.logprobs:
+            start = len(b.output) - len(tokens)
+            logprobs = [toy_logprob(job.prompt + b.output[: start + i], t)
+                        for i, t in enumerate(tokens)]
+        self._send(job.client, p.Chunk(rid=job.msg.rid, text=_decode(tokens), token_ids=tokens,
+                                       logprobs=logprobs, index=b.index))
 
     def _finish(self, job: _Job, b: _Branch, reason: str, matched: str | int | None) -> None:
         b.done = True

@@ -86,6 +86,8 @@ class SamplingParams(Struct):
     seed: Union[int, None] = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
+    stop_regex: list[str] = []  # Python regexes: the output ends once its text matches one
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many
     ignore_eos: bool = False
     logprobs: bool = False  # logprob of each sampled token
     top_logprobs: int = 0  # and this many alternatives per position

@@ -9,7 +9,8 @@ from typing import Any
 from radixlm.runtime.protocol import Done, Message, ToolCall, TopLogprob
 from radixlm.sdk.structured import to_tool_calls
 
-__all__ = ["GenerateResult", "StreamDelta", "meta_info", "to_messages"]
+__all__ = ["GenerateResult", "StreamDelta", "logprob_triples", "meta_info", "to_messages",
+           "top_triples"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,14 +57,15 @@ def _finish_reason(done: Done) -> dict[str, Any]:
     return {"type": done.finish_reason}
 
 
-def _triples(values: list[float], ids: list[int] | None) -> list[tuple[float, int | None, None]]:
+def logprob_triples(values: list[float], ids: list[int] | None
+                    ) -> list[tuple[float, int | None, None]]:
     """SGLang's ``(logprob, token_id, text)`` form (text is not returned by the engine)."""
     if ids is None:
         return [(v, None, None) for v in values]
     return [(v, t, None) for v, t in zip(values, ids, strict=False)]
 
 
-def _top(rows: list[list[TopLogprob]]) -> list[list[tuple[float, int, None]]]:
+def top_triples(rows: list[list[TopLogprob]]) -> list[list[tuple[float, int, None]]]:
     return [[(alt.logprob, alt.token_id, None) for alt in row] for row in rows]
 
 
@@ -83,13 +85,14 @@ def meta_info(done: Done, latency_s: float) -> dict[str, Any]:
         "output_ids": done.token_ids,
     }
     if done.logprobs is not None:
-        info["output_token_logprobs"] = _triples(done.logprobs, done.token_ids)
+        info["output_token_logprobs"] = logprob_triples(done.logprobs, done.token_ids)
+        info["output_token_logprobs_length"] = len(done.logprobs)
     if done.top_logprobs is not None:
-        info["output_top_logprobs"] = _top(done.top_logprobs)
+        info["output_top_logprobs"] = top_triples(done.top_logprobs)
     if done.prompt_logprobs is not None:
-        info["input_token_logprobs"] = _triples(done.prompt_logprobs, None)
+        info["input_token_logprobs"] = logprob_triples(done.prompt_logprobs, None)
     if done.prompt_top_logprobs is not None:
-        info["input_top_logprobs"] = _top(done.prompt_top_logprobs)
+        info["input_top_logprobs"] = top_triples(done.prompt_top_logprobs)
     return info
 
 

@@ -8,12 +8,21 @@ everything else keeps running concurrently in the client's event loop.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from radixlm.sdk.errors import ProgramError
 from radixlm.sdk.executor import ForkOp, JoinOp, SetVarOp, StateCore
-from radixlm.sdk.lang import flatten
+from radixlm.sdk.lang import (
+    ExprList,
+    RoleBegin,
+    RoleEnd,
+    VarScopeBegin,
+    VarScopeEnd,
+    as_expr,
+    flatten,
+)
 from radixlm.sdk.run import await_future
 
 if TYPE_CHECKING:
@@ -42,14 +51,61 @@ class ProgramState:
         return self
 
     def __setitem__(self, name: str, value: Any) -> None:
-        """Set variable `name` (``s[name] = value``; SGLang's ``set_var``)."""
-        self._run.submit(self._core, SetVarOp(name, value))
+        """Set variable `name` (``s[name] = value``; SGLang's ``set_var``). After the
+        program ended (``state["x"] = int(state["x"])`` on a run's result) it is set at
+        once, once the state's last operations ran."""
+        core = self._core
+        if not core.end_submitted:
+            self._run.submit(core, SetVarOp(name, value))
+            return
+        self.sync()  # its executor is done: nothing else writes the state any more
+        core.variables[name] = value
+        core.var_done.add(name)
 
     set_var = __setitem__
 
-    def fork(self, size: int = 1) -> ProgramStateGroup:
+    # -- roles and scopes (SGLang's state methods) ----------------------------------------
+
+    def _role(self, role: str, expr: Any) -> Any:
+        if expr is not None:
+            whole = ExprList((RoleBegin(role), as_expr(expr), RoleEnd(role)))
+            self += whole
+            return whole
+        return self._role_scope(role)
+
+    @contextmanager
+    def _role_scope(self, role: str) -> Iterator[None]:
+        self._run.submit(self._core, RoleBegin(role))
+        yield
+        self._run.submit(self._core, RoleEnd(role))
+
+    def system(self, expr: Any = None) -> Any:
+        """``s.system(expr)`` appends a system message (as ``s += rl.system(expr)``);
+        ``with s.system():`` makes what is appended inside it one."""
+        return self._role("system", expr)
+
+    def user(self, expr: Any = None) -> Any:
+        """``s.user(expr)``, or ``with s.user(): ...``: a user message (see `system`)."""
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None) -> Any:
+        """``s.assistant(expr)``, or ``with s.assistant(): ...``: an assistant message
+        (see `system`); generate inside it."""
+        return self._role("assistant", expr)
+
+    @contextmanager
+    def var_scope(self, name: str) -> Iterator[None]:
+        """``with s.var_scope("x"): ...``: the text appended inside (generated or not)
+        becomes variable ``x``."""
+        self._run.submit(self._core, VarScopeBegin(name))
+        yield
+        self._run.submit(self._core, VarScopeEnd(name))
+
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
         """`size` copies of this state continuing independently from here: one engine
-        ``ForkSession``, no prefix re-sent. ``join()`` gathers their variables back."""
+        ``ForkSession``, no prefix re-sent. ``join()`` gathers their variables back.
+        (`position_ids_offset` is SGLang's; its interpreter ignores it, and so does this.)"""
+        size = int(size)
         if size < 1:
             raise ValueError(f"fork size must be >= 1, got {size}")
         new_core = self._run.new_core
@@ -57,9 +113,9 @@ class ProgramState:
         self._run.submit(self._core, ForkOp(children))
         return ProgramStateGroup([ProgramState(self._run, c) for c in children], self)
 
-    def copy(self) -> _CopiedState:
+    def copy(self, position_ids_offset: Any = None) -> _CopiedState:
         """One fork of this state; as a context manager it is joined back on exit."""
-        child = self.fork(1)
+        child = self.fork(1, position_ids_offset)
         return _CopiedState(child, self)
 
     # -- reading (blocking) --------------------------------------------------------------------
@@ -173,26 +229,30 @@ class ProgramState:
 
     async def text_async_iter(self, var_name: Any = None,
                               return_meta_data: bool = False) -> AsyncIterator[Any]:
-        """Async version of `text_iter`; with `return_meta_data`, yields (text, meta_info)."""
+        """Async version of `text_iter`; with `return_meta_data`, yields (text, meta_info):
+        while a gen streams, the meta of the tokens that piece covers (their
+        ``output_token_logprobs``, the running ``completion_tokens``: see
+        `radixlm.sdk.stream_meta`)."""
         if not self._run.stream:
             await self.wait()
             value = self._core.text if var_name is None else await self.aget(var_name)
             yield (value, self._core.meta.get(var_name)) if return_meta_data else value
             return
         self._run.commit()
-        cursor = 0
+        with_meta = return_meta_data and var_name is not None  # SGLang: text only for None
+        cursor = tokens = 0
         core = self._core
         while True:
             if self._run.in_loop_thread():
-                chunk, done = await core.next_text(var_name, cursor)
+                chunk, done, meta, tokens = await core.next_piece(var_name, cursor, tokens)
             elif self._run.portal is not None:
-                chunk, done = await await_future(
-                    self._run.portal.start_task_soon(core.next_text, var_name, cursor))
+                chunk, done, meta, tokens = await await_future(self._run.portal.start_task_soon(
+                    core.next_piece, var_name, cursor, tokens))
             else:
                 raise ProgramError("this program state belongs to another event loop")
             cursor += len(chunk)
             if chunk:
-                yield (chunk, core.meta.get(var_name)) if return_meta_data else chunk
+                yield (chunk, meta) if with_meta else chunk
             if done:
                 break
         self._raise_if_failed()
@@ -228,6 +288,13 @@ class ProgramStateGroup:
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
+
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        """What ``forks[i] += expr`` ends with (Python stores the result back): the same
+        state. Putting another state there is refused, as in SGLang."""
+        if value is not self.states[i]:
+            raise TypeError("a fork group's states cannot be replaced: append to them with "
+                            "forks[i] += ...")
 
     def __len__(self) -> int:
         return len(self.states)

@@ -154,6 +154,8 @@ class Generate(Struct, tag="generate"):
     tool_choice: Union[ToolChoiceMode, NamedToolChoice] = "auto"
     # False: at most one call per answer ("required": exactly one).
     parallel_tool_calls: bool = True
+    # With logprobs: each token's text rides with them (SGLang's return_text_in_logprobs).
+    logprob_texts: bool = False
 
 
 class Abort(Struct, tag="abort"):
@@ -292,6 +294,8 @@ class Chunk(Struct, tag="chunk"):
     logprobs: Union[list[float], None] = None
     top_logprobs: Union[list[list[TopLogprob]], None] = None
     index: int = 0  # branch index when n > 1
+    # With logprob_texts: the text of every token id in this chunk's ids and logprobs.
+    token_texts: Union[dict[int, str], None] = None
 
 
 class Usage(Struct):
@@ -321,6 +325,10 @@ class Done(Struct, tag="done"):
     top_logprobs: Union[list[list[TopLogprob]], None] = None
     prompt_logprobs: Union[list[float], None] = None  # from prompt_logprobs_start on
     prompt_top_logprobs: Union[list[list[TopLogprob]], None] = None
+    prompt_token_ids: Union[list[int], None] = None  # the tokens of prompt_logprobs
+    # With logprob_texts: the text (decoded alone) of every token id in the output, its
+    # top alternatives and the prompt's logprobs.
+    token_texts: Union[dict[int, str], None] = None
     session: Union[str, None] = None  # the session this branch's history lives in
     session_length: Union[int, None] = None  # its history length after this turn
     index: int = 0  # branch index when n > 1 (one Done per branch)

@@ -370,10 +370,13 @@ class StateCore:
         plp_start = None
         if logprob_start is not None and sampling.logprobs:
             plp_start = logprob_start - self.session_length
+        texts = op.text_in_logprobs if op.text_in_logprobs is not None else \
+            run.gen_defaults.text_in_logprobs
         stream = run.stream and n == 1
         msg = self.client.generate_message(last or Input(input_ids=[]), sampling,
                                            session=self.session, n=n, stream=stream,
-                                           prompt_logprobs_start=plp_start)
+                                           prompt_logprobs_start=plp_start,
+                                           logprob_texts=bool(texts))
         name = op.name
         text_start = len(self._text)
         start = time.perf_counter()

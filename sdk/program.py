@@ -213,7 +213,10 @@ class Program:
         program of the batch finds it in the cache (``global_config`` switches it)."""
         if client.aclient in self._cached:
             return  # pinned: better than cached
-        prefix = self.constant_prefix()
+        try:
+            prefix = self.constant_prefix()
+        except Exception:  # noqa: BLE001 - the body failed on placeholders: no precache
+            return
         if prefix is None:
             return
         chars = len(prefix.text or "") + sum(len(m.content or "") for m in prefix.messages or [])

@@ -35,11 +35,11 @@ class StreamLog:
         if chunk.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
-            self.logprobs += logprob_triples(chunk.logprobs, chunk.token_ids)
+            self.logprobs += logprob_triples(chunk.logprobs, chunk.token_ids, chunk.token_texts)
         if chunk.top_logprobs is not None:
             if self.top_logprobs is None:
                 self.top_logprobs = []
-            self.top_logprobs += top_triples(chunk.top_logprobs)
+            self.top_logprobs += top_triples(chunk.top_logprobs, chunk.token_texts)
         self.tokens += chunk.token_ids
 
     def meta_since(self, token_cursor: int, final: dict[str, Any] | None) -> dict[str, Any]:

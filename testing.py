@@ -418,8 +418,9 @@ class StubServer:
             start = len(b.output) - len(tokens)
             logprobs = [toy_logprob(job.prompt + b.output[: start + i], t)
                         for i, t in enumerate(tokens)]
+        texts = {t: _decode([t]) for t in tokens} if job.msg.logprob_texts else None
         self._send(job.client, p.Chunk(rid=job.msg.rid, text=_decode(tokens), token_ids=tokens,
-                                       logprobs=logprobs, index=b.index))
+                                       logprobs=logprobs, index=b.index, token_texts=texts))
 
     def _finish(self, job: _Job, b: _Branch, reason: str, matched: str | int | None) -> None:
         b.done = True
@@ -442,20 +443,24 @@ class StubServer:
                     job.session.history = list(job.prompt)
                     job.session.busy = False
         self._trie.insert(job.prompt + b.output)
-        prompt_logprobs = None
-        if msg.prompt_logprobs_start is not None:  # a position in the input (appended) part
+        prompt_logprobs = prompt_ids = None
+        if msg.prompt_logprobs_start is not None:  # from the appended input (< 0: history)
             seq = job.prompt
             start = len(seq) - job.appended + msg.prompt_logprobs_start
-            prompt_logprobs = [toy_logprob(seq[:i], seq[i])
-                               for i in range(max(1, start), len(seq))]
+            positions = range(max(1, start), len(seq))
+            prompt_logprobs = [toy_logprob(seq[:i], seq[i]) for i in positions]
+            prompt_ids = [seq[i] for i in positions]
+        texts = None
+        if msg.logprob_texts:  # a toy token's text is its character
+            texts = {t: _decode([t]) for t in (*b.output, *(prompt_ids or ()))}
         self._send(job.client, p.Done(
             rid=msg.rid, finish_reason=reason, text=b.text, token_ids=list(b.output),  # type: ignore[arg-type]
             usage=p.Usage(prompt_tokens=len(job.prompt), cached_tokens=job.cached,
                         completion_tokens=len(b.output)),
-            matched_stop=matched, prompt_logprobs=prompt_logprobs,
+            matched_stop=matched, prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids,
             logprobs=[toy_logprob(job.prompt + b.output[:i], t) for i, t in enumerate(b.output)]
             if msg.sampling.logprobs else None,
-            session=session_id, session_length=length, index=b.index,
+            session=session_id, session_length=length, index=b.index, token_texts=texts,
         ))
 
     def _abort(self, client: bytes, msg: p.Abort) -> None:

@@ -230,7 +230,27 @@ def test_logprob_start_len_counts_in_the_whole_text(client) -> None:
         expected = [None if i == 0 else toy_logprob(prompt[:i], prompt[i])
                     for i in range(start, len(prompt))]
         assert values == pytest.approx(expected)
+        ids = [t[1] for t in meta["input_token_logprobs"]]
+        assert ids[1 if start == 0 else 0:] == prompt[max(start, 1):]
         assert meta["output_token_logprobs_length"] == 2
+
+
+def test_return_text_in_logprobs_fills_the_token_texts(client) -> None:
+    """return_text_in_logprobs: each (logprob, token_id, text) triple gets the token's
+    text (a toy token is one character); without it the text is None."""
+
+    @rl.function
+    def scored(s, texts):
+        s += "Hi there."
+        s += rl.gen("a", max_tokens=3, ignore_eos=True, return_logprob=True,
+                    logprob_start_len=3, return_text_in_logprobs=texts)
+
+    meta = scored.run(texts=True, backend=client, temperature=0).get_meta_info("a")
+    for key in ("output_token_logprobs", "input_token_logprobs"):
+        assert [t[2] for t in meta[key]] == [chr(t[1]) for t in meta[key]]
+    assert "".join(t[2] for t in meta["input_token_logprobs"]) == "there."
+    meta = scored.run(texts=None, backend=client, temperature=0).get_meta_info("a")
+    assert {t[2] for t in meta["output_token_logprobs"]} == {None}
 
 
 def test_run_level_options_and_none_as_not_given(client, stub) -> None:

@@ -60,10 +60,11 @@ def toy_next_token(seq: list[int], branch: int = 0, banned: Collection[int] = ()
     letter of the alphabet that is not."""
     h = (sum(seq[-3:]) * 31 + len(seq) * 7 + branch * 13) % 101
     token = EOS if h == 0 else ord(ALPHABET[h % len(ALPHABET)])
-    i = h
-    while token in banned:
-        i += 1
-        token = ord(ALPHABET[i % len(ALPHABET)])
+    if banned:
+        i = h
+        while token in banned:
+            i += 1
+            token = ord(ALPHABET[i % len(ALPHABET)])
     return token
 
 
@@ -369,14 +370,16 @@ class StubServer:
 
     def _run_job(self, job: _Job, *, until_done: bool) -> None:
         sp = job.msg.sampling
-        enders = {EOS, *sp.stop_token_ids} if not sp.ignore_eos else set(sp.stop_token_ids)
+        enders = ()
+        if sp.min_tokens:  # masked until min_tokens: EOS (unless ignored) and stop ids
+            enders = set(sp.stop_token_ids) if sp.ignore_eos else {EOS, *sp.stop_token_ids}
         for b in job.branches:
             while not b.done:
                 if len(b.output) >= sp.max_tokens:
                     self._finish(job, b, "length", None)
                     break
                 shift = (sp.seed or 0) + b.index if sp.temperature > 0 else 0
-                banned = enders if len(b.output) < sp.min_tokens else ()
+                banned = enders if enders and len(b.output) < sp.min_tokens else ()
                 token = toy_next_token(job.prompt + b.output, shift, banned)
                 b.output.append(token)
                 self.generated_tokens_total += 1
@@ -393,8 +396,9 @@ class StubServer:
                     b.output = _encode_text(b.text)
                     self._finish(job, b, "stop", hit)
                     break
-                pattern = next((r for r in sp.stop_regex if re.search(r, b.text)), None)
-                if pattern is not None:
+                pattern = sp.stop_regex and next(
+                    (r for r in sp.stop_regex if re.search(r, b.text)), None)
+                if pattern:
                     # SGLang's trim: at the pattern's text, if it occurs literally; a match
                     # of anything else stays in the output.
                     cut = b.text.find(pattern)

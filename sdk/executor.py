@@ -40,7 +40,7 @@ from radixlm.runtime.protocol import (
 )
 from radixlm.runtime.transport.mailbox import EMPTY, Latch, Mailbox
 from radixlm.sdk.choices import decide
-from radixlm.sdk.errors import ProgramError, plain_errors
+from radixlm.sdk.errors import NotFoundError, ProgramError, plain_errors
 from radixlm.sdk.lang import (
     Gen,
     RoleBegin,
@@ -301,26 +301,43 @@ class StateCore:
         """Send what is pending to the session (opening it on first use). With `keep_last`,
         the last piece is returned instead, to travel with the request that follows."""
         inputs, self.pending = self.pending, []
-        pinned = self.run.pin
-        if self.session is None and pinned is None:
-            pinned = self._from_cached_prefix(inputs)
-        last = inputs.pop() if keep_last and inputs else None
-        if self.session is None:
+        if self.session is not None:
+            last = inputs.pop() if keep_last and inputs else None
+        else:
             if self.handed_over:  # pragma: no cover - `_fork` checked nothing follows
                 raise ProgramError("internal: this state gave its session to a fork")
-            first = inputs.pop(0) if inputs else None
-            with anyio.CancelScope(shield=True):  # a cancel must not lose the new id
-                opened = await self.client.call(OpenSession(
-                    rid=self.client.new_rid(), input=first, pinned=pinned,
-                    namespace=self.run.namespace,
-                ), SessionOpened)
-            self.session = opened.session
-            self.owned.add(opened.session)
-            self.session_length = opened.length
+            whole = list(inputs)
+            cached = self._from_cached_prefix(inputs) if self.run.pin is None else None
+            try:
+                last = await self._open(inputs, keep_last, cached or self.run.pin)
+            except NotFoundError:
+                if cached is None:
+                    raise
+                # The pin `program.cache()` made is gone (unpinned): start from scratch.
+                self.run.cached_prefix.gone = True  # type: ignore[union-attr]
+                self.run.cached_prefix = None
+                inputs = whole
+                last = await self._open(inputs, keep_last, None)
         for inp in inputs:  # pieces of different kinds (text, messages): one append each
             msg = self.client.generate_message(inp, _APPEND_ONLY, session=self.session)
             done = (await self.client.run_generate(msg))[0]
             self._took(done)
+        return last
+
+    async def _open(self, inputs: list[Input], keep_last: bool, pinned: str | None
+                    ) -> Input | None:
+        """Open this state's session (from `pinned`) with the first of `inputs`; with
+        `keep_last`, the last one is taken off and returned, as `_push` returns it."""
+        last = inputs.pop() if keep_last and inputs else None
+        first = inputs.pop(0) if inputs else None
+        with anyio.CancelScope(shield=True):  # a cancel must not lose the new id
+            opened = await self.client.call(OpenSession(
+                rid=self.client.new_rid(), input=first, pinned=pinned,
+                namespace=self.run.namespace,
+            ), SessionOpened)
+        self.session = opened.session
+        self.owned.add(opened.session)
+        self.session_length = opened.length
         return last
 
     def _from_cached_prefix(self, inputs: list[Input]) -> str | None:

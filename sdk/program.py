@@ -228,6 +228,9 @@ class Program:
                  pin: str | None, namespace: str | None, loop_thread: int, token: Any,
                  portal: BlockingPortal | None) -> ProgramRun:
         cached = self._cached.get(client) if namespace is None else None
+        if cached is not None and cached.gone:
+            self._cached.pop(client, None)
+            cached = None
         return ProgramRun(client, defaults=sampling, stream=stream, pin=pin, namespace=namespace,
                           loop_thread=loop_thread, token=token, portal=portal,
                           cached_prefix=cached)

@@ -20,7 +20,8 @@ import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -40,11 +41,14 @@ if TYPE_CHECKING:
 __all__ = ["CachedPrefix", "ProgramRun", "await_future"]
 
 
-class CachedPrefix(NamedTuple):
-    """A program's constant prefix, pinned in the engine under `name` (``cache()``)."""
+@dataclass
+class CachedPrefix:
+    """A program's constant prefix, pinned in the engine under `name` (``cache()``);
+    `gone` once a run found the pin no longer there (unpinned)."""
 
     name: str
     input: Input
+    gone: bool = False
 
 
 class ProgramRun:

@@ -486,6 +486,14 @@ def test_cache_pins_the_constant_prefix_and_runs_start_from_it(client, stub) -> 
     assert state["a"] == text_of(toy_generate(chars(f"{preamble}Q: why\nA:"), 4, ignore_eos=True))
     assert preamble not in "".join(g.input.text or "" for g in stub.received_of(Generate)[-1:])
     client.unpin(name)
+    # The pin is gone: a run starts from scratch (and later runs no longer try it).
+    opens = count(stub, OpenSession)
+    again = ask.run(q="why", backend=client, temperature=0)
+    assert again["a"] == state["a"] and again.text() == state.text()
+    assert [m.pinned for m in stub.received_of(OpenSession)[opens:]] == [name, None]
+    opens = count(stub, OpenSession)
+    ask.run(q="why", backend=client, temperature=0)
+    assert [m.pinned for m in stub.received_of(OpenSession)[opens:]] == [None]
 
 
 def test_run_batch_prefills_a_long_constant_prefix_once(client, stub) -> None:

@@ -52,11 +52,11 @@ from radixlm.sdk.lang import (
     VarScopeEnd,
 )
 from radixlm.sdk.options import branch_seed
+from radixlm.sdk.prefix import strip_prefix
 from radixlm.sdk.reasoning import reasoning_name, split_reasoning
 from radixlm.sdk.results import meta_info
 from radixlm.sdk.stream_meta import StreamLog
 from radixlm.sdk.text_buffer import TextBuffer
-from radixlm.sdk.trace import strip_prefix
 
 if TYPE_CHECKING:
     from radixlm.sdk.client import AsyncClient

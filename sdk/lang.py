@@ -6,8 +6,10 @@ concatenate with ``+`` (``"Q: " + rl.gen("a", stop="\\n")``), as in SGLang.
 
 from __future__ import annotations
 
+import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Union
 
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 # The program vocabulary, re-exported as `radixlm` (the classes here are the SDK's own).
-__all__ = [
+__all__ = [  # (`RoleScopes` is the states' base, not a program word)
     "assistant",
     "assistant_begin",
     "assistant_end",
@@ -259,39 +261,34 @@ def gen(
     return Gen(name, options, n, logprob_start_len, return_text_in_logprobs, dtype_stop)
 
 
-def _typed_gen(dtype: type, doc: str) -> Callable[..., Expr]:
-    def typed(
-        name: str | None = None,
-        max_tokens: int | None = None,
-        n: int | None = None,
-        stop: str | list[str] | None = None,
-        stop_token_ids: list[int] | None = None,
-        stop_regex: str | list[str] | None = None,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        frequency_penalty: float | None = None,
-        presence_penalty: float | None = None,
-        ignore_eos: bool | None = None,
-        return_logprob: bool | None = None,
-        logprob_start_len: int | None = None,
-        top_logprobs_num: int | None = None,
-        return_text_in_logprobs: bool | None = None,
-    ) -> Expr:
-        return gen(name, max_tokens, None, n, stop, stop_token_ids, stop_regex, temperature,
-                   top_p, top_k, min_p, frequency_penalty, presence_penalty, ignore_eos,
-                   return_logprob, logprob_start_len, top_logprobs_num,
-                   return_text_in_logprobs, dtype=dtype)
+# gen()'s parameters that the typed gens (SGLang's gen_int, gen_string) do not take.
+_NOT_TYPED = frozenset({"min_tokens", "dtype", "choices", "choices_method", "regex",
+                        "json_schema", "sampling"})
 
-    typed.__name__ = typed.__qualname__ = f"gen_{dtype.__name__ if dtype is int else 'string'}"
+
+def _typed_gen(dtype: type, name: str, doc: str) -> Callable[..., Expr]:
+    """SGLang's typed gen: gen()'s parameters but those in `_NOT_TYPED`, in its order."""
+    signature = inspect.signature(gen)
+    signature = signature.replace(parameters=[
+        p for p in signature.parameters.values() if p.name not in _NOT_TYPED])
+
+    def typed(*args: Any, **kwargs: Any) -> Expr:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{name}(): {e}") from None
+        return gen(**bound.arguments, dtype=dtype)
+
+    typed.__name__ = typed.__qualname__ = name
     typed.__doc__ = doc
+    typed.__signature__ = signature  # type: ignore[attr-defined]  # what help() shows
     return typed
 
 
-gen_int = _typed_gen(int, "``gen(..., dtype=int)``: an integer literal (SGLang's ``gen_int``).")
-gen_string = _typed_gen(str, "``gen(..., dtype=str)``: a double-quoted string of word "
-                             "characters and spaces (SGLang's ``gen_string``).")
+gen_int = _typed_gen(int, "gen_int", "``gen(..., dtype=int)``: an integer literal (SGLang's "
+                                    "``gen_int``).")
+gen_string = _typed_gen(str, "gen_string", "``gen(..., dtype=str)``: a double-quoted string of "
+                                           "word characters and spaces (SGLang's ``gen_string``).")
 
 
 def select(
@@ -327,6 +324,51 @@ def separate_reasoning(expr: Any = None, model_type: str | None = None) -> ExprL
 
 def _generated_names(items: list[Expr]) -> list[str | None]:
     return [x.name for x in items if isinstance(x, (Gen, Select))]
+
+
+class RoleScopes:
+    """SGLang's state methods that append roles and variable scopes, shared by the
+    program state and the traced one: ``s.user(expr)`` appends the role expression (and
+    returns it), ``with s.user():`` makes what is appended inside one message, and
+    ``with s.var_scope(name):`` makes the text appended inside a variable. A subclass
+    says how its state takes expressions (`_append`)."""
+
+    __slots__ = ()
+
+    def _append(self, items: list[Expr]) -> None:
+        raise NotImplementedError
+
+    def _role(self, role: str, expr: Any) -> Any:
+        if expr is None:
+            return self._scope(_BEGIN[role], _END[role])
+        whole = ExprList((_BEGIN[role], as_expr(expr), _END[role]))
+        self._append(flatten(whole))
+        return whole
+
+    @contextmanager
+    def _scope(self, begin: Expr, end: Expr) -> Iterator[None]:
+        self._append([begin])
+        yield
+        self._append([end])
+
+    def system(self, expr: Any = None) -> Any:
+        """``s.system(expr)`` appends a system message (as ``s += rl.system(expr)``);
+        ``with s.system():`` makes what is appended inside it one."""
+        return self._role("system", expr)
+
+    def user(self, expr: Any = None) -> Any:
+        """``s.user(expr)``, or ``with s.user(): ...``: a user message (see `system`)."""
+        return self._role("user", expr)
+
+    def assistant(self, expr: Any = None) -> Any:
+        """``s.assistant(expr)``, or ``with s.assistant(): ...``: an assistant message
+        (see `system`); generate inside it."""
+        return self._role("assistant", expr)
+
+    def var_scope(self, name: str) -> AbstractContextManager[None]:
+        """``with s.var_scope("x"): ...``: the text appended inside (generated or not)
+        becomes variable ``x``."""
+        return self._scope(VarScopeBegin(name), VarScopeEnd(name))
 
 
 # Role markers are immutable: one of each, shared.

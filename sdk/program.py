@@ -40,7 +40,8 @@ from radixlm.sdk.client import AsyncClient
 from radixlm.sdk.errors import DuplicateIdError, ProgramError, plain_errors
 from radixlm.sdk.global_config import global_config
 from radixlm.sdk.options import GEN_FIELDS, SAMPLING_FIELDS, unknown_keyword
-from radixlm.sdk.run import CachedPrefix, ProgramRun, await_future
+from radixlm.sdk.prefix import CachedPrefix
+from radixlm.sdk.run import ProgramRun, await_future
 from radixlm.sdk.state import ProgramState
 from radixlm.sdk.sync import Client
 from radixlm.sdk.trace import TracedState, constant_prefix, trace

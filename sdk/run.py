@@ -20,35 +20,24 @@ import contextlib
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
 from anyio.from_thread import BlockingPortal
 from anyio.lowlevel import EventLoopToken, checkpoint
-from radixlm.runtime.protocol import Input
 from radixlm.runtime.transport.mailbox import Latch
 from radixlm.sdk.errors import EngineDeadError, ProgramError
 from radixlm.sdk.executor import END, StateCore
 from radixlm.sdk.options import GenDefaults, protocol_options, sampling_params
+from radixlm.sdk.prefix import CachedPrefix
 from radixlm.sdk.tasks import TaskSet
 
 if TYPE_CHECKING:
     from radixlm.runtime.protocol import SamplingParams
     from radixlm.sdk.client import AsyncClient
 
-__all__ = ["CachedPrefix", "ProgramRun", "await_future"]
-
-
-@dataclass
-class CachedPrefix:
-    """A program's constant prefix, pinned in the engine under `name` (``cache()``);
-    `gone` once a run found the pin no longer there (unpinned)."""
-
-    name: str
-    input: Input
-    gone: bool = False
+__all__ = ["ProgramRun", "await_future"]
 
 
 class ProgramRun:

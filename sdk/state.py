@@ -8,21 +8,12 @@ everything else keeps running concurrently in the client's event loop.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import anyio
 from radixlm.sdk.errors import ProgramError
 from radixlm.sdk.executor import ForkOp, JoinOp, SetVarOp, StateCore
-from radixlm.sdk.lang import (
-    ExprList,
-    RoleBegin,
-    RoleEnd,
-    VarScopeBegin,
-    VarScopeEnd,
-    as_expr,
-    flatten,
-)
+from radixlm.sdk.lang import RoleScopes, flatten
 from radixlm.sdk.run import await_future
 
 if TYPE_CHECKING:
@@ -31,8 +22,9 @@ if TYPE_CHECKING:
 __all__ = ["ProgramState", "ProgramStateGroup"]
 
 
-class ProgramState:
-    """The state of a running program (``s``): append with ``+=``, read with ``s[name]``.
+class ProgramState(RoleScopes):
+    """The state of a running program (``s``): append with ``+=``, read with ``s[name]``;
+    roles and variable scopes also as methods (``with s.user(): ...``, `RoleScopes`).
 
     Reads wait for the operations they depend on; the rest runs concurrently.
     """
@@ -64,42 +56,8 @@ class ProgramState:
 
     set_var = __setitem__
 
-    # -- roles and scopes (SGLang's state methods) ----------------------------------------
-
-    def _role(self, role: str, expr: Any) -> Any:
-        if expr is not None:
-            whole = ExprList((RoleBegin(role), as_expr(expr), RoleEnd(role)))
-            self += whole
-            return whole
-        return self._role_scope(role)
-
-    @contextmanager
-    def _role_scope(self, role: str) -> Iterator[None]:
-        self._run.submit(self._core, RoleBegin(role))
-        yield
-        self._run.submit(self._core, RoleEnd(role))
-
-    def system(self, expr: Any = None) -> Any:
-        """``s.system(expr)`` appends a system message (as ``s += rl.system(expr)``);
-        ``with s.system():`` makes what is appended inside it one."""
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        """``s.user(expr)``, or ``with s.user(): ...``: a user message (see `system`)."""
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        """``s.assistant(expr)``, or ``with s.assistant(): ...``: an assistant message
-        (see `system`); generate inside it."""
-        return self._role("assistant", expr)
-
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[None]:
-        """``with s.var_scope("x"): ...``: the text appended inside (generated or not)
-        becomes variable ``x``."""
-        self._run.submit(self._core, VarScopeBegin(name))
-        yield
-        self._run.submit(self._core, VarScopeEnd(name))
+    def _append(self, items: list[Any]) -> None:  # what `RoleScopes` appends with
+        self._run.submit_all(self._core, items)
 
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
         """`size` copies of this state continuing independently from here: one engine

@@ -12,28 +12,26 @@ program's constant prefix (`constant_prefix`), which it pins in the engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from radixlm.runtime.protocol import Input, Message
 from radixlm.sdk.lang import (
     Expr,
-    ExprList,
     Gen,
     RoleBegin,
     RoleEnd,
+    RoleScopes,
     Select,
     Text,
-    VarScopeBegin,
     VarScopeEnd,
-    as_expr,
     flatten,
 )
+from radixlm.sdk.state import ProgramStateGroup
 
 __all__ = ["Argument", "Fork", "Join", "StopTracing", "TracedState", "Variable", "constant_prefix",
-           "strip_prefix", "trace"]
+           "trace"]
 
 
 class StopTracing(Exception):
@@ -71,7 +69,7 @@ class Join(Expr):
     mode: str
 
 
-class TracedState:
+class TracedState(RoleScopes):
     """A recording program state (the ``s`` of a traced body)."""
 
     def __init__(self, arguments: dict[str, Any], *, prefix_only: bool) -> None:
@@ -89,7 +87,11 @@ class TracedState:
             if isinstance(item, (Gen, Select)):
                 name = item.name if item.name is not None else f"gen_{len(self.variables)}"
                 self.variables[name] = Variable(name, item)
+            elif isinstance(item, VarScopeEnd):
+                self.variables[item.name] = Variable(item.name)
             self.nodes.append(item)
+
+    _append = _record  # what `RoleScopes` appends with
 
     def __iadd__(self, other: Any) -> TracedState:
         if other is None:
@@ -114,35 +116,6 @@ class TracedState:
 
     set_var = __setitem__
 
-    def _role(self, role: str, expr: Any) -> Any:
-        if expr is not None:
-            whole = ExprList((RoleBegin(role), as_expr(expr), RoleEnd(role)))
-            self += whole
-            return whole
-        return self._role_scope(role)
-
-    @contextmanager
-    def _role_scope(self, role: str) -> Iterator[None]:
-        self._record([RoleBegin(role)])
-        yield
-        self._record([RoleEnd(role)])
-
-    def system(self, expr: Any = None) -> Any:
-        return self._role("system", expr)
-
-    def user(self, expr: Any = None) -> Any:
-        return self._role("user", expr)
-
-    def assistant(self, expr: Any = None) -> Any:
-        return self._role("assistant", expr)
-
-    @contextmanager
-    def var_scope(self, name: str) -> Iterator[None]:
-        self._record([VarScopeBegin(name)])
-        yield
-        self._record([VarScopeEnd(name)])
-        self.variables[name] = Variable(name)
-
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> TracedGroup:
         if self.prefix_only:
             raise StopTracing
@@ -153,7 +126,7 @@ class TracedState:
             child.variables = dict(self.variables)
             children.append(child)
         self.child_states += children
-        return TracedGroup(children, self)
+        return TracedGroup(children, self)  # type: ignore[arg-type]
 
     def _unknown(self, *args: Any, **kwargs: Any) -> Any:
         if self.prefix_only:
@@ -170,41 +143,17 @@ class TracedState:
         return f"<TracedState: {len(self.nodes)} expressions, {len(self.child_states)} forks>"
 
 
-class TracedGroup:
-    """What a traced ``s.fork(n)`` returns."""
-
-    def __init__(self, states: list[TracedState], parent: TracedState) -> None:
-        self.states = states
-        self.parent = parent
-
-    def __getitem__(self, i: int) -> TracedState:
-        return self.states[i]
-
-    def __setitem__(self, i: int, value: TracedState) -> None:
-        if value is not self.states[i]:
-            raise TypeError("a fork group's states cannot be replaced")
-
-    def __len__(self) -> int:
-        return len(self.states)
-
-    def __iter__(self) -> Iterator[TracedState]:
-        return iter(self.states)
-
-    def __iadd__(self, other: Any) -> TracedGroup:
-        for i, state in enumerate(self.states):
-            if callable(other):
-                state += other(i)
-            elif isinstance(other, (list, tuple)):
-                state += other[i]
-            else:
-                state += other
-        return self
+class TracedGroup(ProgramStateGroup):
+    """What a traced ``s.fork(n)`` returns (appending works as on a real group)."""
 
     def join(self, mode: str = "gather_variable") -> None:
-        self.parent.nodes.append(Join(mode))
+        parent = self.parent
+        assert isinstance(parent, TracedState)
+        parent.nodes.append(Join(mode))
         for child in self.states:
+            assert isinstance(child, TracedState)
             for name, var in child.variables.items():
-                self.parent.variables.setdefault(name, var)
+                parent.variables.setdefault(name, var)
 
 
 def trace(func: Callable[..., Any], params: list[str], arguments: dict[str, Any], *,
@@ -220,24 +169,6 @@ def trace(func: Callable[..., Any], params: list[str], arguments: dict[str, Any]
         if not prefix_only:
             raise
     return state
-
-
-def strip_prefix(first: Input, prefix: Input) -> tuple[bool, Input | None]:
-    """Whether `first` (a state's first piece of input) starts with `prefix`, and what is
-    left of it after the prefix (None: nothing)."""
-    if prefix.text is not None:
-        if first.text is None or not first.text.startswith(prefix.text):
-            return False, None
-        rest = first.text[len(prefix.text):]
-        return True, Input(text=rest) if rest else None
-    known = prefix.messages or []
-    given = first.messages
-    if given is None or given[:len(known)] != known:
-        return False, None
-    rest = given[len(known):]
-    if rest or first.add_generation_prompt:
-        return True, Input(messages=rest, add_generation_prompt=first.add_generation_prompt)
-    return True, None
 
 
 def constant_prefix(state: TracedState) -> Input | None:

@@ -460,6 +460,22 @@ def test_trace_records_the_expressions_without_running(client, stub) -> None:
     given = prog.trace(topic="cats")
     assert given.nodes[0] == Text("About cats:")
 
+    @rl.function
+    def forked(s):
+        s += "Root."
+        forks = s.fork(2)
+        forks += lambda i: f" branch {i}" + rl.gen("x", max_tokens=2)
+        forks.join()
+        with s.user():
+            s += "done"
+
+    traced = forked.trace()
+    assert [type(n).__name__ for n in traced.nodes] == [
+        "Text", "Fork", "Join", "RoleBegin", "Text", "RoleEnd"]
+    assert [[type(n).__name__ for n in c.nodes] for c in traced.child_states] == [
+        ["Text", "Gen"], ["Text", "Gen"]]
+    assert "x" in traced.variables
+
 
 def test_cache_pins_the_constant_prefix_and_runs_start_from_it(client, stub) -> None:
     """SglFunction.cache (interpreter.cache_program): the prefix before the first

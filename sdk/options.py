@@ -8,7 +8,7 @@ import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple, TypedDict
 
-from radixlm.runtime.protocol import SamplingParams
+from radixlm.runtime.protocol import SamplingParams, branch_seed
 from radixlm.sdk.structured import schema_text
 
 __all__ = [
@@ -88,14 +88,6 @@ class GenDefaults(NamedTuple):
         if start is not None and start < 0:
             raise ValueError(f"logprob_start_len must be >= 0, got {start}")
         return cls(n or 1, start, options.pop("return_text_in_logprobs", None))
-
-
-def branch_seed(seed: int, index: int) -> int:
-    """The seed of branch `index` of a request seeded `seed`, derived as the engine does
-    for ``n > 1`` (``seed + index``; its generators take seeds modulo 2**64, so a sum past
-    the protocol's range wraps to the same generator)."""
-    derived = seed + index
-    return derived - (1 << 64) if derived >= 1 << 64 else derived
 
 
 def unknown_keyword(where: str, key: str, known: Iterable[str]) -> TypeError:

@@ -703,10 +703,18 @@ class _Output(NamedTuple):
 
 
 def _gen_meta(done: Done, latency_s: float, logprob_start: int | None) -> dict[str, Any]:
+    """A gen's meta info. ``input_token_logprobs`` as SGLang lists them: the tokens from
+    ``logprob_start_len`` on, the first with the logprob None (SGLang's scheduler keeps the
+    logprobs from the start's logits on, which predict the tokens after it); at start 0
+    that token's id is not known here either (no logprob comes with it)."""
     info = meta_info(done, latency_s)
-    if logprob_start == 0 and "input_token_logprobs" in info:
-        # The first token of a prompt has no logprob: SGLang lists it with None.
-        info["input_token_logprobs"] = [(None, None, None), *info["input_token_logprobs"]]
+    triples = info.get("input_token_logprobs")
+    if logprob_start is not None and triples is not None:
+        if logprob_start == 0:
+            info["input_token_logprobs"] = [(None, None, None), *triples]
+        elif triples:
+            _, token, text = triples[0]
+            info["input_token_logprobs"] = [(None, token, text), *triples[1:]]
     return info
 
 # Ops that never talk to the engine, applied without a coroutine: (state, op) -> None.

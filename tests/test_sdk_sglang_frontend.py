@@ -212,7 +212,8 @@ def test_stop_regex_ends_the_output_and_keeps_the_match(client) -> None:
 
 def test_logprob_start_len_counts_in_the_whole_text(client) -> None:
     """logprob_start_len: input_token_logprobs from that token of the prompt (the whole
-    text so far, the session's history included); position 0 has no logprob (None)."""
+    text so far, the session's history included); the first has the logprob None
+    (logprob_result_processor: ``[None] + input_token_logprobs[:-1]``)."""
 
     @rl.function
     def scored(s, start):
@@ -227,7 +228,8 @@ def test_logprob_start_len_counts_in_the_whole_text(client) -> None:
         prompt = chars(state.text()[: len(state.text()) - len(state["a"])])
         meta = state.get_meta_info("a")
         values = [t[0] for t in meta["input_token_logprobs"]]
-        expected = [None if i == 0 else toy_logprob(prompt[:i], prompt[i])
+        # SGLang's scheduler: [None] + the logprobs of the tokens after the start.
+        expected = [None if i == start else toy_logprob(prompt[:i], prompt[i])
                     for i in range(start, len(prompt))]
         assert values == pytest.approx(expected)
         ids = [t[1] for t in meta["input_token_logprobs"]]

@@ -1,6 +1,7 @@
 """`StopRegex` and `check_patterns` against a brute-force reference: ``re.search`` over
 the whole text after every token (SGLang's rule: the output ends after the first token
-at which its text matches), and SGLang's trim (``str.find`` of the pattern)."""
+at which its text matches), and SGLang's trim (``str.find`` of the pattern); then the
+engine's `TokenStopMatcher` with patterns against the same reference over token streams."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ import random
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from radixlm.tokenizer import TokenStopMatcher
 from radixlm.tokenizer.stop_regex import MAX_STOP_REGEX, StopRegex, check_patterns
+from test_stop_matcher import VOCAB, ToyTokenizer  # decode is concatenation
 
 
 @pytest.mark.parametrize("patterns", [
@@ -56,3 +61,49 @@ def test_limits() -> None:
     assert check_patterns(["a"] * MAX_STOP_REGEX) is None
     assert "at most" in (check_patterns(["a"] * (MAX_STOP_REGEX + 1)) or "")
     assert check_patterns(["(ab)?c+", "(foo|bar)+"]) is None
+
+
+# -- in the engine's matcher (tokenizer/stop.py `TokenStopMatcher`) ------------------------
+
+PATTERNS = ["ab", "a+b", "b.c", "c$", "^a", "(ab|ca) ", "[bc]{2}", "a b", "cab", "b c"]
+
+
+@settings(max_examples=300, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(ids=st.lists(st.integers(0, len(VOCAB) - 1), max_size=30),
+       patterns=st.lists(st.sampled_from(PATTERNS), min_size=1, max_size=2, unique=True))
+def test_the_engine_matcher_ends_and_cuts_where_sglang_does(ids: list[int],
+                                                             patterns: list[str]) -> None:
+    """Reference: SGLang's rule over the texts of every token prefix -- the first prefix
+    whose text matches a pattern ends it; the text is cut at the pattern's first literal
+    occurrence (else kept whole). Nothing released before the end goes past that cut."""
+    texts = [VOCAB[i] for i in ids]
+
+    def text(k: int) -> str:
+        return "".join(texts[:k])
+
+    end = next(((k, p) for k in range(1, len(ids) + 1) for p in patterns
+                if re.search(p, text(k))), None)
+    m = TokenStopMatcher(ToyTokenizer(), [], (), patterns)
+    hit = False
+    for i in range(len(ids)):
+        hit = m.feed(ids[i:i + 1])
+        if hit:
+            break
+        if end is not None:  # what went out is never cut away later
+            cut = text(end[0]).find(end[1])
+            assert cut == -1 or len(text(m.released)) <= cut
+    if not hit:
+        hit = m.finish()
+    assert hit == (end is not None)
+    if end is None:
+        assert m.hit is None and m.released == len(ids)
+        return
+    k, pattern = end
+    assert m.hit == pattern
+    cut = text(k).find(pattern)
+    if cut == -1:
+        assert (m.kept, m.trim) == (k, 0)
+    else:
+        kept = min(j for j in range(len(ids) + 1) if len(text(j)) >= cut)
+        assert (m.kept, m.released) == (kept, kept)
+        assert text(kept)[: len(text(kept)) - m.trim] == text(k)[:cut]

@@ -97,7 +97,7 @@ class RequestStream:
         final = out.finish_reason is not None
         ids = out.token_ids
         start = len(b.token_ids)
-        if final and ids and out.matched_stop == ids[-1] and type(out.matched_stop) is int:
+        if final and ids and isinstance(out.matched_stop, int) and out.matched_stop == ids[-1]:
             text = b.detok.feed(ids[:-1])  # a matched stop token's text is trimmed
         else:
             text = b.detok.feed(ids) if ids else ""
@@ -136,16 +136,9 @@ class RequestStream:
     def _token_texts(self, ids: list[int], tops: list[list[TopLogprob]] | None,
                      more: list[int] | None = None) -> dict[int, str]:
         """Each token id's text, decoded alone (SGLang's return_text_in_logprobs)."""
-        token_text = self._tokenizer.token_text
-        texts = {t: token_text(t) for t in ids}
-        for row in tops or ():
-            for alt in row:
-                if alt.token_id not in texts:
-                    texts[alt.token_id] = token_text(alt.token_id)
-        for t in more or ():
-            if t not in texts:
-                texts[t] = token_text(t)
-        return texts
+        token_text = self._tokenizer.token_text  # memoised
+        alternatives = (alt.token_id for row in tops or () for alt in row)
+        return {t: token_text(t) for t in (*ids, *alternatives, *(more or ()))}
 
     def _finish(self, b: _Branch, out: TokenOutput) -> Done:
         b.done = True

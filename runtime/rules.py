@@ -176,11 +176,13 @@ def resolve_max_tokens(sampling: SamplingParams, prompt_len: int, *, context_len
     return msgspec.structs.replace(sampling, max_tokens=max(1, room))
 
 
-def check_prompt_logprobs_start(start: int | None, input_len: int) -> None:
+def check_prompt_logprobs_start(start: int | None, input_len: int, history_len: int = 0) -> None:
     """A position in the request's input, 0 up to its length (which asks for no values);
-    with a session the input is what it appends, which only the engine knows."""
-    if start is not None and not 0 <= start <= input_len:
-        raise _invalid(f"prompt_logprobs_start ({start}) must be in [0, {input_len}]")
+    with a session the input is what it appends, which only the engine knows, and a
+    negative start counts back into the session's history (-k: its last k tokens)."""
+    if start is not None and not -history_len <= start <= input_len:
+        raise _invalid(f"prompt_logprobs_start ({start}) must be in [{-history_len}, {input_len}]"
+                       + ("" if history_len else " (negative only into a session's history)"))
 
 
 def check_truncate(length: int, history_len: int) -> None:

@@ -119,7 +119,7 @@ class MessageHandler:
                 prompt = appended
             history = len(prompt) - len(appended)
             start = msg.prompt_logprobs_start
-            check_prompt_logprobs_start(start, len(appended))
+            check_prompt_logprobs_start(start, len(appended), history)
             sampling = resolve_max_tokens(msg.sampling, len(prompt),
                                           context_length=self.opt.context_length,
                                           pool=self.capacity)
@@ -127,9 +127,9 @@ class MessageHandler:
             grammar = self._grammar(
                 msg.grammar, intake.namespace if intake is not None else msg.namespace,
                 msg.client)
-            if msg.sampling.stop and self.tokenizer is None:
-                raise RequestError(ErrorCode.INVALID_PARAMS,
-                                   "this engine has no tokenizer: it cannot match stop strings")
+            if (msg.sampling.stop or msg.sampling.stop_regex) and self.tokenizer is None:
+                raise RequestError(ErrorCode.INVALID_PARAMS, "this engine has no tokenizer: "
+                                   "it cannot match stop strings or stop_regex")
         except RequestError as e:
             if intake is not None:
                 self.sessions.abort_intake(intake, msg.client)
@@ -222,8 +222,9 @@ class MessageHandler:
             if g.sampling.logprobs or g.sampling.top_logprobs:
                 r.logprobs = []
                 r.top_logprobs = [] if g.sampling.top_logprobs else None
-            if g.sampling.stop and stop_context is not None:
-                r.stops = TokenStopMatcher(self.tokenizer, g.sampling.stop, stop_context)
+            if (g.sampling.stop or g.sampling.stop_regex) and stop_context is not None:
+                r.stops = TokenStopMatcher(self.tokenizer, g.sampling.stop, stop_context,
+                                           g.sampling.stop_regex)
             g.branches.append(r)
         self.table.add(g)
 

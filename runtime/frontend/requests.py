@@ -134,7 +134,8 @@ class ClientRequests:
         stream = RequestStream(key, client.identity, msg.rid, stream=msg.stream, n=msg.n,
                                sampling=msg.sampling, session=msg.session,
                                tokenizer=self.model.tokenizer,
-                               tool_calls=plan.tool_calls if plan.parse_calls else None)
+                               tool_calls=plan.tool_calls if plan.parse_calls else None,
+                               logprob_texts=msg.logprob_texts)
         self.routes.streams[key] = stream
         client.inflight[msg.rid] = key
 

@@ -32,6 +32,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from radixlm.runtime.transport.exits import how_it_ended
 from radixlm.runtime.transport.progress import Spinner, starting_label
 from radixlm.sdk.errors import EngineDeadError, EngineStartError
 from radixlm.sdk.server_args import ServerArgs, engine_options
@@ -41,6 +42,7 @@ __all__ = ["Engine", "EngineProcess", "Runtime", "engine_flags"]
 
 _STOP_GRACE_S = 10.0
 _LOG_TAIL_LINES = 15
+_UP_LINES = ("radixlm serve: ready at", "radixlm serve: HTTP API at")  # not a reason to stop
 # Keyword names that differ from the `serve` flag (EngineConfig field -> flag).
 _FLAG_NAMES = {"default_session_ttl_s": "session-ttl", "session_ttl_s": "session-ttl"}
 
@@ -134,8 +136,10 @@ class EngineProcess:
             return None
         tail = self.log_tail()
         # `radixlm serve` says why it stopped in one line; else show the end of its log.
-        summary = [line for line in tail.splitlines() if line.startswith("radixlm serve:")]
-        what = f"the server process (radixlm serve, pid {self.proc.pid}) exited with code {code}"
+        # Its last line that is not news of being up ("ready at", "HTTP API at").
+        summary = [line for line in tail.splitlines() if line.startswith("radixlm serve:")
+                   and not line.startswith(_UP_LINES)]
+        what = f"the server process (radixlm serve, pid {self.proc.pid}) {how_it_ended(code)}"
         if summary:  # it names the process that failed (engine or frontend) and why
             message = summary[-1].removeprefix("radixlm serve: ")
             return f"{what}: {keyword_words(message, self.options)}"

@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
@@ -45,6 +45,9 @@ from radixlm.runtime.model.loader import engine_weight_format
 from radixlm.runtime.sampling import Sampler
 from radixlm.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from radixlm.runtime.distributed import TensorParallel, TensorParallelRunner
+
 log = logging.getLogger("radixlm.engine")
 
 STATS_EVERY_S = 10.0
@@ -55,8 +58,9 @@ class Engine:
     """Everything `build_engine` made; `ready` is what the frontend is told."""
 
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: ModelRunner | TensorParallelRunner
     ready: EngineReady
+    tp: TensorParallel | None = None  # the other ranks, with --tensor-parallel-size > 1
 
 
 def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> Engine:
@@ -72,23 +76,31 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     kv_dtype = resolve_kv_dtype(config.kv_dtype, device, dtype, quantized=fmt is not None)
     mcfg = ModelConfig.from_dir(model_dir)
     context = context_length_for(config, mcfg.max_position_embeddings)
-    log.info("loading %s (%s weights)", model_dir.name, fmt or str(dtype).removeprefix("torch."))
-    t_load = time.perf_counter()
-    model = load_model(model_dir, device, dtype, fmt)
-    t_load = time.perf_counter() - t_load
-    capacity = kv_capacity(
-        config.kv_tokens, config.kv_memory_fraction, mcfg, device, kv_dtype, config.page_size,
-        usable_tokens=context * config.max_running, weights=model.resident_bytes(),
-    )  # fmt: skip
-    pool = KVPool(
-        mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, capacity, config.page_size, kv_dtype,
-        device,
-    )  # fmt: skip
-    runner = ModelRunner.from_model(model, pool, config.attention)
-    runner.model_dir = model_dir
-    log.info("weights: %s, %.1f MiB held, %.1f MiB read per decode step, loaded in %.2fs",
-             model.weight_format, model.resident_bytes() / 2**20, model.weight_bytes() / 2**20,
-             t_load)  # fmt: skip
+    tp = None
+    if config.tensor_parallel_size > 1:  # ranks 1..N-1 are processes of ours from here on
+        from radixlm.runtime.distributed import start_engine_ranks
+
+        tp = start_engine_ranks(config, model_dir, device, dtype, context)
+        runner, pool = tp.runner, tp.runner.pool
+        capacity = pool.capacity
+    else:
+        log.info("loading %s (%s weights)", model_dir.name, fmt or str(dtype).removeprefix("torch."))
+        t_load = time.perf_counter()
+        model = load_model(model_dir, device, dtype, fmt)
+        t_load = time.perf_counter() - t_load
+        capacity = kv_capacity(
+            config.kv_tokens, config.kv_memory_fraction, mcfg, device, kv_dtype, config.page_size,
+            usable_tokens=context * config.max_running, weights=model.resident_bytes(),
+        )  # fmt: skip
+        pool = KVPool(
+            mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, capacity, config.page_size, kv_dtype,
+            device,
+        )  # fmt: skip
+        runner = ModelRunner.from_model(model, pool, config.attention)
+        runner.model_dir = model_dir
+        log.info("weights: %s, %.1f MiB held, %.1f MiB read per decode step, loaded in %.2fs",
+                 model.weight_format, model.resident_bytes() / 2**20, model.weight_bytes() / 2**20,
+                 t_load)  # fmt: skip
     # "priority": demoted session histories are evicted after plain cache (sessions.py).
     cache = PrefixCache(capacity, config.page_size, policy="priority")
     sessions = SessionManager(cache, config, kv_pool=pool)
@@ -99,7 +111,8 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         tokenizer = Tokenizer.load(model_dir)
         eos |= tokenizer.eos_token_ids
         # Grammars need the vocabulary's text (masks) and the tokenizer (jump-forward).
-        grammars = Grammars(tokenizer, mcfg.vocab_size, eos)
+        grammars = Grammars(tokenizer, mcfg.vocab_size, eos,
+                            timeout_s=config.grammar_timeout_s)
         log.info("tokenizer and grammar vocabulary loaded in %.2fs", time.perf_counter() - t_tok)
     except Exception as e:  # noqa: BLE001 - a checkpoint without tokenizer files still serves ids
         log.warning("no tokenizer in %s (%s): EOS ids from config.json only, no grammars, "
@@ -131,7 +144,7 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         model=config.model or "default", context_length=context, page_size=config.page_size,
         kv_capacity=capacity, model_dir=str(model_dir), vocab_size=mcfg.vocab_size,
     )  # fmt: skip
-    return Engine(sched, runner, ready)
+    return Engine(sched, runner, ready, tp)
 
 
 def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
@@ -149,13 +162,19 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
     ctx: zmq.Context[Any] = zmq.Context()
     inbox = open_socket(ctx, zmq.PULL, endpoints.to_engine, bind=True)
     outbox = open_socket(ctx, zmq.PUSH, endpoints.to_frontend, bind=False)
+    if engine.tp is not None:  # a rank that fails stops the engine, which reports why
+        engine.tp.on_failure(lambda: setattr(stop, "set", True))
     try:
         outbox.send(encode(engine.ready))
         log.info("engine ready")
         loop = EngineLoop(sched, inbox, outbox, stop)
         loop.on_step = _ThroughputLog(sched, loop).maybe_log
         loop.run()
+        if engine.tp is not None:
+            engine.tp.raise_if_failed()
     finally:
+        if engine.tp is not None:
+            engine.tp.close()
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
         inbox.close(linger=0)

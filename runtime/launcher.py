@@ -444,7 +444,8 @@ def _run_role(role: str, config: EngineConfig, endpoints: Endpoints) -> None:
         from radixlm.runtime.engine.engine_main import run_engine
 
         # The first stage of a start (torch alone takes ~2 s); the engine logs the others.
-        logging.getLogger("radixlm.engine").info(
+        # DEBUG: an engine that then fails to start keeps its error to one line.
+        logging.getLogger("radixlm.engine").debug(
             "imports (torch, the engine) in %.2fs", time.perf_counter() - t_import)
         run_engine(config, endpoints)
     else:

@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import msgspec
@@ -126,7 +127,8 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
             claim.publish(DefaultServer(os.getpid(), claim.endpoint, http_url))
         # A line at once: the engine's own log lines (imports, weights, tokenizer, pool)
         # follow as each stage ends.
-        say("serve", f"{starting_label(config.model or 'default')}: loading the model")
+        if sys.stderr.isatty():  # piped stderr keeps start-up errors to their one line
+            say("serve", f"{starting_label(config.model or 'default')}: loading the model")
         server = start_server(config, start_timeout_s=args.start_timeout, preflight=False,
                               takeover=claim is not None)
         if http is not None:

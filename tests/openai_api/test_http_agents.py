@@ -32,6 +32,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "agents-key"
+# Room for a call, its repeat (where the answer ends) or a `Weather`; the grammar ends
+# calls and structured output, so free text is what a larger limit would cost.
+CALL_TOKENS = 96
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -70,6 +73,73 @@ def _async_client(smol: HttpServer):  # noqa: ANN202
     return AsyncOpenAI(base_url=smol.base_url, api_key=KEY, max_retries=0)
 
 
+# -- parallel calls under tool_choice "required" --------------------------------------------
+
+CITY_TOOL = {"name": "get_weather", "description": "Get the weather for a city.",
+             "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                      "maxLength": 12}},
+                            "required": ["city"], "additionalProperties": False}}
+
+
+def test_required_parallel_calls_end_at_a_repeat(smol) -> None:  # noqa: ANN001
+    """SmolLM2 under "required" with parallel calls writes the same call again and again;
+    the answer ends before the first repeat. Reference: the model's own next call after
+    the answer (a plain JSON-schema request over the prompt's and the answer's token ids,
+    which the engine does not watch) is one the answer already holds."""
+    from radixlm.runtime.protocol import (
+        Done,
+        Generate,
+        Input,
+        Message,
+        SamplingParams,
+        Tokenize,
+        Tokens,
+        Tool,
+    )
+    from radixlm.tokenizer.tools import call_schema, generic_tool_prompt
+
+    tool = Tool(**CITY_TOOL)  # type: ignore[arg-type]
+    question = [Message(role="user", content="What is the weather in Paris?")]
+    with smol.server.client(timeout_s=300) as raw:
+        done = raw.call(Generate(rid="calls", input=Input(messages=question), tools=[tool],
+                                 tool_choice="required",
+                                 sampling=SamplingParams(max_tokens=CALL_TOKENS, temperature=0)))
+        assert isinstance(done, Done)
+        calls = [(c.name, json.loads(c.arguments)) for c in done.tool_calls or []]
+        assert calls and len(set(map(repr, calls))) == len(calls), done.text
+        assert done.finish_reason == "stop" and len(done.token_ids) < CALL_TOKENS, done.text
+        # The prompt as the generic format shows tools: a system message, then the question.
+        shown = [Message(role="system", content=generic_tool_prompt([tool])), *question]
+        prompt = raw.call(Tokenize(rid="p", input=Input(messages=shown)))
+        assert isinstance(prompt, Tokens) and len(prompt.input_ids) == done.usage.prompt_tokens
+        nxt = raw.call(Generate(rid="next", input=Input(input_ids=prompt.input_ids + done.token_ids),
+                                sampling=SamplingParams(max_tokens=48, temperature=0,
+                                                        json_schema=call_schema([tool], "generic"))))
+        assert isinstance(nxt, Done)
+    again = json.loads(nxt.text)
+    assert (again["name"], again["arguments"]) in calls, (done.text, nxt.text)
+
+
+def test_required_parallel_calls_keep_the_history_exact(smol) -> None:  # noqa: ANN001
+    """The turn that ended at a repeat continues from exactly its kept tokens: the next
+    turn of the chain hits its whole history."""
+    client = smol.openai()
+    first = client.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                    tools=[{"type": "function", **CITY_TOOL}],
+                                    tool_choice="required", temperature=0,
+                                    max_output_tokens=CALL_TOKENS)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert calls and first.usage.output_tokens < CALL_TOKENS
+    assert len({(c.name, c.arguments) for c in calls}) == len(calls)
+    results = [{"type": "function_call_output", "call_id": c.call_id,
+                "output": weather_report(json.loads(c.arguments)["city"])} for c in calls]
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input=results,
+                                     temperature=0, max_output_tokens=4)
+    assert second.usage.input_tokens_details.cached_tokens == (first.usage.input_tokens
+                                                               + first.usage.output_tokens)
+    client.close()
+
+
 # -- openai-agents ------------------------------------------------------------------------
 
 
@@ -102,7 +172,7 @@ def test_openai_agents_tools_with_output_type(smol, kind: str, stream: bool) -> 
         agent = Agent(name="weather", instructions="You answer weather questions.",
                       tools=[get_weather], output_type=Weather,
                       model=model_class(model=MODEL, openai_client=client),
-                      model_settings=ModelSettings(temperature=0, max_tokens=160,
+                      model_settings=ModelSettings(temperature=0, max_tokens=CALL_TOKENS,
                                                    tool_choice="required"))
         question = "What is the weather in Paris?"
         if stream:
@@ -132,7 +202,7 @@ def test_openai_agents_conversations_session(smol) -> None:  # noqa: ANN001
         client = _async_client(smol)
         agent = Agent(name="chat", instructions="Reply in one short sentence.",
                       model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-                      model_settings=ModelSettings(temperature=0, max_tokens=120))
+                      model_settings=ModelSettings(temperature=0, max_tokens=16))
         session = OpenAIConversationsSession(openai_client=client)
         turns = []
         for text in ["My name is Ada.", "What is my name?", "Say it again."]:
@@ -167,7 +237,7 @@ def test_langchain_tools_streamed_and_structured(smol, responses_api: bool) -> N
         return weather_report(city)
 
     llm = ChatOpenAI(model=MODEL, base_url=smol.base_url, api_key=KEY, temperature=0,
-                     max_tokens=120, max_retries=0, use_responses_api=responses_api)
+                     max_tokens=CALL_TOKENS, max_retries=0, use_responses_api=responses_api)
     bound = llm.bind_tools([get_weather], tool_choice="any")
     whole = bound.invoke("What is the weather in Paris?")
     assert [c["name"] for c in whole.tool_calls] == ["get_weather"]
@@ -202,7 +272,7 @@ def test_pydantic_ai_native_output_with_tools(smol, kind: str) -> None:  # noqa:
     model = model_class(MODEL, provider=OpenAIProvider(base_url=smol.base_url, api_key=KEY))
     agent = Agent(model, output_type=NativeOutput(Weather),
                   instructions="You answer weather questions.",
-                  model_settings=ModelSettings(temperature=0, max_tokens=160))
+                  model_settings=ModelSettings(temperature=0, max_tokens=CALL_TOKENS))
     calls: list[str] = []
 
     async def once(ctx: RunContext, tool_def):  # noqa: ANN001, ANN202

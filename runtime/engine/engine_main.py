@@ -25,12 +25,12 @@ import zmq
 from radixlm.cache import KVPool, PrefixCache
 from radixlm.runtime.channel import open_socket
 from radixlm.runtime.config import Endpoints, EngineConfig, context_length_for
-from radixlm.runtime.engine.messages import EngineReady, encode
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.pool_size import kv_capacity
 from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.serve_loop import EngineLoop, StopFlag
 from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.engine_wire import EngineReady, encode
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model import ModelConfig, ModelRunner, resolve_device, resolve_dtype
 from radixlm.runtime.model import resolve_model as _resolve_model
@@ -77,14 +77,15 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     cache = PrefixCache(capacity, config.page_size, policy="priority")
     sessions = SessionManager(cache, config, kv_pool=pool)
     eos = set(mcfg.eos_token_ids)
-    grammars = None
+    grammars = tokenizer = None
     try:
         tokenizer = Tokenizer.load(model_dir)
         eos |= tokenizer.eos_token_ids
         # Grammars need the vocabulary's text (masks) and the tokenizer (jump-forward).
         grammars = Grammars(tokenizer, mcfg.vocab_size, eos)
     except Exception as e:  # noqa: BLE001 - a checkpoint without tokenizer files still serves ids
-        log.warning("no tokenizer in %s (%s): EOS ids from config.json only, no grammars",
+        log.warning("no tokenizer in %s (%s): EOS ids from config.json only, no grammars, "
+                    "no stop strings",
                     model_dir, e)
     options = SchedulerOptions.from_config(config, context)
     sched = Scheduler(
@@ -95,6 +96,7 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         eos_token_ids=eos,
         sessions=sessions,
         grammars=grammars,
+        tokenizer=tokenizer,
     )
     log.info(
         "loaded %s (%s, %d layers, vocab %d) on %s as %s with %s attention in %.1fs",

@@ -22,6 +22,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from radixlm.tokenizer.call_frames import FramedCalls
 from radixlm.tokenizer.detokenizer import IncrementalDetokenizer
 
 __all__ = ["StopStringMatcher", "TokenStopMatcher"]
@@ -46,6 +47,15 @@ class StopStringMatcher:
         self._inner_chars = frozenset(c for s in self.stops for c in s[:-1])
         self._held = ""
         self.hit: str | None = None  # the stop string found, once found
+
+    def add(self, stop: str) -> None:
+        """One more stop string, matched in the text fed from now on."""
+        if not stop or stop in self.stops:
+            return
+        self.stops += (stop,)
+        self._max_len = max(self._max_len, len(stop))
+        self._first_chars = self._first_chars | {stop[0]}
+        self._inner_chars = self._inner_chars | set(stop[:-1])
 
     @property
     def done(self) -> bool:
@@ -121,14 +131,23 @@ class TokenStopMatcher:
     together), so the history a session keeps is exactly the returned text whenever the
     stop string starts at a token boundary; otherwise the last kept token also holds the
     stop string's first `trim` characters, which the text leaves out.
+
+    With `calls` (a `FramedCalls` over the output's parallel tool calls), each call, once
+    complete, becomes a stop string of the text after it: a call that repeats an earlier
+    one word for word ends the branch before it (`repeated`), and while a call may still
+    become a repeat its tokens are held back. The branch then keeps only the tokens whose
+    text ends before the repeat (no `trim`): its history ends with the last new call.
     """
 
-    __slots__ = ("_detok", "_stops", "_ends", "_decoded", "_emitted", "released", "kept",
-                 "trim", "finished")
+    __slots__ = ("_detok", "_stops", "_calls", "_call_stops", "_ends", "_decoded",
+                 "_emitted", "released", "kept", "trim", "finished")
 
-    def __init__(self, tokenizer: Any, stops: Iterable[str], context: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Any, stops: Iterable[str], context: Sequence[int] = (),
+                 calls: FramedCalls | None = None) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids=context)
         self._stops = StopStringMatcher(stops)
+        self._calls = calls
+        self._call_stops: set[str] = set()  # the calls so far, as stop strings
         self._ends: list[int] = []  # where each token's text ends (_PENDING while held)
         self._decoded = 0  # characters detokenized
         self._emitted = 0  # of those, passed by the string matcher (before any stop)
@@ -141,6 +160,17 @@ class TokenStopMatcher:
     def hit(self) -> str | None:
         """The stop string that matched, once one has."""
         return self._stops.hit
+
+    @property
+    def repeated(self) -> bool:
+        """The branch ended at a call that repeats an earlier one (not a stop string the
+        request gave)."""
+        return self._stops.hit is not None and self._stops.hit in self._call_stops
+
+    @property
+    def matched(self) -> str | None:
+        """The request's stop string that matched (None for a repeated call)."""
+        return None if self.repeated else self._stops.hit
 
     def feed(self, ids: Iterable[int]) -> bool:
         """Take the next generated tokens; True when a stop string has matched (the tokens
@@ -176,13 +206,28 @@ class TokenStopMatcher:
         while i >= 0 and ends[i] == _PENDING:
             ends[i] = self._decoded
             i -= 1
-        emit, hit = self._stops.feed(piece) if piece else ("", None)
+        if self._calls is None:
+            return self._match(piece)
+        start = 0
+        for cut, call in self._calls.feed(piece):  # (a complete call's text is no repeat
+            if self._match(piece[start:cut]):   # of itself: it stops only what follows)
+                return True
+            if call not in self._stops.stops:
+                self._call_stops.add(call)
+                self._stops.add(call)
+            start = cut
+        return self._match(piece[start:])
+
+    def _match(self, text: str) -> bool:
+        emit, hit = self._stops.feed(text) if text else ("", None)
         self._emitted += len(emit)
         if hit is None:
             return False
-        emitted = self._emitted
-        # The shortest token prefix whose text covers everything before the stop string.
-        kept = bisect_right(ends, ends[bisect_left(ends, emitted)]) if emitted else 0
+        ends, emitted = self._ends, self._emitted
+        if hit in self._call_stops:  # a repeated call: the tokens wholly before it
+            kept = bisect_right(ends, emitted)
+        else:  # the shortest token prefix whose text covers everything before the stop
+            kept = bisect_right(ends, ends[bisect_left(ends, emitted)]) if emitted else 0
         self.kept = self.released = kept
-        self.trim = ends[kept - 1] - emitted if kept else 0
+        self.trim = max(ends[kept - 1] - emitted, 0) if kept else 0
         return True

@@ -7,7 +7,8 @@ The moments of a request (a group: all its branches), as vLLM names them:
   the engine's own receipt when the message has none);
 - *queued*: the engine took it in; *scheduled*: a branch was first admitted (a
   retracted branch's second admission does not move it);
-- *first token*: the first output token was sampled; *finished*: its last branch ended.
+- *first token*: the first output token was sampled; *finished*: the last output of
+  its last branch went out (a session turn's Done goes before its tail row runs).
 
 From them: queue time (queued → scheduled), time to first token (arrived → first
 token), end-to-end latency (arrived → finished), prefill time (scheduled → first
@@ -20,8 +21,10 @@ the engine's.
 
 from __future__ import annotations
 
+import time
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from radixlm.runtime.protocol import Histogram
@@ -61,50 +64,66 @@ class LatencyHistogram:
 
 @dataclass(slots=True)
 class GroupTimes:
-    """The moments one request has reached (None: not yet)."""
+    """The moments one request has reached (None: not yet), and its branches' ends."""
 
     arrived: float
     queued: float
     scheduled: float | None = None
     first_token: float | None = None
+    ended: int = 0  # branches whose last output went out
+    longest: int = 0  # output tokens of the longest of those
 
 
-@dataclass
 class Latencies:
-    """The engine's histograms, and its Generate branches by finish reason."""
+    """The engine's latency histograms, and its Generate branches by finish reason.
+    `clock` is the scheduler's (tests drive it by hand)."""
 
-    histograms: dict[str, LatencyHistogram] = field(default_factory=lambda: {
-        "request_queue_time": LatencyHistogram(_REQUEST_BUCKETS),
-        "time_to_first_token": LatencyHistogram(_TTFT_BUCKETS),
-        "e2e_request_latency": LatencyHistogram(_REQUEST_BUCKETS),
-        "request_prefill_time": LatencyHistogram(_REQUEST_BUCKETS),
-        "request_decode_time": LatencyHistogram(_REQUEST_BUCKETS),
-        "request_time_per_output_token": LatencyHistogram(_TPOT_BUCKETS),
-    })
-    finish_reasons: Counter[str] = field(default_factory=Counter)
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.histograms = {
+            "request_queue_time": LatencyHistogram(_REQUEST_BUCKETS),
+            "time_to_first_token": LatencyHistogram(_TTFT_BUCKETS),
+            "e2e_request_latency": LatencyHistogram(_REQUEST_BUCKETS),
+            "request_prefill_time": LatencyHistogram(_REQUEST_BUCKETS),
+            "request_decode_time": LatencyHistogram(_REQUEST_BUCKETS),
+            "request_time_per_output_token": LatencyHistogram(_TPOT_BUCKETS),
+        }
+        self.finish_reasons: Counter[str] = Counter()
 
-    def scheduled(self, t: GroupTimes, now: float) -> None:
+    def start(self, arrived: float | None) -> GroupTimes:
+        """A request taken in now; `arrived`: when the frontend received it (never later
+        than now)."""
+        now = self.clock()
+        return GroupTimes(arrived=now if arrived is None else min(arrived, now), queued=now)
+
+    def scheduled(self, t: GroupTimes) -> None:
         if t.scheduled is None:
-            t.scheduled = now
+            t.scheduled = now = self.clock()
             self.histograms["request_queue_time"].observe(now - t.queued)
 
-    def first_token(self, t: GroupTimes, now: float) -> None:
+    def first_token(self, t: GroupTimes) -> None:
         if t.first_token is None:
-            t.first_token = now
+            t.first_token = now = self.clock()
             self.histograms["time_to_first_token"].observe(now - t.arrived)
             if t.scheduled is not None:
                 self.histograms["request_prefill_time"].observe(now - t.scheduled)
 
-    def finished(self, t: GroupTimes, now: float, output_tokens: int) -> None:
-        """The request's last branch ended (not with an error); `output_tokens`: its
-        longest branch's."""
+    def branch_ended(self, t: GroupTimes, n: int, reason: str, output_tokens: int) -> None:
+        """A branch's last output goes out (not an error); the request ends with its
+        `n`-th."""
+        self.finish_reasons[reason] += 1
+        t.ended += 1
+        t.longest = max(t.longest, output_tokens)
+        if t.ended < n:
+            return
+        now = self.clock()
         h = self.histograms
         h["e2e_request_latency"].observe(now - t.arrived)
         if t.first_token is not None:
             decode = now - t.first_token
             h["request_decode_time"].observe(decode)
-            if output_tokens > 1:
-                h["request_time_per_output_token"].observe(decode / (output_tokens - 1))
+            if t.longest > 1:
+                h["request_time_per_output_token"].observe(decode / (t.longest - 1))
 
     def wire(self) -> dict[str, Histogram]:
         return {name: h.wire() for name, h in self.histograms.items()}

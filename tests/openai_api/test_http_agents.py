@@ -134,6 +134,7 @@ def test_required_parallel_calls_keep_the_history_exact(smol) -> None:  # noqa: 
     results = [{"type": "function_call_output", "call_id": c.call_id,
                 "output": weather_report(json.loads(c.arguments)["city"])} for c in calls]
     second = client.responses.create(model=MODEL, previous_response_id=first.id, input=results,
+                                     tools=[{"type": "function", **CITY_TOOL}],
                                      temperature=0, max_output_tokens=4)
     assert second.usage.input_tokens_details.cached_tokens == (first.usage.input_tokens
                                                                + first.usage.output_tokens)

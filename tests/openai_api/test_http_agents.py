@@ -38,9 +38,13 @@ CALL_TOKENS = 96
 REPO = Path(__file__).resolve().parents[2]
 
 
-class Weather(BaseModel):
-    city: str = Field(max_length=20)
-    summary: str = Field(max_length=40)
+class Weather(BaseModel):  # short fields: few tokens to decode on a 2-core CI machine
+    city: str = Field(max_length=12)
+    summary: str = Field(max_length=16)
+
+
+class Reply(BaseModel):
+    answer: str = Field(max_length=12)
 
 
 def weather_report(city: str) -> str:
@@ -144,8 +148,7 @@ def test_required_parallel_calls_keep_the_history_exact(smol) -> None:  # noqa: 
 # -- openai-agents ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "stream"), [("responses", False), ("responses", True),
-                                              ("chat", False)])
+@pytest.mark.parametrize(("kind", "stream"), [("responses", False), ("chat", True)])
 def test_openai_agents_tools_with_output_type(smol, kind: str, stream: bool) -> None:  # noqa: ANN001
     _openai_agents()
     from agents import (
@@ -201,9 +204,10 @@ def test_openai_agents_conversations_session(smol) -> None:  # noqa: ANN001
 
     async def run() -> list[tuple[int, int, int]]:
         client = _async_client(smol)
-        agent = Agent(name="chat", instructions="Reply in one short sentence.",
+        # A short structured answer: the grammar ends each turn (free text would run on).
+        agent = Agent(name="chat", instructions="Answer briefly.", output_type=Reply,
                       model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-                      model_settings=ModelSettings(temperature=0, max_tokens=16))
+                      model_settings=ModelSettings(temperature=0, max_tokens=48))
         session = OpenAIConversationsSession(openai_client=client)
         turns = []
         for text in ["My name is Ada.", "What is my name?", "Say it again."]:
@@ -240,16 +244,16 @@ def test_langchain_tools_streamed_and_structured(smol, responses_api: bool) -> N
     llm = ChatOpenAI(model=MODEL, base_url=smol.base_url, api_key=KEY, temperature=0,
                      max_tokens=CALL_TOKENS, max_retries=0, use_responses_api=responses_api)
     bound = llm.bind_tools([get_weather], tool_choice="any")
-    whole = bound.invoke("What is the weather in Paris?")
-    assert [c["name"] for c in whole.tool_calls] == ["get_weather"]
     chunks = list(bound.stream("What is the weather in Paris?"))
     fragments = [tc for c in chunks for tc in c.tool_call_chunks if tc.get("args")]
     assert len(fragments) > 1  # the arguments streamed in pieces
     merged = chunks[0]
     for c in chunks[1:]:
         merged = merged + c
-    assert merged.tool_calls[0]["args"] == whole.tool_calls[0]["args"]
-    assert json.loads("".join(tc["args"] for tc in fragments)) == whole.tool_calls[0]["args"]
+    assert [c["name"] for c in merged.tool_calls] == ["get_weather"]
+    args = merged.tool_calls[0]["args"]
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+    assert json.loads("".join(tc["args"] for tc in fragments)) == args
     if not responses_api:
         structured = llm.with_structured_output(Weather, method="json_schema")
         assert isinstance(structured.invoke("Weather in Rome: sunny."), Weather)
@@ -298,8 +302,8 @@ import instructor, openai
 from pydantic import BaseModel, Field
 
 class Weather(BaseModel):
-    city: str = Field(max_length=20)
-    summary: str = Field(max_length=40)
+    city: str = Field(max_length=12)
+    summary: str = Field(max_length=16)
 
 base = openai.OpenAI(base_url=os.environ["BASE_URL"], api_key=os.environ["API_KEY"],
                      max_retries=0)

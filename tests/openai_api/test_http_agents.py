@@ -177,7 +177,8 @@ def test_openai_agents_tools_with_output_type(smol, kind: str, stream: bool) -> 
                       tools=[get_weather], output_type=Weather,
                       model=model_class(model=MODEL, openai_client=client),
                       model_settings=ModelSettings(temperature=0, max_tokens=CALL_TOKENS,
-                                                   tool_choice="required"))
+                                                   tool_choice="required",
+                                                   include_usage=True))  # (streamed chat)
         question = "What is the weather in Paris?"
         if stream:
             result = Runner.run_streamed(agent, question, max_turns=4)

@@ -190,6 +190,7 @@ class TokenOutput(_Internal):
     usage: Union[Usage, None] = None
     prompt_logprobs: Union[list[float], None] = None
     prompt_top_logprobs: Union[list[list[TopLogprob]], None] = None
+    prompt_token_ids: Union[list[int], None] = None  # the tokens of prompt_logprobs
     # A stop string matched inside the last kept token: its text's last `text_trim`
     # characters are the stop string's start, which the output's text leaves out.
     text_trim: int = 0

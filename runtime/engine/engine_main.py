@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
@@ -38,6 +38,9 @@ from radixlm.runtime.model.loader import engine_weight_format
 from radixlm.runtime.sampling import Sampler
 from radixlm.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from radixlm.runtime.distributed import TensorParallel, TensorParallelRunner
+
 log = logging.getLogger("radixlm.engine")
 
 STATS_EVERY_S = 10.0
@@ -48,8 +51,9 @@ class Engine:
     """Everything `build_engine` made; `ready` is what the frontend is told."""
 
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: ModelRunner | TensorParallelRunner
     ready: EngineReady
+    tp: TensorParallel | None = None  # the other ranks, with --tensor-parallel-size > 1
 
 
 def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> Engine:
@@ -63,16 +67,23 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     dtype = resolve_dtype(config.dtype, device)
     mcfg = ModelConfig.from_dir(model_dir)
     context = context_length_for(config, mcfg.max_position_embeddings)
-    capacity = kv_capacity(
-        config.kv_tokens, config.kv_memory_fraction, mcfg, device, dtype, config.page_size,
-        usable_tokens=context * config.max_running,
-    )
-    pool = KVPool(
-        mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, capacity, config.page_size, dtype, device
-    )
-    runner = ModelRunner(model_dir, device, dtype, pool, config.attention,
-                         quantize=engine_weight_format(config.dtype, config.quantize, model_dir,
-                                                         device))
+    tp = None
+    if config.tensor_parallel_size > 1:  # ranks 1..N-1 are processes of ours from here on
+        from radixlm.runtime.distributed import start_engine_ranks
+
+        tp = start_engine_ranks(config, model_dir, device, dtype, context)
+        runner, pool = tp.runner, tp.runner.pool
+        capacity = pool.capacity
+    else:
+        capacity = kv_capacity(
+            config.kv_tokens, config.kv_memory_fraction, mcfg, device, dtype, config.page_size,
+            usable_tokens=context * config.max_running,
+        )
+        pool = KVPool(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, capacity,
+                      config.page_size, dtype, device)  # fmt: skip
+        runner = ModelRunner(model_dir, device, dtype, pool, config.attention,
+                             quantize=engine_weight_format(config.dtype, config.quantize,
+                                                           model_dir, device))  # fmt: skip
     # "priority": demoted session histories are evicted after plain cache (sessions.py).
     cache = PrefixCache(capacity, config.page_size, policy="priority")
     sessions = SessionManager(cache, config, kv_pool=pool)
@@ -82,7 +93,8 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         tokenizer = Tokenizer.load(model_dir)
         eos |= tokenizer.eos_token_ids
         # Grammars need the vocabulary's text (masks) and the tokenizer (jump-forward).
-        grammars = Grammars(tokenizer, mcfg.vocab_size, eos)
+        grammars = Grammars(tokenizer, mcfg.vocab_size, eos,
+                            timeout_s=config.grammar_timeout_s)
     except Exception as e:  # noqa: BLE001 - a checkpoint without tokenizer files still serves ids
         log.warning("no tokenizer in %s (%s): EOS ids from config.json only, no grammars, "
                     "no stop strings",
@@ -113,7 +125,7 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         model=config.model or "default", context_length=context, page_size=config.page_size,
         kv_capacity=capacity, model_dir=str(model_dir), vocab_size=mcfg.vocab_size,
     )  # fmt: skip
-    return Engine(sched, runner, ready)
+    return Engine(sched, runner, ready, tp)
 
 
 def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
@@ -131,13 +143,19 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
     ctx: zmq.Context[Any] = zmq.Context()
     inbox = open_socket(ctx, zmq.PULL, endpoints.to_engine, bind=True)
     outbox = open_socket(ctx, zmq.PUSH, endpoints.to_frontend, bind=False)
+    if engine.tp is not None:  # a rank that fails stops the engine, which reports why
+        engine.tp.on_failure(lambda: setattr(stop, "set", True))
     try:
         outbox.send(encode(engine.ready))
         log.info("engine ready")
         loop = EngineLoop(sched, inbox, outbox, stop)
         loop.on_step = _ThroughputLog(sched, loop).maybe_log
         loop.run()
+        if engine.tp is not None:
+            engine.tp.raise_if_failed()
     finally:
+        if engine.tp is not None:
+            engine.tp.close()
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
         inbox.close(linger=0)

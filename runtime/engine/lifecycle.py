@@ -143,6 +143,8 @@ class Endings:
         if g.prompt_logprobs_start is not None:
             out.prompt_logprobs = g.prompt_logprobs or []
             out.prompt_top_logprobs = g.prompt_top_logprobs
+            # Position 0 has no logprob: they are of the tokens from max(start, 1) on.
+            out.prompt_token_ids = g.prompt[max(g.prompt_logprobs_start, 1):].tolist()
         session = g.turn.ended_in.get(r.index) if g.turn is not None else None
         if session is not None:
             out.session = session

@@ -43,6 +43,7 @@ from radixlm.runtime.rules import (
     check_input,
     check_input_size,
     check_pin_name,
+    check_tools,
 )
 
 # Inputs up to this many characters are tokenized on the main thread (a thread hop costs
@@ -129,12 +130,14 @@ class ClientRequests:
                                f"server's cap (--max-inflight-per-client); wait for one to end")
         check_generate(msg, self.model.vocab_size)
         check_input_size(msg.input, self.model.max_input_bytes, self.model.context_length)
+        check_tools(msg.tools, self.model.context_length)
         plan = plan_structured(msg, self.model.tool_format)
         key = next(self._keys)
         stream = RequestStream(key, client.identity, msg.rid, stream=msg.stream, n=msg.n,
                                sampling=msg.sampling, session=msg.session,
                                tokenizer=self.model.tokenizer,
-                               tool_calls=plan.tool_calls if plan.parse_calls else None)
+                               tool_calls=plan.tool_calls if plan.parse_calls else None,
+                               logprob_texts=msg.logprob_texts)
         self.routes.streams[key] = stream
         client.inflight[msg.rid] = key
 

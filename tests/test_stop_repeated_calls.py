@@ -54,7 +54,7 @@ def test_the_branch_ends_before_the_first_repeated_call(picks: list[int], cuts: 
     pieces = _tokens(text, cuts)
     ends = [sum(len(p) for p in pieces[: i + 1]) for i in range(len(pieces))]
     repeat = next((j for j in range(len(calls)) if calls[j] in calls[:j]), None)
-    m = TokenStopMatcher(PieceTokenizer(pieces), [], (), FramedCalls(begin, end, "\n"))
+    m = TokenStopMatcher(PieceTokenizer(pieces), [], (), calls=FramedCalls(begin, end, "\n"))
     if repeat is None:
         assert not any(m.feed([i]) for i in range(len(pieces)))
         assert not m.finish()
@@ -75,7 +75,7 @@ def test_the_branch_ends_before_the_first_repeated_call(picks: list[int], cuts: 
 def test_stop_strings_still_match_beside_the_watch() -> None:
     text = CALLS[0] + "\n" + CALLS[2] + "\nEND"
     pieces = list(text)
-    m = TokenStopMatcher(PieceTokenizer(pieces), ["Oslo"], (), FramedCalls("", "", "\n"))
+    m = TokenStopMatcher(PieceTokenizer(pieces), ["Oslo"], (), calls=FramedCalls("", "", "\n"))
     assert any(m.feed([i]) for i in range(len(pieces)))
     assert (m.repeated, m.matched, m.hit) == (False, "Oslo", "Oslo")
     assert "".join(pieces[: m.kept]) == text[: text.index("Oslo")]

@@ -555,7 +555,7 @@ class StubServer:
             waiting=0, prompt_tokens_total=total, cached_tokens_total=self.cached_tokens_total,
             hit_rate=self.cached_tokens_total / total if total else 0.0, invariant_ok=True,
             generated_tokens_total=self.generated_tokens_total, retractions=0,
-            fair_preemptions=0, capped_steps=0,
+            fair_preemptions=0, capped_steps=0, finish_reasons={}, latency={},
         ))
 
     def _flush(self, client: bytes, msg: p.FlushCache) -> None:

@@ -109,6 +109,9 @@ class EngineGenerate(_Internal, tag="gen"):
     # text or ids), and its renderings for the ends of history other than a closed turn.
     assistant_open: Union[bool, None] = None
     variants: Union[AppendVariants, None] = None
+    # When the frontend received the request (`time.monotonic()`, before tokenizing):
+    # the start of its time to first token and end-to-end latency (engine/timings.py).
+    arrived: Union[float, None] = None
 
 
 class EngineAbort(_Internal, tag="abort"):

@@ -376,6 +376,16 @@ class Ok(Struct, tag="ok"):
     rid: str
 
 
+class Histogram(Struct):
+    """Observations of one duration, in seconds, as Prometheus buckets them: `counts[i]`
+    fell in (`bounds[i-1]`, `bounds[i]`], the last count above every bound."""
+
+    bounds: list[float]  # ascending upper bounds
+    counts: list[int]  # per bucket (not cumulative): len(bounds) + 1
+    sum: float
+    count: int
+
+
 class StatsReply(Struct, tag="stats_reply"):
     rid: str
     capacity: int
@@ -399,6 +409,12 @@ class StatsReply(Struct, tag="stats_reply"):
     retractions: int  # running requests sent back to the queue (their KV kept as cache)
     fair_preemptions: int  # of those, to give another client its share of running slots
     capped_steps: int  # decode steps that held rows back for another client's latency
+    # Generate branches that ended, by finish reason ("stop", "length", "abort").
+    finish_reasons: dict[str, int]
+    # Per-request timings measured in the engine (every protocol, streamed or not), by
+    # name: request_queue_time, time_to_first_token, e2e_request_latency,
+    # request_prefill_time, request_decode_time, request_time_per_output_token.
+    latency: dict[str, Histogram]
 
 
 class SessionOpened(Struct, tag="session_opened"):

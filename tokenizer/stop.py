@@ -28,6 +28,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from radixlm.tokenizer.call_frames import FramedCalls
 from radixlm.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.tokenizer.stop_regex import StopRegex
 
@@ -53,6 +54,15 @@ class StopStringMatcher:
         self._inner_chars = frozenset(c for s in self.stops for c in s[:-1])
         self._held = ""
         self.hit: str | None = None  # the stop string found, once found
+
+    def add(self, stop: str) -> None:
+        """One more stop string, matched in the text fed from now on."""
+        if not stop or stop in self.stops:
+            return
+        self.stops += (stop,)
+        self._max_len = max(self._max_len, len(stop))
+        self._first_chars = self._first_chars | {stop[0]}
+        self._inner_chars = self._inner_chars | set(stop[:-1])
 
     @property
     def done(self) -> bool:
@@ -131,15 +141,24 @@ class TokenStopMatcher:
     stop string's first `trim` characters, which the text leaves out. A regex hit keeps
     every token up to the one that completed the match, unless the pattern occurs
     literally in the text: then it is cut there as a stop string is.
+
+    With `calls` (a `FramedCalls` over the output's parallel tool calls), each call, once
+    complete, becomes a stop string of the text after it: a call that repeats an earlier
+    one word for word ends the branch before it (`repeated`), and while a call may still
+    become a repeat its tokens are held back. The branch then keeps only the tokens whose
+    text ends before the repeat (no `trim`): its history ends with the last new call.
     """
 
     __slots__ = ("_detok", "_stops", "_regex", "_literal", "_text", "_ends", "_decoded",
-                 "_emitted", "_safe", "_hit", "released", "kept", "trim", "finished")
+                 "_emitted", "_safe", "_hit", "_calls", "_call_stops", "released", "kept",
+                 "trim", "finished")
 
     def __init__(self, tokenizer: Any, stops: Iterable[str], context: Sequence[int] = (),
-                 regexes: Sequence[str] = ()) -> None:
+                 regexes: Sequence[str] = (), calls: FramedCalls | None = None) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids=context)
         self._stops = StopStringMatcher(stops)
+        self._calls = calls
+        self._call_stops: set[str] = set()  # the calls so far, as stop strings
         self._regex = StopRegex(regexes) if regexes else None
         # The patterns as literal strings: what may still be cut away is held back.
         self._literal = StopStringMatcher(regexes)
@@ -158,6 +177,17 @@ class TokenStopMatcher:
     def hit(self) -> str | None:
         """The stop string (or stop_regex pattern) that matched, once one has."""
         return self._hit
+
+    @property
+    def repeated(self) -> bool:
+        """The branch ended at a call that repeats an earlier one (not a stop the request
+        gave)."""
+        return self._hit is not None and self._hit in self._call_stops
+
+    @property
+    def matched(self) -> str | None:
+        """The request's stop string or pattern that matched (None for a repeated call)."""
+        return None if self.repeated else self._hit
 
     def feed(self, ids: Iterable[int]) -> bool:
         """Take the next generated tokens; True when a stop string has matched (the tokens
@@ -194,11 +224,29 @@ class TokenStopMatcher:
         while i >= 0 and ends[i] == _PENDING:
             ends[i] = self._decoded
             i -= 1
+        if self._calls is not None:
+            start = 0
+            for cut, call in self._calls.feed(piece):  # (a complete call's text is no repeat
+                if self._take_text(piece[start:cut]):  # of itself: it stops what follows)
+                    return True
+                if call not in self._stops.stops:
+                    self._call_stops.add(call)
+                    self._stops.add(call)
+                start = cut
+            piece = piece[start:]
+        return self._take_text(piece)
+
+    def _take_text(self, piece: str) -> bool:
+        """Decoded text, searched for stop strings, calls' repeats and patterns."""
         emit, hit = self._stops.feed(piece) if piece else ("", None)
         self._emitted += len(emit)
         if hit is not None:
             self._hit = hit
-            self._keep_before(self._emitted)
+            if hit in self._call_stops:  # a repeated call: the tokens wholly before it
+                self.kept = self.released = bisect_right(self._ends, self._emitted)
+                self.trim = 0
+            else:
+                self._keep_before(self._emitted)
             return True
         regex = self._regex
         if regex is None or not piece:
@@ -211,7 +259,7 @@ class TokenStopMatcher:
         assert pattern is not None
         cut = self._text.find(pattern)  # SGLang's trim: the pattern found literally
         if cut == -1:  # the match stays: every token so far is kept
-            self.kept = self.released = len(ends)
+            self.kept = self.released = len(self._ends)
             self.trim = 0
         else:
             self._keep_before(cut)

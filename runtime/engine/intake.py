@@ -39,6 +39,7 @@ from radixlm.runtime.rules import (
 )
 from radixlm.runtime.sampling import make_generator
 from radixlm.tokenizer import Tokenizer, TokenStopMatcher
+from radixlm.tokenizer.call_frames import FramedCalls
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,8 @@ class MessageHandler:
             turn=intake.turn if intake is not None else None,
             prompt_logprobs_start=None if start is None else history + start,
             priority=msg.priority, grammar=grammar,
-        ), stop_context=msg.input_ids)  # fmt: skip
+            times=self.endings.counters.latency.start(msg.arrived),
+        ), stop_context=msg.input_ids, calls=msg.grammar)  # fmt: skip
 
     def _grammar(self, spec: GrammarSpec | None, namespace: str | None,
                  client: bytes) -> CompiledGrammar | Pending | None:
@@ -203,9 +205,12 @@ class MessageHandler:
                      pool=self.capacity, retained=self.sessions.unreclaimable_tokens(),
                      history_len=history_len, what=what)
 
-    def _enqueue(self, g: RequestGroup, stop_context: list[int] | None = None) -> None:
+    def _enqueue(self, g: RequestGroup, stop_context: list[int] | None = None,
+                 calls: GrammarSpec | None = None) -> None:
         """Queue the group's branches (`stop_context`: the input's ids, the left context
-        of a stop-string matcher's text, as of the frontend's detokenizer)."""
+        of a stop-string matcher's text, as of the frontend's detokenizer; `calls`: the
+        grammar, whose parallel tool calls end at the first repeat)."""
+        parallel = calls.separator if calls is not None and self.tokenizer is not None else None
         g.stop_ids = frozenset(g.sampling.stop_token_ids) | (
             frozenset() if g.sampling.ignore_eos else self.eos_token_ids
         )
@@ -222,9 +227,13 @@ class MessageHandler:
             if g.sampling.logprobs or g.sampling.top_logprobs:
                 r.logprobs = []
                 r.top_logprobs = [] if g.sampling.top_logprobs else None
-            if (g.sampling.stop or g.sampling.stop_regex) and stop_context is not None:
+            if (g.sampling.stop or g.sampling.stop_regex or parallel is not None) \
+                    and stop_context is not None:
+                watch = None
+                if calls is not None and parallel is not None:
+                    watch = FramedCalls(calls.begin, calls.end, parallel)
                 r.stops = TokenStopMatcher(self.tokenizer, g.sampling.stop, stop_context,
-                                           g.sampling.stop_regex)
+                                           g.sampling.stop_regex, watch)
             g.branches.append(r)
         self.table.add(g)
 

@@ -91,7 +91,7 @@ class Endings:
                 del r.logprobs[keep:]
             if r.top_logprobs is not None:
                 del r.top_logprobs[keep:]
-        return "stop", stops.hit
+        return "stop", stops.matched
 
     def wait_for_tail(self, r: Request, reason: str, matched: int | str | None,
                       out: TokenOutput | None) -> None:
@@ -130,6 +130,9 @@ class Endings:
             r.sent = len(r.output)
         out.finish_reason = r.finish_reason
         out.matched_stop = r.matched_stop
+        if g.times is not None:
+            self.counters.latency.branch_ended(g.times, g.n, r.finish_reason or "stop",
+                                               len(r.output))
         out.usage = Usage(
             prompt_tokens=g.prompt_len,
             cached_tokens=max(r.cached_tokens, 0),

@@ -147,6 +147,8 @@ class OutputProcessor:
                     top = _tops(tops[i])
                     r.top_logprobs.append(top)
                     out.top_logprobs = [top]
+            if g.times is not None and not r.output:
+                self.counters.latency.first_token(g.times)
             end = n + len(toks)
             r.tokens[n:end] = toks
             r.num_tokens = end
@@ -163,7 +165,7 @@ class OutputProcessor:
                 if reason is not None:
                     self._finish(r, reason, matched, out)
             elif stops.feed(toks):  # (its last output is made as it ends)
-                self._finish(r, "stop", stops.hit, None)
+                self._finish(r, "stop", stops.matched, None)
             elif reason is not None:
                 self._finish(r, reason, matched, None)
             else:

@@ -166,6 +166,8 @@ class PrefillManager:
                 break
             table.move(r, ReqState.PREFILLING)  # (now the last of `running`)
             if r.cached_tokens < 0:  # first admission: usage and hit-rate figures
+                if r.group.times is not None:
+                    self.counters.latency.scheduled(r.group.times)
                 r.cached_tokens = m.length + restored
                 if r.index == 0:
                     self.sessions.on_admit(r, m.length, restored)

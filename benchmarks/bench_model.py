@@ -119,9 +119,12 @@ class Ours:
 class HF:
     def __init__(self, model_dir: Path):
         import transformers
+        from radixlm.runtime.model import ensure_dense_weights
 
+        # a converted GGUF holds no weights: transformers reads float32 written on demand
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=torch.float32
+            str(ensure_dense_weights(model_dir) if (model_dir / "radixlm_source.json").exists()
+                else model_dir), dtype=torch.float32,
         ).eval()
 
     def prefill(self, ids: list[int]):

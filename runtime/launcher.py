@@ -435,6 +435,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 def _run_role(role: str, config: EngineConfig, endpoints: Endpoints) -> None:
     if role == "engine":
+        t_import = time.perf_counter()
         if not config.device.startswith("cuda"):
             keep_triton_out()
         problem = device_problem(config.device)
@@ -442,6 +443,10 @@ def _run_role(role: str, config: EngineConfig, endpoints: Endpoints) -> None:
             raise DeviceError(problem)
         from radixlm.runtime.engine.engine_main import run_engine
 
+        # The first stage of a start (torch alone takes ~2 s); the engine logs the others.
+        # DEBUG: an engine that then fails to start keeps its error to one line.
+        logging.getLogger("radixlm.engine").debug(
+            "imports (torch, the engine) in %.2fs", time.perf_counter() - t_import)
         run_engine(config, endpoints)
     else:
         from radixlm.runtime.frontend import run_frontend

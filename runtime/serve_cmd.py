@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import msgspec
@@ -50,6 +51,7 @@ from radixlm.runtime.transport.discovery import (
     claim_default,
 )
 from radixlm.runtime.transport.exits import how_it_ended
+from radixlm.runtime.transport.progress import starting_label
 
 __all__ = ["run_serve"]
 
@@ -123,6 +125,10 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         http_url = f"http://{_url_host(http.host)}:{http.port}/v1" if http else ""
         if claim is not None:
             claim.publish(DefaultServer(os.getpid(), claim.endpoint, http_url))
+        # A line at once: the engine's own log lines (imports, weights, tokenizer, pool)
+        # follow as each stage ends.
+        if sys.stderr.isatty():  # piped stderr keeps start-up errors to their one line
+            say("serve", f"{starting_label(config.model or 'default')}: loading the model")
         server = start_server(config, start_timeout_s=args.start_timeout, preflight=False,
                               takeover=claim is not None)
         if http is not None:

@@ -8,11 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from radixlm.cache import KVPool
 from radixlm.runtime.model import ForwardBatch, ModelConfig, ModelRunner, resolve_model
-from radixlm.runtime.model.gguf_convert import cache_root, converted_dir_for, ensure_converted
+from radixlm.runtime.model.gguf_convert import (
+    cache_root,
+    converted_dir_for,
+    ensure_converted,
+    ensure_dense_weights,
+    has_dense_weights,
+)
+from radixlm.runtime.model.quant import QuantWeight
 from tiny_models import TINY_VARIANTS, load_hf_model, make_tiny_checkpoint, make_tiny_gguf
 
 
@@ -114,9 +122,9 @@ def test_cache_location_and_reuse(tmp_path, monkeypatch):
     src = make_tiny_checkpoint(tmp_path, "qwen3", name="reuse", with_tokenizer=True)
     gguf_path = make_tiny_gguf(src)
     first = ensure_converted(gguf_path, progress=False)
-    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    stamp = (first / "config.json").stat().st_mtime_ns
     assert ensure_converted(gguf_path, progress=False) == first == converted_dir_for(gguf_path)
-    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # not converted again
+    assert (first / "config.json").stat().st_mtime_ns == stamp  # not converted again
     assert not [p for p in first.parent.iterdir() if p.name.startswith(".tmp-")]
 
 
@@ -143,9 +151,95 @@ def test_concurrent_conversions_agree(tmp_path):
     dirs = {o.strip().splitlines()[-1] for o, _ in outs}
     assert len(dirs) == 1
     out = Path(dirs.pop())
-    assert (out / "config.json").exists() and (out / "model.safetensors").exists()
+    assert (out / "config.json").exists() and not has_dense_weights(out)
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".tmp-")]
     ids = IDS[:6]
     with torch.no_grad():
         ref = load_hf_model(src)(torch.tensor([ids])).logits[0]
     assert (_logits(out, ids) - ref).abs().max().item() < 1e-4
+
+
+def test_conversion_keeps_no_weights_and_packed_weights_map_the_file(tmp_path):
+    """The converted directory holds config and tokenizer only (no float32 copy of a file
+    whose blocks run packed); a gguf-format model holds its matrices as rows of the mapped
+    GGUF (their addresses lie inside the file's mapping, nothing copied) and float32 only
+    for the norms; dense weights are dequantized from the GGUF at load."""
+    src = make_tiny_checkpoint(tmp_path, "llama", name="mapped")
+    gguf_path = make_tiny_gguf(src, quant="Q8_0")
+    out = ensure_converted(gguf_path, progress=False)
+    assert not has_dense_weights(out)
+    assert not list(out.glob("*.safetensors"))
+    c = ModelConfig.from_dir(out)
+    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 64, 1, torch.float32, "cpu")
+    runner = ModelRunner(out, "cpu", "gguf", pool, attention="torch")
+    model = runner.model
+    size = gguf_path.stat().st_size
+    mats = [model.lm_head_t] + [getattr(layer, n) for layer in model.layers
+                                for n in ("w_qkv_t", "w_o_t", "w_gu_t", "w_down_t")]  # fmt: skip
+    assert all(isinstance(w, QuantWeight) for w in mats)
+    for w in mats:  # every row address inside one mapping of the file's size
+        owner = w.owners[0]
+        base = owner.base  # the numpy view's base: the file's mapping
+        while getattr(base, "base", None) is not None:
+            base = base.base
+        assert len(memoryview(base)) == size
+        lo = np.frombuffer(base, dtype=np.uint8).__array_interface__["data"][0]
+        assert int(w.rowptr.min()) >= lo and int(w.rowptr.max()) + w.row_bytes <= lo + size
+    dense = [t for layer in model.layers for t in (layer.in_norm, layer.post_norm)]
+    assert sum(t.numel() for t in dense) == 2 * c.num_layers * c.hidden_size  # norms only
+    # dense loading dequantizes the GGUF itself, and equals transformers on the same blocks
+    ref = _logits(ensure_dense_weights(out), IDS)
+    assert has_dense_weights(out)
+    plain = tmp_path / "again"
+    plain.mkdir()
+    for f in out.iterdir():
+        if not f.name.endswith(".safetensors"):
+            (plain / f.name).write_bytes(f.read_bytes())
+    assert (_logits(plain, IDS) - ref).abs().max().item() < 1e-5
+
+
+def test_dense_weights_on_demand_load_in_transformers(tmp_path):
+    import transformers
+
+    src = make_tiny_checkpoint(tmp_path, "qwen2", name="hf")
+    out = ensure_converted(make_tiny_gguf(src), progress=False)
+    assert ensure_dense_weights(out, progress=False) == out
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    ensure_dense_weights(out, progress=False)
+    assert (out / "model.safetensors").stat().st_mtime_ns == stamp
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    with torch.no_grad():
+        got = hf(torch.tensor([IDS])).logits[0]
+        ref = load_hf_model(src)(torch.tensor([IDS])).logits[0]
+    assert (got - ref).abs().max().item() < 1e-4
+    with pytest.raises(FileNotFoundError, match="names no GGUF"):
+        ensure_dense_weights(tmp_path)
+
+
+@pytest.mark.parametrize("quant", [None, "Q8_0"])
+def test_gguf_reader_agrees_with_gguf_py(tmp_path, quant):
+    """`GGUFFile` (our reader: tensor table, mapped data, metadata decoded on demand)
+    against gguf-py's own reader on the same file."""
+    import gguf
+    from radixlm.runtime.model.gguf_file import GGUFFile, GGUFFormatError
+
+    path = make_tiny_gguf(make_tiny_checkpoint(tmp_path, "qwen2", name="rd"), quant=quant)
+    ours, ref = GGUFFile(path), gguf.GGUFReader(str(path))
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert a.ggml_type == int(b.tensor_type) and a.offset == b.data_offset
+        assert a.shape == tuple(int(x) for x in reversed(b.shape))
+        assert np.array_equal(ours.data(a), np.asarray(b.data).reshape(-1).view(np.uint8))
+    meta = ours.metadata()
+    for name, field in ref.fields.items():
+        if name.startswith("GGUF."):  # gguf-py's own header fields
+            continue
+        want = field.contents()
+        assert meta[name] == pytest.approx(want) if isinstance(want, float) else meta[name] == want, name
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(GGUFFormatError):
+        GGUFFile(bad)
+    bad.write_bytes(b"GGML" + path.read_bytes()[4:])
+    with pytest.raises(GGUFFormatError, match="magic"):
+        GGUFFile(bad)

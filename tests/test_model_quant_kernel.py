@@ -2,25 +2,31 @@
 dequantization of the same GGML blocks, multiplied in float64 by torch.
 
 Blocks are random bytes with sane float16 scales, so every nibble / int8 value occurs.
-Products are checked for 1..20 activation rows, with bias, accumulation into a residual,
-and row-strided inputs. Up to `GEMV_MAX_ROWS` rows the kernel streams the weights with
-the activations as two int8 digits per value (per block of 32: q = round(x / d), r =
-round((x - q d) * 256 / d), d = max|x| / 127): the reference quantizes them the same way
-in torch and keeps Q4_1's offset term on the exact x (`q8_reference`); above, the kernel
-dequantizes and multiplies in float32. Float32 sums in another order than float64's: a relative bound of
-1e-5 of the sum of |x|*|w| (the products' magnitude) covers that and nothing more. A
-build without AVX-512 VNNI (the plain C path) must give the same products.
+Products are checked for 1..70 activation rows (the streaming path below 8 rows, the
+tiled path up to 64, dequantize + float32 GEMM above), with bias, accumulation into a
+residual, and row-strided inputs. The kernel's integer paths multiply activations held as
+one int16 per value per block of 32 (v = round(x / s), s = max|x| / 32767): the reference
+quantizes them the same way in torch and keeps Q4_1's offset term on the exact x
+(`int16_reference`). Float32 sums in another order than float64's: a relative bound of
+1e-5 of the sum of |x|*|w| (the products' magnitude) covers that and nothing more. The
+portable build (plain C, no AVX2) must give the same products, and so must the tiled path
+and the one-row path on the same rows.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from radixlm.runtime.model import qkernel
 from radixlm.runtime.model.quant import (
     BLOCK_BYTES,
-    GEMV_MAX_ROWS,
+    DEQUANT_MIN_ROWS,
     Q4_0,
     Q4_1,
     Q8_0,
@@ -30,6 +36,7 @@ from radixlm.runtime.model.quant import (
 
 QTYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 REL = 1e-5
+TILE_MIN_M = 8  # kernels/qmatmul.c: rows from which the tiled path runs
 
 
 def random_blocks(rows: int, cols: int, qtype: int, seed: int) -> QuantWeight:
@@ -42,16 +49,14 @@ def random_blocks(rows: int, cols: int, qtype: int, seed: int) -> QuantWeight:
     return QuantWeight(torch.from_numpy(raw.reshape(rows, nb * bb)), qtype, rows, cols)
 
 
-def q8_activations(x: torch.Tensor) -> torch.Tensor:
-    """`x` as the kernel multiplies it: per block of 32, two int8 digits, q = round(x / d)
-    and r = round((x - q d) * 256 / d) with d = max|x| / 127 (float32 arithmetic, round
-    half to even, as the kernel), worth (256 q + r) d / 256."""
+def int16_activations(x: torch.Tensor) -> torch.Tensor:
+    """`x` as the kernel multiplies it: per block of 32, v = round(x / s) with s = max|x| /
+    32767 (float32 arithmetic, round half to even, as the kernel), worth v s."""
     b = x.float().reshape(x.shape[0], -1, 32)
-    d = b.abs().amax(-1, keepdim=True) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = torch.round(b * inv).clamp(-127, 127)
-    r = torch.round((b - q * d) * (inv * 256.0)).clamp(-127, 127)
-    return ((256 * q.double() + r.double()) * (d.double() / 256)).reshape(x.shape)
+    s = b.abs().amax(-1, keepdim=True) / 32767.0
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    v = torch.round(b * inv).clamp(-32767, 32767)
+    return (v.double() * s.double()).reshape(x.shape)
 
 
 def block_offsets(w: QuantWeight) -> torch.Tensor:
@@ -63,11 +68,11 @@ def block_offsets(w: QuantWeight) -> torch.Tensor:
     return torch.from_numpy(np.repeat(m, 32, axis=-1).reshape(w.rows, w.cols))
 
 
-def q8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """What the streaming kernel computes, in float64: quantized activations times the
+def int16_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """What the integer paths compute, in float64: quantized activations times the
     weights' scaled codes, plus Q4_1's offsets times the exact activations."""
     ref_w, offsets = reference(w), block_offsets(w)
-    return q8_activations(x) @ (ref_w - offsets).t() + x.double() @ offsets.t()
+    return int16_activations(x) @ (ref_w - offsets).t() + x.double() @ offsets.t()
 
 
 def reference(w: QuantWeight) -> torch.Tensor:
@@ -86,10 +91,11 @@ def test_dequantize_matches_gguf(name):
 
 
 @pytest.mark.parametrize("name", sorted(QTYPES))
-@pytest.mark.parametrize("m", [1, 2, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 20])
-@pytest.mark.parametrize("cols", [160, 608])  # 5 blocks a row; 19 (a 16-block group + 3)
+@pytest.mark.parametrize("m", [1, 2, 5, TILE_MIN_M - 1, TILE_MIN_M, 13, DEQUANT_MIN_ROWS - 1,
+                               DEQUANT_MIN_ROWS])  # fmt: skip
+@pytest.mark.parametrize("cols", [160, 608])  # 5 blocks a row; 19
 def test_matmul_matches_reference(name, m, cols):
-    w = random_blocks(131, cols, QTYPES[name], seed=m)  # 131 rows: a partial thread chunk
+    w = random_blocks(131, cols, QTYPES[name], seed=m)  # 131 rows: partial chunks and tiles
     ref_w = reference(w)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, cols, generator=g) * torch.rand(m, cols // 32, 1, generator=g).expand(
@@ -98,7 +104,7 @@ def test_matmul_matches_reference(name, m, cols):
     scale = x.double().abs() @ ref_w.abs().t()
 
     def want_for(a: torch.Tensor) -> torch.Tensor:
-        return q8_reference(a, w) if m <= GEMV_MAX_ROWS else a.double() @ ref_w.t()
+        return int16_reference(a, w) if m < DEQUANT_MIN_ROWS else a.double() @ ref_w.t()
 
     y = w.matmul(x)
     want = want_for(x)
@@ -120,9 +126,25 @@ def test_matmul_matches_reference(name, m, cols):
 
 
 @pytest.mark.parametrize("name", sorted(QTYPES))
+def test_tiled_rows_equal_each_row_alone(name):
+    """The tiled product (8+ rows: weights unpacked once per 8 rows) against the one-row
+    streaming product on the same rows, and both against float64 on the dequantized
+    weights (the same function up to float summation order)."""
+    w = random_blocks(70, 576, QTYPES[name], seed=11)
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(11))
+    tiled = w.matmul(x)
+    alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(40)])
+    scale = x.double().abs() @ reference(w).abs().t()
+    assert (tiled.double() - alone.double()).abs().le(REL * scale).all()
+    exact = x.double() @ reference(w).t()
+    assert (tiled.double() - exact).abs().le(1e-4 * scale).all()
+
+
+@pytest.mark.parametrize("name", sorted(QTYPES))
 def test_quantized_activations_cost_almost_nothing(name):
-    """Two int8 digits hold each activation to 1/512 of its block's step: against exact
-    float64 products on the same weights, within 1e-4 of the products' magnitude."""
+    """int16 activations hold each value to half a step of max|x| / 32767 of its block:
+    against exact float64 products on the same weights, within 1e-4 of the products'
+    magnitude, an outlier channel included."""
     w = random_blocks(64, 576, QTYPES[name], seed=9)
     x = torch.randn(1, 576, generator=torch.Generator().manual_seed(9))
     x[0, 5] = 40.0  # an outlier channel: its block's other values lose the most
@@ -131,55 +153,110 @@ def test_quantized_activations_cost_almost_nothing(name):
     assert (w.matmul(x).double() - exact).abs().le(1e-4 * scale).all()
 
 
-def test_layout_round_trips_and_stacks():
-    """`blocks` gives back the GGML bytes it was built from; `cat` stacks rows."""
+def test_rows_are_addressed_not_copied():
+    """`cat` and `take_rows` build new weights over the same bytes (row addresses only);
+    `blocks` reads back the GGML bytes; a read-only numpy array (a mapped file) serves."""
     for qtype in QTYPES.values():
         for cols in (32, 160, 576, 608):
             w = random_blocks(7, cols, qtype, seed=cols)
-            raw = random_blocks(7, cols, qtype, seed=cols).blocks
-            assert torch.equal(w.blocks, raw)
+            raw = w.blocks
             assert w.nbytes == raw.numel()
-            both = QuantWeight.cat([w, random_blocks(3, cols, qtype, seed=1)])
+            other = random_blocks(3, cols, qtype, seed=1)
+            both = QuantWeight.cat([w, other])
             assert torch.equal(both.blocks[:7], raw) and both.rows == 10
-            assert torch.equal(both.dequantize()[7:], random_blocks(3, cols, qtype, seed=1).dequantize())
+            assert torch.equal(both.dequantize()[7:], other.dequantize())
+            assert int(both.rowptr[0]) == int(w.rowptr[0])  # no copy
+            order = torch.tensor([6, 0, 3, 3])
+            picked = w.take_rows(order)
+            assert torch.equal(picked.dequantize(), w.dequantize()[order])
+            ro = raw.numpy().copy()
+            ro.flags.writeable = False
+            mapped = QuantWeight(ro, qtype, 7, cols)
+            assert torch.equal(mapped.dequantize(), w.dequantize())
+    with pytest.raises(IndexError):
+        w.take_rows(torch.tensor([7]))
+    with pytest.raises(ValueError, match="shape"):
+        QuantWeight(raw[:, 1:].contiguous(), Q8_0, 7, 608)
 
 
-def test_plain_c_build_computes_the_same(tmp_path):
-    """The kernel compiled without AVX-512 (the portable C path) multiplies alike."""
-    from radixlm.runtime.model import qkernel
-
-    if not qkernel.kernel().has_vnni:
-        pytest.skip("this CPU runs the plain C path already")
-    lib = qkernel.build(cflags=qkernel.PORTABLE_CFLAGS, directory=tmp_path)
-    plain = qkernel.Kernel(qkernel.ctypes.CDLL(str(lib)))
-    assert not plain.has_vnni
+def test_portable_build_computes_the_same(tmp_path):
+    """The kernel compiled without AVX2 (the portable C path) multiplies alike, on both
+    integer paths."""
+    k = qkernel.kernel()
+    if k.simd == 0:
+        pytest.skip("this CPU runs the portable path already")
+    plain = qkernel.load(qkernel.build(cflags=qkernel.PORTABLE_CFLAGS, directory=tmp_path))
+    assert plain.simd == 0
     for name, qtype in QTYPES.items():
         w = random_blocks(40, 608, qtype, seed=4)
-        x = torch.randn(3, 608, generator=torch.Generator().manual_seed(4))
-        fast = w.matmul(x)
-        out = torch.empty(3, 40)
-        scratch = torch.empty(plain.q_matmul_scratch_bytes(3, 608), dtype=torch.uint8)
-        plain.q_matmul(x.data_ptr(), 3, 608, 608, w.codes.data_ptr(), w.d.data_ptr(),
-                       0 if w.m is None else w.m.data_ptr(), qtype, 40, out.data_ptr(), 40,
-                       None, 0, scratch.data_ptr())  # fmt: skip
-        scale = x.double().abs() @ reference(w).abs().t()
-        assert (out.double() - fast.double()).abs().le(REL * scale).all(), name
+        for m in (3, 20):
+            x = torch.randn(m, 608, generator=torch.Generator().manual_seed(4))
+            fast = w.matmul(x)
+            out = torch.empty(m, 40)
+            need = plain.q_matmul_scratch_bytes(m, 608, torch.get_num_threads())
+            scratch = torch.empty(need, dtype=torch.uint8)
+            plain.q_matmul(x.data_ptr(), m, 608, 608, w.rowptr.data_ptr(), qtype, 40,
+                           out.data_ptr(), 40, None, 0, scratch.data_ptr())  # fmt: skip
+            scale = x.double().abs() @ reference(w).abs().t()
+            assert (out.double() - fast.double()).abs().le(REL * scale).all(), (name, m)
+
+
+def test_env_switch_loads_the_portable_build():
+    """RADIXLM_KERNEL=portable makes a process load the plain-C build (the path machines
+    without AVX2 take), which then computes the same products."""
+    code = (
+        "import torch\n"
+        "from radixlm.runtime.model import qkernel\n"
+        "from test_model_quant_kernel import random_blocks, reference\n"
+        "k = qkernel.kernel(); print(k.simd)\n"
+        "w = random_blocks(24, 160, 3, seed=2)\n"
+        "x = torch.randn(9, 160, generator=torch.Generator().manual_seed(2))\n"
+        "err = (w.matmul(x).double() - x.double() @ reference(w).t()).abs().max().item()\n"
+        "print(err)\n"
+    )
+    env = {**os.environ, qkernel.ENV_SWITCH: "portable"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    simd, err = out.stdout.split()
+    assert simd == "0" and float(err) < 1e-3
+    bad = subprocess.run([sys.executable, "-c", "from radixlm.runtime.model import qkernel; "
+                          "qkernel.kernel()"], env={**env, qkernel.ENV_SWITCH: "avx9"},
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode != 0 and "native" in bad.stderr
+
+
+def test_loading_a_cached_kernel_builds_nothing(tmp_path, monkeypatch):
+    """With the kernel in the cache (as `make install` leaves it) loading runs no compiler."""
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
+    path = qkernel.build()  # what make install does
+    calls = []
+    monkeypatch.setattr(qkernel, "build", lambda *a, **k: calls.append(a) or path)
+    monkeypatch.setattr(qkernel.subprocess, "run", lambda *a, **k: calls.append(a))
+    qkernel.kernel.cache_clear()
+    try:
+        assert qkernel.kernel().path == path
+    finally:
+        qkernel.kernel.cache_clear()
+    assert calls == []
 
 
 @pytest.mark.parametrize("name", sorted(QTYPES))
 def test_threads_agree(name):
     """Splitting output rows across threads changes nothing (each row is one thread's)."""
     w = random_blocks(1024, 256, QTYPES[name], seed=3)
-    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3))
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = w.matmul(x)
-        torch.set_num_threads(2)
-        two = w.matmul(x)
+        for m in (1, 12):
+            x = torch.randn(m, 256, generator=torch.Generator().manual_seed(3))
+            torch.set_num_threads(1)
+            one = w.matmul(x)
+            torch.set_num_threads(2)
+            two = w.matmul(x)
+            assert torch.equal(one, two)
     finally:
         torch.set_num_threads(before)
-    assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("qtype,levels", [(Q8_0, 127), (Q4_1, 15)])
@@ -197,23 +274,3 @@ def test_quantize_error_bound(qtype, levels):
         step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / levels
     err = (ref.reshape(64, 4, 32) - blocks).abs()
     assert err.le(step * 0.5 * (1 + 2e-3) + blocks.abs() * 1e-3 + 1e-7).all()
-
-
-def test_bad_inputs_are_refused():
-    w = random_blocks(8, 64, Q8_0, seed=0)
-    with pytest.raises(ValueError, match="float32"):
-        w.matmul(torch.zeros(1, 64, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"\[M, 64\]"):
-        w.matmul(torch.zeros(1, 32))
-    with pytest.raises(ValueError, match="accumulate needs out"):
-        w.matmul(torch.zeros(1, 64), accumulate=True)
-    with pytest.raises(IndexError):
-        w.dequantize(torch.tensor([8]))
-    with pytest.raises(ValueError, match="K % 32 == 0"):
-        quantize(torch.zeros(4, 40), Q8_0)
-    with pytest.raises(ValueError, match="Q8_0 and Q4_1"):
-        quantize(torch.zeros(4, 64), Q4_0)
-    with pytest.raises(ValueError, match="expected uint8"):
-        QuantWeight(torch.zeros(8, 10, dtype=torch.uint8), Q8_0, 8, 64)
-    with pytest.raises(ValueError, match="one type"):
-        QuantWeight.cat([w, random_blocks(8, 64, Q4_1, seed=0)])

@@ -24,6 +24,7 @@ from radixlm.runtime.model import (
     ModelConfig,
     ModelRunner,
     default_gguf_path,
+    ensure_dense_weights,
     resolve_model,
 )
 from radixlm.runtime.model.resolve import ModelNotFoundError
@@ -62,8 +63,8 @@ def ids(model_dir) -> list[int]:
 def hf(model_dir):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=torch.float32
+    return transformers.AutoModelForCausalLM.from_pretrained(  # float32 safetensors on demand
+        str(ensure_dense_weights(model_dir, progress=False)), dtype=torch.float32
     ).eval()
 
 

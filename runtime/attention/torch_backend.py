@@ -13,6 +13,9 @@
   call each, causal with an offset (new token i sees the prefix and new tokens <= i). With
   no prefix the new K/V are used directly, not re-read from the pool.
 - A single request whose slots are consecutive reads the pool through a view (no gather).
+- The pool may hold K/V in another dtype than the model computes in (on CPU: float16 or
+  bfloat16 rows for a float32 model, `--kv-dtype`): new K/V are rounded into the pool's
+  dtype as they are written, rows read back are widened to the compute dtype.
 Everything that depends only on the batch is computed once in `plan`.
 
 Capture (`supports_capture`): a captured decode batch is the padded `[bs, max_seq_len]`
@@ -205,10 +208,14 @@ class TorchAttention(AttentionBackend):
         self.decode = plan
         self.prefills = []
 
+    def _wide(self, t: torch.Tensor) -> torch.Tensor:
+        """Pool rows in the compute dtype (a no-op when the pool holds it)."""
+        return t if t.dtype == self.dtype else t.to(self.dtype)
+
     def forward(self, layer_id, q, k, v):
         kc, vc = self.pool.k[layer_id], self.pool.v[layer_id]
-        kc.index_copy_(0, self.out_slots, k)
-        vc.index_copy_(0, self.out_slots, v)
+        kc.index_copy_(0, self.out_slots, k.to(kc.dtype))
+        vc.index_copy_(0, self.out_slots, v.to(vc.dtype))
         hd = self.num_heads * self.head_dim
         if not self.prefills:
             return self._decode(self.decode, q, kc, vc)
@@ -229,11 +236,11 @@ class TorchAttention(AttentionBackend):
         hkv, g, hd = self.num_kv_heads, self.group, self.head_dim
         qg = q.reshape(b, hkv, g, hd)
         if isinstance(d.kv, slice):
-            keys = kc[d.kv].unsqueeze(0).transpose(1, 2)
-            vals = vc[d.kv].unsqueeze(0).transpose(1, 2)
+            keys = self._wide(kc[d.kv]).unsqueeze(0).transpose(1, 2)
+            vals = self._wide(vc[d.kv]).unsqueeze(0).transpose(1, 2)
         else:
-            keys = _gather(kc, d.kv).transpose(1, 2)
-            vals = _gather(vc, d.kv).transpose(1, 2)
+            keys = self._wide(_gather(kc, d.kv)).transpose(1, 2)
+            vals = self._wide(_gather(vc, d.kv)).transpose(1, 2)
         o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=d.mask, scale=self.scale)
         return o.reshape(b, hkv * g * hd)
 
@@ -242,12 +249,12 @@ class TorchAttention(AttentionBackend):
         hkv, g, hd, tl = self.num_kv_heads, self.group, self.head_dim, d.tail_len
         # [Hkv, B * G, D] queries, pre-scaled (a copy of a small tensor).
         qh = (q.reshape(b, hkv, g, hd) * self.scale).transpose(0, 1).reshape(hkv, b * g, hd)
-        kt = kc.view(-1, hd).index_select(0, d.tail).view(hkv * b, tl, hd)
-        vt = vc.view(-1, hd).index_select(0, d.tail).view(hkv * b, tl, hd)
+        kt = self._wide(kc.view(-1, hd).index_select(0, d.tail)).view(hkv * b, tl, hd)
+        vt = self._wide(vc.view(-1, hd).index_select(0, d.tail)).view(hkv * b, tl, hd)
         s_tail = torch.bmm(qh.reshape(hkv * b, g, hd), kt.transpose(1, 2)).view(hkv, b, g, tl)
         if d.bias is not None:
             s_tail.add_(d.bias)
-        ks, vs = _gather(kc, d.shared), _gather(vc, d.shared)  # [P, Hkv, D]
+        ks, vs = self._wide(_gather(kc, d.shared)), self._wide(_gather(vc, d.shared))  # [P, Hkv, D]
         n = ks.shape[0]
         s_shared = torch.bmm(qh, ks.permute(1, 2, 0)).view(hkv, b, g, n)
         p = torch.softmax(torch.cat([s_shared, s_tail], -1), -1, dtype=torch.float32).to(q.dtype)
@@ -267,8 +274,8 @@ class TorchAttention(AttentionBackend):
                 qr, keys, vals, is_causal=True, scale=self.scale, enable_gqa=True
             )
         else:
-            keys = _gather(kc, p.kv).transpose(0, 1).unsqueeze(0)
-            vals = _gather(vc, p.kv).transpose(0, 1).unsqueeze(0)
+            keys = self._wide(_gather(kc, p.kv)).transpose(0, 1).unsqueeze(0)
+            vals = self._wide(_gather(vc, p.kv)).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qr, keys, vals, attn_mask=p.mask, scale=self.scale, enable_gqa=True
             )

@@ -32,7 +32,14 @@ from radixlm.runtime.engine.serve_loop import EngineLoop, StopFlag
 from radixlm.runtime.engine.sessions import SessionManager
 from radixlm.runtime.engine_wire import EngineReady, encode
 from radixlm.runtime.grammar.runtime import Grammars
-from radixlm.runtime.model import ModelConfig, ModelRunner, resolve_device, resolve_dtype
+from radixlm.runtime.model import (
+    ModelConfig,
+    ModelRunner,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_dtype,
+)
 from radixlm.runtime.model import resolve_model as _resolve_model
 from radixlm.runtime.model.loader import engine_weight_format
 from radixlm.runtime.sampling import Sampler
@@ -65,6 +72,8 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     model_dir = Path(model_dir) if model_dir is not None else _resolve_model(config.model)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    fmt = engine_weight_format(config.dtype, config.quantize, model_dir, device)
+    kv_dtype = resolve_kv_dtype(config.kv_dtype, device, dtype, quantized=fmt is not None)
     mcfg = ModelConfig.from_dir(model_dir)
     context = context_length_for(config, mcfg.max_position_embeddings)
     tp = None
@@ -75,26 +84,36 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         runner, pool = tp.runner, tp.runner.pool
         capacity = pool.capacity
     else:
+        log.info("loading %s (%s weights)", model_dir.name, fmt or str(dtype).removeprefix("torch."))
+        t_load = time.perf_counter()
+        model = load_model(model_dir, device, dtype, fmt)
+        t_load = time.perf_counter() - t_load
         capacity = kv_capacity(
-            config.kv_tokens, config.kv_memory_fraction, mcfg, device, dtype, config.page_size,
-            usable_tokens=context * config.max_running,
-        )
-        pool = KVPool(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, capacity,
-                      config.page_size, dtype, device)  # fmt: skip
-        runner = ModelRunner(model_dir, device, dtype, pool, config.attention,
-                             quantize=engine_weight_format(config.dtype, config.quantize,
-                                                           model_dir, device))  # fmt: skip
+            config.kv_tokens, config.kv_memory_fraction, mcfg, device, kv_dtype, config.page_size,
+            usable_tokens=context * config.max_running, weights=model.resident_bytes(),
+        )  # fmt: skip
+        pool = KVPool(
+            mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, capacity, config.page_size, kv_dtype,
+            device,
+        )  # fmt: skip
+        runner = ModelRunner.from_model(model, pool, config.attention)
+        runner.model_dir = model_dir
+        log.info("weights: %s, %.1f MiB held, %.1f MiB read per decode step, loaded in %.2fs",
+                 model.weight_format, model.resident_bytes() / 2**20, model.weight_bytes() / 2**20,
+                 t_load)  # fmt: skip
     # "priority": demoted session histories are evicted after plain cache (sessions.py).
     cache = PrefixCache(capacity, config.page_size, policy="priority")
     sessions = SessionManager(cache, config, kv_pool=pool)
     eos = set(mcfg.eos_token_ids)
     grammars = tokenizer = None
     try:
+        t_tok = time.perf_counter()
         tokenizer = Tokenizer.load(model_dir)
         eos |= tokenizer.eos_token_ids
         # Grammars need the vocabulary's text (masks) and the tokenizer (jump-forward).
         grammars = Grammars(tokenizer, mcfg.vocab_size, eos,
                             timeout_s=config.grammar_timeout_s)
+        log.info("tokenizer and grammar vocabulary loaded in %.2fs", time.perf_counter() - t_tok)
     except Exception as e:  # noqa: BLE001 - a checkpoint without tokenizer files still serves ids
         log.warning("no tokenizer in %s (%s): EOS ids from config.json only, no grammars, "
                     "no stop strings",
@@ -116,10 +135,10 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         runner.model.weight_format, runner.attention, time.perf_counter() - t0,
     )  # fmt: skip
     log.info(
-        "KV pool: %d tokens (page %d, %.1f MiB), context %d, policy %s, max_running %d, "
-        "chunked prefill %d, EOS %s",
-        capacity, config.page_size, pool.nbytes / 2**20, context, options.policy,
-        options.max_running, options.chunked_prefill, sorted(eos),
+        "KV pool: %d tokens of %s (page %d, %.1f MiB reserved, committed as used), context %d, "
+        "policy %s, max_running %d, chunked prefill %d, EOS %s",
+        capacity, str(kv_dtype).removeprefix("torch."), config.page_size, pool.nbytes / 2**20,
+        context, options.policy, options.max_running, options.chunked_prefill, sorted(eos),
     )  # fmt: skip
     ready = EngineReady(
         model=config.model or "default", context_length=context, page_size=config.page_size,

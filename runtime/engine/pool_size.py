@@ -2,7 +2,12 @@
 left once the weights are in (device memory on CUDA, available RAM on CPU). On CPU the
 pool is also bounded by what the engine can use at once (context length x running
 requests) and by `CPU_MAX_BYTES`: RAM beyond that is only wasted (CPU decode is the
-limit), and a small model must not take half of the machine."""
+limit), and a small model must not take half of the machine. (A CPU pool is reserved, not
+allocated: memory is committed as slots are written, see `radixlm.cache.kv_pool`; the
+bounds keep what a full pool would take within the budget.)
+
+The weights' size is what the loaded model holds (`DecoderModel.weight_bytes`: quantized
+blocks at their packed size), or, before loading, the dense estimate `weight_bytes`."""
 
 from __future__ import annotations
 
@@ -49,17 +54,21 @@ def kv_capacity(
     dtype: torch.dtype,
     page_size: int,
     usable_tokens: int = 0,
+    weights: int | None = None,
 ) -> int:
-    """Pool capacity in tokens, a multiple of `page_size`. Call before the weights load:
-    their size is taken out of the free memory measured now. `usable_tokens`: the most
-    the engine can hold at once (context length x max running requests; 0 = unknown)."""
+    """Pool capacity in tokens, a multiple of `page_size`; `dtype` is the pool's. The
+    weights' bytes (`weights`; None: the dense estimate in `dtype`) are taken out of the
+    free memory measured now (on CPU, memory-mapped weights not yet read count as free:
+    the page cache holds them). `usable_tokens`: the most the engine can hold at once
+    (context length x max running requests; 0 = unknown)."""
     if kv_tokens > 0:
         tokens = kv_tokens
     else:
         if not 0.0 < fraction <= 1.0:
             raise ValueError(f"kv_memory_fraction must be in (0, 1], got {fraction}")
         per_token = ModelRunner.kv_bytes_per_token(config, dtype)
-        weights = weight_bytes(config, dtype)
+        if weights is None:
+            weights = weight_bytes(config, dtype)
         if device.type == "cuda":
             free, _total = torch.cuda.mem_get_info(device)
             tokens = int(fraction * max(0, free - weights) // per_token)
@@ -67,8 +76,8 @@ def kv_capacity(
             budget = min(fraction * max(0, available_ram() - weights), CPU_MAX_BYTES)
             tokens = min(int(budget // per_token), CPU_MAX_TOKENS, usable_tokens or CPU_MAX_TOKENS)
         log.info(
-            "KV pool sized from memory: %.1f MiB per 1k tokens, weights ~%.0f MiB",
-            per_token * 1000 / 2**20, weights / 2**20,
+            "KV pool sized from memory: %.1f MiB per 1k tokens (%s), weights %.0f MiB",
+            per_token * 1000 / 2**20, str(dtype).removeprefix("torch."), weights / 2**20,
         )  # fmt: skip
     tokens = align_down(tokens, page_size)
     if tokens < MIN_TOKENS and kv_tokens > 0:

@@ -21,17 +21,21 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import xgrammar as xgr
 from radixlm.runtime.grammar.compile_queue import CompileQueue, Job
 from radixlm.runtime.grammar.spec import GrammarSpec
+
+if TYPE_CHECKING:  # xgrammar (and transformers, which it imports) load on first use:
+    import xgrammar as xgr  # ~3 s and ~50 MB that a start-up serving no grammar never pays
+    from xgrammar import CompiledGrammar
+else:
+    CompiledGrammar = Any  # annotations only
 
 __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError", "GrammarTimeout", "Pending"]
 
 log = logging.getLogger(__name__)
 
-CompiledGrammar = xgr.CompiledGrammar
 DEFAULT_CACHE_ENTRIES = 256
 DEFAULT_TIMEOUT_S = 60.0  # a request's wait for its grammar, queue included
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
@@ -153,12 +157,16 @@ class GrammarCompiler:
             raise
 
     def _tokenizer_info(self) -> xgr.TokenizerInfo:
+        import xgrammar as xgr
+
         with self._info_lock:
             if not isinstance(self._info, xgr.TokenizerInfo):
                 self._info = self._info()
             return self._info
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        import xgrammar as xgr  # on a worker thread: the first grammar pays the import
+
         compiler = getattr(self._local, "xgr", None)
         if compiler is None:
             # xgrammar's own cache would grow without bound; ours is the bounded one.
@@ -180,6 +188,8 @@ class GrammarCompiler:
 def _grammar(spec: GrammarSpec) -> xgr.Grammar:
     """The spec as one xgrammar `Grammar`: framed by its literal `begin` and `end`,
     repeated after `separator`, or'd with its `alternative`."""
+    import xgrammar as xgr
+
     grammar = _framed(spec)
     if spec.separator is not None:
         grammar = _repeated(grammar, spec.separator)
@@ -190,6 +200,8 @@ def _grammar(spec: GrammarSpec) -> xgr.Grammar:
 
 def _repeated(grammar: xgr.Grammar, separator: str) -> xgr.Grammar:
     """``grammar (separator grammar)*``: its own rules, under a new root rule."""
+    import xgrammar as xgr
+
     text = str(grammar)
     name = "radixlm_repeat"
     while name in text:
@@ -199,6 +211,8 @@ def _repeated(grammar: xgr.Grammar, separator: str) -> xgr.Grammar:
 
 
 def _framed(spec: GrammarSpec) -> xgr.Grammar:
+    import xgrammar as xgr
+
     if spec.kind == "regex":
         body = xgr.Grammar.from_regex(spec.text)
     elif spec.kind == "json_schema":
@@ -235,6 +249,8 @@ _JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
 def _strict_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    import xgrammar as xgr
+
     text = str(grammar)
     if _LOOSE_STRING_CHAR not in text:
         return grammar
@@ -242,6 +258,8 @@ def _strict_strings(grammar: xgr.Grammar) -> xgr.Grammar:
 
 
 def _literal(text: str) -> xgr.Grammar:
+    import xgrammar as xgr
+
     return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
 
 

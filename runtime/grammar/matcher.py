@@ -10,8 +10,10 @@ token).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import xgrammar as xgr
+if TYPE_CHECKING:  # imported by the compiler before any state exists
+    import xgrammar as xgr
 
 __all__ = ["GrammarState"]
 
@@ -27,6 +29,8 @@ class GrammarState:
             assert compiled is not None
             # Stop ids end the output once the grammar is complete (and only then).
             stops = sorted(stop_ids)
+            import xgrammar as xgr
+
             _matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None)
         self.matcher = _matcher
         self.accepted = _accepted

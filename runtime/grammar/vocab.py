@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-import xgrammar as xgr
+from typing import TYPE_CHECKING
+
 from radixlm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 __all__ = ["tokenizer_info"]
 
@@ -15,7 +19,8 @@ def tokenizer_info(tokenizer: Tokenizer, vocab_size: int, stop_ids: frozenset[in
     xgrammar reads the vocabulary and its decoder type from a transformers fast
     tokenizer; wrapping our `tokenizers` backend in one costs no file reads.
     """
-    from transformers import PreTrainedTokenizerFast  # heavy import: only when grammars run
+    import xgrammar as xgr  # heavy imports (xgrammar, transformers): only when grammars run
+    from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend)
     return xgr.TokenizerInfo.from_huggingface(

@@ -11,13 +11,14 @@
 from .batch import BatchRequest, ForwardBatch, build_forward_batch, pack_forward_batch
 from .config import ModelConfig, RopeConfig, UnsupportedModelError
 from .decoder import DecoderModel
-from .gguf_convert import cache_root, convert_gguf, ensure_converted
+from .gguf_convert import cache_root, convert_gguf, ensure_converted, ensure_dense_weights
 from .loader import default_device, load_model, resolve_device, resolve_dtype
 from .resolve import INSTALL_HINT, ModelNotFoundError, default_gguf_path, resolve_model
-from .runner import ModelRunner
+from .runner import KV_DTYPES, ModelRunner, resolve_kv_dtype
 
 __all__ = [
     "INSTALL_HINT",
+    "KV_DTYPES",
     "BatchRequest",
     "DecoderModel",
     "ForwardBatch",
@@ -33,8 +34,10 @@ __all__ = [
     "default_device",
     "default_gguf_path",
     "ensure_converted",
+    "ensure_dense_weights",
     "load_model",
     "resolve_device",
     "resolve_dtype",
+    "resolve_kv_dtype",
     "resolve_model",
 ]

@@ -163,6 +163,20 @@ class DecoderModel:
             if t is not None
         )
 
+    def resident_bytes(self) -> int:
+        """Bytes of every weight the model holds, each once (the embedding included; a
+        tied head counted once; quantized blocks at their packed size)."""
+        seen: dict[int, int] = {}
+        for t in [self.embed, self.lm_head_t, self.norm, self.lm_head_rows] + [
+                getattr(layer, name) for layer in self.layers for name in DecoderLayer.__slots__]:  # fmt: skip
+            if t is None:
+                continue
+            if isinstance(t, QuantWeight):
+                seen[id(t.rowptr)] = t.nbytes
+            else:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(seen.values())
+
     @property
     def weight_format(self) -> str:
         """'float32' etc. for dense weights, else the block types in use (e.g. 'Q4_1+Q8_0')."""

@@ -1,14 +1,14 @@
-"""Batch-1 decode through all layers in one call of the C kernel (`decode_layers`).
+"""Decode steps through all layers in one call of the C kernel (kernels/decode.c).
 
 A one-token step of one request is a few hundred tiny operations; dispatched one by one
 from Python their overhead outweighs the arithmetic (profiled: ~370 torch ops a step on
 SmolLM2). When every layer's matrices are quantized (`QuantWeight`) and the layers have no
 q/k norms, `FusedDecode` runs the whole stack in one kernel call: one OpenMP region, the
 matrix products split across threads, K/V of the new tokens written straight into the
-pool, attention over each request's slots. One request takes `decode_layers`; 2 to
-MAX_ROWS decode rows `decode_rows` (the products take all rows per pass over the weights).
-Everything else (prefill, dense weights) takes the ordinary per-op path. The embedding
-rows, final norm and LM head stay in Python.
+pool (float32, float16 or bfloat16 elements), attention over each request's slots. One
+request takes `decode_layers`; 2 to MAX_ROWS decode rows `decode_rows` (the products take
+all rows per pass over the weights). Everything else (prefill, dense weights) takes the
+ordinary per-op path. The embedding rows, final norm and LM head stay in Python.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from .qkernel import kernel
 from .quant import QuantWeight
 
 MAX_ROWS = 64  # decode rows the batched one-call step (`decode_rows`) takes
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's codes
 _NORMS = ("in_norm", "post_norm")
 _MATS = (("w_qkv_t", "b_qkv"), ("w_o_t", "b_o"), ("w_gu_t", "b_gu"), ("w_down_t", "b_down"))
 
@@ -35,16 +36,16 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _layer_row(layer) -> list[int]:
-    """The layer's `table` entries: norms, then codes, d, m, qtype, bias per matrix."""
+    """The layer's `table` entries: norms, then rowptr, qtype, bias per matrix."""
     row = [_ptr(getattr(layer, name)) for name in _NORMS]
     for mat, bias in _MATS:
         w: QuantWeight = getattr(layer, mat)
-        row += [w.codes.data_ptr(), w.d.data_ptr(), w.m_ptr, w.qtype, _ptr(getattr(layer, bias))]
+        row += [w.rowptr.data_ptr(), w.qtype, _ptr(getattr(layer, bias))]
     return row
 
 
 class FusedDecode:
-    """The batch-1 decode step of `model` over `pool` as one kernel call."""
+    """The decode step of `model` over `pool` as one kernel call."""
 
     def __init__(self, model: DecoderModel, pool):
         c = model.config
@@ -53,6 +54,7 @@ class FusedDecode:
         self.kv = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(pool.k, pool.v, strict=True)],
                                dtype=torch.int64)  # fmt: skip
         self.pool = pool  # keeps the buffers the pointers name alive
+        self.kv_type = KV_TYPES[pool.k[0].dtype]
         self.dims = (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
                      c.intermediate_size)  # fmt: skip
         self.eps = ctypes.c_float(c.rms_norm_eps)
@@ -60,7 +62,8 @@ class FusedDecode:
 
     @staticmethod
     def supported(model: DecoderModel, pool) -> bool:
-        """Quantized layer matrices, no q/k norms, float32 CPU pool of contiguous layers."""
+        """Quantized layer matrices, no q/k norms, a CPU pool of contiguous layers in float32,
+        float16 or bfloat16, head_dim a multiple of 8."""
         if model.device.type != "cpu" or model.dtype != torch.float32:
             return False
         for layer in model.layers:
@@ -68,8 +71,8 @@ class FusedDecode:
             if not all(isinstance(w, QuantWeight) for w in mats) or layer.qk_norm is not None:
                 return False
         c = model.config
-        return c.head_dim <= 512 and all(
-            t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+        return c.head_dim <= 512 and c.head_dim % 8 == 0 and all(
+            t.dtype in KV_TYPES and t.device.type == "cpu" and t.is_contiguous()
             and tuple(t.shape[1:]) == (c.num_kv_heads, c.head_dim)
             for t in (*pool.k, *pool.v)
         )  # fmt: skip
@@ -101,14 +104,14 @@ class FusedDecode:
             self._grow(need)
             rc = k.decode_rows(
                 x.data_ptr(), rows, hidden, n_layers, self.table.data_ptr(), self.kv.data_ptr(),
-                nh, nkv, hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                self.kv_type, nh, nkv, hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                 indptr.data_ptr(), self.work.data_ptr(),
             )  # fmt: skip
         else:
             self._grow(k.decode_work_floats(hidden, nh, nkv, hd, inter, slots.numel()))
             rc = k.decode_layers(
-                x.data_ptr(), hidden, n_layers, self.table.data_ptr(), self.kv.data_ptr(), nh,
-                nkv, hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                x.data_ptr(), hidden, n_layers, self.table.data_ptr(), self.kv.data_ptr(),
+                self.kv_type, nh, nkv, hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                 slots.numel(), self.work.data_ptr(),
             )  # fmt: skip
         if rc != 0:

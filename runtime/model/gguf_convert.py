@@ -1,10 +1,16 @@
-"""GGUF → HF-style directory (config.json, safetensors, tokenizer, generation config).
+"""GGUF → HF-style directory (config.json, tokenizer, generation config; weights on demand).
 
-The GGUF is dequantized once (gguf's `dequantize`, float32 for models up to 2B parameters,
-bfloat16 above) into a cached directory, so later starts only map safetensors. Conversion
-writes into a temporary directory beside the target and renames it into place, under a
-file lock: two processes starting together convert once and never see a half-written
-directory.
+The directory holds what the GGUF's metadata says (config, tokenizer rebuilt from its
+vocabulary, chat template, generation config) and `radixlm_source.json` naming the file.
+It holds no weights: packed blocks are read from the GGUF itself (`gguf_weights`, mapped,
+not copied), and dense loads dequantize from it at load time. Only tools that need an HF
+checkpoint on disk (transformers' `from_pretrained`, the tests' references) ask for
+`ensure_dense_weights`, which writes a dequantized `model.safetensors` (float32 for models
+up to 2B parameters, bfloat16 above) into the same directory once. Conversion writes into
+a temporary directory beside the target and renames it into place, under a file lock:
+two processes starting together convert once and never see a half-written directory.
+The cache key carries `CONVERTER_VERSION`, so directories written by an older converter
+(which held a float32 copy of every weight) are neither read nor overwritten.
 
 Architectures: llama (Llama/Mistral/SmolLM2; llama.cpp's Q/K row permutation is undone),
 qwen2, qwen3. Tokenizer: gpt2-style byte-level BPE, rebuilt from the GGUF's tokens, merges,
@@ -17,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import uuid
@@ -29,7 +36,7 @@ from .config import UnsupportedModelError
 
 log = logging.getLogger(__name__)
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: no weights in the directory (1 held a float32 copy)
 SHARD_BYTES = 2 * 1024**3
 F32_MAX_PARAMS = 2_000_000_000
 
@@ -80,26 +87,6 @@ _PRE_SPLITS = {
 
 
 # ---------------------------------------------------------------------------- metadata
-
-
-def _field_value(field) -> Any:
-    """A GGUF metadata value as Python (str, int, float, bool or list of them)."""
-    import gguf
-
-    if hasattr(field, "contents"):
-        return field.contents()
-    types = list(field.types)  # pragma: no cover - old gguf versions only
-    if types[0] == gguf.GGUFValueType.ARRAY:  # pragma: no cover
-        if types[-1] == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        return [field.parts[i].tolist()[0] for i in field.data]
-    if types[0] == gguf.GGUFValueType.STRING:  # pragma: no cover
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    return field.parts[field.data[0]].tolist()[0]  # pragma: no cover
-
-
-def read_metadata(reader) -> dict[str, Any]:
-    return {name: _field_value(f) for name, f in reader.fields.items()}
 
 
 def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -307,29 +294,40 @@ def hf_tensor_name(name: str) -> str | None:
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
-    """Dequantize `gguf_path` into an HF-style directory `out_dir` (created; should be new)."""
-    import gguf
+    """Write `gguf_path`'s config, tokenizer and generation config into `out_dir` (created;
+    should be new). `progress` is accepted for the callers' sake: this takes ~a second."""
+    from .gguf_file import GGUFFile
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f = GGUFFile(gguf_path)
+    meta = f.metadata()
+    names = {t.name for t in f.tensors}
+    config = hf_config_from_gguf(meta, names)
+    n_params = sum(math.prod(t.shape) for t in f.tensors)
+    config["torch_dtype"] = "float32" if n_params <= F32_MAX_PARAMS else "bfloat16"
+    build_tokenizer(meta).save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config_from_gguf(meta))
+    _write_json(out_dir / "generation_config.json", generation_config_from_gguf(meta))
+    _write_json(out_dir / "config.json", config)
+    return out_dir
+
+
+def write_dense_weights(gguf_path: str | Path, out_dir: str | Path, config: dict[str, Any],
+                        progress: bool = True) -> None:
+    """Dequantize every tensor of `gguf_path` into `out_dir`'s safetensors (HF names, HF
+    Q/K order, `config["torch_dtype"]`), sharded every SHARD_BYTES."""
     import torch
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    reader = gguf.GGUFReader(str(gguf_path))
-    meta = read_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    config = hf_config_from_gguf(meta, names)
-    n_params = sum(int(t.n_elements) for t in reader.tensors)
-    dtype = torch.float32 if n_params <= F32_MAX_PARAMS else torch.bfloat16
-    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    from .gguf_weights import dense_state_dict
+
+    out_dir = Path(out_dir)
+    dtype = getattr(torch, config.get("torch_dtype", "float32"))
     permute = config["model_type"] == "llama"
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-
-    # Tokenizer first: it fails fast on unsupported files, before minutes of dequantizing.
-    build_tokenizer(meta).save(str(out_dir / "tokenizer.json"))
-    _write_json(out_dir / "tokenizer_config.json", tokenizer_config_from_gguf(meta))
-    _write_json(out_dir / "generation_config.json", generation_config_from_gguf(meta))
-
+    state = dense_state_dict(gguf_path, config["num_attention_heads"],
+                             config["num_key_value_heads"], permute)  # fmt: skip
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, shard_files = 0, []
@@ -344,21 +342,10 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
         weight_map.update(dict.fromkeys(shard, fname))
         shard, shard_bytes = {}, 0
 
-    bar = tqdm(reader.tensors, desc=f"Dequantizing {gguf_path.name}", unit="tensor",
-               disable=not progress)  # fmt: skip
-    for t in bar:
-        hf_name = hf_tensor_name(t.name)
-        if hf_name is None:
-            continue
-        w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if permute and t.name.endswith("attn_q.weight"):
-            w = unpermute_qk(w, heads)
-        elif permute and t.name.endswith("attn_k.weight"):
-            w = unpermute_qk(w, kv_heads)
-        if not (w.flags.writeable and w.flags.c_contiguous):
-            w = np.array(w, copy=True, order="C")  # gguf hands out read-only mmap views
-        tensor = torch.from_numpy(w).to(dtype)
-        shard[hf_name] = tensor
+    for name in tqdm(list(state), desc=f"Dequantizing {Path(gguf_path).name}", unit="tensor",
+                     disable=not progress):  # fmt: skip
+        tensor = state.pop(name).to(dtype).contiguous()
+        shard[name] = tensor
         shard_bytes += tensor.numel() * tensor.element_size()
         if shard_bytes >= SHARD_BYTES:
             flush()
@@ -371,8 +358,6 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
             out_dir / "model.safetensors.index.json",
             {"metadata": {"total_size": total}, "weight_map": weight_map},
         )
-    _write_json(out_dir / "config.json", config)
-    return out_dir
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -445,3 +430,41 @@ def ensure_converted(gguf_path: str | Path, progress: bool = True) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def has_dense_weights(model_dir: str | Path) -> bool:
+    d = Path(model_dir)
+    return (d / "model.safetensors").exists() or (d / "model.safetensors.index.json").exists()
+
+
+def ensure_dense_weights(model_dir: str | Path, progress: bool = True) -> Path:
+    """`model_dir` (a converted GGUF) with dequantized safetensors written beside its
+    config, for tools that need an HF checkpoint on disk (transformers' `from_pretrained`);
+    radixlm itself never needs them. Atomic and locked like the conversion."""
+    model_dir = Path(model_dir)
+    if has_dense_weights(model_dir):
+        return model_dir
+    from .gguf_weights import source_gguf
+
+    src = source_gguf(model_dir)
+    if src is None:
+        raise FileNotFoundError(f"{model_dir} has no weights and names no GGUF to read them from")
+    with _file_lock(model_dir.parent / f".{model_dir.name}.lock"):
+        if has_dense_weights(model_dir):
+            return model_dir
+        tmp = model_dir / f".tmp-weights-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.mkdir()
+            with open(model_dir / "config.json", encoding="utf-8") as f:
+                config = json.load(f)
+            write_dense_weights(src, tmp, config, progress=progress)
+            files = sorted(p.name for p in tmp.iterdir())
+            for name in files:  # the index (if any) last: its presence means "complete"
+                if name != "model.safetensors.index.json":
+                    os.replace(tmp / name, model_dir / name)
+            if "model.safetensors.index.json" in files:
+                os.replace(tmp / "model.safetensors.index.json",
+                           model_dir / "model.safetensors.index.json")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return model_dir

@@ -1,9 +1,13 @@
-"""A GGUF's tensors as stored: Q4_0/Q4_1/Q8_0 matrices stay packed (`QuantWeight`), the rest
-(norms, F32/F16 matrices, and quant types the kernel lacks, e.g. K-quants) become float32.
+"""A GGUF's tensors as stored: Q4_0/Q4_1/Q8_0 matrices stay packed (`QuantWeight`) and are
+not copied: their rows are addresses in a read-only mapping of the file (`gguf_file`), so
+they cost no private memory and no start-up time (pages are read when first used). The
+rest (norms, F32/F16 matrices, and quant types the kernel lacks, e.g. K-quants) become
+float32 tensors. `dense_state_dict` dequantizes everything to float32 instead, for dense
+weights (`--dtype float32`) straight from the file, no cached float32 copy needed.
 
-Names and the Llama Q/K row order are mapped exactly as `gguf_convert` maps them for the
-float32 directory, so both load into the same decoder. llama.cpp's Q/K row permutation is
-undone on the packed rows directly: it moves whole rows, never data inside a row.
+Names and the Llama Q/K row order are mapped exactly as `gguf_convert` maps them:
+llama.cpp's Q/K row permutation moves whole rows, so for packed weights it is undone by
+reordering the row addresses (`QuantWeight.take_rows`), never by moving data.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import numpy as np
 import torch
 
 from .gguf_convert import hf_tensor_name, unpermute_qk
+from .gguf_file import GGUFFile, TensorInfo
 from .quant import BLOCK_BYTES, QuantWeight
 
 SOURCE_FILE = "radixlm_source.json"  # written beside a converted directory by gguf_convert
@@ -30,33 +35,53 @@ def source_gguf(model_dir: str | Path) -> Path | None:
     return src if src.is_file() else None
 
 
+def _qk_heads(info: TensorInfo, num_heads: int, num_kv_heads: int, permute: bool) -> int | None:
+    if permute and info.name.endswith("attn_q.weight"):
+        return num_heads
+    if permute and info.name.endswith("attn_k.weight"):
+        return num_kv_heads
+    return None
+
+
+def _floats(f: GGUFFile, info: TensorInfo) -> np.ndarray:
+    if info.ggml_type in (0, 1, 30):  # F32, F16, BF16
+        return f.floats(info)
+    import gguf  # other block types: gguf-py's numpy dequantization (only then imported)
+
+    data = f.data(info).reshape(info.shape[0], -1) if len(info.shape) == 2 else f.data(info)
+    out = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(info.ggml_type))
+    return np.asarray(out, dtype=np.float32).reshape(info.shape)
+
+
 def gguf_state_dict(
     gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool
 ) -> dict[str, torch.Tensor | QuantWeight]:
-    """HF-named tensors of `gguf_path`: packed `QuantWeight`s where the kernel supports the
-    stored type, float32 tensors otherwise."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(gguf_path))
+    """HF-named tensors of `gguf_path`: `QuantWeight`s over the mapped file where the kernel
+    supports the stored type, float32 tensors otherwise."""
+    f = GGUFFile(gguf_path)
     state: dict[str, torch.Tensor | QuantWeight] = {}
-    for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+    for info in f.tensors:
+        name = hf_tensor_name(info.name)
         if name is None:
             continue
-        qtype = int(t.tensor_type)
-        packed = qtype in BLOCK_BYTES and len(t.shape) == 2
-        if packed:
-            data = np.asarray(t.data)
+        heads = _qk_heads(info, num_heads, num_kv_heads, permute_qk)
+        if info.ggml_type in BLOCK_BYTES and len(info.shape) == 2:
+            rows, cols = info.shape
+            w = QuantWeight(f.data(info).reshape(rows, -1), info.ggml_type, rows, cols)
+            if heads is not None:
+                w = w.take_rows(unpermute_qk(np.arange(rows), heads))
+            state[name] = w
         else:
-            data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        if permute_qk and t.name.endswith("attn_q.weight"):
-            data = unpermute_qk(data, num_heads)
-        elif permute_qk and t.name.endswith("attn_k.weight"):
-            data = unpermute_qk(data, num_kv_heads)
-        tensor = torch.from_numpy(np.array(data, copy=True, order="C"))  # off the read-only mmap
-        if packed:
-            rows, cols = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
-            state[name] = QuantWeight(tensor.view(rows, -1), qtype, rows, cols)
-        else:
-            state[name] = tensor.float()
+            data = _floats(f, info)
+            if heads is not None:
+                data = unpermute_qk(data, heads)
+            state[name] = torch.from_numpy(np.ascontiguousarray(data))
     return state
+
+
+def dense_state_dict(
+    gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool
+) -> dict[str, torch.Tensor]:
+    """Every tensor of `gguf_path` dequantized to float32 (HF names, HF Q/K row order)."""
+    state = gguf_state_dict(gguf_path, num_heads, num_kv_heads, permute_qk)
+    return {k: v.dequantize() if isinstance(v, QuantWeight) else v for k, v in state.items()}

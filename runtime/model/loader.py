@@ -16,7 +16,8 @@ import torch
 
 from .config import ModelConfig
 from .decoder import DecoderModel
-from .gguf_weights import gguf_state_dict, source_gguf
+from .gguf_convert import has_dense_weights
+from .gguf_weights import dense_state_dict, gguf_state_dict, source_gguf
 from .quant import Q4_1, Q8_0, QuantWeight, quantize
 from .weights import load_state_dict
 
@@ -108,18 +109,21 @@ def load_model(
     config = ModelConfig.from_dir(model_dir)
     if fmt is not None and device.type != "cpu":
         raise ValueError(f"quantized weights ({fmt}) run on CPU only, not on {device}")
+    src = source_gguf(model_dir)
+    heads = (config.num_heads, config.num_kv_heads, config.model_type == "llama")
     with torch.inference_mode():
         if fmt == "gguf":
-            src = source_gguf(model_dir)
             if src is None:
                 raise ValueError(
                     f"dtype 'gguf' keeps a GGUF's tensors as stored, but {model_dir} is not a "
                     "converted GGUF; use --quantize int8|int4 for HF checkpoints"
                 )
-            permute = config.model_type == "llama"
-            state = gguf_state_dict(src, config.num_heads, config.num_kv_heads, permute)
+            state = gguf_state_dict(src, *heads)
         else:
-            state = load_state_dict(model_dir)
+            if src is not None and not has_dense_weights(model_dir):
+                state = dense_state_dict(src, *heads)  # dequantized from the GGUF, no copy kept
+            else:
+                state = load_state_dict(model_dir)
             if fmt is not None:
                 state = quantize_state(state, fmt)
         return DecoderModel(config, state, device, dtype)

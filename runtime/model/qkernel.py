@@ -1,10 +1,14 @@
-"""The quantized-matmul C kernel (`kernels/qmatmul.c`): compiled once per machine with the
-system C compiler into the radixlm cache, loaded with ctypes.
+"""The quantized-matmul C kernel (`kernels/*.c`): compiled once per machine with the system C
+compiler into the radixlm cache, loaded with ctypes.
 
-`make install` builds it (`qkernel.build()`); otherwise the first
-model loaded with quantized weights builds it (about a second). The library links the
-same OpenMP runtime torch uses (`libgomp.so.1`, already loaded by torch), so
-`torch.set_num_threads` sets the kernel's threads too.
+`make install` builds it (`python -m radixlm.runtime.model.qkernel`), so a server's start
+only loads it; if it is missing (a new CPU, an edited source, a cleared cache) the first
+model loaded with quantized weights builds it, and says so in the log (a few seconds).
+The library links the same OpenMP runtime torch uses (`libgomp.so.1`, already loaded by
+torch), so `torch.set_num_threads` sets the kernel's threads too.
+
+`RADIXLM_KERNEL=portable` loads the plain-C build (no AVX2) instead of the native one:
+the path machines without AVX2 take, kept testable on any x86 machine.
 """
 
 from __future__ import annotations
@@ -12,20 +16,29 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
+import time
 import uuid
 from functools import cache
 from pathlib import Path
 
 from .gguf_convert import cache_root
 
-SOURCE = Path(__file__).with_name("kernels") / "qmatmul.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-# Without AVX-512: the kernel's plain C path (tests compare it with the native build).
-PORTABLE_CFLAGS = ("-O3", "-march=x86-64-v2", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+log = logging.getLogger(__name__)
+
+KERNEL_DIR = Path(__file__).with_name("kernels")
+SOURCES = (KERNEL_DIR / "qmatmul.c", KERNEL_DIR / "decode.c")
+HEADERS = (KERNEL_DIR / "common.h",)
+_BASE = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+CFLAGS = ("-march=native", *_BASE)
+# The portable path: plain C, no AVX2 (on x86 the x86-64-v2 baseline, elsewhere the default).
+PORTABLE_CFLAGS = (("-march=x86-64-v2",) if platform.machine() in ("x86_64", "AMD64") else ()) + _BASE
+ENV_SWITCH = "RADIXLM_KERNEL"  # "portable": load the plain-C build
 
 
 class KernelBuildError(RuntimeError):
@@ -41,10 +54,12 @@ def _cpu_flags() -> str:
 
 
 def library_path(cflags: tuple[str, ...] = CFLAGS, directory: Path | None = None) -> Path:
-    """Where the compiled kernel for this source, these flags and this CPU lives."""
-    key = SOURCE.read_bytes() + " ".join(cflags).encode() + _cpu_flags().encode()
-    digest = hashlib.sha256(key).hexdigest()[:16]
-    return (directory or cache_root() / "kernels") / f"qmatmul-{digest}.so"
+    """Where the compiled kernel for these sources, these flags and this CPU lives."""
+    h = hashlib.sha256()
+    for src in (*SOURCES, *HEADERS):
+        h.update(src.read_bytes())
+    h.update(" ".join(cflags).encode() + _cpu_flags().encode())
+    return (directory or cache_root() / "kernels") / f"qmatmul-{h.hexdigest()[:16]}.so"
 
 
 def build(verbose: bool = False, cflags: tuple[str, ...] = CFLAGS,
@@ -60,13 +75,13 @@ def build(verbose: bool = False, cflags: tuple[str, ...] = CFLAGS,
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    cmd = [cc, *cflags, "-o", str(tmp), str(SOURCE), "-lm"]
+    cmd = [cc, *cflags, "-o", str(tmp), *map(str, SOURCES), "-lm"]
     if verbose:
         print(" ".join(cmd))
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
-            raise KernelBuildError(f"compiling {SOURCE.name} failed:\n{done.stderr[-2000:]}")
+            raise KernelBuildError(f"compiling the kernel failed:\n{done.stderr[-2000:]}")
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -76,49 +91,55 @@ def build(verbose: bool = False, cflags: tuple[str, ...] = CFLAGS,
 class Kernel:
     """Typed entry points of the loaded library (pointers passed as ints)."""
 
-    def __init__(self, lib: ctypes.CDLL):
-        i64, vp, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        u8p = vp
-        self.q_matmul = lib.q_matmul
-        self.q_matmul.argtypes = [vp, i64, i64, i64, u8p, vp, vp, c_int, i64, vp, i64, vp, c_int,
-                                  vp]  # fmt: skip
-        self.q_matmul.restype = None
-        self.q_matmul_scratch_bytes = lib.q_matmul_scratch_bytes
-        self.q_matmul_scratch_bytes.argtypes = [i64, i64]
-        self.q_matmul_scratch_bytes.restype = i64
-        self.q_dequant_rows = lib.q_dequant_rows
-        self.q_dequant_rows.argtypes = [u8p, vp, vp, c_int, i64, vp, i64, vp]
-        self.q_dequant_rows.restype = None
-        self.q_repack = lib.q_repack
-        self.q_repack.argtypes = [u8p, c_int, i64, i64, u8p, vp, vp]
-        self.q_repack.restype = None
-        self.q_unpack = lib.q_unpack
-        self.q_unpack.argtypes = [u8p, vp, vp, c_int, i64, i64, u8p]
-        self.q_unpack.restype = None
-        self.has_vnni = bool(lib.kernel_has_vnni())
-        self.decode_rows_work_floats = lib.decode_rows_work_floats
-        self.decode_rows_work_floats.argtypes = [i64] * 6 + [vp]
-        self.decode_rows_work_floats.restype = i64
-        self.decode_rows = lib.decode_rows
-        self.decode_rows.argtypes = [vp, i64, i64, i64, vp, vp, i64, i64, i64, i64,
-                                     ctypes.c_float, vp, vp, vp, vp, vp]  # fmt: skip
-        self.decode_rows.restype = c_int
-        self.decode_work_floats = lib.decode_work_floats
-        self.decode_work_floats.argtypes = [i64] * 6
-        self.decode_work_floats.restype = i64
-        self.decode_layers = lib.decode_layers
-        self.decode_layers.argtypes = [vp, i64, i64, vp, vp, i64, i64, i64, i64, ctypes.c_float,
-                                       vp, vp, vp, i64, vp]  # fmt: skip
-        self.decode_layers.restype = c_int
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        i64, vp, c_int, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+        self.path = path
+
+        def fn(name: str, args: list, res=None):
+            f = getattr(lib, name)
+            f.argtypes, f.restype = args, res
+            return f
+
+        self.q_matmul = fn("q_matmul", [vp, i64, i64, i64, vp, c_int, i64, vp, i64, vp, c_int, vp])
+        self.q_matmul_scratch_bytes = fn("q_matmul_scratch_bytes", [i64, i64, i64], i64)
+        self.q_dequant_rows = fn("q_dequant_rows", [vp, c_int, i64, vp, i64, vp])
+        self.q_gather_rows = fn("q_gather_rows", [vp, c_int, i64, i64, vp])
+        self.simd = int(fn("kernel_simd", [], c_int)())  # 2: AVX2 + FMA + F16C, 0: plain C
+        self.decode_rows_work_floats = fn("decode_rows_work_floats", [i64] * 6 + [vp], i64)
+        self.decode_rows = fn("decode_rows", [vp, i64, i64, i64, vp, vp, c_int, i64, i64, i64, i64,
+                                              f32, vp, vp, vp, vp, vp], c_int)  # fmt: skip
+        self.decode_work_floats = fn("decode_work_floats", [i64] * 6, i64)
+        self.decode_layers = fn("decode_layers", [vp, i64, i64, vp, vp, c_int, i64, i64, i64, i64,
+                                                  f32, vp, vp, vp, i64, vp], c_int)  # fmt: skip
+
+
+def load(path: Path) -> Kernel:
+    """A kernel library at `path` (a build of these sources), loaded."""
+    import torch  # noqa: F401 - torch's libgomp must be loaded first so the kernel shares it
+
+    try:
+        return Kernel(ctypes.CDLL(str(path)), path)
+    except OSError as e:
+        raise KernelBuildError(f"loading {path} failed: {e}") from e
 
 
 @cache
 def kernel() -> Kernel:
-    """The kernel, built if needed (one load per process; a handle, not mutable state)."""
-    import torch  # noqa: F401 - torch's libgomp must be loaded first so the kernel shares it
+    """The kernel for this process: the cached build for this CPU (the native one, or the
+    portable one under RADIXLM_KERNEL=portable), built first if it is missing."""
+    choice = os.environ.get(ENV_SWITCH, "native")
+    if choice not in ("native", "portable"):
+        raise KernelBuildError(f"{ENV_SWITCH}={choice!r}: use 'native' or 'portable'")
+    flags = PORTABLE_CFLAGS if choice == "portable" else CFLAGS
+    path = library_path(flags)
+    if not path.exists():
+        t0 = time.perf_counter()
+        log.warning("building the quantized-weight kernel into %s (make install builds it "
+                    "ahead of time)", path.parent)  # fmt: skip
+        build(cflags=flags)
+        log.warning("kernel built in %.1f s", time.perf_counter() - t0)
+    return load(path)
 
-    path = build()
-    try:
-        return Kernel(ctypes.CDLL(str(path)))
-    except OSError as e:
-        raise KernelBuildError(f"loading {path} failed: {e}") from e
+
+if __name__ == "__main__":  # make install: build this machine's kernel into the cache
+    print(build(verbose="-v" in sys.argv[1:]))

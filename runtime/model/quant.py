@@ -1,13 +1,19 @@
 """Weight-only quantized matrices on CPU, in GGML's block formats (Q8_0, Q4_0, Q4_1).
 
-`QuantWeight` is built from a `[N, K]` weight's GGML blocks (`uint8 [N, K/32 *
-block_bytes]`, GGUF's own layout, so GGUF tensors are used as stored) and keeps the same
-bytes split the way the C kernel reads them (`qkernel`, kernels/qmatmul.c): the codes,
-the fp16 scales and, for Q4_1, the fp16 offsets, each contiguous per row. `blocks` gives
-the GGML layout back. Up to `GEMV_MAX_ROWS` activation rows (decode) stream the packed
-weights, each activation held as two int8 digits per block of 32 (integer dot products
-with AVX-512 VNNI; within ~1e-5 of float32 products, see the kernel); more rows (prefill)
-dequantize the matrix once and use torch's float32 GEMM, which is compute-bound there.
+`QuantWeight` is a `[rows, cols]` weight whose rows are GGML blocks exactly as a GGUF file
+stores them (`uint8 [cols/32 * block_bytes]` a row), addressed by a table of row
+addresses (`rowptr`): the rows may lie in a read-only mapping of the GGUF file (nothing
+copied, see `gguf_weights`), in several tensors stacked (one fused QKV or gate+up matrix:
+`cat`) or in another order (llama.cpp's Q/K row permutation undone: `take_rows`), all
+without moving a byte. `owners` keeps whatever holds the bytes alive.
+
+Products (`matmul`) run in the C kernel (`qkernel`, kernels/qmatmul.c): activations as one
+int16 per value per block of 32 (within ~1e-5 of float32 products), integer multiply-adds
+on the codes; few rows stream the weights once, more rows (batched decode) take the
+tiled path (8 weight rows unpacked once, swept by every activation row). From
+`DEQUANT_MIN_ROWS` rows on (prefill) the matrix is dequantized once and multiplied by
+torch's float32 GEMM instead: exact float32 products, and as fast as the tiled integer
+path there.
 
 `quantize(w, qtype)` packs a float matrix (HF checkpoints quantized at load):
 - Q8_0: per 32 weights, d = max|w| / 127, q = round(w / d);
@@ -17,6 +23,9 @@ Both round as GGML's reference quantizers do, so the errors are the usual ones.
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 from .qkernel import kernel
@@ -24,54 +33,55 @@ from .qkernel import kernel
 Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGML type codes (as in GGUF)
 BLOCK = 32
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-CODE_BYTES = {Q4_0: 16, Q4_1: 16, Q8_0: 32}  # a block's codes, without its scale/offset
 TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
-# Activation rows up to which the kernel streams the weights (see the module docstring).
-GEMV_MAX_ROWS = 64
+# Activation rows from which `matmul` dequantizes and multiplies in float32 (torch's GEMM)
+# instead of the kernel's integer products (which take up to a decode batch's 64 rows).
+DEQUANT_MIN_ROWS = 65
 
 
 class QuantWeight:
-    """A `[rows, cols]` weight as GGML blocks, kept as `codes` (`uint8 [rows, nb *
-    CODE_BYTES]`), `d` (fp16 scales `[rows, nb]`) and `m` (fp16 offsets, Q4_1 only)."""
+    """A `[rows, cols]` weight as GGML blocks; row n's blocks start at address `rowptr[n]`."""
 
-    __slots__ = ("codes", "cols", "d", "m", "qtype", "rows", "_scratch")
+    __slots__ = ("cols", "owners", "qtype", "rowptr", "rows", "_scratch")
 
-    def __init__(self, blocks: torch.Tensor | None, qtype: int, rows: int, cols: int, *,
-                 parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None):
+    def __init__(self, blocks: torch.Tensor | np.ndarray | None, qtype: int, rows: int,
+                 cols: int, *, rowptr: torch.Tensor | None = None, owners: tuple = ()):
+        """From `blocks` (`uint8 [rows, cols/32 * block_bytes]`, C-contiguous, CPU; a torch
+        tensor or a numpy array, possibly read-only), or from a row table `rowptr` whose
+        memory `owners` keep alive."""
         if qtype not in BLOCK_BYTES:
             raise ValueError(f"unsupported quantized type {qtype}")
         if cols % BLOCK:
             raise ValueError(f"quantized rows need a multiple of {BLOCK} columns, got {cols}")
         self.qtype, self.rows, self.cols = qtype, rows, cols
         self._scratch = torch.empty(0, dtype=torch.uint8)
-        nb = cols // BLOCK
-        if parts is not None:  # already in the kernel's layout (`cat`)
-            self.codes, self.d, self.m = parts
+        if rowptr is not None:
+            if rowptr.dtype != torch.int64 or tuple(rowptr.shape) != (rows,):
+                raise ValueError(f"rowptr must be int64 [{rows}]")
+            self.rowptr, self.owners = rowptr.contiguous(), tuple(owners)
             return
-        assert blocks is not None
-        want = (rows, nb * BLOCK_BYTES[qtype])
-        if tuple(blocks.shape) != want or blocks.dtype != torch.uint8:
-            raise ValueError(f"blocks of shape {tuple(blocks.shape)}, expected uint8 {want}")
-        if not blocks.is_contiguous() or blocks.device.type != "cpu":
-            raise ValueError("quantized blocks must be a contiguous CPU tensor")
-        self.codes = torch.empty(rows, nb * CODE_BYTES[qtype], dtype=torch.uint8)
-        self.d = torch.empty(rows, nb, dtype=torch.float16)
-        self.m = torch.empty(rows, nb, dtype=torch.float16) if qtype == Q4_1 else None
-        kernel().q_repack(blocks.data_ptr(), qtype, rows, cols, self.codes.data_ptr(),
-                          self.d.data_ptr(), 0 if self.m is None else self.m.data_ptr())
+        if blocks is None:
+            raise ValueError("QuantWeight needs blocks or a rowptr")
+        base, shape, contiguous = _buffer(blocks)
+        want = (rows, cols // BLOCK * BLOCK_BYTES[qtype])
+        if shape != want:
+            raise ValueError(f"blocks of shape {shape}, expected uint8 {want}")
+        if not contiguous:
+            raise ValueError("quantized blocks must be a C-contiguous CPU array")
+        self.rowptr = base + torch.arange(rows, dtype=torch.int64) * self.row_bytes
+        self.owners = (blocks,)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.cols // BLOCK * BLOCK_BYTES[self.qtype]
 
     @property
     def blocks(self) -> torch.Tensor:
-        """The GGML blocks `uint8 [rows, cols/32 * block_bytes]` (GGUF's layout), rebuilt."""
-        out = torch.empty(self.rows, self.cols // BLOCK * BLOCK_BYTES[self.qtype], dtype=torch.uint8)
-        kernel().q_unpack(self.codes.data_ptr(), self.d.data_ptr(), self.m_ptr, self.qtype,
-                          self.rows, self.cols, out.data_ptr())  # fmt: skip
+        """The GGML blocks `uint8 [rows, cols/32 * block_bytes]` (GGUF's layout), a copy."""
+        out = torch.empty(self.rows, self.row_bytes, dtype=torch.uint8)
+        kernel().q_gather_rows(self.rowptr.data_ptr(), self.qtype, self.cols, self.rows,
+                               out.data_ptr())  # fmt: skip
         return out
-
-    @property
-    def m_ptr(self) -> int:
-        """Address of the Q4_1 offsets for the kernel (0: none)."""
-        return 0 if self.m is None else self.m.data_ptr()
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -79,9 +89,8 @@ class QuantWeight:
 
     @property
     def nbytes(self) -> int:
-        """Bytes read by one pass over the matrix (the same as its GGML blocks)."""
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m)
-                   if t is not None)  # fmt: skip
+        """Bytes read by one pass over the matrix (its GGML blocks)."""
+        return self.rows * self.row_bytes
 
     @property
     def type_name(self) -> str:
@@ -98,30 +107,28 @@ class QuantWeight:
         (a residual stream updated in place) and `out` returned."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols:
             raise ValueError(f"expected float32 [M, {self.cols}] input, got {x.dtype} {tuple(x.shape)}")
+        if accumulate and out is None:
+            raise ValueError("accumulate needs out")
         if x.stride(1) != 1:
             x = x.contiguous()
         m = x.shape[0]
-        if m > GEMV_MAX_ROWS:
+        if m >= DEQUANT_MIN_ROWS:
             y = torch.mm(x, self.dequantize().t())
             if bias is not None:
                 y += bias
             if accumulate:
                 return out.add_(y)
-            if out is not None:
-                return out.copy_(y)
-            return y
+            return y if out is None else out.copy_(y)
         if out is None:
-            if accumulate:
-                raise ValueError("accumulate needs out")
             out = x.new_empty(m, self.rows)
         k = kernel()
-        need = k.q_matmul_scratch_bytes(m, self.cols)
+        need = k.q_matmul_scratch_bytes(m, self.cols, torch.get_num_threads())
         if self._scratch.numel() < need:  # per weight: calls on one weight never overlap
             self._scratch = torch.empty(need, dtype=torch.uint8)
         k.q_matmul(
-            x.data_ptr(), m, x.stride(0), self.cols, self.codes.data_ptr(), self.d.data_ptr(),
-            self.m_ptr, self.qtype, self.rows, out.data_ptr(), out.stride(0),
-            None if bias is None else bias.data_ptr(), int(accumulate), self._scratch.data_ptr(),
+            x.data_ptr(), m, x.stride(0), self.cols, self.rowptr.data_ptr(), self.qtype,
+            self.rows, out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(),
+            int(accumulate), self._scratch.data_ptr(),
         )  # fmt: skip
         return out
 
@@ -130,29 +137,48 @@ class QuantWeight:
         k = kernel()
         if rows is None:
             out = torch.empty(self.rows, self.cols)
-            k.q_dequant_rows(self.codes.data_ptr(), self.d.data_ptr(), self.m_ptr, self.qtype,
-                             self.cols, None, self.rows, out.data_ptr())  # fmt: skip
+            k.q_dequant_rows(self.rowptr.data_ptr(), self.qtype, self.cols, None, self.rows,
+                             out.data_ptr())  # fmt: skip
             return out
         rows = rows.to(torch.int64).contiguous()
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.rows):
             raise IndexError(f"row index out of range for {self.rows} rows")
         out = torch.empty(rows.numel(), self.cols)
-        k.q_dequant_rows(self.codes.data_ptr(), self.d.data_ptr(), self.m_ptr, self.qtype,
-                         self.cols, rows.data_ptr(), rows.numel(), out.data_ptr())  # fmt: skip
+        k.q_dequant_rows(self.rowptr.data_ptr(), self.qtype, self.cols, rows.data_ptr(),
+                         rows.numel(), out.data_ptr())  # fmt: skip
         return out
+
+    def take_rows(self, order: torch.Tensor | np.ndarray) -> QuantWeight:
+        """The rows `order` (int64) of this weight, as a new weight over the same bytes."""
+        order = torch.as_tensor(np.asarray(order, dtype=np.int64))
+        if order.numel() and (int(order.min()) < 0 or int(order.max()) >= self.rows):
+            raise IndexError(f"row index out of range for {self.rows} rows")
+        return QuantWeight(None, self.qtype, order.numel(), self.cols,
+                           rowptr=self.rowptr[order], owners=self.owners)  # fmt: skip
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
-        """Rows of several weights stacked (one fused QKV or gate+up matrix)."""
+        """Rows of several weights stacked (one fused QKV or gate+up matrix), no copy."""
         qtypes = {p.qtype for p in parts}
         cols = {p.cols for p in parts}
         if len(qtypes) != 1 or len(cols) != 1:
             raise ValueError("can only stack quantized weights of one type and width")
-        q = parts[0]
-        codes = torch.cat([p.codes for p in parts], 0)
-        d = torch.cat([p.d for p in parts], 0)
-        m = torch.cat([p.m for p in parts], 0) if q.m is not None else None  # type: ignore[misc]
-        return QuantWeight(None, q.qtype, codes.shape[0], q.cols, parts=(codes, d, m))
+        rowptr = torch.cat([p.rowptr for p in parts])
+        owners = tuple(o for p in parts for o in p.owners)
+        return QuantWeight(None, parts[0].qtype, rowptr.numel(), parts[0].cols, rowptr=rowptr,
+                           owners=owners)  # fmt: skip
+
+
+def _buffer(blocks: Any) -> tuple[int, tuple[int, ...], bool]:
+    """(address, shape, C-contiguous) of a 2-D uint8 CPU torch tensor or numpy array."""
+    if isinstance(blocks, torch.Tensor):
+        if blocks.dtype != torch.uint8 or blocks.device.type != "cpu" or blocks.dim() != 2:
+            raise ValueError("quantized blocks must be a 2-D uint8 CPU tensor")
+        return blocks.data_ptr(), tuple(blocks.shape), blocks.is_contiguous()
+    arr = np.asarray(blocks)
+    if arr.dtype != np.uint8 or arr.ndim != 2:
+        raise ValueError("quantized blocks must be a 2-D uint8 array")
+    return arr.__array_interface__["data"][0], arr.shape, bool(arr.flags.c_contiguous)
 
 
 def _fp16_bytes(v: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""A random-weight GGUF of a given shape, written here (nothing downloaded), for benchmarks.
+
+The default is the "1B shape" of issue 26: Llama, 16 layers x 2048 hidden, 32 heads of 64
+(8 KV heads), ffn 8192, SmolLM2's vocabulary (49,152) and tokenizer, every layer matrix
+Q4_1 and the tied embedding / LM head Q8_0 (llama.cpp's Q4_1 layout): ~717 MB. Blocks are
+random codes with scales that keep every weight within +-0.02, so activations stay finite
+through the layers (the text is gibberish; only speed is measured). The tokenizer and chat
+template are copied from SmolLM2's GGUF, so both llama-server and radixlm load it as they
+load a real model. Written once into `<radixlm cache>/peer/` and reused.
+
+    .venv/bin/python benchmarks/random_gguf.py [--layers 16 --hidden 2048 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+Q4_1, Q8_0 = 3, 8
+_BLOCK = {Q4_1: 20, Q8_0: 34}
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 16
+    hidden: int = 2048
+    heads: int = 32
+    kv_heads: int = 8
+    ffn: int = 8192
+    context: int = 8192
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return (f"random-llama-{self.layers}x{self.hidden}-h{self.heads}kv{self.kv_heads}"
+                f"-ffn{self.ffn}-s{self.seed}.Q4_1.gguf")  # fmt: skip
+
+
+def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: int) -> np.ndarray:
+    """`[rows, cols/32 * block bytes]` uint8: random codes, scales keeping |w| <= 0.02."""
+    nb, bb = cols // 32, _BLOCK[qtype]
+    raw = rng.integers(0, 256, (rows, nb, bb), dtype=np.uint8)
+    if qtype == Q4_1:  # w = d q + m, q in 0..15: d = 0.04 / 15, m = -0.02
+        scales = np.array([0.04 / 15, -0.02], dtype=np.float16)
+        raw[..., :4] = scales.view(np.uint8)
+    else:  # w = d q, q in -128..127
+        raw[..., :2] = np.array([0.02 / 127], dtype=np.float16).view(np.uint8)
+    return raw.reshape(rows, nb * bb)
+
+
+def write(shape: Shape, out: Path, tokenizer_gguf: Path) -> Path:
+    """Write the random model of `shape` to `out` (atomically), tokenizer from `tokenizer_gguf`."""
+    import gguf
+
+    src = gguf.GGUFReader(str(tokenizer_gguf))
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(out.stem)
+    w.add_block_count(shape.layers)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_rope_dimension_count(shape.hidden // shape.heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    for name, field in src.fields.items():  # the tokenizer and chat template, as they are
+        if not name.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        vtype = gguf.GGUFValueType(field.types[0])
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_array(name, value)
+        else:
+            w.add_key_value(name, value, vtype)
+    rng = np.random.default_rng(shape.seed)
+    h, kv = shape.hidden, shape.hidden // shape.heads * shape.kv_heads
+    ones = np.ones(h, dtype=np.float32)
+
+    def quant(name: str, rows: int, cols: int, qtype: int) -> None:
+        # uint8 data: gguf-py reads its shape as bytes per row and derives the elements
+        w.add_tensor(name, _blocks(rng, rows, cols, qtype), raw_dtype=gguf.GGMLQuantizationType(qtype))
+
+    quant("token_embd.weight", vocab, h, Q8_0)
+    w.add_tensor("output_norm.weight", ones)
+    for i in range(shape.layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", ones)
+        quant(p + "attn_q.weight", h, h, Q4_1)
+        quant(p + "attn_k.weight", kv, h, Q4_1)
+        quant(p + "attn_v.weight", kv, h, Q4_1)
+        quant(p + "attn_output.weight", h, h, Q4_1)
+        w.add_tensor(p + "ffn_norm.weight", ones)
+        quant(p + "ffn_gate.weight", shape.ffn, h, Q4_1)
+        quant(p + "ffn_up.weight", shape.ffn, h, Q4_1)
+        quant(p + "ffn_down.weight", h, shape.ffn, Q4_1)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def ensure(shape: Shape | None = None, directory: Path | None = None) -> Path:
+    """The random GGUF of `shape` (default: the 1B shape), written on first use."""
+    from radixlm.runtime.model import cache_root, default_gguf_path
+
+    shape = shape or Shape()
+    directory = directory or cache_root() / "peer"
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / shape.name
+    if not out.is_file():
+        print(f"writing {out} (random weights, {asdict(shape)})", flush=True)
+        write(shape, out, default_gguf_path())
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    d = Shape()
+    for field, default in asdict(d).items():
+        p.add_argument(f"--{field.replace('_', '-')}", type=int, default=default)
+    args = p.parse_args(argv)
+    print(ensure(Shape(**{k.replace("-", "_"): v for k, v in vars(args).items()})))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

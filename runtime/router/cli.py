@@ -17,7 +17,6 @@ import os
 import signal
 import tempfile
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -166,24 +165,23 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
     except (EndpointError, AuthDirError) as e:
         say("serve", str(e))
         return 1
-    engine = msgspec.structs.replace(config, endpoint="", auth_dir=None, insecure=False)
+    engine = msgspec.structs.replace(config, endpoint="", auth_dir="", insecure=False)
     servers: list[RunningServer] = []
     http_proc: list[Any] = []
     try:
-        with ThreadPoolExecutor(args.replicas) as pool:
-            started = [pool.submit(start_server, engine, start_timeout_s=args.start_timeout)
-                       for _ in range(args.replicas)]
-            for future in started:
-                try:
-                    servers.append(future.result())
-                except (ServerStartError, EndpointError) as e:
-                    say("serve", f"a replica did not start: {e}")
-        if len(servers) < args.replicas:
-            return 1
+        # One after another, from this thread: each engine dies with the thread that
+        # started it (PR_SET_PDEATHSIG, launcher.die_with_parent), so no worker threads.
+        for i in range(args.replicas):
+            try:
+                servers.append(start_server(replica_config(engine, i),
+                                            start_timeout_s=args.start_timeout))
+            except (ServerStartError, EndpointError) as e:
+                say("serve", f"replica {i} did not start: {e}")
+                return 1
         replicas = tuple(ReplicaSpec(s.endpoint, gateway_token=(
             s.runtime_dir / GATEWAY_TOKEN).read_text().strip()) for s in servers)
         router = RouterConfig(replicas=replicas, endpoint=config.endpoint,
-                              auth_dir=config.auth_dir, insecure=config.insecure,
+                              auth_dir=config.auth_dir or None, insecure=config.insecure,
                               balance=_balance(args), hot_pin_uses=args.hot_pin_uses,
                               max_message_bytes=config.max_message_bytes)
         listen = None if args.auth_dir and not _http_asked(args) else http_listen(args)
@@ -216,6 +214,13 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
                 proc.wait(10)
         for server in servers:
             server.stop()
+
+
+def replica_config(engine: EngineConfig, index: int) -> EngineConfig:
+    """Replica `index`'s engine: ``--device cuda`` means one GPU each (``cuda:index``)."""
+    if engine.device == "cuda":
+        return msgspec.structs.replace(engine, device=f"cuda:{index}")
+    return engine
 
 
 def _http_asked(args: argparse.Namespace) -> bool:

@@ -34,7 +34,11 @@ log = logging.getLogger("radixlm.router")
 def run_router(config: RouterConfig, runtime_dir: Path,
                on_ready: Callable[[str], None] | None = None) -> None:
     """Serve until interrupted; `on_ready` gets the bound endpoint once serving."""
-    ctx: zmq.Context[Any] = zmq.Context()
+    ctx: zmq.Context[Any] = zmq.Context()  # the clients' side, with the authenticator
+    # The replicas' side: a context of its own, so the authenticator (a ZAP handler,
+    # which libzmq asks about every connection of its context) never judges the
+    # router's own connections to its replicas.
+    replica_ctx: zmq.Context[Any] = zmq.Context()
     authenticator: ThreadAuthenticator | None = None
     clients: zmq.Socket[Any] | None = None
     router: Router | None = None
@@ -50,7 +54,7 @@ def run_router(config: RouterConfig, runtime_dir: Path,
         clients = channel.open_socket(ctx, zmq.ROUTER, endpoint, bind=True, options=options)
         monitor = clients.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         token = write_gateway_token(runtime_dir)
-        router = Router(config, ctx, clients, monitor, token)
+        router = Router(config, replica_ctx, clients, monitor, token)
         router.start_replicas()
         welcome = router.wait_first(config.start_timeout_s)
         bound = channel.bound_endpoint(clients)
@@ -68,6 +72,7 @@ def run_router(config: RouterConfig, runtime_dir: Path,
             clients.close(linger=0)
         if authenticator is not None:
             authenticator.stop()
+        replica_ctx.term()
         ctx.term()
         path = channel.ipc_path(endpoint)
         if path is not None:

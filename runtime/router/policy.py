@@ -18,7 +18,10 @@ one's estimated prompt tokens not matched in that replica's part of the tree, pl
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+
+from radixlm.runtime.router.prefix_tree import Match
 
 __all__ = ["Balance", "choose"]
 
@@ -27,24 +30,28 @@ __all__ = ["Balance", "choose"]
 class Balance:
     policy: str = "cache_aware"  # or "round_robin"
     cache_threshold: float = 0.5  # fraction of the key a match must cover
-    abs_tokens: int = 4096  # load gap (tokens) that may count as imbalance...
+    abs_tokens: int = 1024  # load gap (tokens) that may count as imbalance...
     rel: float = 1.5  # ...when the busiest also carries this many times the idlest's
 
 
-def choose(balance: Balance, live: Sequence[int], matched: Mapping[int, int], key_len: int,
-           loads: Mapping[int, int], sizes: Mapping[int, int], turn: int) -> int:
-    """The replica (of the non-empty `live`) for a request whose key has `key_len`
-    characters, given each replica's match (`matched`, characters), load (tokens) and
-    tree size; `turn` counts decisions (for round-robin)."""
+def choose(balance: Balance, live: Sequence[int], alive: AbstractSet[int], match: Match,
+           key_len: int, loads: Sequence[int], sizes: Mapping[int, int], turn: int) -> int:
+    """The replica (of the non-empty `live`, `alive` as a set) for a request whose key
+    has `key_len` characters and runs through `match` in the tree, given each replica's
+    load (`loads[i]`, tokens) and tree size; `turn` counts decisions (round-robin)."""
     if balance.policy == "round_robin":
         return live[turn % len(live)]
     if len(live) == 1:
         return live[0]
-    lo = min(loads.get(r, 0) for r in live)
-    hi = max(loads.get(r, 0) for r in live)
+    view = loads if len(alive) == len(loads) else [loads[r] for r in live]
+    lo, hi = min(view), max(view)  # builtins: one C pass each
+    if view.count(lo) == 1:
+        idlest = [live[view.index(lo)]]
+    else:
+        idlest = [live[i] for i, load in enumerate(view) if load == lo]
     if hi - lo > balance.abs_tokens and hi > balance.rel * lo:
-        return min(live, key=lambda r: (loads.get(r, 0), -matched.get(r, 0)))
-    best = max(live, key=lambda r: (matched.get(r, 0), -loads.get(r, 0)))
-    if key_len and matched.get(best, 0) >= balance.cache_threshold * key_len:
+        return max(idlest, key=match.length) if len(idlest) > 1 else idlest[0]
+    best, best_len = match.longest(alive, loads)
+    if best >= 0 and key_len and best_len >= balance.cache_threshold * key_len:
         return best
-    return min(live, key=lambda r: (loads.get(r, 0), sizes.get(r, 0)))
+    return min(idlest, key=lambda r: sizes.get(r, 0)) if len(idlest) > 1 else idlest[0]

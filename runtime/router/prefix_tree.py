@@ -11,9 +11,11 @@ least recently used leaves are forgotten, as its engine evicts LRU leaves.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
-__all__ = ["ApproxTree"]
+__all__ = ["ApproxTree", "Match"]
 
 
 @dataclass(eq=False)
@@ -25,12 +27,55 @@ class Node:
 
 
 def _common(a: str, b: str, start: int) -> int:
-    """Length of the common prefix of `a` and ``b[start:]``."""
-    n = min(len(a), len(b) - start)
-    i = 0
-    while i < n and a[i] == b[start + i]:
-        i += 1
-    return i
+    """Length of the common prefix of `a` and ``b[start:]``, by ``str.startswith`` (which
+    compares in C: a label is often thousands of characters): galloping from 8
+    characters, then bisection (keys mostly part a few characters into a label)."""
+    if b.startswith(a, start):
+        return len(a)
+    top = min(len(a), len(b) - start)
+    lo, step = 0, 8  # a prefix of lo chars matches
+    while lo + step < top and b.startswith(a[lo:lo + step], start + lo):
+        lo += step
+        step *= 2
+    hi = min(top, lo + step)  # the common prefix is at most this long
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if b.startswith(a[lo:mid], start + lo):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class Match:
+    """The nodes a key runs through in the tree (`ApproxTree.path`)."""
+
+    __slots__ = ("nodes",)
+
+    def __init__(self, nodes: list[tuple[Node, int]]) -> None:
+        self.nodes = nodes
+
+    def __iter__(self) -> Iterator[tuple[Node, int]]:
+        return iter(self.nodes)
+
+    def length(self, replica: int) -> int:
+        """The characters of the key `replica`'s part of the tree covers."""
+        for node, end in reversed(self.nodes):
+            if replica in node.seen:
+                return end
+        return 0
+
+    def longest(self, alive: AbstractSet[int], loads: Sequence[int]) -> tuple[int, int]:
+        """(replica, characters) of the longest match among `alive`, the least loaded
+        of those that tie; (-1, 0) if none matches at all."""
+        for node, end in reversed(self.nodes):
+            best = -1
+            for replica in node.seen:
+                if replica in alive and (best < 0 or loads[replica] < loads[best]):
+                    best = replica
+            if best >= 0:
+                return best, end
+        return -1, 0
 
 
 class ApproxTree:
@@ -45,6 +90,16 @@ class ApproxTree:
     def match(self, key: str) -> dict[int, int]:
         """For each replica, the characters of `key` its part of the tree covers."""
         found: dict[int, int] = {}
+        for node, end in self.path(key):
+            for replica in node.seen:
+                found[replica] = end  # deeper nodes overwrite: the longest wins
+        return found
+
+    def path(self, key: str) -> Match:
+        """The nodes `key` runs through (deepest last), with how far into `key` each
+        reaches: enough to ask about one replica, or the best, without visiting every
+        replica each node records."""
+        nodes: list[tuple[Node, int]] = []
         node, pos = self.root, 0
         while pos < len(key):
             child = node.children.get(key[pos])
@@ -52,19 +107,26 @@ class ApproxTree:
                 break
             n = _common(child.label, key, pos)
             pos += n
-            for replica in child.seen:
-                found[replica] = pos  # deeper nodes overwrite: the longest wins
+            nodes.append((child, pos))
             if n < len(child.label):
                 break
             node = child
-        return found
+        return Match(nodes)
 
-    def insert(self, key: str, replica: int) -> None:
-        """`replica` was sent `key` (now): every node on its path records it."""
+    def insert(self, key: str, replica: int, match: Match | None = None) -> None:
+        """`replica` was sent `key` (now): every node on its path records it. `match`:
+        ``path(key)``, taken since the tree last changed (the walk starts where it ends)."""
         self._clock += 1
         now = self._clock
         node, pos = self.root, 0
         added = 0
+        for child, end in match or ():
+            if end - pos < len(child.label):
+                break  # ends inside this node: the walk below splits it
+            if replica not in child.seen:
+                added += len(child.label)
+            child.seen[replica] = now
+            node, pos = child, end
         while pos < len(key):
             child = node.children.get(key[pos])
             if child is None:

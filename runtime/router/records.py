@@ -66,7 +66,8 @@ class PinRecord:
     namespace: str | None
     key: str
     length: int
-    holders: set[int] = field(default_factory=set)  # replicas holding it
+    holders: set[int] = field(default_factory=set)  # replicas holding it (said `Pinned`)
+    placing: set[int] = field(default_factory=set)  # replicas it is being placed on
     uses: int = 0  # sessions opened from it
     everywhere: bool = False  # hot: placed on every live replica
 

@@ -60,7 +60,6 @@ class ReplicaState:
     heard: float = 0.0  # when the replica last said anything (monotonic)
     probe_sent: float | None = None
     next_dial: float = 0.0
-    load: int = 0  # tokens of the requests in flight there (policy.py)
     generation: int = 0  # times it came up: a link from an older one is stale
 
     def open_control(self, ctx: zmq.Context[Any], now: float) -> None:

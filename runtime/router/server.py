@@ -33,7 +33,7 @@ from radixlm.runtime import protocol as wire
 from radixlm.runtime.frontend.frames import FrameError, decode_frame
 from radixlm.runtime.frontend.tenants import GatewayRefused, gateway_names, names_for
 from radixlm.runtime.router.config import RouterConfig
-from radixlm.runtime.router.keys import input_key
+from radixlm.runtime.router.keys import estimate_tokens, input_key
 from radixlm.runtime.router.merge import merge_replies
 from radixlm.runtime.router.records import (
     Appended,
@@ -101,6 +101,7 @@ class Router:
         self.multi_tenant = bool(config.auth_dir)
         self.replicas = [ReplicaState(i, spec) for i, spec in enumerate(config.replicas)]
         self.routing = Routing(config.balance, len(self.replicas))
+        self.homed = [0] * len(self.replicas)  # sessions each replica holds
         self.clients: dict[bytes, Client] = {}
         self.by_fd: dict[int, bytes] = {}
         self.links: dict[zmq.Socket[Any], tuple[Client, int]] = {}
@@ -114,6 +115,7 @@ class Router:
         self.poller.register(monitor, zmq.POLLIN)
         self.welcome: wire.Welcome | None = None
         self.stopping = False
+        self._live: list[int] | None = None
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -202,6 +204,7 @@ class Router:
             return
         r.up, r.welcome = True, welcome
         r.generation += 1
+        self._live = None
         if self.welcome is None:
             self.welcome = msgspec.structs.replace(
                 welcome, max_message_bytes=self.config.max_message_bytes)
@@ -209,7 +212,9 @@ class Router:
 
     def _replica_down(self, r: ReplicaState, why: str) -> None:
         log.warning("replica %d (%s) is down: %s", r.index, r.spec.endpoint, why)
-        r.up, r.load = False, 0
+        r.up = False
+        self.routing.loads[r.index] = 0
+        self._live = None
         self.routing.replica_gone(r.index)
         self._dial_control(r, time.monotonic())  # a fresh connection: its welcome brings it back
         retry: list[tuple[Client, str, Pending]] = []
@@ -223,6 +228,7 @@ class Router:
                     retry.append((client, rid, p))
         for pin in self.pins.values():
             pin.holders.discard(r.index)
+            pin.placing.discard(r.index)
         again = [s for s in self.sessions.values() if s.home == r.index and not s.rehoming]
         for rid, job in list(self.internal.items()):
             if isinstance(job, Gather) and r.index in job.waiting:
@@ -249,7 +255,11 @@ class Router:
             self._dispatch(client, p.frame)
 
     def live(self) -> list[int]:
-        return [r.index for r in self.replicas if r.up]
+        """The replicas up now (kept: every request asks)."""
+        if self._live is None:
+            self._live = [r.index for r in self.replicas if r.up]
+            self.routing.alive = frozenset(self._live)
+        return self._live
 
     # -- links ---------------------------------------------------------------------------------
 
@@ -341,7 +351,7 @@ class Router:
         for sock in client.links.values():
             self._close_link(sock)
         for r_index in {p.replica for p in client.pending.values()}:
-            self.replicas[r_index].load = max(0, self.replicas[r_index].load - sum(
+            self.routing.unload(r_index, sum(
                 p.load for p in client.pending.values() if p.replica == r_index))
         for vid in [v for v, s in self.sessions.items() if s.owner == ident]:
             self._forget(vid)
@@ -418,8 +428,7 @@ class Router:
             self._session_request(client, record, msg, data)
         elif isinstance(msg, wire.Generate):
             key = self.routing.key(client.tenant, msg.namespace, msg.input, msg.tools)
-            replica, load = self.routing.place(key, live, msg.input, msg.sampling.max_tokens,
-                                               self.replicas)
+            replica, load = self.routing.place(key, live, msg.input, msg.sampling.max_tokens)
             self._forward(client, replica, msg.rid, data,
                           Pending("generate", replica, data, load, msg, n=msg.n, input_key=key))
         elif isinstance(msg, wire.OpenSession):
@@ -446,14 +455,14 @@ class Router:
             del self.pins[(client.tenant, msg.name)]
             self._fan_out(client, msg, holders)
         else:  # tokenize, detokenize: any replica
-            replica = min(live, key=lambda i: self.replicas[i].load)
+            replica = min(live, key=lambda i: self.routing.loads[i])
             self._forward(client, replica, msg.rid, data, Pending("plain", replica, data))
 
     def _forward(self, client: Client, replica: int, rid: str, sent: bytes, p: Pending) -> None:
         """Send `sent` (the client's frame, or it in the replica's terms) and remember the
         request (`p.frame` is the client's own, to route again on failover)."""
         client.pending[rid] = p
-        self.replicas[replica].load += p.load
+        self.routing.loads[replica] += p.load
         self._send(client, replica, sent)
 
     def _session_request(self, client: Client, record: SessionRecord,
@@ -465,10 +474,11 @@ class Router:
         sent = data if record.inner == record.vid else wire.encode(
             _with_session(msg, record.inner))
         if isinstance(msg, wire.Generate):
-            load = self.routing.estimate(msg.input, msg.sampling.max_tokens)
+            key = input_key(msg.input, msg.tools)
+            load = estimate_tokens(msg.input, key) + (msg.sampling.max_tokens or 0)
             self._forward(client, record.home, msg.rid, sent, Pending(
                 "generate", record.home, data, load, msg, session=record.vid, n=msg.n,
-                input_key=input_key(msg.input, msg.tools)))
+                input_key=key))
         elif isinstance(msg, wire.TruncateSession):
             self._forward(client, record.home, msg.rid, sent, Pending(
                 "truncate", record.home, data, session=record.vid, length=msg.length))
@@ -486,7 +496,7 @@ class Router:
             self._forward(client, replica, msg.rid, data, Pending("open", replica, data, msg=msg))
             return
         key = self.routing.key(client.tenant, msg.namespace, msg.input, None)
-        replica, load = self.routing.place(key, live, msg.input, 0, self.replicas)
+        replica, load = self.routing.place(key, live, msg.input, 0)
         self._forward(client, replica, msg.rid, data,
                       Pending("open", replica, data, load, msg))
 
@@ -496,29 +506,43 @@ class Router:
             replica = min(known.holders & set(live))
         else:
             key = self.routing.key(client.tenant, msg.namespace, msg.input, None)
-            replica, _ = self.routing.place(key, live, msg.input, 0, self.replicas)
+            replica, _ = self.routing.place(key, live, msg.input, 0)
         self._forward(client, replica, msg.rid, data, Pending("pin", replica, data))
 
     def _pin_home(self, client: Client, pin: PinRecord, live: list[int]) -> int:
-        """Where a session opened from `pin` goes: its least loaded live holder. A pin
-        used `hot_pin_uses` times is placed on every live replica; one with no live
-        holder is placed again (its input is kept) where routing says."""
+        """Where a session opened from `pin` goes: its least loaded live holder (then the
+        one homing fewest sessions). A pin used `hot_pin_uses` times is placed on every
+        live replica. A replica holds it once it has said so (`Pinned`); one it is still
+        being placed on (by another client's connection, whose order this one does not
+        share) gets the pin again on this client's link, just before the open (one
+        connection keeps the order; a pin already there answers duplicate_id). With no
+        live holder, the pin is placed again (its input is kept) where routing says."""
         pin.uses += 1
         if pin.uses >= self.config.hot_pin_uses:
             pin.everywhere = True
-        holders = pin.holders & set(live)
-        targets = [i for i in live if i not in holders] if pin.everywhere else []
-        if not holders and not targets:
-            replica, _ = self.routing.place(pin.key, live, pin.msg_input, 0, self.replicas)
-            targets = [replica]
-        for replica in targets:
-            rid = self._internal_rid()
-            self.internal[rid] = pin
-            self._send(client, replica, wire.Pin(rid=rid, name=pin.name, input=pin.msg_input,
-                                                 namespace=pin.namespace))
-            pin.holders.add(replica)  # ordered before the open on the same link
-            self.routing.tree.insert(pin.key, replica)
-        return min(pin.holders & set(live), key=lambda i: (self.replicas[i].load, i))
+        alive = set(live)
+        sent: set[int] = set()  # placed on this client's link just now
+        if pin.everywhere:
+            for replica in live:
+                if replica not in pin.holders and replica not in pin.placing:
+                    self._place_pin(client, pin, replica)
+                    sent.add(replica)
+        candidates = (pin.holders | pin.placing) & alive
+        if candidates:
+            replica = min(candidates, key=lambda i: (self.routing.loads[i], self.homed[i], i))
+        else:
+            replica = self.routing.place(pin.key, live, pin.msg_input, 0)[0]
+        if replica not in pin.holders and replica not in sent:
+            self._place_pin(client, pin, replica)
+        return replica
+
+    def _place_pin(self, client: Client, pin: PinRecord, replica: int) -> None:
+        rid = self._internal_rid()
+        self.internal[rid] = pin
+        pin.placing.add(replica)
+        self._send(client, replica, wire.Pin(rid=rid, name=pin.name, input=pin.msg_input,
+                                             namespace=pin.namespace))
+        self.routing.tree.insert(pin.key, replica)
 
     def _close(self, client: Client, msg: wire.CloseSession, live: list[int]) -> None:
         records = []
@@ -573,8 +597,10 @@ class Router:
                 self._rehome_reply(job, msg)
             elif isinstance(job, PinRecord):
                 del self.internal[rid]
-                if isinstance(msg, wire.Error):
-                    job.holders.discard(replica)
+                job.placing.discard(replica)
+                if not isinstance(msg, wire.Error) or msg.code == wire.ErrorCode.DUPLICATE_ID:
+                    job.holders.add(replica)  # placed (or it was there already)
+                else:
                     log.warning("placing pin on replica %d failed: %s", replica, msg.message)
             return
         p = client.pending.get(rid) if rid is not None else None
@@ -605,8 +631,7 @@ class Router:
             record.log.append(Cut(p.length))
         if finished:
             del client.pending[rid]
-            r = self.replicas[replica]
-            r.load = max(0, r.load - p.load)
+            self.routing.unload(replica, p.load)
         self._reply(client, msg)
 
     def _done(self, client: Client, replica: int, p: Pending, done: wire.Done) -> wire.Done:
@@ -660,6 +685,7 @@ class Router:
         record = SessionRecord(vid, client.ident, client.tenant, replica, inner, length, key,
                                log_)
         self.sessions[vid] = record
+        self.homed[replica] += 1
         self.inner_to_vid[(replica, inner)] = vid
         return record
 
@@ -701,6 +727,7 @@ class Router:
         record = self.sessions.pop(vid, None)
         if record is not None:
             self.inner_to_vid.pop((record.home, record.inner), None)
+            self.homed[record.home] -= 1
 
     # -- fan-outs -----------------------------------------------------------------------------------
 
@@ -735,7 +762,7 @@ class Router:
             self._lose(record, "no replica is up to rebuild it on")
             return
         self.inner_to_vid.pop((record.home, record.inner), None)
-        target, _ = self.routing.place(record.key, live, None, 0, self.replicas)
+        target, _ = self.routing.place(record.key, live, None, 0)
         opening, steps = replay_steps(record.log)
         record.rehoming = True
         job = Rehome(record, target, steps)
@@ -751,11 +778,7 @@ class Router:
         if opening.pinned is not None:
             pin = self.pins.get((record.tenant, opening.pinned))
             if pin is not None and target not in pin.holders:
-                rid = self._internal_rid()
-                self.internal[rid] = pin
-                self._send(client, target, wire.Pin(rid=rid, name=pin.name,
-                                                    input=pin.msg_input, namespace=pin.namespace))
-                pin.holders.add(target)
+                self._place_pin(client, pin, target)  # on the link the open follows
         self._rehome_send(client, job, msgspec.structs.replace(opening, rid=""))
 
     def _rehome_send(self, client: Client, job: Rehome, msg: wire.ClientMessage) -> None:
@@ -784,6 +807,8 @@ class Router:
         if job.steps:
             self._rehome_send(client, job, job.steps.pop(0))
             return
+        self.homed[record.home] -= 1
+        self.homed[job.target] += 1
         record.home, record.inner = job.target, job.inner
         record.recomputed += job.recomputed
         record.rehoming = False

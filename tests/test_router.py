@@ -22,12 +22,14 @@ from radixlm.runtime.protocol import (
     Done,
     Error,
     ForkSession,
+    Generate,
     Input,
     ListSessions,
     Message,
     Ok,
     OpenSession,
     Pin,
+    SamplingParams,
     SessionList,
     SessionOpened,
     SessionsForked,
@@ -175,6 +177,38 @@ def test_stats_and_listings_cover_both_replicas(pair: tuple[ServerHandle, Server
         assert stats.sessions == sum(s.sessions for s in direct) >= 6
         via.call(CloseSession(rid="c", sessions=sids))
         assert via.list_sessions() == []
+
+
+def test_concurrent_sessions_of_two_clients_never_cross(pair: tuple[ServerHandle, ServerHandle, str]) -> None:
+    a, b, endpoint = pair
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    ask = Input(messages=[Message(role="user", content="Go on.")])
+    with RawClient(endpoint) as c1, RawClient(endpoint) as c2, a.client() as ref:
+        sessions: dict[tuple[str, int], tuple[RawClient, str]] = {}
+        for client, name in ((c1, "x"), (c2, "y")):
+            for i in range(4):
+                opened = client.call(OpenSession(rid=client.new_rid(), input=Input(
+                    text=f"{name}{i} " * (4 + i))))
+                assert isinstance(opened, SessionOpened)
+                sessions[(name, i)] = (client, opened.session)
+        assert len({sid for _, sid in sessions.values()}) == 8
+        assert _all_sessions(a) >= 1 and _all_sessions(b) >= 1  # spread over both
+        rids = {}
+        for key, (client, sid) in sessions.items():  # every turn in flight at once
+            rids[key] = client.new_rid("t")
+            client.send(Generate(rid=rids[key], session=sid, input=ask, sampling=greedy))
+        for (name, i), (client, sid) in sessions.items():
+            done = client.recv_for(rids[(name, i)])
+            assert isinstance(done, Done) and done.session == sid
+            opened = ref.call(OpenSession(rid="o", input=Input(text=f"{name}{i} " * (4 + i))))
+            assert isinstance(opened, SessionOpened)
+            want = ref.generate(ask, session=opened.session, max_tokens=6, temperature=0)
+            assert (done.token_ids, done.session_length) == (want.token_ids, want.session_length)
+            ref.call(CloseSession(rid="c", session=opened.session))
+        other = c2.request(Generate(rid="z", session=sessions[("x", 0)][1], input=ask))
+        assert isinstance(other, Error) and other.code == "not_found"
+        for client, sid in sessions.values():
+            client.call(CloseSession(rid="c", session=sid))
 
 
 def test_unknown_session_and_bad_frames_get_the_engines_errors(pair: tuple[ServerHandle, ServerHandle, str]) -> None:

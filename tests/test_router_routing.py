@@ -102,6 +102,13 @@ def test_balance_rule() -> None:
     assert choose(b, live, set(live), short, 100, [5, 0, 0], {1: 3, 2: 9}, 0) == 1
     # imbalance: far apart in absolute and relative terms, the idlest wins
     assert choose(b, live, set(live), match, 100, [300, 400, 200], {}, 0) == 2
+    # ...but a long conversation cached at home stays there unless the gap is larger
+    # than what the other replica would have to compute of it
+    long = ApproxTree()
+    long.insert("c" * 4000, 1)
+    home = long.path("c" * 4000)
+    assert choose(b, live, set(live), home, 4000, [0, 900, 0], {}, 0) == 1
+    assert choose(b, live, set(live), home, 4000, [0, 1100, 0], {}, 0) == 0
     # far apart in absolute terms only (400 < 1.5 * 300): still the cache
     assert choose(b, live, set(live), match, 100, [300, 400, 300], {}, 0) == 1
     # a dead replica's match does not count

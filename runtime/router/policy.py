@@ -7,7 +7,9 @@ one's estimated prompt tokens not matched in that replica's part of the tree, pl
 
 1. **Imbalance**: when the busiest and the idlest live replicas differ by more than
    `Balance.abs_tokens` *and* the busiest carries more than `Balance.rel` times the
-   idlest's load, the least loaded replica gets the request (ties: the longer match).
+   idlest's load, the request goes where its load plus its own uncached tokens (what
+   that replica would compute of it) is least: new work goes to the idle replica, a
+   long cached conversation stays home unless the gap exceeds its recomputation.
 2. **Cache**: otherwise the replica with the longest match gets it (ties: the lower
    load), if that match covers at least `Balance.cache_threshold` of the key.
 3. **Room**: otherwise the least loaded replica (ties: the smaller tree: more room).
@@ -21,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+from radixlm.runtime.router.keys import CHARS_PER_TOKEN
 from radixlm.runtime.router.prefix_tree import Match
 
 __all__ = ["Balance", "choose"]
@@ -50,7 +53,11 @@ def choose(balance: Balance, live: Sequence[int], alive: AbstractSet[int], match
     else:
         idlest = [live[i] for i, load in enumerate(view) if load == lo]
     if hi - lo > balance.abs_tokens and hi > balance.rel * lo:
-        return max(idlest, key=match.length) if len(idlest) > 1 else idlest[0]
+        # the cheapest place: load plus what it would have to compute of this request
+        # (a conversation leaves its cache only for a gap larger than its recomputation)
+        lengths = match.lengths()
+        return min(live, key=lambda r: (
+            loads[r] + (key_len - lengths.get(r, 0)) // CHARS_PER_TOKEN, -lengths.get(r, 0)))
     best, best_len = match.longest(alive, loads)
     if best >= 0 and key_len and best_len >= balance.cache_threshold * key_len:
         return best

@@ -13,17 +13,22 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 
 __all__ = ["ApproxTree", "Match"]
 
 
-@dataclass(eq=False)
 class Node:
-    label: str
-    parent: Node | None
-    children: dict[str, Node] = field(default_factory=dict)  # by the label's first char
-    seen: dict[int, int] = field(default_factory=dict)  # replica -> last use (a counter)
+    """A run of key characters (`label`), the replicas sent it and when (`seen`: a
+    use counter), and its children by their first character. Slots: the tree holds
+    one per distinct run of every live key."""
+
+    __slots__ = ("label", "parent", "children", "seen")
+
+    def __init__(self, label: str, parent: Node | None, seen: dict[int, int] | None = None) -> None:
+        self.label = label
+        self.parent = parent
+        self.children: dict[str, Node] = {}
+        self.seen: dict[int, int] = {} if seen is None else seen
 
 
 def _common(a: str, b: str, start: int) -> int:
@@ -58,6 +63,14 @@ class Match:
     def __iter__(self) -> Iterator[tuple[Node, int]]:
         return iter(self.nodes)
 
+    def lengths(self) -> dict[int, int]:
+        """Every replica's `length` at once (one pass over the path)."""
+        found: dict[int, int] = {}
+        for node, end in self.nodes:
+            for replica in node.seen:
+                found[replica] = end  # deeper nodes overwrite: the longest wins
+        return found
+
     def length(self, replica: int) -> int:
         """The characters of the key `replica`'s part of the tree covers."""
         for node, end in reversed(self.nodes):
@@ -89,19 +102,15 @@ class ApproxTree:
 
     def match(self, key: str) -> dict[int, int]:
         """For each replica, the characters of `key` its part of the tree covers."""
-        found: dict[int, int] = {}
-        for node, end in self.path(key):
-            for replica in node.seen:
-                found[replica] = end  # deeper nodes overwrite: the longest wins
-        return found
+        return self.path(key).lengths()
 
     def path(self, key: str) -> Match:
         """The nodes `key` runs through (deepest last), with how far into `key` each
         reaches: enough to ask about one replica, or the best, without visiting every
         replica each node records."""
         nodes: list[tuple[Node, int]] = []
-        node, pos = self.root, 0
-        while pos < len(key):
+        node, pos, size = self.root, 0, len(key)
+        while pos < size:
             child = node.children.get(key[pos])
             if child is None:
                 break
@@ -121,13 +130,14 @@ class ApproxTree:
         node, pos = self.root, 0
         added = 0
         for child, end in match or ():
-            if end - pos < len(child.label):
-                break  # ends inside this node: the walk below splits it
+            if end - pos < len(child.label):  # the key parts inside it: split there
+                child = self._split(child, end - pos)
             if replica not in child.seen:
                 added += len(child.label)
             child.seen[replica] = now
             node, pos = child, end
-        while pos < len(key):
+        size = len(key)
+        while pos < size:
             child = node.children.get(key[pos])
             if child is None:
                 leaf = Node(key[pos:], node)

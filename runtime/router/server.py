@@ -245,6 +245,8 @@ class Router:
 
     def _retry(self, client: Client, rid: str, p: Pending) -> None:
         """A request its replica died on: sent again if the client saw nothing of it."""
+        if p.kind == "open":
+            self.homed[p.replica] -= 1
         record = self.sessions.get(p.session) if p.session else None
         if p.streamed or p.dones or p.kind == "abort":
             self._error(client, rid, _UNAVAILABLE, "the replica serving this request stopped "
@@ -487,18 +489,18 @@ class Router:
                           Pending("fork", record.home, data, session=record.vid))
 
     def _open(self, client: Client, msg: wire.OpenSession, data: bytes, live: list[int]) -> None:
+        """A new session: counted as its replica's at once (`homed`), so a burst of
+        opens spreads before their replies come back."""
+        load = 0
         if msg.pinned is not None:
             pin = self.pins.get((client.tenant, msg.pinned))
-            if pin is None:  # unknown here: the replica says so
-                self._forward(client, live[0], msg.rid, data, Pending("open", live[0], data, msg=msg))
-                return
-            replica = self._pin_home(client, pin, live)
-            self._forward(client, replica, msg.rid, data, Pending("open", replica, data, msg=msg))
-            return
-        key = self.routing.key(client.tenant, msg.namespace, msg.input, None)
-        replica, load = self.routing.place(key, live, msg.input, 0)
-        self._forward(client, replica, msg.rid, data,
-                      Pending("open", replica, data, load, msg))
+            # unknown here: the replica says so
+            replica = live[0] if pin is None else self._pin_home(client, pin, live)
+        else:
+            key = self.routing.key(client.tenant, msg.namespace, msg.input, None)
+            replica, load = self.routing.place(key, live, msg.input, 0)
+        self.homed[replica] += 1
+        self._forward(client, replica, msg.rid, data, Pending("open", replica, data, load, msg))
 
     def _pin(self, client: Client, msg: wire.Pin, data: bytes, live: list[int]) -> None:
         known = self.pins.get((client.tenant, msg.name))
@@ -629,6 +631,8 @@ class Router:
             record = self.sessions[p.session]
             record.length = p.length
             record.log.append(Cut(p.length))
+        if isinstance(msg, wire.Error) and p.kind == "open":
+            self.homed[replica] -= 1  # no session after all
         if finished:
             del client.pending[rid]
             self.routing.unload(replica, p.load)
@@ -676,7 +680,7 @@ class Router:
         return msgspec.structs.replace(done, usage=usage)
 
     def _adopt(self, client: Client, replica: int, inner: str, log_: list[Any], length: int,
-               key: str) -> SessionRecord:
+               key: str, counted: bool = False) -> SessionRecord:
         """A session a replica made (opened, forked, branched): the client sees `inner`,
         unless that id is already another session's here (ids are random per replica)."""
         vid = inner
@@ -685,7 +689,8 @@ class Router:
         record = SessionRecord(vid, client.ident, client.tenant, replica, inner, length, key,
                                log_)
         self.sessions[vid] = record
-        self.homed[replica] += 1
+        if not counted:  # (an open was counted when it was routed)
+            self.homed[replica] += 1
         self.inner_to_vid[(replica, inner)] = vid
         return record
 
@@ -698,7 +703,8 @@ class Router:
             key = pin.key if pin is not None else ""
         else:
             key = self.routing.key(client.tenant, msg.namespace, msg.input, None)
-        record = self._adopt(client, replica, opened.session, [Opened(msg)], opened.length, key)
+        record = self._adopt(client, replica, opened.session, [Opened(msg)], opened.length, key,
+                             counted=True)
         if key:
             self.routing.tree.insert(key, replica)
         return msgspec.structs.replace(opened, session=record.vid)

@@ -454,7 +454,7 @@ class StubServer:
                            f"n must be in [1, {p.MAX_FORK}], got {msg.n}")
         ids = [self._new_session(client, s.history, s.namespace, s.open_assistant)
                for _ in range(msg.n)]
-        self._send(client, p.SessionsForked(rid=msg.rid, sessions=ids))
+        self._send(client, p.SessionsForked(rid=msg.rid, sessions=ids, length=len(s.history)))
 
     def _truncate(self, client: bytes, msg: p.TruncateSession) -> None:
         s = self._owned(client, msg.session)

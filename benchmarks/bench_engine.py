@@ -34,11 +34,11 @@ import torch
 from radixlm.cache import PrefixCache
 from radixlm.cache.pages import align_down
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.engine.messages import EngineGenerate, StepOutputs
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.policy import POLICIES
 from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.state import ReqState
+from radixlm.runtime.engine_wire import EngineGenerate, StepOutputs
 from radixlm.runtime.protocol import SamplingParams
 from radixlm.runtime.sampling import Sampler
 

@@ -33,11 +33,10 @@ import jsonschema
 import torch
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.engine_main import build_engine
-from radixlm.runtime.engine.messages import EngineGenerate, StepOutputs
 from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.state import ReqState
+from radixlm.runtime.engine_wire import EngineGenerate, StepOutputs
 from radixlm.runtime.frontend.prepare import TextModel, input_ids
-from radixlm.runtime.frontend.session_state import EMPTY_HISTORY
 from radixlm.runtime.frontend.structured import plan_structured
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.model import resolve_model
@@ -107,7 +106,7 @@ class Bench:
 
     def prompt(self, ask: str, tools: list[Tool] | None = None) -> list[int]:
         inp = Input(messages=[Message(role="user", content=ask)])
-        return input_ids(self.text, inp, EMPTY_HISTORY, tools)
+        return input_ids(self.text, inp, tools=tools)
 
     def submit(self, ids: list[int], sampling: SamplingParams, grammar: GrammarSpec | None,
                n: int = 1) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from radixlm.cache.errors import CacheError, DoubleFree, InvalidSlots
+from radixlm.cache.pages import div_ceil
 from radixlm.cache.tokens import EMPTY, as_i64
 
 
@@ -52,7 +53,7 @@ class PageAllocator:
 
         Raises CacheError when fewer pages are free; `PrefixCache.alloc` evicts first.
         """
-        k = -(-n_tokens // self.page_size)
+        k = div_ceil(n_tokens, self.page_size)
         if k <= 0:
             return EMPTY
         head = self._head

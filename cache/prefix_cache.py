@@ -19,6 +19,7 @@ import numpy as np
 from radixlm.cache.allocator import PageAllocator
 from radixlm.cache.errors import OutOfSlots
 from radixlm.cache.node import TreeNode
+from radixlm.cache.pages import div_ceil
 from radixlm.cache.policy import EvictionPolicy
 from radixlm.cache.radix import OnEvict, RadixCache, Tokens
 from radixlm.cache.results import CacheSizes, EvictedSegment, InsertResult, MatchResult
@@ -101,7 +102,7 @@ class PrefixCache:
         is left consistent (whatever was evicted stays free).
         """
         allocator = self.allocator
-        short = -(-n_tokens // self.page_size) - allocator.free_pages
+        short = div_ceil(n_tokens, self.page_size) - allocator.free_pages
         if short > 0:
             self.evict(short * self.page_size)
             if allocator.free_pages * self.page_size < n_tokens:

@@ -25,6 +25,7 @@ import numpy as np
 from radixlm.cache.errors import LockError, StaleHandle
 from radixlm.cache.leaves import LeafHeap
 from radixlm.cache.node import TreeNode
+from radixlm.cache.pages import align_down
 from radixlm.cache.policy import EvictionPolicy, make_policy
 from radixlm.cache.results import EvictedSegment, InsertResult, MatchResult
 from radixlm.cache.tokens import EMPTY, EMPTY_VAL, ITEM, KEY, VAL, as_i64, frozen_values
@@ -101,7 +102,7 @@ class RadixCache:
             return MatchResult(self.root, 0, EMPTY)
         tokens = as_i64(tokens)
         psize = self.page_size
-        n = len(tokens) - len(tokens) % psize
+        n = align_down(len(tokens), psize)
         if n == 0:
             return MatchResult(self.root, 0, EMPTY)
         qb = (tokens if n == len(tokens) else tokens[:n]).tobytes()
@@ -130,7 +131,7 @@ class RadixCache:
         """
         tokens = as_i64(tokens)
         psize = self.page_size
-        n = len(tokens) - len(tokens) % psize
+        n = align_down(len(tokens), psize)
         if len(slots) < n:
             raise ValueError(f"insert: {len(slots)} slots for {n} (page-aligned) tokens")
         if n == 0:
@@ -216,7 +217,7 @@ class RadixCache:
         neq = edge[:n] != tokens[pos : pos + n]
         i = int(neq.argmax())
         m = i if neq[i] else n
-        return m - m % self.page_size
+        return align_down(m, self.page_size)
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Cut `child`'s edge after `m` tokens; the new upper node is returned.

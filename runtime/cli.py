@@ -128,6 +128,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
                         "its output past them may degrade)")
     g.add_argument("-t", "--threads", dest="threads", type=_non_negative_int, default=d.threads,
                    help="torch intra-op threads on CPU; 0 = torch's default (default: %(default)s)")
+    g.add_argument("--tensor-parallel-size", "--tp", "--tp-size", "-tp", dest="tensor_parallel_size",
+                   type=_positive_int, default=d.tensor_parallel_size, metavar="N",
+                   help="split the model's heads and MLP over N ranks (torch.distributed: gloo "
+                        "on CPU, NCCL on CUDA, one GPU per rank); dense weights only "
+                        "(default: %(default)s)")
     g.add_argument("--omp-wait-policy", default=d.omp_wait_policy or "default",
                    choices=["passive", "active", "default"],
                    help="how the engine's OpenMP threads wait between steps of a forward: "
@@ -238,6 +243,7 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         default_session_ttl_s=args.session_ttl,
         host_kv_tokens=args.host_kv_tokens,
         threads=args.threads,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", _DEFAULTS.tensor_parallel_size),
         omp_wait_policy=_omp_policy(getattr(args, "omp_wait_policy", _DEFAULTS.omp_wait_policy)),
         log_level=args.log_level,
         debug=args.debug,

@@ -30,6 +30,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     default_session_ttl_s: float = 0.0  # 0 = no idle TTL unless a session asks for one
     host_kv_tokens: int = 0  # host-memory KV tier capacity (tokens); 0 = off
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
+    tensor_parallel_size: int = 1  # ranks one model is split over (runtime/distributed/); 1 = off
     omp_wait_policy: str = "passive"  # the engine's OMP_WAIT_POLICY ("passive" | "active" | "" = OpenMP's default); the environment's wins
     log_level: str = "info"
     debug: bool = False  # tracebacks for start-up errors too (`--debug`)

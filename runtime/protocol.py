@@ -25,6 +25,16 @@ MAX_CLOSE = 1024  # sessions one CloseSession may name
 MAX_TOP_LOGPROBS = 20  # alternatives per position (`top_logprobs`)
 
 
+def branch_seed(seed: int, index: int) -> int:
+    """The seed of branch `index` of a request seeded `seed`: ``seed + index`` (branch i
+    of ``n > 1``; a forked session's turns add the engine's offset for their lineage,
+    SDK forks their index). Generators take seeds modulo 2**64, so a sum past the
+    protocol's range wraps to the same generator. Written once for the engine and the
+    SDK."""
+    derived = seed + index
+    return derived - (1 << 64) if derived >= 1 << 64 else derived
+
+
 class Struct(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """Base for wire messages: keyword-only, compact on the wire, strict on input."""
 
@@ -394,6 +404,7 @@ class SessionOpened(Struct, tag="session_opened"):
 class SessionsForked(Struct, tag="sessions_forked"):
     rid: str
     sessions: list[str]
+    length: int = 0  # the history length of each new session (its parent's)
 
 
 class Pinned(Struct, tag="pinned"):

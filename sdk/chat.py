@@ -20,7 +20,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from radixlm.runtime.protocol import Generate, Input, Message, Retention
+from radixlm.runtime.protocol import (
+    ForkSession,
+    Generate,
+    Input,
+    Message,
+    Retention,
+    SessionsForked,
+)
 from radixlm.sdk.errors import EngineError, ProgramError
 from radixlm.sdk.results import GenerateResult, result_from_done
 
@@ -150,12 +157,13 @@ class AsyncChatSession:
         """`n` sessions continuing this conversation independently (closed with this one)."""
         if self.id is None:
             raise ProgramError("the chat session is not open")
-        ids = await self._client.fork_session(self.id, n)
+        forked = await self._client.call(
+            ForkSession(rid=self._client.new_rid(), session=self.id, n=n), SessionsForked)
         children = [
             AsyncChatSession(self._client, retention=self._retention, ttl_s=self._ttl_s,
                              namespace=self._namespace, sampling=self.sampling, _session=sid,
-                             _history=self.history, _length=self.length)
-            for sid in ids
+                             _history=self.history, _length=forked.length)
+            for sid in forked.sessions
         ]
         self._children.extend(children)
         return children

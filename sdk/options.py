@@ -8,7 +8,7 @@ import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
-from radixlm.runtime.protocol import SamplingParams
+from radixlm.runtime.protocol import SamplingParams, branch_seed
 from radixlm.sdk.structured import schema_text
 
 __all__ = [
@@ -62,14 +62,6 @@ _ALIASES = {
     "top_logprobs_num": "top_logprobs",
 }
 SAMPLING_FIELDS: frozenset[str] = frozenset(SamplingParams.__struct_fields__) | frozenset(_ALIASES)
-
-
-def branch_seed(seed: int, index: int) -> int:
-    """The seed of branch `index` of a request seeded `seed`, derived as the engine does
-    for ``n > 1`` (``seed + index``; its generators take seeds modulo 2**64, so a sum past
-    the protocol's range wraps to the same generator)."""
-    derived = seed + index
-    return derived - (1 << 64) if derived >= 1 << 64 else derived
 
 
 def unknown_keyword(where: str, key: str, known: Iterable[str]) -> TypeError:

@@ -28,6 +28,10 @@ def _serve(*flags: str) -> argparse.Namespace:
     (["--ctx-size", "2048"], "context_length", 2048),
     (["-c", "2048"], "context_length", 2048),
     (["-t", "3"], "threads", 3),
+    (["--tensor-parallel-size", "2"], "tensor_parallel_size", 2),
+    (["-tp", "2"], "tensor_parallel_size", 2),  # vLLM
+    (["--tp-size", "2"], "tensor_parallel_size", 2),  # SGLang
+    (["--tp", "2"], "tensor_parallel_size", 2),
 ])
 def test_the_peers_spellings_are_aliases(flags: list[str], field: str, value: object) -> None:
     assert getattr(cli.config_from_args(_serve(*flags)), field) == value

@@ -183,6 +183,30 @@ def test_prompt_tokens_are_the_tokenized_prompt(client: rl.Client) -> None:
     assert all(lp <= 0 for lp in result.prompt_logprobs)
 
 
+def test_prompt_logprobs_start_counts_in_the_input_up_to_its_length(client: rl.Client) -> None:
+    """One rule with and without a session: 0 <= start <= the input's length (the length
+    itself asks for no values), in the tokens the request appends."""
+    ids = client.tokenize("Hello world, again")
+    at_end = client.generate(input_ids=ids, max_tokens=1, prompt_logprobs_start=len(ids))
+    assert at_end.prompt_logprobs == []
+    with pytest.raises(rl.InvalidParamsError):
+        client.generate(input_ids=ids, max_tokens=1, prompt_logprobs_start=len(ids) + 1)
+    with pytest.raises(rl.InvalidParamsError):
+        client.generate(input_ids=ids, max_tokens=1, prompt_logprobs_start=-1)
+    sid = client.open_session("A history first.").session
+    try:
+        appended = client.tokenize(" and more")
+        for start, values in ((0, len(appended)), (len(appended), 0)):
+            result = client.generate(input_ids=appended, session=sid, max_tokens=0,
+                                     prompt_logprobs_start=start)
+            assert len(result.prompt_logprobs) == values
+        with pytest.raises(rl.InvalidParamsError):
+            client.generate(input_ids=appended, session=sid, max_tokens=0,
+                            prompt_logprobs_start=len(appended) + 1)
+    finally:
+        client.close_session(sid)
+
+
 def test_a_seed_repeats_and_branches_differ(client: rl.Client) -> None:
     options = {"max_tokens": 8, "temperature": 0.9, "ignore_eos": True}
     first = client.generate("Pick a word:", seed=7, **options)

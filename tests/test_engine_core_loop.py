@@ -12,7 +12,8 @@ import zmq
 from radixlm.runtime.channel import open_socket
 from radixlm.runtime.config import Endpoints, EngineConfig
 from radixlm.runtime.engine.engine_main import run_engine
-from radixlm.runtime.engine.messages import (
+from radixlm.runtime.engine.pool_size import CPU_MAX_TOKENS, kv_capacity
+from radixlm.runtime.engine_wire import (
     EngineCommand,
     EngineGenerate,
     EngineReady,
@@ -22,7 +23,6 @@ from radixlm.runtime.engine.messages import (
     encode,
     to_frontend_decoder,
 )
-from radixlm.runtime.engine.pool_size import CPU_MAX_TOKENS, kv_capacity
 from radixlm.runtime.model import ModelConfig
 from radixlm.runtime.protocol import GetStats, SamplingParams, StatsReply, decode_server
 from test_scheduler_harness import hf_greedy

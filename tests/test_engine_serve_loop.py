@@ -15,7 +15,8 @@ import zmq
 from radixlm.runtime.channel import open_socket
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.engine_main import build_engine
-from radixlm.runtime.engine.messages import (
+from radixlm.runtime.engine.serve_loop import EngineLoop, StopFlag
+from radixlm.runtime.engine_wire import (
     EngineAbort,
     EngineCommand,
     EngineGenerate,
@@ -26,7 +27,6 @@ from radixlm.runtime.engine.messages import (
     encode,
     to_frontend_decoder,
 )
-from radixlm.runtime.engine.serve_loop import EngineLoop, StopFlag
 from radixlm.runtime.protocol import (
     CloseSession,
     FlushCache,

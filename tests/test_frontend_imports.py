@@ -1,7 +1,9 @@
 """Import boundaries. The frontend processes (the protocol frontend and the HTTP one) must
 not import torch: they only tokenize, validate and route, and torch costs seconds of CPU at
-every start. The runtime never imports the SDK (both use the neutral client transport),
-and the SDK never imports torch."""
+every start; nor anything of the engine: the frontend speaks to it through the neutral
+runtime/engine_wire.py and the rules both share (runtime/rules.py). The runtime never
+imports the SDK (both use the neutral client transport), and the SDK never imports
+torch."""
 
 from __future__ import annotations
 
@@ -20,13 +22,15 @@ _FRONTEND_IMPORTS = """
 import sys
 import radixlm.runtime.launcher
 from radixlm.runtime.frontend import run_frontend
-from radixlm.runtime.frontend import clients, frames, main, prepare, server, streams, validate
+from radixlm.runtime.frontend import (clients, frames, main, prepare, replies, requests,
+                                     server, streams, structured, tenants)
 # The HTTP frontend is a protocol client like the SDK: it builds its app without them too.
 from radixlm.runtime.http.app import build_app
 from radixlm.runtime.http.config import HttpConfig
 from radixlm.runtime.http import launch
 build_app(HttpConfig(engine_endpoint="ipc:///nonexistent"))
 heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+heavy += sorted(m for m in sys.modules if m.startswith("radixlm.runtime.engine."))
 print(",".join(heavy))
 """
 

@@ -7,10 +7,17 @@ import numpy as np
 import pytest
 import test_scheduler_harness as harness
 import torch
-from radixlm.runtime.engine.messages import EngineAbort, EngineFinishAt
 from radixlm.runtime.engine.state import IllegalTransition, ReqState, advance
+from radixlm.runtime.engine_wire import EngineAbort
 from radixlm.runtime.protocol import Error, ErrorCode, SamplingParams
-from test_scheduler_harness import CONTEXT, hf_greedy, hf_prompt_logprobs, random_prompt
+from test_scheduler_harness import (
+    CONTEXT,
+    hf_greedy,
+    hf_prompt_logprobs,
+    output_text,
+    random_prompt,
+    stop_inside,
+)
 
 # The harness fixtures, by name.
 hf, make_harness, tiny_dir = harness.hf, harness.make_harness, harness.tiny_dir
@@ -28,6 +35,8 @@ def test_state_table_rejects_illegal_transitions():
         state = ReqState.WAITING
 
     o = Obj()
+    with pytest.raises(IllegalTransition):  # a request ends only after running
+        advance(o, ReqState.FINISHED)
     advance(o, ReqState.PREFILLING)
     advance(o, ReqState.DECODING)
     with pytest.raises(IllegalTransition):
@@ -132,21 +141,27 @@ def test_abort_frees_private_kv(make_harness):
     assert sizes.protected == 0 and sizes.evictable >= 28
 
 
-def test_finish_at_keeps_exactly_the_kept_tokens(make_harness, hf):
+def test_a_stop_string_ends_the_branch_at_exactly_the_kept_tokens(make_harness, hf):
+    """The engine matches stop strings itself: tokens that may begin one are held back,
+    the branch ends keeping the shortest prefix whose text covers what precedes the stop,
+    and only that prefix joins the tree."""
     prompt = random_prompt(np.random.default_rng(6), 25)
-    ref = hf_greedy(hf, prompt, 8)
+    ref = hf_greedy(hf, prompt, 30)
     h = make_harness()
-    key = h.generate(prompt, max_tokens=30)
-    for _ in range(7):  # prefill + 6 decodes: 7 tokens out, 6 of them with KV
-        h.step()
-    assert h.tokens[(key, 0)] == ref[:7]
-    h.send(EngineFinishAt(key=key, keep_tokens=3, matched_stop="STOP"))
+    stop, kept, before = stop_inside(h.tokenizer, prompt, ref, 4)
+    key = h.generate(prompt, sampling=SamplingParams(max_tokens=30, temperature=0.0,
+                                                     ignore_eos=True, stop=[stop]))
+    h.run()
     final = h.final[(key, 0)]
-    assert (final.finish_reason, final.matched_stop) == ("stop", "STOP")
-    assert final.usage.completion_tokens == 3
-    # Prompt + 3 kept tokens are cached; the discarded 4th never joined the tree.
-    m = h.cache.match(prompt + ref[:7])
-    assert m.length == len(prompt) + 3
+    assert (final.finish_reason, final.matched_stop) == ("stop", stop)
+    assert h.output(key) == ref[:kept]  # nothing past the kept tokens was ever sent
+    assert final.usage.completion_tokens == kept
+    assert output_text(h.tokenizer, prompt, ref[:kept])[: len(before)] == before
+    trimmed = output_text(h.tokenizer, prompt, ref[:kept])
+    assert trimmed[: len(trimmed) - final.text_trim] == before
+    # Prompt + the kept tokens are cached; what was computed past them never joined.
+    m = h.cache.match(prompt + ref[:30])
+    assert m.length == len(prompt) + kept
     assert h.sched.private_tokens() == 0
 
 
@@ -245,7 +260,7 @@ def test_refusals_leave_the_engine_serving(make_harness):
     h.generate(random_prompt(rng, 10), max_tokens=CONTEXT)  # beyond the context
     h.generate(random_prompt(rng, 200), max_tokens=100)  # beyond context and pool
     h.generate([], max_tokens=4)
-    h.generate(random_prompt(rng, 10), sampling=SamplingParams(temperature=-1.0))
+    h.generate(random_prompt(rng, 10), prompt_logprobs_start=11)  # past the input
     h.generate(random_prompt(rng, 10), session="nope")  # no session manager here
     codes = [r.code for r in h.replies if isinstance(r, Error)]
     assert codes == [ErrorCode.TOO_LONG, ErrorCode.TOO_LONG, ErrorCode.EMPTY_PROMPT,

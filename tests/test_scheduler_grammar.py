@@ -18,7 +18,7 @@ import jsonschema
 import numpy as np
 import pytest
 import torch
-from radixlm.runtime.engine.messages import EngineAbort
+from radixlm.runtime.engine_wire import EngineAbort
 from radixlm.runtime.grammar.compiler import GrammarCompiler
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.grammar.spec import GrammarSpec

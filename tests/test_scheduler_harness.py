@@ -18,20 +18,14 @@ import pytest
 import torch
 from radixlm.cache import KVPool, PrefixCache
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.engine.messages import (
-    EngineGenerate,
-    SessionNote,
-    SessionNotes,
-    StepOutputs,
-    ToClient,
-    TokenOutput,
-)
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.engine_wire import EngineGenerate, StepOutputs, ToClient, TokenOutput
 from radixlm.runtime.model import ModelConfig, ModelRunner
 from radixlm.runtime.protocol import SamplingParams, decode_server
 from radixlm.runtime.sampling import Sampler
+from radixlm.tokenizer import Tokenizer
 from tiny_models import EOS_ID, load_hf_model
 
 CONTEXT = 256  # the tiny checkpoints' max_position_embeddings
@@ -63,14 +57,14 @@ class Harness:
             manager = SessionManager(self.cache, engine_config or EngineConfig(), kv_pool=self.pool)
         options.setdefault("context_length", CONTEXT)
         options.setdefault("check_invariants", True)
+        self.tokenizer = Tokenizer.load(model_dir)
         self.sched = Scheduler(self.cache, self.runner, Sampler(cfg.vocab_size),
                                SchedulerOptions(**options), eos_token_ids=eos, sessions=manager,
-                               grammars=grammars)
+                               grammars=grammars, tokenizer=self.tokenizer)
         self.tokens: dict[tuple[int, int], list[int]] = defaultdict(list)
         self.final: dict[tuple[int, int], TokenOutput] = {}
         self.logprobs: dict[tuple[int, int], list[float]] = defaultdict(list)
         self.replies: list = []
-        self.notes: list[SessionNote] = []  # the engine's session notes, in order
         self.steps = 0
         self._keys = itertools.count(1)
 
@@ -118,8 +112,6 @@ class Harness:
                         self.logprobs[k].extend(o.logprobs)
                     if o.finish_reason is not None:
                         self.final[k] = o
-            elif isinstance(m, SessionNotes):
-                self.notes.extend(m.notes)
             else:
                 assert isinstance(m, ToClient)
                 self.replies.append(decode_server(m.data))
@@ -161,6 +153,36 @@ def hf_prompt_logprobs(hf, prompt: Sequence[int], start: int) -> np.ndarray:
     first = max(start, 1)
     idx = torch.arange(first, len(prompt))
     return lp[idx - 1, torch.tensor(prompt)[idx]].numpy()
+
+
+def output_text(tok: Tokenizer, context: Sequence[int], ids: Sequence[int]) -> str:
+    """The text `ids` add after `context` (its last 5 tokens, as the detokenizers take it),
+    by `tokenizers`' own decode of the whole sequence."""
+    tail = [int(t) for t in context][-5:]
+    before = tok.backend.decode(tail, skip_special_tokens=True)
+    return tok.backend.decode(tail + [int(t) for t in ids], skip_special_tokens=True)[len(before):]
+
+
+def stop_inside(tok: Tokenizer, context: Sequence[int], ids: Sequence[int], token: int,
+                length: int = 3) -> tuple[str, int, str]:
+    """A stop string that starts inside the text of output token `token` (or the first
+    later one with clean text), the tokens a branch ending at it keeps (the shortest prefix
+    whose text covers what precedes it) and that text: (stop, kept, text)."""
+    full = output_text(tok, context, ids)
+    for k in range(token, len(ids)):
+        start = len(output_text(tok, context, ids[:k]))
+        end = len(output_text(tok, context, ids[: k + 1]))
+        if end <= start or "\ufffd" in full[max(0, start - 1) : end + length]:
+            continue
+        at = start + (end - start) // 2 if end - start > 1 else start
+        stop = full[at : at + length]
+        if len(stop) < length or full.find(stop) != at:
+            continue
+        before = full[:at]
+        kept = next(n for n in range(len(ids) + 1)
+                    if output_text(tok, context, ids[:n]).startswith(before))
+        return stop, kept, before
+    raise AssertionError("no clean stop string in this output: pick another prompt")
 
 
 def random_prompt(rng: np.random.Generator, n: int) -> list[int]:

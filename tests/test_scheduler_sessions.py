@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import test_scheduler_harness as harness
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.engine.messages import (
+from radixlm.runtime.engine_wire import (
+    AppendVariants,
     ClientGone,
     EngineAbort,
     EngineCommand,
     EngineOpenSession,
     EnginePin,
-    SessionNotes,
-    StepOutputs,
+    Variant,
 )
 from radixlm.runtime.protocol import (
     CloseSession,
@@ -174,8 +174,7 @@ def test_one_close_names_several_sessions(make_harness):
     assert isinstance(reply, Error) and reply.code == ErrorCode.NOT_FOUND
     assert "missing" in reply.message and "1 of 3" in reply.message
     assert sessions_by_id(h) == {}
-    reply = command(h, CloseSession(rid="c3"))
-    assert isinstance(reply, Error) and reply.code == ErrorCode.INVALID_PARAMS
+    # (a close naming nothing is the frontend's to refuse: test_server_errors.py)
     assert h.cache.sizes().protected == 0
 
 
@@ -243,53 +242,52 @@ def test_forks_given_one_seed_sample_distinct_reproducible_branches(make_harness
     assert h.output(in_session) == h.output(plain)
 
 
-def test_engine_notes_how_each_session_history_ends(make_harness):
-    """The frontend renders appends from the engine's notes: every change to a history
-    (open, turn, raw append, fork, truncate, close) is noted with its length, last token
-    and the frontend's assistant-turn flag, ahead of the output that reports it."""
+def test_the_engine_picks_the_rendering_for_how_each_history_ends(make_harness):
+    """An append arrives rendered for every end a history may have; the engine, which
+    holds the history, picks: an empty one takes the full render, an open assistant turn
+    its closing markup (without the end token when the history already ends with it), a
+    closed one the plain delta. Raw ids keep the turn open; forks inherit the flag; a
+    truncate closes it."""
     rng = np.random.default_rng(28)
     h = make_harness(sessions=True)
-    prompt = random_prompt(rng, 10)
-    sid = open_session(h, prompt).session
+    body = [7, 8]
 
-    def last_note(session: str):
-        return [n for n in h.notes if n.session == session][-1]
+    def history(session: str) -> list[int]:
+        return h.sched.sessions.manager.get(session, C).history.tolist()
 
-    note = last_note(sid)
-    assert (note.length, note.last_token, note.assistant_open, note.closed) == (10, prompt[-1],
-                                                                                 False, False)
-    # A turn the frontend rendered with an open assistant header; its Done (step
-    # outputs) comes after the note in the same message batch.
-    h.generate([7, 8], max_tokens=4, client=C, session=sid, assistant_open=True)
-    tokens: list[int] = []
-    while h.sched.has_work():
-        h.sched.step()
-        batch = h.sched.take_outbox()
-        finals = [i for i, m in enumerate(batch) if isinstance(m, StepOutputs)
-                  and any(o.finish_reason for o in m.outputs)]
-        for m in batch:
-            if isinstance(m, StepOutputs):
-                tokens += [t for o in m.outputs for t in o.token_ids]
-        if finals:
-            notes = [i for i, m in enumerate(batch) if isinstance(m, SessionNotes)
-                     and any(n.session == sid for n in m.notes)]
-            assert notes and notes[0] < finals[0], batch
-            h.notes += [n for m in batch if isinstance(m, SessionNotes) for n in m.notes]
-    h.collect()
-    note = last_note(sid)
-    assert (note.length, note.last_token, note.assistant_open) == (16, tokens[-1], True)
-    # Raw ids extend whatever turn is open: the flag stays.
-    key = h.generate([9], max_tokens=2, session=sid, client=C)
+    def append(session: str, after: dict[int, Variant] | None = None, **kw) -> list[int]:
+        before = history(session)
+        variants = AppendVariants(if_empty=Variant(ids=[3]), if_open=Variant(ids=[4]),
+                                  if_open_after=after)
+        h.generate(body, max_tokens=1, client=C, session=session, variants=variants, **kw)
+        h.run()
+        return history(session)[len(before):]
+
+    empty = open_session(h, []).session
+    assert append(empty)[:3] == [3, *body]  # the full render's prefix: BOS, system prompt
+    closed = open_session(h, random_prompt(rng, 10)).session
+    assert append(closed, assistant_open=True)[:2] == body  # then the turn is left open
+    last = history(closed)[-1]
+    assert append(closed, {last + 1: Variant(ids=[5])})[:3] == [4, *body]
+    last = history(closed)[-1]
+    assert append(closed, {last: Variant(ids=[5])})[:3] == [5, *body]
+    h.generate([9], max_tokens=1, client=C, session=closed)  # raw ids: still open
     h.run()
-    note = last_note(sid)
-    assert (note.length, note.last_token, note.assistant_open) == (19, h.output(key)[-1], True)
-    # Forks start where their parent ends; a truncate closes the turn; a close is noted.
-    a, b = command(h, ForkSession(rid="f", session=sid, n=2)).sessions
-    for f in (a, b):
-        assert (last_note(f).length, last_note(f).last_token, last_note(f).assistant_open) == (
-            19, note.last_token, True)
-    assert isinstance(command(h, TruncateSession(rid="t", session=a, length=5)), Ok)
-    assert (last_note(a).length, last_note(a).last_token, last_note(a).assistant_open) == (
-        5, prompt[4], False)
-    assert isinstance(command(h, CloseSession(rid="c", sessions=[a, b])), Ok)
-    assert last_note(a).closed and last_note(b).closed and not last_note(sid).closed
+    a, b = command(h, ForkSession(rid="f", session=closed, n=2)).sessions
+    assert append(a)[:3] == [4, *body]
+    assert isinstance(command(h, TruncateSession(rid="t", session=b, length=5)), Ok)
+    assert append(b)[:2] == body
+    whole = AppendVariants(if_open=Variant(ids=[6, 6], whole=True))
+    h.generate(body, max_tokens=1, client=C, session=a, variants=whole)
+    h.run()
+    assert history(a)[-3:-1] == [6, 6]
+    # A rendering the template could not make is refused when it is the one needed.
+    h.generate(body, max_tokens=1, client=C, session=empty,
+               variants=AppendVariants(if_empty=Variant(ids=[3]), closed_error="no append"))
+    h.generate([1], max_tokens=1, client=C, session=open_session(h, []).session,
+               variants=AppendVariants(empty_error="chat template: cannot start"))
+    h.run()
+    refusals = [r for r in h.replies if isinstance(r, Error)]
+    assert [(r.code, r.message) for r in refusals] == [
+        (ErrorCode.INVALID_PARAMS, "no append"),
+        (ErrorCode.INVALID_PARAMS, "chat template: cannot start")]

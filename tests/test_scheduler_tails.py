@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 import test_scheduler_harness as harness
 from radixlm.runtime import protocol
-from radixlm.runtime.engine import messages
-from radixlm.runtime.engine.messages import ClientGone, EngineAbort, EngineCommand, EngineFinishAt
+from radixlm.runtime.engine_wire import ClientGone, EngineAbort, EngineCommand
 from radixlm.runtime.protocol import CloseSession, Error, ForkSession, Ok, SessionsForked
-from test_scheduler_harness import hf_greedy, random_prompt
+from test_scheduler_harness import hf_greedy, random_prompt, stop_inside
 from test_scheduler_sessions import C, open_session, sessions_by_id
 
 # The harness fixtures, by name.
@@ -108,20 +107,23 @@ def test_abort_of_a_held_turn_and_client_gone_during_a_tail(make_harness):
     h.check_quiescent()
 
 
-def test_stop_string_reports_at_once_and_a_late_finish_at_is_ignored(make_harness, hf):
+def test_a_turn_ended_by_a_stop_string_keeps_exactly_its_kept_tokens(make_harness, hf):
+    """The engine ends the turn at the stop string: its Done reports the kept tokens and
+    the history holds exactly them, so the next turn hits all of it."""
     rng = np.random.default_rng(42)
     h = make_harness(sessions=True)
-    sid, prompt, key = start_turn(h, rng, 16, 4, max_tokens=10)
-    h.step()
-    h.step()  # two tokens sampled; the second has no KV yet
-    h.send(EngineFinishAt(key=key, keep_tokens=2, matched_stop="\n"))
-    final = h.final[(key, 0)]  # reported without another step
-    assert final.finish_reason == "stop" and final.usage.completion_tokens == 2
-    history = prompt + h.output(key)[:2]
-    assert final.session_length == len(history)
-    h.send(EngineFinishAt(key=key, keep_tokens=1, matched_stop="\n"))  # late: ignored
+    first, appended = random_prompt(rng, 16), random_prompt(rng, 4)
+    ref = hf_greedy(hf, first + appended, 24)
+    stop, kept, _ = stop_inside(h.tokenizer, appended, ref, 3)
+    sid = open_session(h, first).session
+    key = h.generate(appended, client=C, session=sid, sampling=protocol.SamplingParams(
+        max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]))
     h.run()
-    assert sessions_by_id(h)[sid].length == len(history)
+    final = h.final[(key, 0)]
+    assert (final.finish_reason, final.matched_stop) == ("stop", stop)
+    assert h.output(key) == ref[:kept] and final.usage.completion_tokens == kept
+    history = first + appended + ref[:kept]
+    assert final.session_length == len(history) == sessions_by_id(h)[sid].length
     nxt = random_prompt(rng, 3)
     key2 = h.generate(nxt, max_tokens=3, client=C, session=sid)
     h.run()
@@ -129,24 +131,23 @@ def test_stop_string_reports_at_once_and_a_late_finish_at_is_ignored(make_harnes
     assert h.output(key2) == hf_greedy(hf, history + nxt, 3)
 
 
-def test_a_late_stop_string_trims_the_history_quietly_after_the_tail(make_harness):
-    """The frontend found a stop string only in the reported turn's output: it cuts the
-    history back without a reply, after the tail has run (the trim waits for it), and the
-    engine notes where the history ends now."""
-    h = make_harness(sessions=True)
-    sid, prompt, key = start_turn(h, np.random.default_rng(43), 10, 3, max_tokens=4)
-    steps_until_final(h, key)
-    history = prompt + h.output(key)
-    assert h.sched.has_work()  # the tail is still to run: the trim is held
-    h.send(messages.EngineTrimSession(client=C, session=sid, length=len(history) - 2))
+def test_tokens_that_may_begin_a_stop_string_are_held_back(make_harness, hf):
+    """Streamed outputs stop short of the stop string's start: no output carries a token
+    past the kept ones, and the last output carries what was held back."""
+    rng = np.random.default_rng(43)
+    h = make_harness()
+    prompt = random_prompt(rng, 12)
+    ref = hf_greedy(hf, prompt, 20)
+    stop, kept, _ = stop_inside(h.tokenizer, prompt, ref, 6, length=4)
+    key = h.generate(prompt, sampling=protocol.SamplingParams(
+        max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop]))
+    sent: list[int] = []
+    while (key, 0) not in h.final:
+        h.step()
+        sent = h.tokens[(key, 0)]
+        assert sent == ref[: len(sent)] and len(sent) <= kept
+    assert sent == ref[:kept]
     h.run()
-    assert h.replies == []  # quiet
-    assert sessions_by_id(h)[sid].length == len(history) - 2
-    note = [n for n in h.notes if n.session == sid][-1]
-    assert (note.length, note.last_token) == (len(history) - 2, history[-3])
-    # A trim of a session that is gone is dropped (logged), never answered.
-    h.send(messages.EngineTrimSession(client=C, session="no-such-session", length=1))
-    assert h.replies == []
 
 
 def test_a_listing_right_after_the_done_shows_the_turn(make_harness):

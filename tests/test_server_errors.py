@@ -76,6 +76,13 @@ BAD_FRAMES: list[tuple[str, bytes | dict[str, Any], str]] = [
      ErrorCode.INVALID_PARAMS),
     ("close-unknown-among", {"type": "close_session", "sessions": ["a", "b"]},
      ErrorCode.NOT_FOUND),
+    ("branches-without-output", gen(n=2, sampling={"max_tokens": 0}), ErrorCode.INVALID_PARAMS),
+    ("pin-without-name", {"type": "pin", "name": "", "input": {"text": "x"}},
+     ErrorCode.INVALID_PARAMS),
+    ("pin-empty-input", {"type": "pin", "name": "p", "input": {"text": ""}},
+     ErrorCode.EMPTY_PROMPT),
+    ("logprobs-start-past-input", gen(input={"input_ids": [5, 6]}, prompt_logprobs_start=3),
+     ErrorCode.INVALID_PARAMS),
 ]
 
 

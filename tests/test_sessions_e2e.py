@@ -22,7 +22,10 @@ import torch
 from radixlm.cache import KVPool, PrefixCache
 from radixlm.runtime import protocol as wire
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.engine.messages import (
+from radixlm.runtime.engine.options import SchedulerOptions
+from radixlm.runtime.engine.scheduler import Scheduler
+from radixlm.runtime.engine.sessions import Residency, SessionManager
+from radixlm.runtime.engine_wire import (
     EngineCommand,
     EngineGenerate,
     EngineOpenSession,
@@ -30,9 +33,6 @@ from radixlm.runtime.engine.messages import (
     StepOutputs,
     ToClient,
 )
-from radixlm.runtime.engine.options import SchedulerOptions
-from radixlm.runtime.engine.scheduler import Scheduler
-from radixlm.runtime.engine.sessions import Residency, SessionManager
 from radixlm.runtime.model.config import ModelConfig
 from radixlm.runtime.model.runner import ModelRunner
 from radixlm.runtime.sampling import Sampler

@@ -12,9 +12,7 @@ import json
 import jsonschema
 import pytest
 from radixlm.runtime.frontend.prepare import TextModel, input_ids
-from radixlm.runtime.frontend.session_state import EMPTY_HISTORY
 from radixlm.runtime.frontend.structured import plan_structured
-from radixlm.runtime.frontend.validate import RequestError
 from radixlm.runtime.protocol import (
     ErrorCode,
     Generate,
@@ -25,6 +23,7 @@ from radixlm.runtime.protocol import (
     Tool,
     ToolCall,
 )
+from radixlm.runtime.rules import RequestError
 from radixlm.tokenizer import ChatTemplate, Tokenizer
 from radixlm.tokenizer.tools import (
     call_frame,
@@ -214,7 +213,7 @@ def test_prompt_with_tools_on_a_template_without_tool_support(tiny_tokenizer_dir
     model = TextModel(tokenizer=tok, context_length=4096, vocab_size=tok.vocab_size)
     assert model.tool_format == "generic"
     inp = Input(messages=[Message(role="user", content="2+2?")])
-    ids = input_ids(model, inp, EMPTY_HISTORY, tools=[CALC])
+    ids = input_ids(model, inp, tools=[CALC])
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>system\nYou can call functions.")
     assert '"name": "calc"' in text and text.endswith("<|im_start|>assistant\n")

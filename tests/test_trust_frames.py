@@ -13,8 +13,8 @@ import pytest
 import radixlm as rl
 import zmq
 from radixlm.runtime.frontend.prepare import TextModel, max_token_bytes
-from radixlm.runtime.frontend.validate import RequestError, check_input_size
 from radixlm.runtime.protocol import ErrorCode, Generate, Hello, Input, Message, encode
+from radixlm.runtime.rules import RequestError, check_input_size
 from radixlm.tokenizer import Tokenizer
 from zmq.utils.monitor import recv_monitor_message
 

@@ -17,8 +17,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from radixlm.cache import OutOfSlots
-from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.sessions import Residency
+from radixlm.runtime.rules import RequestError
 
 from tests.test_sessions_unit import ALICE, FakeEngine
 

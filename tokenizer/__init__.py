@@ -4,7 +4,7 @@ it runs in the engine's frontend process."""
 
 from radixlm.tokenizer.chat_template import ChatTemplate, ChatTemplateError
 from radixlm.tokenizer.detokenizer import IncrementalDetokenizer
-from radixlm.tokenizer.stop import StopStringMatcher
+from radixlm.tokenizer.stop import StopStringMatcher, TokenStopMatcher
 from radixlm.tokenizer.tokenizer import Tokenizer
 
 __all__ = [
@@ -12,5 +12,6 @@ __all__ = [
     "ChatTemplateError",
     "IncrementalDetokenizer",
     "StopStringMatcher",
+    "TokenStopMatcher",
     "Tokenizer",
 ]

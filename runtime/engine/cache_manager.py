@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from radixlm.cache import MatchResult, OutOfSlots, PrefixCache, TreeNode
+from radixlm.cache.pages import align_down, align_up, div_ceil
 from radixlm.runtime.engine.request import Request
 
 MakeRoom = Callable[[int], int]  # tokens wanted evictable -> tokens made evictable
@@ -38,8 +39,7 @@ class CacheManager:
 
     def pages(self, n: int) -> int:
         """`n` rounded up to whole pages."""
-        p = self.page_size
-        return -(-n // p) * p
+        return align_up(n, self.page_size)
 
     def make_room(self, need: int) -> int:
         """Ask for idle sessions to be demoted until `need` slots could be had; returns
@@ -51,13 +51,9 @@ class CacheManager:
 
     # ------------------------------------------------------------- lifecycle
     def match(self, r: Request) -> MatchResult:
-        """The cached prefix of what the request must compute: at least its last token
-        (its logits sample the next one), and everything from the first prompt position
-        whose logprob is still owed."""
-        limit = r.num_tokens - 1
-        if r.owes_prompt_logprobs:
-            limit = min(limit, r.plp_next - 1)
-        return self.cache.match(r.tokens[:limit], r.group.namespace)
+        """The cached prefix of the request, short of what it must compute
+        (`Request.compute_from`)."""
+        return self.cache.match(r.tokens[: r.compute_from], r.group.namespace)
 
     def attach(self, r: Request, match: MatchResult) -> None:
         """Lock the matched prefix and make it the start of the request's slot table."""
@@ -94,7 +90,7 @@ class CacheManager:
         psize = self.page_size
         if psize == 1:
             return sum(r.num_tokens - r.alloc_len for r in needy)
-        return sum(-(-(r.num_tokens - r.alloc_len) // psize) for r in needy) * psize
+        return sum(div_ceil(r.num_tokens - r.alloc_len, psize) for r in needy) * psize
 
     def grow_decodes(self, needy: Sequence[Request], need: int) -> None:
         """Pages for every request's next token (its `num_tokens` position), in one
@@ -106,7 +102,7 @@ class CacheManager:
         off = 0
         for r in needy:
             start = r.alloc_len
-            end = start + -(-(r.num_tokens - start) // psize) * psize
+            end = start + align_up(r.num_tokens - start, psize)
             r.slots[start:end] = slots[off : off + end - start]
             off += end - start
             r.alloc_len = end
@@ -122,7 +118,7 @@ class CacheManager:
         """
         cache = self.cache
         end = min(upto, r.kv_len)
-        end -= end % self.page_size
+        end = align_down(end, self.page_size)
         old = r.locked
         assert old is not None
         if end <= r.tree_len:
@@ -145,7 +141,7 @@ class CacheManager:
         the output is its own node (a leaf, evicted before the prompt it hangs off)."""
         limit = min(r.kv_len, r.num_tokens)
         prompt_end = min(r.group.prompt_len, limit)
-        if prompt_end - prompt_end % self.page_size > r.tree_len:
+        if align_down(prompt_end, self.page_size) > r.tree_len:
             self.cache_prefix(r, prompt_end, relock=False)
         return self.cache_prefix(r, limit, relock=False)
 
@@ -163,9 +159,8 @@ class CacheManager:
         """Take restored history slots (the K/V of the tokens right after the request's
         locked match) as computed: as many as whole pages before the first token it must
         compute allow; the rest are freed. Returns how many were kept."""
-        limit = min(r.num_tokens - 1, r.plp_next - 1 if r.owes_prompt_logprobs else r.num_tokens)
-        keep = min(len(slots), max(0, limit - r.kv_len))
-        keep -= keep % self.page_size
+        keep = min(len(slots), max(0, r.compute_from - r.kv_len))
+        keep = align_down(keep, self.page_size)
         if keep < len(slots):
             self.cache.free(slots[keep:])
         end = r.kv_len + keep

@@ -18,25 +18,28 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zmq
 from radixlm.cache import KVPool, PrefixCache
 from radixlm.runtime.channel import open_socket
 from radixlm.runtime.config import Endpoints, EngineConfig, context_length_for
-from radixlm.runtime.engine.messages import EngineReady, encode
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.pool_size import kv_capacity
 from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.serve_loop import EngineLoop, StopFlag
 from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.engine_wire import EngineReady, encode
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model import ModelConfig, ModelRunner, resolve_device, resolve_dtype
 from radixlm.runtime.model import resolve_model as _resolve_model
 from radixlm.runtime.model.loader import engine_weight_format
 from radixlm.runtime.sampling import Sampler
 from radixlm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from radixlm.runtime.distributed import TensorParallel, TensorParallelRunner
 
 log = logging.getLogger("radixlm.engine")
 
@@ -48,8 +51,9 @@ class Engine:
     """Everything `build_engine` made; `ready` is what the frontend is told."""
 
     scheduler: Scheduler
-    runner: ModelRunner
+    runner: ModelRunner | TensorParallelRunner
     ready: EngineReady
+    tp: TensorParallel | None = None  # the other ranks, with --tensor-parallel-size > 1
 
 
 def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> Engine:
@@ -63,28 +67,36 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     dtype = resolve_dtype(config.dtype, device)
     mcfg = ModelConfig.from_dir(model_dir)
     context = context_length_for(config, mcfg.max_position_embeddings)
-    capacity = kv_capacity(
-        config.kv_tokens, config.kv_memory_fraction, mcfg, device, dtype, config.page_size,
-        usable_tokens=context * config.max_running,
-    )
-    pool = KVPool(
-        mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, capacity, config.page_size, dtype, device
-    )
-    runner = ModelRunner(model_dir, device, dtype, pool, config.attention,
-                         quantize=engine_weight_format(config.dtype, config.quantize, model_dir,
-                                                         device))
+    tp = None
+    if config.tensor_parallel_size > 1:  # ranks 1..N-1 are processes of ours from here on
+        from radixlm.runtime.distributed import start_engine_ranks
+
+        tp = start_engine_ranks(config, model_dir, device, dtype, context)
+        runner, pool = tp.runner, tp.runner.pool
+        capacity = pool.capacity
+    else:
+        capacity = kv_capacity(
+            config.kv_tokens, config.kv_memory_fraction, mcfg, device, dtype, config.page_size,
+            usable_tokens=context * config.max_running,
+        )
+        pool = KVPool(mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim, capacity,
+                      config.page_size, dtype, device)  # fmt: skip
+        runner = ModelRunner(model_dir, device, dtype, pool, config.attention,
+                             quantize=engine_weight_format(config.dtype, config.quantize,
+                                                           model_dir, device))  # fmt: skip
     # "priority": demoted session histories are evicted after plain cache (sessions.py).
     cache = PrefixCache(capacity, config.page_size, policy="priority")
     sessions = SessionManager(cache, config, kv_pool=pool)
     eos = set(mcfg.eos_token_ids)
-    grammars = None
+    grammars = tokenizer = None
     try:
         tokenizer = Tokenizer.load(model_dir)
         eos |= tokenizer.eos_token_ids
         # Grammars need the vocabulary's text (masks) and the tokenizer (jump-forward).
         grammars = Grammars(tokenizer, mcfg.vocab_size, eos)
     except Exception as e:  # noqa: BLE001 - a checkpoint without tokenizer files still serves ids
-        log.warning("no tokenizer in %s (%s): EOS ids from config.json only, no grammars",
+        log.warning("no tokenizer in %s (%s): EOS ids from config.json only, no grammars, "
+                    "no stop strings",
                     model_dir, e)
     options = SchedulerOptions.from_config(config, context)
     sched = Scheduler(
@@ -95,6 +107,7 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         eos_token_ids=eos,
         sessions=sessions,
         grammars=grammars,
+        tokenizer=tokenizer,
     )
     log.info(
         "loaded %s (%s, %d layers, vocab %d) on %s as %s with %s attention in %.1fs",
@@ -111,7 +124,7 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         model=config.model or "default", context_length=context, page_size=config.page_size,
         kv_capacity=capacity, model_dir=str(model_dir), vocab_size=mcfg.vocab_size,
     )  # fmt: skip
-    return Engine(sched, runner, ready)
+    return Engine(sched, runner, ready, tp)
 
 
 def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
@@ -129,13 +142,19 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
     ctx: zmq.Context[Any] = zmq.Context()
     inbox = open_socket(ctx, zmq.PULL, endpoints.to_engine, bind=True)
     outbox = open_socket(ctx, zmq.PUSH, endpoints.to_frontend, bind=False)
+    if engine.tp is not None:  # a rank that fails stops the engine, which reports why
+        engine.tp.on_failure(lambda: setattr(stop, "set", True))
     try:
         outbox.send(encode(engine.ready))
         log.info("engine ready")
         loop = EngineLoop(sched, inbox, outbox, stop)
         loop.on_step = _ThroughputLog(sched, loop).maybe_log
         loop.run()
+        if engine.tp is not None:
+            engine.tp.raise_if_failed()
     finally:
+        if engine.tp is not None:
+            engine.tp.close()
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
         inbox.close(linger=0)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import logging
 
-from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.request import RequestGroup
 from radixlm.runtime.engine.table import RequestTable
 from radixlm.runtime.grammar.compiler import GrammarError, Pending
 from radixlm.runtime.protocol import ErrorCode
+from radixlm.runtime.rules import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,4 @@ def release_compiled(table: RequestTable, endings: Endings) -> None:
             endings.fail_group(g, RequestError(
                 ErrorCode.INTERNAL, f"grammar compilation failed: {type(e).__name__}: {e}"))
             continue
-        for b in g.branches:
-            if b in table.compiling:
-                table.compiling.remove(b)
-                table.waiting.append(b)
+        table.release(g)

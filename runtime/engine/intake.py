@@ -9,33 +9,36 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import msgspec
 import numpy as np
 import torch
-from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.lifecycle import Endings
-from radixlm.runtime.engine.messages import (
-    ClientGone,
-    EngineAbort,
-    EngineCommand,
-    EngineFinishAt,
-    EngineGenerate,
-    EngineOpenSession,
-    EnginePin,
-    EngineTrimSession,
-    TokenOutput,
-)
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
-from radixlm.runtime.engine.session_controller import Intake, SessionController, Turn
+from radixlm.runtime.engine.sessions.controller import Intake, SessionController, Turn
 from radixlm.runtime.engine.state import TERMINAL, ReqState
 from radixlm.runtime.engine.table import RequestTable
+from radixlm.runtime.engine_wire import (
+    ClientGone,
+    EngineAbort,
+    EngineCommand,
+    EngineGenerate,
+    EngineOpenSession,
+    EnginePin,
+    TokenOutput,
+)
 from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.grammar.spec import GrammarSpec
-from radixlm.runtime.protocol import MAX_N, Error, ErrorCode, SamplingParams, Struct
-from radixlm.runtime.sampling import make_generator, validate_sampling
+from radixlm.runtime.protocol import Error, ErrorCode, SamplingParams, Struct, branch_seed
+from radixlm.runtime.rules import (
+    RequestError,
+    check_prompt,
+    check_prompt_logprobs_start,
+    resolve_max_tokens,
+)
+from radixlm.runtime.sampling import make_generator
+from radixlm.tokenizer import Tokenizer, TokenStopMatcher
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +59,7 @@ class MessageHandler:
     device: torch.device  # where seeded requests' generators live
     engine_command: Callable[[EngineCommand], Struct]  # stats, flush: the scheduler's
     grammars: Grammars | None = None  # None: constrained requests are refused
+    tokenizer: Tokenizer | None = None  # None: stop strings are refused
     _arrival: Iterator[int] = field(default_factory=itertools.count)
     _internal_keys: Iterator[int] = field(default_factory=lambda: itertools.count(-1, -1))
 
@@ -81,14 +85,10 @@ class MessageHandler:
             self._on_generate(msg)
         elif isinstance(msg, EngineAbort):
             self.endings.abort(msg.key)
-        elif isinstance(msg, EngineFinishAt):
-            self._on_finish_at(msg)
         elif isinstance(msg, EngineOpenSession):
             self._on_open_session(msg)
         elif isinstance(msg, EnginePin):
             self._on_pin(msg)
-        elif isinstance(msg, EngineTrimSession):
-            self.sessions.trim(msg)
         elif isinstance(msg, EngineCommand):
             reply = self.sessions.command(msg)
             self.outbox.reply(msg.client, reply if reply is not None else self.engine_command(msg))
@@ -110,21 +110,24 @@ class MessageHandler:
             return
         intake: Intake | None = None
         try:
-            self._check_sampling(msg.sampling, msg.n)
             appended = np.asarray(msg.input_ids, dtype=np.int64)
             if msg.session is not None:
                 intake = self.sessions.begin_generate(msg, appended)
-            prompt = intake.prompt if intake is not None else appended
+            if intake is not None:
+                prompt, appended = intake.prompt, intake.appended
+            else:
+                prompt = appended
             history = len(prompt) - len(appended)
             start = msg.prompt_logprobs_start
-            if start is not None and not 0 <= start <= len(appended):
-                raise RequestError(
-                    ErrorCode.INVALID_PARAMS,
-                    f"prompt_logprobs_start ({start}) must be in [0, {len(appended)}]",
-                )
-            sampling = self._resolve_max_tokens(msg.sampling, len(prompt))
+            check_prompt_logprobs_start(start, len(appended))
+            sampling = resolve_max_tokens(msg.sampling, len(prompt),
+                                          context_length=self.opt.context_length,
+                                          pool=self.capacity)
             self._check_fits(len(prompt), sampling.max_tokens, history)
             grammar = self._grammar(msg.grammar)
+            if msg.sampling.stop and self.tokenizer is None:
+                raise RequestError(ErrorCode.INVALID_PARAMS,
+                                   "this engine has no tokenizer: it cannot match stop strings")
         except RequestError as e:
             if intake is not None:
                 self.sessions.abort_intake(intake, msg.client)
@@ -139,7 +142,7 @@ class MessageHandler:
             turn=intake.turn if intake is not None else None,
             prompt_logprobs_start=None if start is None else history + start,
             priority=msg.priority, grammar=grammar,
-        ))  # fmt: skip
+        ), stop_context=msg.input_ids)  # fmt: skip
 
     def _grammar(self, spec: GrammarSpec | None) -> CompiledGrammar | Pending | None:
         """The compiled grammar, or its compilation in flight (the group then waits in
@@ -170,10 +173,8 @@ class MessageHandler:
     def _on_pin(self, msg: EnginePin) -> None:
         prompt = np.asarray(msg.input_ids, dtype=np.int64)
         try:
-            if not len(prompt):
-                raise RequestError(ErrorCode.EMPTY_PROMPT, f"pin {msg.name!r} has an empty input")
+            self._check_fits(len(prompt), 0, 0, what=f"the input of pin {msg.name!r}")
             turn = self.sessions.begin_pin(msg, prompt)
-            self._check_fits(len(prompt), 0, 0)
         except RequestError as e:
             self.outbox.reply(msg.client, Error(rid=msg.rid, code=e.code, message=e.message))
             return
@@ -188,89 +189,39 @@ class MessageHandler:
             namespace=namespace, turn=turn,
         )  # fmt: skip
 
-    def _check_sampling(self, sampling: SamplingParams, n: int) -> None:
-        problem = validate_sampling(sampling, self.vocab_size)
-        if problem is not None:
-            raise RequestError(ErrorCode.INVALID_PARAMS, problem)
-        if not 1 <= n <= MAX_N:
-            raise RequestError(ErrorCode.INVALID_PARAMS, f"n must be in [1, {MAX_N}], got {n}")
-        if n > 1 and sampling.max_tokens == 0:
-            raise RequestError(ErrorCode.INVALID_PARAMS, "n > 1 needs max_tokens >= 1")
+    def _check_fits(self, prompt_len: int, max_tokens: int, history_len: int,
+                    what: str = "the prompt") -> None:
+        """The prompt rules (rules.check_prompt) against this engine's context and pool
+        and what pins and hard sessions retain."""
+        check_prompt(prompt_len, max_tokens, context_length=self.opt.context_length,
+                     pool=self.capacity, retained=self.sessions.unreclaimable_tokens(),
+                     history_len=history_len, what=what)
 
-    def _resolve_max_tokens(self, sampling: SamplingParams, prompt_len: int) -> SamplingParams:
-        """``max_tokens`` None: what is left of the context (and of the KV pool) after the
-        prompt -- at least 1, so a prompt that fills it all is refused as too long."""
-        if sampling.max_tokens is not None:
-            return sampling
-        room = min(self.opt.context_length, self.capacity) - prompt_len
-        return msgspec.structs.replace(sampling, max_tokens=max(1, room))
-
-    def _check_fits(self, prompt_len: int, max_tokens: int, history_len: int) -> None:
-        """Refuse up front what can never run: empty, beyond the context, or beyond the
-        pool less what pins and hard sessions retain (the request's own history aside)."""
-        if prompt_len == 0:
-            raise RequestError(ErrorCode.EMPTY_PROMPT, "the prompt is empty")
-        total = prompt_len + max_tokens
-        ctx, cap = self.opt.context_length, self.capacity
-        for limit, what in ((ctx, f"the context length ({ctx})"),
-                            (cap, f"the KV pool ({cap} tokens)")):  # fmt: skip
-            if total > limit:
-                raise RequestError(
-                    ErrorCode.TOO_LONG,
-                    f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds {what}",
-                )
-        retained = self.sessions.unreclaimable_tokens()
-        if total > cap - max(0, retained - history_len):
-            raise RequestError(
-                ErrorCode.CAPACITY,
-                f"prompt + max_tokens ({total} tokens) cannot fit: pins and hard sessions "
-                f"retain {retained} of the pool's {cap} tokens",
-            )
-
-    def _enqueue(self, g: RequestGroup) -> None:
+    def _enqueue(self, g: RequestGroup, stop_context: list[int] | None = None) -> None:
+        """Queue the group's branches (`stop_context`: the input's ids, the left context
+        of a stop-string matcher's text, as of the frontend's detokenizer)."""
         g.stop_ids = frozenset(g.sampling.stop_token_ids) | (
             frozenset() if g.sampling.ignore_eos else self.eos_token_ids
         )
         g.token_limit = min(g.prompt_len + g.max_tokens, self.opt.context_length)
         seed = g.sampling.seed
-        if seed is not None:
-            seed = self.sessions.seed_for(g, seed)
-        queue = self.table.compiling if isinstance(g.grammar, Pending) else self.table.waiting
+        if seed is not None:  # a forked session's turn: its lineage's offset
+            seed = branch_seed(seed, self.sessions.seed_offset(g))
         for i in range(g.n):
             r = Request.new(g, i, next(self._arrival), self.page_size)
             if seed is not None:
-                r.generator = make_generator(seed + i, self.device)
+                r.generator = make_generator(branch_seed(seed, i), self.device)
             if i > 0:
                 r.after = g.branches[0]
             if g.sampling.logprobs or g.sampling.top_logprobs:
                 r.logprobs = []
                 r.top_logprobs = [] if g.sampling.top_logprobs else None
+            if g.sampling.stop and stop_context is not None:
+                r.stops = TokenStopMatcher(self.tokenizer, g.sampling.stop, stop_context)
             g.branches.append(r)
-            queue.append(r)
-        self.table.groups[g.key] = g
+        self.table.add(g)
 
     # ---------------------------------------------------------------- endings
-    def _on_finish_at(self, msg: EngineFinishAt) -> None:
-        """A stop string matched in the frontend: keep that many output tokens."""
-        g = self.table.groups.get(msg.key)
-        if g is None or not 0 <= msg.index < len(g.branches):
-            return
-        r = g.branches[msg.index]
-        if r.state in TERMINAL or r.reported:  # reported: the frontend truncates the history
-            return
-        keep = max(0, min(msg.keep_tokens, len(r.output)))
-        del r.output[keep:]
-        r.num_tokens = g.prompt_len + keep
-        if r.logprobs is not None:
-            del r.logprobs[keep:]
-        if r.top_logprobs is not None:
-            del r.top_logprobs[keep:]
-        if (self.sessions.needs_tail(g) and r.state is ReqState.DECODING
-                and r.kv_len < r.num_tokens):  # fmt: skip
-            self.endings.wait_for_tail(r, "stop", msg.matched_stop, None)
-            return
-        self.endings.end(r, ReqState.FINISHED, "stop", msg.matched_stop)
-
     def _on_client_gone(self, client: bytes) -> None:
         for g in [g for g in self.table.groups.values() if g.client == client]:
             for r in g.branches:

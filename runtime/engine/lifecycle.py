@@ -1,8 +1,9 @@
 """How requests leave the running set: finish, abort, fail, or retract (requeue).
 
-Every ending goes through `Endings.end`: cache the branch's KV (not after an error),
-settle its session turn or pin, unlock, free its private slots, leave the queues and
-emit its last output. Shared pages are never freed at finish.
+Every ending goes through `Endings.end`: settle the branch's stop strings (the output is
+cut where one matched), cache its KV (not after an error), settle its session turn or
+pin, unlock, free its private slots, leave the queues and emit its last output. Shared
+pages are never freed at finish.
 """
 
 from __future__ import annotations
@@ -12,14 +13,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from radixlm.runtime.engine.cache_manager import CacheManager
-from radixlm.runtime.engine.errors import RequestError
-from radixlm.runtime.engine.messages import TokenOutput
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
-from radixlm.runtime.engine.session_controller import SessionController
-from radixlm.runtime.engine.state import TERMINAL, ReqState, advance
+from radixlm.runtime.engine.sessions.controller import SessionController
+from radixlm.runtime.engine.state import TERMINAL, ReqState
 from radixlm.runtime.engine.table import Counters, RequestTable
+from radixlm.runtime.engine_wire import TokenOutput
 from radixlm.runtime.protocol import Error, ErrorCode, Usage
+from radixlm.runtime.rules import RequestError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class Endings:
         """Finish/abort one branch: cache its KV (not after an error), settle its session
         turn or pin, unlock, free its private slots, and emit its last output."""
         g = r.group
+        if r.stops is not None and error is None and not r.reported:
+            reason, matched = self.settle(r, reason, matched)
         try:
             if r.locked is not None and error is None:
                 self.kv.cache_finished(r)
@@ -58,11 +61,7 @@ class Endings:
         finally:
             if r.locked is not None or r.alloc_len:
                 self.kv.detach(r)
-            if r.state in (ReqState.PREFILLING, ReqState.DECODING):
-                self.table.running.remove(r)
-            elif r.state is ReqState.WAITING:
-                self.table.unqueue(r)
-            advance(r, state)
+            self.table.move(r, state)
         r.finish_reason, r.matched_stop = reason, matched
         if state is ReqState.FINISHED:
             self.counters.finished += 1
@@ -71,8 +70,28 @@ class Endings:
         elif g.kind is RequestKind.GENERATE:
             self.emit_last(r, out, error)
         if all(b.state in TERMINAL for b in g.branches):
-            self.table.groups.pop(g.key, None)
+            self.table.drop_group(g)
             self.sessions.on_group_done(g)
+
+    def settle(self, r: Request, reason: str, matched: int | str | None
+               ) -> tuple[str, int | str | None]:
+        """A branch with stop strings ends: the text its matcher held back may still
+        complete one. Once one has matched, the output is cut to the kept tokens and the
+        branch ends with "stop" and that string (whatever else ended it)."""
+        stops = r.stops
+        assert stops is not None
+        if not stops.finish():
+            return reason, matched
+        keep = stops.kept
+        assert keep is not None
+        if len(r.output) > keep:
+            del r.output[keep:]
+            r.num_tokens = r.group.prompt_len + keep
+            if r.logprobs is not None:
+                del r.logprobs[keep:]
+            if r.top_logprobs is not None:
+                del r.top_logprobs[keep:]
+        return "stop", stops.hit
 
     def wait_for_tail(self, r: Request, reason: str, matched: int | str | None,
                       out: TokenOutput | None) -> None:
@@ -101,6 +120,14 @@ class Endings:
         if out is None:
             out = TokenOutput(key=g.key, token_ids=[], index=r.index)
             outputs.append(out)
+        if r.stops is not None:  # what the matcher held back goes with the last output
+            sent = r.sent
+            out.token_ids = r.output[sent:]
+            if r.logprobs is not None:
+                out.logprobs = r.logprobs[sent:]
+                out.top_logprobs = r.top_logprobs[sent:] if r.top_logprobs is not None else None
+            out.text_trim = r.stops.trim
+            r.sent = len(r.output)
         out.finish_reason = r.finish_reason
         out.matched_stop = r.matched_stop
         out.usage = Usage(
@@ -128,10 +155,8 @@ class Endings:
             return False
         self.kv.cache_finished(r)
         self.kv.detach(r)
-        self.table.running.remove(r)
-        advance(r, ReqState.RETRACTED)
-        advance(r, ReqState.WAITING)
-        self.table.waiting.append(r)
+        self.table.move(r, ReqState.RETRACTED)
+        self.table.move(r, ReqState.WAITING)
         self.counters.retractions += 1
         log.log(level, "retracted request %s (%d+%d tokens) %s; it will resume",
                 r.group.rid, r.group.prompt_len, len(r.output), reason)  # fmt: skip

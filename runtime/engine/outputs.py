@@ -10,6 +10,10 @@ token joins no history.
 A constrained branch (its group has a grammar) samples under the batch's grammar mask;
 its token then advances its `GrammarState`, and when the grammar forces the text that
 follows, the jump-forward tokens replace it (computed by the next step as one extend).
+
+The engine ends every branch: a stop token id or EOS, the grammar's end, the token limit,
+or a stop string (a branch with stop strings feeds its tokens to its `TokenStopMatcher`
+and sends on only the tokens the matcher releases; the others may begin a stop string).
 """
 
 from __future__ import annotations
@@ -19,17 +23,17 @@ from dataclasses import dataclass
 import torch
 from radixlm.runtime.engine.batch import Scheduled
 from radixlm.runtime.engine.cache_manager import CacheManager
-from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.lifecycle import Endings
-from radixlm.runtime.engine.messages import TokenOutput
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request
-from radixlm.runtime.engine.session_controller import SessionController
-from radixlm.runtime.engine.state import ReqState, advance
-from radixlm.runtime.engine.table import Counters
+from radixlm.runtime.engine.sessions.controller import SessionController
+from radixlm.runtime.engine.state import ReqState
+from radixlm.runtime.engine.table import Counters, RequestTable
+from radixlm.runtime.engine_wire import TokenOutput
 from radixlm.runtime.grammar.matcher import GrammarState
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.protocol import ErrorCode, TopLogprob
+from radixlm.runtime.rules import RequestError
 from radixlm.runtime.sampling import Sampler, prompt_logprobs
 
 
@@ -37,6 +41,7 @@ from radixlm.runtime.sampling import Sampler, prompt_logprobs
 class OutputProcessor:
     """Turns one forward's logits into KV bookkeeping, samples and outputs."""
 
+    table: RequestTable
     kv: CacheManager
     sampler: Sampler
     sessions: SessionController
@@ -77,7 +82,7 @@ class OutputProcessor:
             if r.is_prefill_only:
                 self.endings.end(r, ReqState.FINISHED, "length")
                 continue
-            advance(r, decoding)
+            self.table.move(r, decoding)
             to_sample.append(r)
             rows.append(row - 1)
         if to_sample:
@@ -139,11 +144,23 @@ class OutputProcessor:
             r.tokens[n:end] = toks
             r.num_tokens = end
             r.output.extend(toks)
-            outputs.append(out)
+            reason: str | None = None
+            matched: int | None = tok
             if tok in g.stop_ids or (state is not None and state.terminated):
-                self._finish(r, "stop", tok, out)
+                reason = "stop"
             elif end >= g.token_limit:
-                self._finish(r, "length", None, out)
+                reason, matched = "length", None
+            stops = r.stops
+            if stops is None:
+                outputs.append(out)
+                if reason is not None:
+                    self._finish(r, reason, matched, out)
+            elif stops.feed(toks):  # (its last output is made as it ends)
+                self._finish(r, "stop", stops.hit, None)
+            elif reason is not None:
+                self._finish(r, reason, matched, None)
+            else:
+                self._release(r, out)
 
     def _grammar_states(self, reqs: list[Request]) -> list[GrammarState | None] | None:
         """Each row's grammar state (a branch gets its own at its first token); None
@@ -174,8 +191,27 @@ class OutputProcessor:
         self.counters.jumped_tokens += state.accepted - before - 1
         return toks
 
-    def _finish(self, r: Request, reason: str, matched: int | None, out: TokenOutput) -> None:
-        if self.sessions.needs_tail(r.group):
+    def _release(self, r: Request, out: TokenOutput) -> None:
+        """Send on what the branch's stop matcher has released (nothing, while its new
+        tokens may begin a stop string)."""
+        assert r.stops is not None
+        sent, released = r.sent, r.stops.released
+        if released <= sent:
+            return
+        out.token_ids = r.output[sent:released]
+        if r.logprobs is not None:
+            out.logprobs = r.logprobs[sent:released]
+            out.top_logprobs = r.top_logprobs[sent:released] if r.top_logprobs is not None else None
+        r.sent = released
+        self.outbox.outputs.append(out)
+
+    def _finish(self, r: Request, reason: str, matched: int | str | None,
+                out: TokenOutput | None) -> None:
+        """The branch has its last token (`out`: this step's output, already queued; None
+        for a branch with stop strings, whose last output is made at its end)."""
+        if r.stops is not None:
+            reason, matched = self.endings.settle(r, reason, matched)
+        if self.sessions.needs_tail(r.group) and r.kv_len < r.num_tokens:
             self.endings.wait_for_tail(r, reason, matched, out)
         else:
             self.endings.end(r, ReqState.FINISHED, reason, matched, out=out)

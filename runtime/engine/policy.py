@@ -29,8 +29,9 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 
 from radixlm.cache import TreeNode
+from radixlm.cache.pages import align_down
 from radixlm.runtime.engine.request import Request
-from radixlm.runtime.engine.retention import common_prefix_len
+from radixlm.runtime.engine.sessions.retention import common_prefix_len
 from radixlm.runtime.engine.state import TERMINAL
 
 POLICIES = ("fcfs", "lpm", "dfs-weight", "shortest-prefill-first")
@@ -204,7 +205,7 @@ def held_back(
         if n <= cached_len or f.tokens[cached_len] != cand.tokens[cached_len]:
             continue  # nothing beyond what `cand` already hits
         shared = common_prefix_len(cand.tokens[:n], f.tokens[:n])
-        shared -= shared % page_size
+        shared = align_down(shared, page_size)
         # `f` found max(f.cached_tokens, 0) cached when admitted: the rest of the shared
         # prefix is new work it is doing, worth waiting for once it is long enough.
         if shared - max(f.cached_tokens, 0) >= min_shared and f.tree_len < shared:

@@ -10,6 +10,7 @@ import logging
 import os
 
 import torch
+from radixlm.cache.pages import align_down
 from radixlm.runtime.model import ModelConfig, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ def kv_capacity(
             "KV pool sized from memory: %.1f MiB per 1k tokens, weights ~%.0f MiB",
             per_token * 1000 / 2**20, weights / 2**20,
         )  # fmt: skip
-    tokens -= tokens % page_size
+    tokens = align_down(tokens, page_size)
     if tokens < MIN_TOKENS and kv_tokens > 0:
         raise ValueError(f"--kv-tokens {kv_tokens} is below the smallest KV pool, "
                          f"{MIN_TOKENS} tokens (with --page-size {page_size}); give more")

@@ -18,17 +18,18 @@ import math
 from dataclasses import dataclass, field
 
 from radixlm.cache import MatchResult, TreeNode
+from radixlm.cache.pages import align_down
 from radixlm.runtime.engine.batch import Scheduled
 from radixlm.runtime.engine.cache_manager import CacheManager
-from radixlm.runtime.engine.errors import RequestError
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.policy import FairShare, fair_victims, held_back, order_waiting
 from radixlm.runtime.engine.request import Request
-from radixlm.runtime.engine.session_controller import SessionController
-from radixlm.runtime.engine.state import ReqState, advance
+from radixlm.runtime.engine.sessions.controller import SessionController
+from radixlm.runtime.engine.state import ReqState
 from radixlm.runtime.engine.table import Counters, RequestTable
 from radixlm.runtime.protocol import ErrorCode
+from radixlm.runtime.rules import RequestError
 
 
 @dataclass(eq=False)
@@ -113,45 +114,41 @@ class PrefillManager:
         inflight = [r for r in running if r.state is ReqState.PREFILLING]
         reserve = sum(self.future_need(r) for r in running)
         self._blocked = None
-        try:
-            for r in order:
-                if budget <= 0 or len(running) >= opt.max_running:
-                    break
-                cached = matches.get(id(r))
-                m = cached[0] if cached is not None and cached[1] == kv.epoch else kv.match(r)
-                if held_back(r, m.length, inflight, opt.dedup_min_tokens, kv.page_size):
-                    continue
-                touched.append(r)
-                self.fair.admitted(r.group.client)
-                kv.attach(r, m)
+        for r in order:
+            if budget <= 0 or len(running) >= opt.max_running:
+                break
+            cached = matches.get(id(r))
+            m = cached[0] if cached is not None and cached[1] == kv.epoch else kv.match(r)
+            if held_back(r, m.length, inflight, opt.dedup_min_tokens, kv.page_size):
+                continue
+            touched.append(r)
+            self.fair.admitted(r.group.client)
+            kv.attach(r, m)
+            ext = self.chunk(r, budget)
+            need = kv.pages(r.kv_len + ext) - r.alloc_len
+            want = need + (reserve + self.future_need(r) - need if running else 0)
+            if want > kv.available() and want > kv.make_room(want):
+                kv.detach(r)
+                self._blocked = r
+                break
+            restored = self._restore(r)
+            if restored:
                 ext = self.chunk(r, budget)
-                need = kv.pages(r.kv_len + ext) - r.alloc_len
-                want = need + (reserve + self.future_need(r) - need if running else 0)
-                if want > kv.available() and want > kv.make_room(want):
-                    kv.detach(r)
-                    self._blocked = r
-                    break
-                restored = self._restore(r)
-                if restored:
-                    ext = self.chunk(r, budget)
-                if not kv.grow(r, r.kv_len + ext):
-                    kv.detach(r)
-                    self._blocked = r
-                    break
-                advance(r, ReqState.PREFILLING)
-                running.append(r)
-                if r.cached_tokens < 0:  # first admission: usage and hit-rate figures
-                    r.cached_tokens = m.length + restored
-                    if r.index == 0:
-                        self.sessions.on_admit(r, m.length, restored)
-                    self.counters.prompt_tokens += r.group.prompt_len
-                    self.counters.cached_tokens += r.cached_tokens
-                plan.append(Scheduled(r, ext, self.logits_from(r, ext)))
-                budget -= ext
-                inflight.append(r)
-                reserve += self.future_need(r)
-        finally:
-            table.waiting = [r for r in table.waiting if r.state is ReqState.WAITING]
+            if not kv.grow(r, r.kv_len + ext):
+                kv.detach(r)
+                self._blocked = r
+                break
+            table.move(r, ReqState.PREFILLING)  # (now the last of `running`)
+            if r.cached_tokens < 0:  # first admission: usage and hit-rate figures
+                r.cached_tokens = m.length + restored
+                if r.index == 0:
+                    self.sessions.on_admit(r, m.length, restored)
+                self.counters.prompt_tokens += r.group.prompt_len
+                self.counters.cached_tokens += r.cached_tokens
+            plan.append(Scheduled(r, ext, self.logits_from(r, ext)))
+            budget -= ext
+            inflight.append(r)
+            reserve += self.future_need(r)
 
     def _restore(self, r: Request) -> int:
         """Copy back session history the host tier kept (demoted sessions): those tokens
@@ -167,16 +164,14 @@ class PrefillManager:
         if remaining <= budget:
             return remaining
         end = r.kv_len + budget
-        aligned = end - end % self.kv.page_size
+        aligned = align_down(end, self.kv.page_size)
         return (aligned if aligned > r.kv_len else end) - r.kv_len
 
     @staticmethod
     def logits_from(r: Request, ext: int) -> int:
-        """The first extend offset whose logits are needed: owed prompt logprobs, or
-        only the last one (it samples the next token)."""
-        if r.owes_prompt_logprobs:
-            return min(max(0, r.plp_next - 1 - r.kv_len), ext - 1)
-        return ext - 1
+        """The first extend offset whose logits are needed (`Request.compute_from`: owed
+        prompt logprobs, or only the last one, which samples the next token)."""
+        return min(max(0, r.compute_from - r.kv_len), ext - 1)
 
     # ------------------------------------------------------------------ stalls
     def break_stall(self) -> None:

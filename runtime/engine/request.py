@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from radixlm.cache import TreeNode
+from radixlm.cache.pages import align_up
 from radixlm.runtime.engine.state import ReqState
 from radixlm.runtime.protocol import SamplingParams, TopLogprob
 
 if TYPE_CHECKING:
-    from radixlm.runtime.engine.session_controller import Turn
+    from radixlm.runtime.engine.sessions.controller import Turn
     from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
     from radixlm.runtime.grammar.matcher import GrammarState
+    from radixlm.tokenizer import TokenStopMatcher
 
 __all__ = ["Request", "RequestGroup", "RequestKind"]
 
@@ -109,6 +111,10 @@ class Request:
     # Its Done already went out (before its tail row ran): nothing more is emitted for it.
     reported: bool = False
     grammar: GrammarState | None = None  # this branch's place in its group's grammar
+    # With stop strings: this branch's matcher, and how many output tokens went to the
+    # frontend (only those it released: the others may begin a stop string).
+    stops: TokenStopMatcher | None = None
+    sent: int = 0
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 
@@ -118,7 +124,7 @@ class Request:
         cap = len(prompt) + group.max_tokens
         tokens = np.empty(max(cap, 1), dtype=np.int64)
         tokens[: len(prompt)] = prompt
-        slot_cap = -(-cap // page_size) * page_size
+        slot_cap = align_up(cap, page_size)
         req = cls(
             group=group,
             index=index,
@@ -146,6 +152,14 @@ class Request:
     @property
     def owes_prompt_logprobs(self) -> bool:
         return self.plp_next < self.group.prompt_len
+
+    @property
+    def compute_from(self) -> int:
+        """The first position that must be computed, however much of it is cached: its
+        last token (its logits sample the next one), or the first position whose prompt
+        logprob is still owed. Matches and restores are capped here."""
+        last = self.num_tokens - 1
+        return min(last, self.plp_next - 1) if self.plp_next < self.group.prompt_len else last
 
     @property
     def remaining_new_tokens(self) -> int:

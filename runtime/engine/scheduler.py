@@ -28,7 +28,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -39,22 +39,23 @@ from radixlm.runtime.engine.decode import DecodeManager
 from radixlm.runtime.engine.grammar_wait import release_compiled
 from radixlm.runtime.engine.intake import MessageHandler
 from radixlm.runtime.engine.lifecycle import Endings
-from radixlm.runtime.engine.messages import EngineAbort, EngineCommand, ToFrontend
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.outputs import OutputProcessor
 from radixlm.runtime.engine.prefill import PrefillManager
 from radixlm.runtime.engine.request import Request
-from radixlm.runtime.engine.session_controller import SessionController
 from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.engine.sessions.controller import SessionController
 from radixlm.runtime.engine.state import ReqState
 from radixlm.runtime.engine.stats import stats_reply
 from radixlm.runtime.engine.step_budget import StepBudget
 from radixlm.runtime.engine.table import Counters, RequestTable
+from radixlm.runtime.engine_wire import EngineAbort, EngineCommand, ToFrontend
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model.batch import ForwardBatch
 from radixlm.runtime.protocol import Error, ErrorCode, FlushCache, GetStats, Ok, Struct
 from radixlm.runtime.sampling import Sampler
+from radixlm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class Scheduler:
         sessions: SessionManager | None = None,  # None: sessions and pins refused
         clock: Callable[[], float] = time.monotonic,
         grammars: Grammars | None = None,  # None: constrained requests refused
+        tokenizer: Tokenizer | None = None,  # None: stop strings refused
     ) -> None:
         self.cache = cache
         self.model = model
@@ -103,7 +105,7 @@ class Scheduler:
         self.table = RequestTable()
         self.counters = Counters()
         self.outbox = Outbox()
-        self.sessions = SessionController(sessions, self.outbox.reply, self.outbox.note)
+        self.sessions = SessionController(sessions, self.outbox.reply)
         self.kv = CacheManager(cache, self.sessions.make_room)
         self.endings = Endings(self.table, self.kv, self.sessions, self.outbox, self.counters)
         self.intake = MessageHandler(
@@ -111,13 +113,13 @@ class Scheduler:
             opt=options, capacity=cache.capacity, page_size=cache.page_size,
             vocab_size=sampler.vocab_size, eos_token_ids=frozenset(int(t) for t in eos_token_ids),
             device=self.device,
-            engine_command=self._engine_command, grammars=grammars,
+            engine_command=self._engine_command, grammars=grammars, tokenizer=tokenizer,
         )  # fmt: skip
         self.prefill = PrefillManager(self.table, self.kv, self.sessions, self.endings, options,
                                       self.counters)
         self.budget = StepBudget(options.fair_step_factor, options.max_running)
         self.decode = DecodeManager(self.table, self.kv, self.endings, self.budget)
-        self.outputs = OutputProcessor(self.kv, sampler, self.sessions, self.endings,
+        self.outputs = OutputProcessor(self.table, self.kv, sampler, self.sessions, self.endings,
                                        self.outbox, self.counters, grammars)
         self.grammars = grammars
         self._last_tick = -math.inf
@@ -126,7 +128,7 @@ class Scheduler:
     # ================================================================== messages
     def handle(self, msg: object) -> None:
         """One message from the frontend (Shutdown is the loop's business). Messages for
-        a session whose turn is finishing its tail wait for it (session_controller.py)."""
+        a session whose turn is finishing its tail wait for it (sessions/controller.py, HeldMessages)."""
         if self.sessions.defer(msg):
             return
         self.intake.handle(msg)
@@ -214,11 +216,11 @@ class Scheduler:
 
     # ===================================================================== state
     @property
-    def running(self) -> list[Request]:
+    def running(self) -> Sequence[Request]:
         return self.table.running
 
     @property
-    def waiting(self) -> list[Request]:
+    def waiting(self) -> Sequence[Request]:
         return self.table.waiting
 
     def private_tokens(self) -> int:
@@ -227,7 +229,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         """The pool invariant plus the cache's own structural checks (debug/tests)."""
         self.cache.check_integrity(self.private_tokens())
-        for r in self.table.waiting + self.table.compiling:
+        for r in [*self.table.waiting, *self.table.compiling]:
             assert r.alloc_len == 0 and r.locked is None, f"waiting request holds KV: {r}"
 
     def flush_cache(self, namespaces: Callable[[Hashable], bool] | None = None) -> int:

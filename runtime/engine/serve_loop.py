@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import msgspec
 import zmq
-from radixlm.runtime.engine.messages import (
+from radixlm.runtime.engine_wire import (
     EngineAbort,
     EngineCommand,
     Shutdown,

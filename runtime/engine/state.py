@@ -5,7 +5,8 @@
        └──── RETRACTED ◀──┴─────── (pool exhausted) ◀────┘
     any live state ──abort / error──▶ ABORTED
 
-Every state change goes through `advance`, so an illegal one (a bug) raises at once
+Every state change goes through `advance` (called only by `RequestTable.move`, which
+moves the request between queues with it), so an illegal one (a bug) raises at once
 instead of corrupting the KV accounting that depends on the state.
 """
 
@@ -27,9 +28,7 @@ class ReqState(enum.Enum):
 _S = ReqState
 
 TRANSITIONS: dict[ReqState, frozenset[ReqState]] = {
-    # FINISHED from WAITING: a stop string matched (EngineFinishAt) while a retracted
-    # request waited to resume.
-    _S.WAITING: frozenset({_S.PREFILLING, _S.FINISHED, _S.ABORTED}),
+    _S.WAITING: frozenset({_S.PREFILLING, _S.ABORTED}),
     # RETRACTED from PREFILLING: a half-prefilled chunked request gives its pages back
     # when running decodes need them.
     _S.PREFILLING: frozenset({_S.DECODING, _S.FINISHED, _S.RETRACTED, _S.ABORTED}),

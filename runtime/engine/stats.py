@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from radixlm.cache import CacheSizes
-from radixlm.runtime.engine.session_controller import SessionController
+from radixlm.runtime.engine.sessions.controller import SessionController
 from radixlm.runtime.engine.table import Counters, RequestTable
 from radixlm.runtime.protocol import StatsReply
 

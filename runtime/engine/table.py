@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from radixlm.runtime.engine.request import Request, RequestGroup
+from radixlm.runtime.engine.state import LIVE_WITH_KV, ReqState, advance
+from radixlm.runtime.grammar.compiler import Pending
 
 
 @dataclass
@@ -23,22 +26,82 @@ class Counters:
     finished: int = 0
 
 
-@dataclass
 class RequestTable:
-    """Every live request: `waiting` (no KV; admission order is decided each step by
-    the policy), `compiling` (no KV; waiting for a grammar), `running` (holding KV, in admission order: the last is the newest, the
-    first to retract) and the groups by their frontend key."""
+    """Every live request, in the queue its state says, and the groups by their key.
 
-    waiting: list[Request] = field(default_factory=list)
-    running: list[Request] = field(default_factory=list)
-    groups: dict[int, RequestGroup] = field(default_factory=dict)
-    # Waiting for their grammar to compile (no KV, not admitted until it is ready).
-    compiling: list[Request] = field(default_factory=list)
+    The table is the queues' one owner and `move` the one place requests change state
+    and queue together (the managers read the queues, never change them):
 
-    def unqueue(self, r: Request) -> None:
-        """Take a request without KV out of its queue."""
-        (self.compiling if r in self.compiling else self.waiting).remove(r)
+    - `compiling`: WAITING, holding nothing, their group's grammar still compiling
+      (`add` puts them there, `release` moves them to `waiting` once it compiled);
+    - `waiting`: WAITING, holding nothing; admission order is decided each step by the
+      policy (prefill.py), and `move(r, PREFILLING)` admits one;
+    - `running`: PREFILLING or DECODING, holding KV, in admission order (the last is the
+      newest, the first to retract: `move(r, RETRACTED)` then `move(r, WAITING)`);
+    - a terminal state (FINISHED, ABORTED) leaves every queue.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
+        self._compiling: list[Request] = []
+        self._groups: dict[int, RequestGroup] = {}
+        self._admitted = False  # `_waiting` still lists requests admitted since
+
+    # ----------------------------------------------------------------- views
+    @property
+    def running(self) -> Sequence[Request]:
+        return self._running
+
+    @property
+    def waiting(self) -> Sequence[Request]:
+        if self._admitted:  # (admissions leave the list once, not one scan each)
+            self._waiting = [r for r in self._waiting if r.state is ReqState.WAITING]
+            self._admitted = False
+        return self._waiting
+
+    @property
+    def compiling(self) -> Sequence[Request]:
+        return self._compiling
+
+    @property
+    def groups(self) -> Mapping[int, RequestGroup]:
+        return self._groups
 
     def private_tokens(self) -> int:
         """Slots running requests hold outside the tree."""
-        return sum(r.private for r in self.running)
+        return sum(r.private for r in self._running)
+
+    # ----------------------------------------------------------------- moves
+    def add(self, g: RequestGroup) -> None:
+        """A new group: its branches wait (for their grammar first, if it compiles)."""
+        self._groups[g.key] = g
+        queue = self._compiling if isinstance(g.grammar, Pending) else self._waiting
+        queue.extend(g.branches)
+
+    def release(self, g: RequestGroup) -> None:
+        """`g`'s grammar compiled: its branches join the waiting queue."""
+        for b in g.branches:
+            if b in self._compiling:
+                self._compiling.remove(b)
+                self._waiting.append(b)
+
+    def move(self, r: Request, new: ReqState) -> None:
+        """Change `r`'s state (`state.advance`: illegal transitions raise) and its queue
+        with it."""
+        old = r.state
+        advance(r, new)
+        if new is ReqState.PREFILLING and old is ReqState.WAITING:
+            self._running.append(r)
+            self._admitted = True
+        elif new is ReqState.WAITING:  # a retracted request resumes later
+            self._waiting.append(r)
+        elif new in (ReqState.RETRACTED, ReqState.FINISHED, ReqState.ABORTED):
+            if old in LIVE_WITH_KV:
+                self._running.remove(r)
+            elif old is ReqState.WAITING:
+                (self._compiling if r in self._compiling else self.waiting).remove(r)
+
+    def drop_group(self, g: RequestGroup) -> None:
+        """Every branch of `g` is terminal: forget it."""
+        self._groups.pop(g.key, None)

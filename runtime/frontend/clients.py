@@ -1,5 +1,7 @@
-"""The frontend's view of its clients: handshake state, in-flight requests, and the
-ordered queue of work waiting to reach the engine.
+"""The frontend's view of its clients: handshake state, in-flight requests, the ordered
+queue of work waiting to reach the engine, and how to reach them (`Routes`: the client
+ROUTER, the engine's PUSH pipe, the registry and the in-flight Generates, which the
+frontend's parts share; main thread only).
 
 A client is known by its ROUTER identity. Its messages reach the engine in the order it
 sent them even when one of them is tokenized in a worker thread: every message becomes a
@@ -15,12 +17,22 @@ on a descriptor still mapped to another one means the monitor has news to read f
 
 from __future__ import annotations
 
+import errno
+import logging
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
+import msgspec
+import zmq
+from radixlm.runtime import channel
+from radixlm.runtime import protocol as wire
+from radixlm.runtime.engine_wire import EngineCommand, EngineOpenSession, EnginePin, ToEngine
+from radixlm.runtime.frontend.streams import RequestStream
 from radixlm.runtime.frontend.tenants import EngineNames
+
+log = logging.getLogger("radixlm.frontend")
 
 
 class Pending:
@@ -79,3 +91,69 @@ class ClientRegistry:
 
     def __len__(self) -> int:
         return len(self._by_identity)
+
+
+_SEND_MORE = zmq.SNDMORE | zmq.NOBLOCK
+
+
+def _command_rid(msg: ToEngine) -> str | None:
+    """The rid of a message the engine answers with one reply (not a Generate's)."""
+    if isinstance(msg, EngineCommand):
+        return msg.msg.rid
+    if isinstance(msg, (EngineOpenSession, EnginePin)):
+        return msg.rid
+    return None
+
+
+class Routes:
+    """The sockets, the clients and the in-flight requests (see the module doc)."""
+
+    def __init__(self, clients_sock: zmq.Socket[Any], engine_sock: zmq.Socket[Any],
+                 on_gone: Callable[[bytes, str], None]) -> None:
+        self.clients = ClientRegistry()
+        self.streams: dict[int, RequestStream] = {}  # in-flight Generates by engine key
+        self._sock = clients_sock
+        self._engine_sock = engine_sock
+        self._on_gone = on_gone  # a client turned out to be gone (its send failed)
+        self.encode_reply = msgspec.msgpack.Encoder().encode  # the chunk path's own encoder
+
+    def send(self, identity: bytes, data: bytes) -> bool:
+        """Send an encoded reply; False (and the client is forgotten) if it is gone.
+
+        Two `send` calls rather than `send_multipart` (channel.send): this runs once per
+        streamed chunk, and pyzmq's send_multipart costs several microseconds more in
+        Python. A vanished client fails on the identity frame, before anything is queued.
+        """
+        sock = self._sock
+        try:
+            sock.send(identity, _SEND_MORE)
+            sock.send(data, zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno != errno.EHOSTUNREACH:
+                raise
+            self._on_gone(identity, "unreachable")
+            return False
+
+    def reply(self, client: ClientState, msg: msgspec.Struct) -> bool:
+        return self.send(client.identity, wire.encode(msg))
+
+    def error(self, client: ClientState, rid: str | None, code: str, message: str) -> None:
+        log.debug("error %s for %r: %s", code, rid, message)
+        self.reply(client, wire.Error(rid=rid, code=code, message=message))
+
+    def to_engine(self, client: ClientState | None, msg: ToEngine) -> None:
+        """Send `msg` to the engine (`client`: whose request it is, now owed a reply)."""
+        if client is not None:
+            client.touched_engine = True
+            rid = _command_rid(msg)
+            if rid is not None:
+                client.awaiting.add(rid)
+        channel.send(self._engine_sock, msg)
+
+    def end_request(self, stream: RequestStream) -> None:
+        """A Generate is over: forget it (its rid is free again)."""
+        self.streams.pop(stream.key, None)
+        client = self.clients.get(stream.client)
+        if client is not None and client.inflight.get(stream.rid) == stream.key:
+            del client.inflight[stream.rid]

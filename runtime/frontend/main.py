@@ -33,7 +33,7 @@ from radixlm.runtime.curve_keys import (
     server_socket_options,
     start_authenticator,
 )
-from radixlm.runtime.engine.messages import EngineReady, to_frontend_decoder
+from radixlm.runtime.engine_wire import EngineReady, to_frontend_decoder
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.server import Frontend, welcome_from
 from radixlm.runtime.frontend.tenants import write_gateway_token

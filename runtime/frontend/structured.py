@@ -17,9 +17,9 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from radixlm.runtime.frontend.validate import RequestError
 from radixlm.runtime.grammar.spec import GrammarSpec, grammar_fields_given
 from radixlm.runtime.protocol import ErrorCode, Generate, NamedToolChoice, Tool, ToolCall
+from radixlm.runtime.rules import RequestError
 from radixlm.tokenizer.tools import (
     ToolFormat,
     call_frame,

@@ -10,7 +10,7 @@ backend's `plan`, once per forward).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +148,9 @@ class DecoderModel:
         if unused:
             raise KeyError(f"checkpoint has tensors this decoder does not use: {unused[:8]}")
         self.rotary = Rotary(c.rope, c.head_dim, self.device, dtype)
+        # `x + a @ w_t` of o_proj and down_proj; tensor parallelism puts in its place one
+        # that sums the ranks' partial products (radixlm.runtime.distributed.linear).
+        self.add_out_proj: Callable[[torch.Tensor, torch.Tensor, Weight], torch.Tensor] = _add_mm
 
     def weight_bytes(self) -> int:
         """Bytes of weights read by one decode step (embedding row reads not counted)."""
@@ -201,13 +204,13 @@ class DecoderModel:
                 qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
             qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
             o = attn.forward(i, qk[:, :H], qk[:, H:], qkv[:, hq:])
-            x = _add_mm(x, o, layer.w_o_t)
+            x = self.add_out_proj(x, o, layer.w_o_t)
             if layer.b_o is not None:
                 x = x + layer.b_o
             h = F.rms_norm(x, hidden, layer.post_norm, eps)
             gu = _mm(h, layer.w_gu_t, layer.b_gu)
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            x = _add_mm(x, act, layer.w_down_t)
+            x = self.add_out_proj(x, act, layer.w_down_t)
             if layer.b_down is not None:
                 x = x + layer.b_down
         if batch.logits_indices.shape[0] != T:

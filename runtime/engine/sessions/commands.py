@@ -5,12 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixlm.runtime.engine.errors import RequestError
-from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.engine.sessions.manager import SessionManager
 from radixlm.runtime.protocol import (
     CloseSession,
     Error,
-    ErrorCode,
     ForkSession,
     ListSessions,
     Ok,
@@ -20,6 +18,7 @@ from radixlm.runtime.protocol import (
     TruncateSession,
     Unpin,
 )
+from radixlm.runtime.rules import RequestError
 
 
 def is_session_command(msg: object) -> bool:
@@ -29,7 +28,8 @@ def is_session_command(msg: object) -> bool:
 def answer(m: SessionManager, msg: Any, client: bytes) -> Struct:
     """The reply to one session command of `client`; refusals raise RequestError."""
     if isinstance(msg, ForkSession):
-        return SessionsForked(rid=msg.rid, sessions=m.fork(msg.session, client, msg.n))
+        forks = m.fork(msg.session, client, msg.n)
+        return SessionsForked(rid=msg.rid, sessions=forks, length=m.get(msg.session, client).length)
     if isinstance(msg, TruncateSession):
         m.truncate(msg.session, client, msg.length)
         return Ok(rid=msg.rid)
@@ -46,9 +46,6 @@ def close_sessions(m: SessionManager, msg: CloseSession, client: bytes) -> Struc
     """Close every listed session that can be; `ok` if all were, else one `error` with
     the first refusal's code naming every id left open."""
     ids = msg.ids()
-    if not ids:
-        return Error(rid=msg.rid, code=ErrorCode.INVALID_PARAMS,
-                     message="close_session: name a `session` or a list of `sessions`")
     failed: list[tuple[str, RequestError]] = []
     for session in ids:
         try:

@@ -4,8 +4,9 @@ The scheduler knows requests, the cache and the model; everything about sessions
 through the hooks of `SessionController`, called at fixed points of a request's life:
 
 - intake: `begin_generate` (a Generate naming a session: its full prompt is history +
-  appended), `begin_open` (OpenSession), `begin_pin` (Pin), `command` (fork, truncate,
-  close, unpin, list), and `defer`/`take_ready` (messages held while a turn runs its tail);
+  the rendering of the input picked for that history), `begin_open` (OpenSession),
+  `begin_pin` (Pin), `command` (fork, truncate, close, unpin, list: commands.py), and
+  `defer`/`take_ready` (messages held while a turn runs its tail: `HeldMessages`);
 - admission: `restore` (copy back history the host tier kept) and `on_admit` (usage);
 - the last sampled token: `needs_tail` / `report_early`;
 - endings: `on_finish` (the branch's tokens are in the tree: settle its turn or pin),
@@ -13,10 +14,11 @@ through the hooks of `SessionController`, called at fixed points of a request's 
 - the pool: `make_room` (demote idle soft sessions), `tick` (idle TTL),
   `unreclaimable_tokens` (what pins and hard sessions hold), `client_gone`.
 
-Every change to a session's history is also noted for the frontend (`SessionNote`:
-length, last token, whether its rendering left an assistant turn open), ahead of the
-reply or output that reports it, so the frontend renders the next append without
-reading replies.
+A session's view (its length, last token, and whether its last turn is an open
+assistant turn) is the engine's alone: an append arrives rendered for each way a history
+may end (`AppendVariants`) and `begin_generate` picks the rendering for this history.
+Replies report the resulting length (`Done.session_length`, `SessionOpened.length`,
+`SessionsForked.length`).
 
 A session request's own state lives in its group's `Turn`, which only this module reads
 and writes. Without a SessionManager every session or pin request gets a clear error.
@@ -28,12 +30,13 @@ an n > 1 turn, `branch(session, prompt + output_i)` and, once every branch is do
 `end_turn(session, prompt)` (the history grows by the input only). On abort or error:
 `abort_turn`.
 
-Tails: an n == 1 session turn reports its Done as soon as it samples its last token; that
-token's KV is computed by one more decode row before the turn ends, so the next turn hits
-the whole history. A client that answers the Done at once must not see `busy` for that
-one step (nor an old length): messages naming the session (its next Generate, a fork, a
-truncate, a close, and an abort of a held Generate) and the client's session listings
-wait and are replayed in arrival order once the tail is done.
+Tails (`HeldMessages`): an n == 1 session turn reports its Done as soon as it samples its
+last token; that token's KV is computed by one more decode row (the *tail*) before the
+turn ends, so the next turn hits the whole history. A client that answers the Done at
+once must not see `busy` for that one step (nor an old length): messages naming the
+session (its next Generate, a fork, a truncate, a close, and an abort of a held
+Generate) and the client's session listings wait and are replayed in arrival order once
+the tail is done (dropped if the turn did not finish: its client is gone).
 """
 
 from __future__ import annotations
@@ -45,37 +48,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from radixlm.runtime.engine.errors import RequestError
-from radixlm.runtime.engine.messages import (
+from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
+from radixlm.runtime.engine.sessions.commands import answer, is_session_command
+from radixlm.runtime.engine.sessions.manager import SessionManager
+from radixlm.runtime.engine_wire import (
     EngineAbort,
     EngineCommand,
     EngineGenerate,
     EngineOpenSession,
     EnginePin,
-    EngineTrimSession,
-    SessionNote,
 )
-from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
-from radixlm.runtime.engine.session_commands import answer, is_session_command
-from radixlm.runtime.engine.sessions import Session, SessionManager
 from radixlm.runtime.protocol import (
     CloseSession,
     Error,
     ErrorCode,
     GetStats,
     ListSessions,
-    Ok,
     Pinned,
     SessionOpened,
-    SessionsForked,
     Struct,
-    TruncateSession,
 )
+from radixlm.runtime.rules import RequestError
 
 log = logging.getLogger(__name__)
 
 Reply = Callable[[bytes, Struct], None]
-Note = Callable[[SessionNote], None]
 
 
 @dataclass(eq=False)
@@ -92,10 +89,12 @@ class Turn:
 
 @dataclass(frozen=True)
 class Intake:
-    """What a session request adds to its group: the full prompt, the namespace it is
-    matched in, and its turn."""
+    """What a session request adds to its group: the full prompt, the input it appends
+    (the rendering picked for this history), the namespace it is matched in, and its
+    turn."""
 
     prompt: np.ndarray
+    appended: np.ndarray
     namespace: str | None
     turn: Turn
 
@@ -104,8 +103,6 @@ def sessions_of(msg: object) -> list[str]:
     """The sessions a message acts on (a close may name several)."""
     if isinstance(msg, EngineGenerate):
         return [msg.session] if msg.session is not None else []
-    if isinstance(msg, EngineTrimSession):
-        return [msg.session]
     if isinstance(msg, EngineCommand):
         if isinstance(msg.msg, CloseSession):
             return msg.msg.ids()
@@ -114,133 +111,19 @@ def sessions_of(msg: object) -> list[str]:
     return []
 
 
-class SessionController:
-    """The hooks the scheduler calls (see the module doc), over one SessionManager."""
+class HeldMessages:
+    """Per session in its tail, the messages that wait for it."""
 
-    def __init__(self, manager: SessionManager | None, reply: Reply, note: Note) -> None:
-        self.manager = manager
-        self._reply = reply
-        self._note = note
+    def __init__(self) -> None:
         self._held: dict[str, list[object]] = {}  # session in its tail -> messages held
         self._held_by: dict[str, bytes] = {}  # session in its tail -> its client
         self._ready: list[object] = []
 
-    # ------------------------------------------------------------------ helpers
-    def _m(self) -> SessionManager:
-        if self.manager is None:
-            raise RequestError(ErrorCode.INVALID_PARAMS, "this engine has no session support")
-        return self.manager
+    def hold(self, session: str, client: bytes) -> None:
+        """`session`'s turn has reported and runs its tail: its messages wait."""
+        self._held.setdefault(session, [])
+        self._held_by[session] = client
 
-    @staticmethod
-    def session_of(g: RequestGroup) -> str | None:
-        return g.turn.session if g.turn is not None else None
-
-    def _note_session(self, s: Session) -> None:
-        last = int(s.history[-1]) if s.length else None
-        self._note(SessionNote(session=s.id, client=s.client, length=s.length,
-                               last_token=last, assistant_open=s.assistant_open))
-
-    def _note_by_id(self, session: str, client: bytes) -> None:
-        """Note the session as it is now, or as closed if it is gone."""
-        assert self.manager is not None
-        try:
-            s = self.manager.get(session, client)
-        except RequestError:  # not found: closed
-            self._note(SessionNote(session=session, client=client, closed=True))
-            return
-        self._note_session(s)
-
-    # ------------------------------------------------------------------- intake
-    def begin_generate(self, msg: EngineGenerate, appended: np.ndarray) -> Intake:
-        """Begin the turn of a Generate naming a session (the caller undoes it with
-        `abort_intake` if it then refuses the request)."""
-        assert msg.session is not None
-        m = self._m()
-        prompt = m.begin_turn(msg.session, msg.client, appended, msg.namespace)
-        namespace = m.get(msg.session, msg.client).namespace
-        turn = Turn(session=msg.session, open=True, assistant_open=msg.assistant_open)
-        return Intake(np.asarray(prompt, dtype=np.int64), namespace, turn)
-
-    def abort_intake(self, intake: Intake, client: bytes, opened: bool = False) -> None:
-        """The request was refused after its turn began: idle again (an opening turn's
-        session is closed)."""
-        session = intake.turn.session
-        if self.manager is None or session is None:
-            return
-        self.manager.abort_turn(session)
-        if opened:
-            self.manager.close(session, client)
-
-    def begin_open(self, msg: EngineOpenSession) -> Intake | None:
-        """Open the session; with input, begin its first turn and return its prompt (the
-        caller prefills it), without, answer SessionOpened now and return None."""
-        m = self._m()
-        s = m.open(msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids)
-        if not msg.input_ids:
-            self._note_session(s)
-            self._reply(
-                msg.client,
-                SessionOpened(rid=msg.rid, session=s.id, length=s.length, cached_tokens=s.held_len),
-            )
-            return None
-        try:
-            prompt = m.begin_turn(s.id, msg.client, msg.input_ids)
-        except RequestError:
-            m.close(s.id, msg.client)
-            raise
-        turn = Turn(session=s.id, open=True, assistant_open=msg.assistant_open)
-        return Intake(np.asarray(prompt, dtype=np.int64), s.namespace, turn)
-
-    def begin_pin(self, msg: EnginePin, prompt: np.ndarray) -> Turn:
-        """Refuse a pin before it is prefilled: name taken, or beyond the retention cap."""
-        self._m().check_pin(msg.name, prompt, msg.namespace)
-        return Turn(pin_name=msg.name)
-
-    def unreclaimable_tokens(self) -> int:
-        """Tokens pins and hard sessions hold (soft ones can be demoted on demand)."""
-        m = self.manager
-        if m is None or not (m.num_sessions or m.num_pins):
-            return 0
-        by_class = m.retained_tokens()
-        return by_class.get("pinned", 0) + by_class.get("hard", 0)
-
-    # ----------------------------------------------------------------- commands
-    def command(self, cmd: EngineCommand) -> Struct | None:
-        """The reply to a session command (fork, truncate, close, unpin, list; refusals
-        become Errors); None: not one."""
-        msg = cmd.msg
-        if not is_session_command(msg):
-            return None
-        try:
-            reply = answer(self._m(), msg, cmd.client)
-        except RequestError as e:
-            return Error(rid=msg.rid, code=e.code, message=e.message)
-        changed: list[str] = []
-        if isinstance(reply, SessionsForked):
-            changed = reply.sessions
-        elif isinstance(msg, CloseSession):
-            changed = msg.ids()  # (those a partial failure left open are noted as they are)
-        elif isinstance(msg, TruncateSession) and isinstance(reply, Ok):
-            changed = [msg.session]
-        for session in changed:
-            self._note_by_id(session, cmd.client)
-        return reply
-
-    def trim(self, msg: EngineTrimSession) -> None:
-        """Cut a finished turn's history back to where a stop string matched (no reply:
-        the frontend already reported that length)."""
-        m = self.manager
-        if m is None:
-            return
-        try:
-            s = m.get(msg.session, msg.client)
-            m.truncate(msg.session, msg.client, msg.length, s.assistant_open)
-        except RequestError as e:  # closed meanwhile
-            log.warning("could not trim session %s after a stop string: %s", msg.session[:8], e)
-            return
-        self._note_session(s)
-
-    # -------------------------------------------------------------------- tails
     def defer(self, msg: object) -> bool:
         """Keep `msg` if it acts on a session whose turn runs its tail; False: handle it
         now."""
@@ -268,6 +151,14 @@ class SessionController:
                 return True
         return False
 
+    def release(self, session: str, finished: bool) -> None:
+        """The tail is done: the held messages become ready (dropped if the turn did not
+        finish)."""
+        msgs = self._held.pop(session, None)
+        self._held_by.pop(session, None)
+        if msgs and finished:
+            self._ready.extend(msgs)
+
     def take_ready(self) -> list[object]:
         """Messages released by finished tails, in arrival order (asked after every step
         and message: no copy when there are none)."""
@@ -276,6 +167,102 @@ class SessionController:
             self._ready = []
         return ready
 
+
+class SessionController:
+    """The hooks the scheduler calls (see the module doc), over one SessionManager."""
+
+    def __init__(self, manager: SessionManager | None, reply: Reply) -> None:
+        self.manager = manager
+        self._reply = reply
+        self.held = HeldMessages()
+        self.defer = self.held.defer  # (called for every inbound message)
+        self.take_ready = self.held.take_ready  # (called after every step and message)
+
+    # ------------------------------------------------------------------ helpers
+    def _m(self) -> SessionManager:
+        if self.manager is None:
+            raise RequestError(ErrorCode.INVALID_PARAMS, "this engine has no session support")
+        return self.manager
+
+    @staticmethod
+    def session_of(g: RequestGroup) -> str | None:
+        return g.turn.session if g.turn is not None else None
+
+    # ------------------------------------------------------------------- intake
+    def begin_generate(self, msg: EngineGenerate, appended: np.ndarray) -> Intake:
+        """Begin the turn of a Generate naming a session (the caller undoes it with
+        `abort_intake` if it then refuses the request)."""
+        assert msg.session is not None
+        m = self._m()
+        s = m.get(msg.session, msg.client)
+        if msg.variants is not None:
+            last = int(s.history[-1]) if s.length else None
+            try:
+                ids = msg.variants.pick(msg.input_ids, s.length, last, s.assistant_open)
+            except ValueError as e:  # the template cannot render the input for this history
+                raise RequestError(ErrorCode.INVALID_PARAMS, str(e)) from None
+            appended = np.asarray(ids, dtype=np.int64)
+        prompt = m.begin_turn(msg.session, msg.client, appended, msg.namespace)
+        turn = Turn(session=msg.session, open=True, assistant_open=msg.assistant_open)
+        return Intake(np.asarray(prompt, dtype=np.int64), appended, s.namespace, turn)
+
+    def abort_intake(self, intake: Intake, client: bytes, opened: bool = False) -> None:
+        """The request was refused after its turn began: idle again (an opening turn's
+        session is closed)."""
+        session = intake.turn.session
+        if self.manager is None or session is None:
+            return
+        self.manager.abort_turn(session)
+        if opened:
+            self.manager.close(session, client)
+
+    def begin_open(self, msg: EngineOpenSession) -> Intake | None:
+        """Open the session; with input, begin its first turn and return its prompt (the
+        caller prefills it), without, answer SessionOpened now and return None."""
+        m = self._m()
+        s = m.open(msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids)
+        if not msg.input_ids:
+            self._reply(
+                msg.client,
+                SessionOpened(rid=msg.rid, session=s.id, length=s.length, cached_tokens=s.held_len),
+            )
+            return None
+        try:
+            prompt = m.begin_turn(s.id, msg.client, msg.input_ids)
+        except RequestError:
+            m.close(s.id, msg.client)
+            raise
+        turn = Turn(session=s.id, open=True, assistant_open=msg.assistant_open)
+        return Intake(np.asarray(prompt, dtype=np.int64),
+                      np.asarray(msg.input_ids, dtype=np.int64), s.namespace, turn)
+
+    def begin_pin(self, msg: EnginePin, prompt: np.ndarray) -> Turn:
+        """Refuse a pin before it is prefilled: name taken, or beyond the retention cap."""
+        self._m().check_pin(msg.name, prompt, msg.namespace)
+        return Turn(pin_name=msg.name)
+
+    def unreclaimable_tokens(self) -> int:
+        """Tokens pins and hard sessions hold (soft ones can be demoted on demand)."""
+        m = self.manager
+        if m is None or not (m.num_sessions or m.num_pins):
+            return 0
+        by_class = m.retained_tokens()
+        return by_class.get("pinned", 0) + by_class.get("hard", 0)
+
+    # ----------------------------------------------------------------- commands
+    def command(self, cmd: EngineCommand) -> Struct | None:
+        """The reply to a session command (fork, truncate, close, unpin, list; refusals
+        become Errors); None: not one."""
+        msg = cmd.msg
+        if not is_session_command(msg):
+            return None
+        try:
+            reply = answer(self._m(), msg, cmd.client)
+        except RequestError as e:
+            return Error(rid=msg.rid, code=e.code, message=e.message)
+        return reply
+
+    # -------------------------------------------------------------------- tails
     def needs_tail(self, g: RequestGroup) -> bool:
         """Whether a branch that sampled its last token ends one step later, once that
         token's KV is computed (a session turn: the next turn must hit it)."""
@@ -292,19 +279,7 @@ class SessionController:
         turn = g.turn
         assert turn is not None and self.manager is not None
         turn.ended_in[r.index] = session
-        self._held.setdefault(session, [])
-        self._held_by[session] = g.client
-        # Its history as the turn will leave it, noted now: the client may answer the
-        # Done before the tail row has run.
-        n = r.num_tokens
-        flag = turn.assistant_open
-        if flag is None:
-            try:
-                flag = self.manager.get(session, g.client).assistant_open
-            except RequestError:  # closed meanwhile: nothing to render
-                flag = False
-        self._note(SessionNote(session=session, client=g.client, length=n,
-                               last_token=int(r.tokens[n - 1]), assistant_open=flag))
+        self.held.hold(session, g.client)
         return True
 
     # ---------------------------------------------------------------- admission
@@ -350,13 +325,13 @@ class SessionController:
         if self.manager is not None:
             self.manager.client_gone(client)
 
-    def seed_for(self, g: RequestGroup, seed: int) -> int:
-        """The sampling seed of branch 0 of `g` given the request's `seed`: forked
-        sessions each draw their own stream (see `SessionManager.seed_offset`)."""
+    def seed_offset(self, g: RequestGroup) -> int:
+        """What `g`'s seed is offset by (`protocol.branch_seed`): forked sessions each
+        draw their own stream (see `SessionManager.seed_offset`)."""
         session = self.session_of(g)
         if self.manager is None or session is None:
-            return seed
-        return seed + self.manager.seed_offset(session)
+            return 0
+        return self.manager.seed_offset(session)
 
     # ------------------------------------------------------------------ endings
     def on_finish(self, r: Request) -> None:
@@ -377,8 +352,6 @@ class SessionController:
                 turn.ended_in[r.index] = session
             else:
                 turn.ended_in[r.index] = m.branch(session, history, r.index, turn.assistant_open)
-            if not r.reported:  # (a reported turn was noted as it reported)
-                self._note_by_id(turn.ended_in[r.index], g.client)
         except Exception as e:  # noqa: BLE001 - the output stands; the session keeps its history
             log.exception("session %s: could not record the turn", session[:8])
             if g.n == 1:
@@ -418,12 +391,8 @@ class SessionController:
         """A branch that reported early has ended: its session's held messages are
         replayed (dropped if it did not finish: its client is gone)."""
         session = self.session_of(r.group)
-        if session is None:
-            return
-        msgs = self._held.pop(session, None)
-        self._held_by.pop(session, None)
-        if msgs and finished:
-            self._ready.extend(msgs)
+        if session is not None:
+            self.held.release(session, finished)
 
     def on_group_done(self, g: RequestGroup) -> None:
         """Every branch ended. An n > 1 session turn appends the input to the history once
@@ -435,7 +404,6 @@ class SessionController:
         try:
             if g.prefilled:
                 m.end_turn(turn.session, g.prompt, turn.assistant_open)
-                self._note_by_id(turn.session, g.client)
             else:
                 m.abort_turn(turn.session)
         except Exception:  # noqa: BLE001

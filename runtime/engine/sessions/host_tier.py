@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from radixlm.cache import HostKVPool, KVPool, PageAllocator
-from radixlm.runtime.engine.retention import common_prefix_len
+from radixlm.cache.pages import align_down
+from radixlm.runtime.engine.sessions.retention import common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class HostTier:
 
     def __init__(self, device_pool: KVPool, capacity_tokens: int) -> None:
         page = device_pool.page_size
-        capacity = capacity_tokens - capacity_tokens % page
+        capacity = align_down(capacity_tokens, page)
         if capacity <= 0:
             raise ValueError(
                 f"host_kv_tokens ({capacity_tokens}) must hold at least one page of {page}"
@@ -136,7 +137,7 @@ class HostTier:
             best_n = 0
             for seg in self._by_prefix.get(_prefix_key(namespace, history[:pos]), ()):
                 n = common_prefix_len(seg.tokens, history[pos:])
-                n -= n % page
+                n = align_down(n, page)
                 if n > best_n:
                     best, best_n = seg, n
             if best is None:

@@ -4,6 +4,14 @@ Internal, not part of the public protocol: the frontend has already decoded, val
 and tokenized the client's request, so the engine sees token ids only. ``client`` is
 the ROUTER identity of the client that sent the request; the engine uses it for
 session ownership and addresses its replies with it.
+
+Neutral ground: both processes import this module, and it imports only the protocol and
+the grammar spec (never torch, nothing of the engine or the frontend).
+
+The engine ends every turn (EOS, length, stop ids, stop strings, grammar) and owns every
+session's history; the frontend keeps no record of either. An input appended to a
+session is rendered by the frontend for each way the history may end (`AppendVariants`)
+and the engine, which knows how it ends, picks one.
 """
 
 from __future__ import annotations
@@ -33,6 +41,55 @@ class _Internal(msgspec.Struct, kw_only=True, omit_defaults=True):
 # --- frontend -> engine -----------------------------------------------------------
 
 
+class Variant(_Internal, array_like=True):
+    """Token ids of an input for one way a session's history may end: put before the
+    input's own ids, or (`whole`) instead of them."""
+
+    ids: list[int]
+    whole: bool = False
+
+    def apply(self, input_ids: list[int]) -> list[int]:
+        return self.ids if self.whole else self.ids + input_ids
+
+
+class AppendVariants(_Internal):
+    """An input appended to a session, rendered for the ends of history other than a
+    closed turn (`EngineGenerate.input_ids` is the rendering that follows one): an empty
+    history (a full render: BOS, the template's default system prompt), and an assistant
+    turn left open (its closing markup first; `if_open_after`: when the history already
+    ends with that end-of-turn token, whose text the markup then leaves out). None: the
+    same ids as after a closed turn. `*_error`: the template cannot render the input for
+    that end (the engine refuses the turn with invalid_params if the history has it)."""
+
+    if_empty: Union[Variant, None] = None
+    if_open: Union[Variant, None] = None
+    if_open_after: Union[dict[int, Variant], None] = None
+    empty_error: Union[str, None] = None
+    open_error: Union[str, None] = None
+    closed_error: Union[str, None] = None
+
+    def pick(self, input_ids: list[int], length: int, last_token: int | None,
+             assistant_open: bool) -> list[int]:
+        """The ids to append to a history of `length` tokens ending with `last_token`,
+        whose last turn is an open assistant turn iff `assistant_open`; raises ValueError
+        with the template's message when it cannot render that."""
+        variant = None
+        if length == 0:
+            if self.empty_error is not None:
+                raise ValueError(self.empty_error)
+            variant = self.if_empty
+        elif assistant_open:
+            if self.open_error is not None:
+                raise ValueError(self.open_error)
+            after = self.if_open_after
+            variant = after.get(last_token) if after and last_token is not None else None
+            if variant is None:
+                variant = self.if_open
+        elif self.closed_error is not None:
+            raise ValueError(self.closed_error)
+        return input_ids if variant is None else variant.apply(input_ids)
+
+
 class EngineGenerate(_Internal, tag="gen"):
     key: int  # unique per engine lifetime, chosen by the frontend
     client: bytes
@@ -47,24 +104,17 @@ class EngineGenerate(_Internal, tag="gen"):
     # The output's grammar: the request's own regex/json_schema/ebnf, or the tool-call
     # format tool_choice forces (the frontend builds it; the engine compiles it).
     grammar: Union[GrammarSpec, None] = None
-    # With `session`: whether the frontend's rendering of the input leaves an assistant
-    # turn open (None: the input does not change that, e.g. raw text or ids).
+    # With `session`: whether the input, once appended, leaves an assistant turn open
+    # (messages ending with the assistant header; None: it does not change that, e.g. raw
+    # text or ids), and its renderings for the ends of history other than a closed turn.
     assistant_open: Union[bool, None] = None
+    variants: Union[AppendVariants, None] = None
 
 
 class EngineAbort(_Internal, tag="abort"):
     """The client aborted (or its stream failed): end every branch of ``key``."""
 
     key: int
-
-
-class EngineFinishAt(_Internal, tag="finish_at"):
-    """A stop string matched in the frontend: finish ``key`` keeping this many tokens."""
-
-    key: int
-    keep_tokens: int
-    matched_stop: str
-    index: int = 0  # the branch (n > 1) the stop string matched in
 
 
 class EngineOpenSession(_Internal, tag="open"):
@@ -76,15 +126,6 @@ class EngineOpenSession(_Internal, tag="open"):
     ttl_s: Union[float, None] = None
     namespace: Union[str, None] = None
     assistant_open: bool = False  # as on EngineGenerate
-
-
-class EngineTrimSession(_Internal, tag="trim"):
-    """Cut a session back to `length` tokens, quietly (no reply): a stop string matched
-    in the frontend after the engine had already ended the turn."""
-
-    client: bytes
-    session: str
-    length: int
 
 
 class EnginePin(_Internal, tag="pin"):
@@ -121,9 +162,7 @@ class Shutdown(_Internal, tag="shutdown"):
 ToEngine = Union[
     EngineGenerate,
     EngineAbort,
-    EngineFinishAt,
     EngineOpenSession,
-    EngineTrimSession,
     EnginePin,
     EngineCommand,
     ClientGone,
@@ -148,34 +187,17 @@ class TokenOutput(_Internal):
     usage: Union[Usage, None] = None
     prompt_logprobs: Union[list[float], None] = None
     prompt_top_logprobs: Union[list[list[TopLogprob]], None] = None
-    session: Union[str, None] = None
-    session_length: Union[int, None] = None
+    # A stop string matched inside the last kept token: its text's last `text_trim`
+    # characters are the stop string's start, which the output's text leaves out.
+    text_trim: int = 0
+    session: Union[str, None] = None  # the session the branch's history lives in
+    session_length: Union[int, None] = None  # that history's length after the turn
 
 
 class StepOutputs(_Internal, tag="step"):
     """Everything one scheduler step produced, in one message."""
 
     outputs: list[TokenOutput]
-
-
-class SessionNote(_Internal):
-    """How a session's history ends now, for the frontend's rendering of appends: its
-    length (0: empty), last token, and whether the frontend left an assistant turn open
-    in it; `closed`: the session is gone."""
-
-    session: str
-    client: bytes
-    length: int = 0
-    last_token: Union[int, None] = None
-    assistant_open: bool = False
-    closed: bool = False
-
-
-class SessionNotes(_Internal, tag="notes"):
-    """Session changes since the last message, sent before the replies and outputs that
-    report them (so the frontend knows a history before its client does)."""
-
-    notes: list[SessionNote]
 
 
 class ToClient(_Internal, tag="reply"):
@@ -199,7 +221,7 @@ class EngineReady(_Internal, tag="ready"):
     vocab_size: int = 0
 
 
-ToFrontend = Union[StepOutputs, SessionNotes, ToClient, EngineReady]
+ToFrontend = Union[StepOutputs, ToClient, EngineReady]
 
 _encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)

@@ -1,0 +1,412 @@
+"""Persistent prefix sessions: token-exact histories held open in the engine, their turns,
+forks and pins.
+
+A session's history is cached in the radix tree and the node at its end is locked, so
+its prefix cannot be evicted and the next turn hits all of it: a turn computes only its
+new tokens. When a turn ends the lock moves to the node ending prompt + output (lock the
+new node, then unlock the old one). `fork` puts n sessions on the same node: no copy,
+no recompute. Pins are named shared prefixes (system/tool prompts) sessions start from.
+
+`SessionManager` is the sessions' API; the pieces it is made of are records.py (records,
+ownership, locks), retention.py (the cap, demotion, priorities) and backup.py (the host
+tier). A demoted session keeps working: its next turn reuses whatever of its history is
+still cached, copies back what the host tier kept (`restore_from_host`) and recomputes
+the rest (the turn's usage reports both).
+
+The scheduler reaches it only through the hooks of controller.py, on the thread that
+holds the engine's state (serve_loop.StateGate: the loop's, or the intake thread's while
+a forward runs, which answers session commands then). Refusals are `RequestError`s
+carrying a `protocol.ErrorCode` (not_found, busy, capacity, invalid_params,
+duplicate_id).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
+from radixlm.cache import KVPool, PrefixCache
+from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.engine.sessions.backup import HostBackup
+from radixlm.runtime.engine.sessions.host_tier import HostTier
+from radixlm.runtime.engine.sessions.records import (
+    EMPTY_IDS,
+    HARD,
+    SOFT,
+    Held,
+    PinnedPrefix,
+    Records,
+    Residency,
+    Session,
+    frozen_ids,
+)
+from radixlm.runtime.engine.sessions.retention import Retention, common_prefix_len
+from radixlm.runtime.protocol import ErrorCode, SessionInfo
+from radixlm.runtime.rules import RequestError, check_truncate
+
+log = logging.getLogger(__name__)
+
+
+class SessionManager:
+    """Sessions, pins and their retention over one `PrefixCache`.
+
+    `kv_pool` (the device KV pool) is needed only for the host-memory tier
+    (`config.host_kv_tokens > 0`); without it the tier is off.
+    """
+
+    def __init__(
+        self,
+        cache: PrefixCache,
+        config: EngineConfig,
+        clock: Callable[[], float] = time.monotonic,
+        kv_pool: KVPool | None = None,
+    ) -> None:
+        self.cache = cache
+        self.clock = clock
+        self.default_ttl_s = config.default_session_ttl_s or None
+        self.records = Records(cache, clock)
+        self.retention = Retention(self.records, cache, config.retained_cap or cache.capacity // 2)
+        self.host: HostTier | None = None
+        self._backup: HostBackup | None = None
+        if config.host_kv_tokens > 0:
+            if kv_pool is None:
+                log.warning("host_kv_tokens set but no KV pool given: host tier off")
+            else:
+                self.host = HostTier(kv_pool, config.host_kv_tokens)
+                self._backup = HostBackup(self.records, cache, self.host)
+        log.info(
+            "sessions: retained cap %d of %d tokens, default ttl %s, host tier %s",
+            self.retained_cap,
+            cache.capacity,
+            f"{self.default_ttl_s}s" if self.default_ttl_s else "off",
+            f"{self.host.capacity} tokens" if self.host else "off",
+        )
+
+    # ------------------------------------------------------------------ open
+    def open(
+        self,
+        client: bytes,
+        namespace: str | None = None,
+        retention: str = HARD,
+        ttl_s: float | None = None,
+        pinned: str | None = None,
+        input_ids: np.ndarray | Sequence[int] = (),
+    ) -> Session:
+        """A new idle session with an empty history or the pin's.
+
+        `input_ids` is what the opening turn will append (the scheduler then runs it as
+        a 0-token generation: `begin_turn` … `end_turn`); it is checked against the
+        retention cap here, before anything is prefilled.
+        """
+        if retention not in (HARD, SOFT):
+            raise RequestError(
+                ErrorCode.INVALID_PARAMS, f"retention must be 'hard' or 'soft', not {retention!r}"
+            )
+        if ttl_s is not None and not ttl_s > 0:
+            raise RequestError(
+                ErrorCode.INVALID_PARAMS, f"ttl_s must be > 0 seconds, got {ttl_s!r}"
+            )
+        base, node, held_len = EMPTY_IDS, None, 0
+        if pinned is not None:
+            pin = self.records.pins.get(pinned)
+            if pin is None or pin.namespace != namespace:
+                where = f" in namespace {namespace!r}" if pin is not None else ""
+                raise RequestError(ErrorCode.NOT_FOUND, f"no pinned prefix named {pinned!r}{where}")
+            base, node, held_len = pin.ids, pin.node, pin.held_len
+        extra = frozen_ids(input_ids)
+        reserved = None
+        if len(extra):
+            reserved = Held(namespace, self.retention.cacheable(np.concatenate([base, extra])))
+            self.retention.admit(reserved)
+        if node is not None:
+            self.records.lock_node(node)
+        s = Session(
+            id=self.records.new_id(),
+            client=client,
+            namespace=namespace,
+            retention=retention,
+            ttl_s=ttl_s if ttl_s is not None else self.default_ttl_s,
+            history=base,
+            residency=Residency.HELD,
+            node=node,
+            held_len=held_len,
+            kv_len=held_len,
+            last_used=self.clock(),
+            reserved=reserved,
+        )
+        self.records.sessions[s.id] = s
+        log.debug("session %s opened (%s, %d tokens)", s.id[:8], retention, s.length)
+        return s
+
+    def get(self, session_id: str, client: bytes) -> Session:
+        """The session, if `client` owns it; otherwise NOT_FOUND."""
+        return self.records.get(session_id, client)
+
+    # ----------------------------------------------------------------- turns
+    def begin_turn(
+        self,
+        session_id: str,
+        client: bytes,
+        appended_ids: np.ndarray | Sequence[int],
+        namespace: str | None = None,
+    ) -> np.ndarray:
+        """The turn's full prompt (history + appended); marks the session busy.
+
+        Match the prompt in the *session's* namespace (`get(...).namespace`); a request
+        naming another namespace gets NOT_FOUND. A second turn while one runs gets
+        BUSY.
+        """
+        s = self.get(session_id, client)
+        if namespace is not None and namespace != s.namespace:
+            raise RequestError(
+                ErrorCode.NOT_FOUND, f"no session {session_id!r} in namespace {namespace!r}"
+            )
+        if s.busy:
+            raise RequestError(
+                ErrorCode.BUSY, f"session {session_id!r} already has a request in flight"
+            )
+        prompt = np.concatenate([s.history, frozen_ids(appended_ids)])
+        s.busy = True
+        s.turn_kv_len = s.kv_len
+        s.last_used = self.clock()
+        return prompt
+
+    def restore_from_host(self, session_id: str, cached_len: int) -> np.ndarray | None:
+        """Device slots now holding the K/V of the history the host tier kept after
+        `cached_len` (the prompt's device match, already locked by the caller), or None.
+
+        The slots are the caller's, like freshly allocated ones: it treats those tokens as
+        cached (no compute), inserts them with the prompt, and frees them if the request
+        dies before that. None when the tier is off, has nothing, or the pool cannot
+        hold the restore (the tokens are then recomputed).
+        """
+        s = self.records.sessions.get(session_id)
+        if self._backup is None or s is None:
+            return None
+        return self._backup.restore(s, cached_len)
+
+    def recomputed_tokens(self, session_id: str, reused_len: int) -> int:
+        """History tokens the running turn recomputes because they were evicted since the
+        session last changed: the history then cached minus what this turn reuses
+        (`reused_len` = device match + restored). 0 while the history stays held."""
+        s = self.records.sessions.get(session_id)
+        return 0 if s is None else max(0, s.turn_kv_len - reused_len)
+
+    def end_turn(
+        self, session_id: str, history_ids: np.ndarray | Sequence[int],
+        assistant_open: bool | None = None,
+    ) -> Session | None:
+        """The turn finished: the history becomes `history_ids` (prompt + output, already
+        inserted by the caller) and the session is idle again. The lock moves to the node
+        ending its longest cached prefix (new one locked, then the old one unlocked) if the
+        retention cap allows, after demoting idle soft sessions; if not, the session keeps
+        its previous lock and the new tokens are ordinary cache. Returns None if the
+        session was closed meanwhile.
+
+        The new lock is found by matching the history again, which is exact even when
+        the caller's insert was cut short. `assistant_open` (None: as it was) sets
+        `Session.assistant_open`.
+        """
+        s = self.records.sessions.get(session_id)
+        if s is None:
+            return None
+        history = frozen_ids(history_ids)
+        if common_prefix_len(history, s.history) != s.length:
+            raise ValueError(
+                f"end_turn: the new history of session {session_id[:8]} does not extend "
+                f"its current one ({s.length} tokens)"
+            )
+        s.history = history
+        if assistant_open is not None:
+            s.assistant_open = assistant_open
+        s.busy = False
+        s.reserved = None
+        s.last_used = self.clock()
+        self._advance_lock(s)
+        return s
+
+    def abort_turn(self, session_id: str) -> None:
+        """The turn died (abort, error): idle again, history unchanged."""
+        s = self.records.sessions.get(session_id)
+        if s is not None:
+            s.busy = False
+            s.reserved = None
+            s.last_used = self.clock()
+
+    def branch(
+        self,
+        session_id: str,
+        history_ids: np.ndarray | Sequence[int],
+        index: int = 0,
+        assistant_open: bool | None = None,
+    ) -> str:
+        """A new session continuing `session_id` with `history_ids` (branch `index` of an
+        n > 1 turn: prompt + that branch's output). Allowed while the parent is busy."""
+        parent = self.records.sessions.get(session_id)
+        if parent is None:
+            raise RequestError(ErrorCode.NOT_FOUND, f"no session {session_id!r}")
+        s = self.records.clone(parent, frozen_ids(history_ids), index)
+        if assistant_open is not None:
+            s.assistant_open = assistant_open
+        self._advance_lock(s)
+        return s.id
+
+    def seed_offset(self, session_id: str) -> int:
+        """What a seeded turn of the session adds to its seed (`protocol.branch_seed`): 0
+        for a session opened directly (a seed means what it means without sessions), a
+        number derived from its lineage for a fork or branch, so sibling forks given the
+        same seed sample differently while a rerun of the same program samples the same."""
+        s = self.records.sessions.get(session_id)
+        if s is None or not s.lineage:
+            return 0
+        digest = hashlib.blake2b(repr(s.lineage).encode(), digest_size=4).digest()
+        return 1 + int.from_bytes(digest, "little")
+
+    def _advance_lock(self, s: Session) -> None:
+        if self.retention.advance_lock(s):  # a demoted session is held again
+            self._prune_host()
+
+    # ------------------------------------------------------- fork / truncate
+    def fork(self, session_id: str, client: bytes, n: int) -> list[str]:
+        """n new sessions on the same node: no copy, no recompute (a demoted session's
+        forks are demoted too). `n` is the frontend's rule (rules.check_fork)."""
+        s = self.records.idle(session_id, client)
+        ids = []
+        for i in range(n):
+            f = self.records.clone(s, s.history, i)
+            f.residency, f.node, f.held_len = s.residency, s.node, s.held_len
+            f.kv_len, f.priority_raised = s.kv_len, s.priority_raised
+            if f.node is not None:
+                self.records.lock_node(f.node)
+            ids.append(f.id)
+        s.last_used = self.clock()
+        return ids
+
+    def truncate(self, session_id: str, client: bytes, length: int) -> Session:
+        """Rewind the history to its first `length` tokens. The cut-off tail stays in the
+        tree as ordinary evictable cache. A cut closes whatever assistant turn was open
+        (its point is the client's, who sees tokens, not turns)."""
+        s = self.records.idle(session_id, client)
+        check_truncate(length, s.length)
+        old = s.wanted
+        s.history = s.history[:length]
+        s.assistant_open = False
+        s.kv_len = min(s.kv_len, length)
+        if s.held_len > length:  # shrinking always fits under the cap
+            self.records.lock_at(s, self.cache.match(s.history, s.namespace))
+        self.retention.lower_priority(s, old)
+        s.last_used = self.clock()
+        self._prune_host()
+        return s
+
+    # ---------------------------------------------------------------- close
+    def close(self, session_id: str, client: bytes) -> None:
+        """Unlock the session's history (its KV stays as evictable cache) and forget it."""
+        self._release(self.records.idle(session_id, client))
+
+    def client_gone(self, client: bytes) -> int:
+        """Close every session of `client`, busy or not (the caller aborts its requests;
+        a later end_turn/abort_turn for them is a no-op). Pins are global and stay.
+        Returns the number closed."""
+        gone = [s for s in self.records.sessions.values() if s.client == client]
+        for s in gone:
+            self._release(s)
+        return len(gone)
+
+    def _release(self, s: Session) -> None:
+        self.records.unlock(s)
+        del self.records.sessions[s.id]
+        self.retention.lower_priority(s, s.wanted)
+        self._prune_host()
+        log.debug("session %s closed", s.id[:8])
+
+    def _prune_host(self) -> None:
+        if self._backup is not None:
+            self._backup.prune()
+
+    # ------------------------------------------------------------------ pins
+    def check_pin(
+        self, name: str, ids: np.ndarray | Sequence[int], namespace: str | None = None
+    ) -> None:
+        """Refuse a pin before it is prefilled: name taken, or beyond the retention cap
+        (after demoting idle soft sessions). An empty name is the frontend's rule."""
+        if name in self.records.pins:
+            raise RequestError(ErrorCode.DUPLICATE_ID, f"a prefix is already pinned as {name!r}")
+        self.retention.admit(Held(namespace, self.retention.cacheable(frozen_ids(ids))))
+
+    def pin(
+        self, name: str, ids: np.ndarray | Sequence[int], namespace: str | None = None
+    ) -> PinnedPrefix:
+        """Hold the prefilled (and inserted) `ids` as the pin `name` (its node is found by
+        matching them, as in end_turn)."""
+        ids = frozen_ids(ids)
+        self.check_pin(name, ids, namespace)
+        m = self.cache.match(ids, namespace)
+        locked = m.node if m.length else None
+        if locked is not None:
+            self.records.lock_node(locked)
+        pin = PinnedPrefix(name, namespace, ids, locked, m.length)
+        self.records.pins[name] = pin
+        log.info("pinned %r (%d tokens, %d cached)", name, len(ids), m.length)
+        return pin
+
+    def unpin(self, name: str) -> None:
+        """Release a pin (its KV stays as evictable cache; sessions opened from it keep
+        their own locks)."""
+        pin = self.records.pins.pop(name, None)
+        if pin is None:
+            raise RequestError(ErrorCode.NOT_FOUND, f"no pinned prefix named {name!r}")
+        if pin.node is not None:
+            self.records.unlock_node(pin.node)
+        log.info("unpinned %r", name)
+
+    # ------------------------------------------------------------- retention
+    def tick(self, now: float | None = None) -> list[str]:
+        """Demote idle sessions past their TTL; returns their ids."""
+        return self.retention.tick(self.clock() if now is None else now)
+
+    def make_room(self, n_tokens: int) -> int:
+        """Demote idle soft sessions (LRU) until `n_tokens` more are evictable; returns
+        the tokens made evictable."""
+        return self.retention.make_room(n_tokens)
+
+    def retained_tokens(self) -> dict[str, int]:
+        """Distinct retained tokens by class: "pinned", "hard", "soft"."""
+        return self.retention.retained_tokens()
+
+    def retained_total(self) -> int:
+        return self.retention.retained_total()
+
+    @property
+    def retained_cap(self) -> int:
+        return self.retention.cap
+
+    # ----------------------------------------------------------- observation
+    @property
+    def num_sessions(self) -> int:
+        return len(self.records.sessions)
+
+    @property
+    def num_pins(self) -> int:
+        return len(self.records.pins)
+
+    @property
+    def host_capacity(self) -> int:
+        return self.host.capacity if self.host else 0
+
+    @property
+    def host_used(self) -> int:
+        return self.host.used if self.host else 0
+
+    def sessions(self) -> Iterator[Session]:
+        return iter(self.records.sessions.values())
+
+    def pins(self) -> Iterator[PinnedPrefix]:
+        return iter(self.records.pins.values())
+
+    def list(self, client: bytes, everyone: bool = False) -> list[SessionInfo]:
+        """`client`'s sessions (every client's with `everyone`, their ids cut short)."""
+        return self.records.list(client, everyone)

@@ -1,0 +1,169 @@
+"""Every rule a client request can break, each written once, and the runtime's one
+refusal type.
+
+A rule is checked where its facts are first known, and only there:
+
+- at the frontend, as a message arrives (nothing queued yet, no tokenizer needed): the
+  input's form and size, sampling, `n`, fork counts, close lists, pin names (before a
+  tenant's prefix makes an empty name look taken);
+- at the engine, which alone knows a session's history, the pool and what is retained:
+  the prompt's length (empty, context, pool, retention; an unset ``max_tokens`` is what
+  is left of them), `prompt_logprobs_start` against the input it counts in, truncate
+  lengths, and every session and pin rule (runtime/engine/sessions/).
+
+Nothing here imports torch or anything of the engine or the frontend: both import it.
+Each check raises `RequestError` with a stable protocol `ErrorCode`; the caller turns it
+into an `Error` reply for the request's rid.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from radixlm.runtime.protocol import (
+    MAX_CLOSE,
+    MAX_FORK,
+    MAX_N,
+    CloseSession,
+    ErrorCode,
+    Generate,
+    Input,
+    SamplingParams,
+)
+from radixlm.runtime.sampling_params import validate_sampling
+
+
+class RequestError(Exception):
+    """A refused request: `code` is a protocol ErrorCode, `message` says why (both go to
+    the client in an `Error`)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> RequestError:
+    return RequestError(ErrorCode.INVALID_PARAMS, message)
+
+
+# --------------------------------------------------------------- at the frontend
+def check_input(inp: Input, vocab_size: int) -> None:
+    """Exactly one of text / input_ids / messages, ids inside the vocabulary, and every
+    message with content (or tool calls)."""
+    given = [name for name in ("text", "input_ids", "messages") if getattr(inp, name) is not None]
+    if len(given) != 1:
+        raise _invalid(f"input needs exactly one of text, input_ids, messages (got {given or 'none'})")
+    ids = inp.input_ids
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise _invalid(f"input_ids must be in [0, {vocab_size}), got {bad}")
+    for i, m in enumerate(inp.messages or ()):
+        if m.content is None and not m.tool_calls:
+            raise _invalid(f"messages[{i}] ({m.role}) has no content")
+
+
+def check_input_size(inp: Input | None, max_bytes: int, context_length: int) -> None:
+    """Refuse, before any tokenizing, an input that cannot fit the context whatever its
+    tokens: more ids than the context, or more text bytes than `max_bytes` (the context
+    times the longest token's bytes, with a margin). Characters are counted first (never
+    more than bytes), so a huge text costs no encoding."""
+    if inp is None or max_bytes <= 0:
+        return
+    if inp.input_ids is not None and len(inp.input_ids) > context_length:
+        raise RequestError(ErrorCode.TOO_LONG, f"input ({len(inp.input_ids)} tokens) exceeds "
+                                               f"the context length ({context_length})")
+    texts = [inp.text] if inp.text is not None else [m.content or "" for m in inp.messages or ()]
+    chars = sum(len(t) for t in texts)
+    if chars * 4 <= max_bytes:  # UTF-8: at most 4 bytes a character
+        return
+    size = chars if chars > max_bytes else sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if size > max_bytes:
+        raise RequestError(
+            ErrorCode.TOO_LONG,
+            f"input text ({size} UTF-8 bytes{' at least' if size == chars else ''}) is longer "
+            f"than any text that fits the context of {context_length} tokens")
+
+
+def check_count(name: str, n: int, limit: int) -> None:
+    if not 1 <= n <= limit:
+        raise _invalid(f"{name} must be in [1, {limit}], got {n}")
+
+
+def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
+    problem = validate_sampling(sampling, vocab_size)
+    if problem is not None:
+        raise _invalid(problem)
+
+
+def check_generate(msg: Generate, vocab_size: int) -> None:
+    """Everything about a Generate that can be judged before tokenization: `n` (and
+    ``n > 1`` needs output to branch), sampling, the input."""
+    check_count("n", msg.n, MAX_N)
+    if msg.n > 1 and msg.sampling.max_tokens == 0:
+        raise _invalid("n > 1 needs max_tokens >= 1")
+    check_sampling(msg.sampling, vocab_size)
+    check_input(msg.input, vocab_size)
+
+
+def check_fork(n: int) -> None:
+    check_count("fork: n", n, MAX_FORK)
+
+
+def check_close(msg: CloseSession) -> None:
+    ids = msg.ids()
+    if not ids:
+        raise _invalid("close_session: name a `session` or a list of `sessions`")
+    if len(ids) > MAX_CLOSE:
+        raise _invalid(f"close_session: at most {MAX_CLOSE} sessions, got {len(ids)}")
+
+
+def check_pin_name(name: str) -> None:
+    if not name:
+        raise _invalid("pin: the name must not be empty")
+
+
+# ------------------------------------------------------------------- at the engine
+def check_prompt(prompt_len: int, max_tokens: int, *, context_length: int, pool: int,
+                 retained: int = 0, history_len: int = 0, what: str = "the prompt") -> None:
+    """Refuse up front what can never run: an empty prompt, one beyond the context or the
+    pool, or beyond the pool less what pins and hard sessions retain (`retained`; the
+    request's own `history_len` aside)."""
+    if prompt_len == 0:
+        raise RequestError(ErrorCode.EMPTY_PROMPT, f"{what} is empty")
+    total = prompt_len + max_tokens
+    for limit, where in ((context_length, f"the context length ({context_length})"),
+                         (pool, f"the KV pool ({pool} tokens)")):  # fmt: skip
+        if total > limit:
+            raise RequestError(
+                ErrorCode.TOO_LONG,
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds {where}",
+            )
+    if total > pool - max(0, retained - history_len):
+        raise RequestError(
+            ErrorCode.CAPACITY,
+            f"prompt + max_tokens ({total} tokens) cannot fit: pins and hard sessions "
+            f"retain {retained} of the pool's {pool} tokens",
+        )
+
+
+def resolve_max_tokens(sampling: SamplingParams, prompt_len: int, *, context_length: int,
+                       pool: int) -> SamplingParams:
+    """``max_tokens`` None: what is left of the context (and of the KV pool) after the
+    prompt -- at least 1, so a prompt that fills it all is refused as too long by
+    `check_prompt`."""
+    if sampling.max_tokens is not None:
+        return sampling
+    room = min(context_length, pool) - prompt_len
+    return msgspec.structs.replace(sampling, max_tokens=max(1, room))
+
+
+def check_prompt_logprobs_start(start: int | None, input_len: int) -> None:
+    """A position in the request's input, 0 up to its length (which asks for no values);
+    with a session the input is what it appends, which only the engine knows."""
+    if start is not None and not 0 <= start <= input_len:
+        raise _invalid(f"prompt_logprobs_start ({start}) must be in [0, {input_len}]")
+
+
+def check_truncate(length: int, history_len: int) -> None:
+    if not 0 <= length <= history_len:
+        raise _invalid(f"truncate: length must be in [0, {history_len}], got {length}")

@@ -287,6 +287,7 @@ def test_a_replica_that_comes_back_rejoins(tmp_path: Path, tiny_model_dir: Path)
                 _wait_capacity(via, one)  # taken out
                 assert _turn(via, None, "one replica left").finish_reason in ("stop", "length")
                 b_cm.__exit__(None, None, None)
+                (tmp_path / "b" / "endpoint").unlink(missing_ok=True)  # SIGKILL left it
                 b_cm = _replica(tmp_path, "b", tiny_model_dir)  # the same endpoint
                 b_cm.__enter__()
                 _wait_capacity(via, 2 * one)  # back

@@ -179,3 +179,13 @@ def test_session_ids_never_collide_across_replicas() -> None:
         front.close(0)
         monitor.close(0)
         ctx.term()
+
+
+def test_replicas_on_gpus_take_their_own_devices() -> None:
+    from radixlm.runtime.config import EngineConfig
+    from radixlm.runtime.router.cli import replica_config
+
+    gpus = EngineConfig(device="cuda", tensor_parallel_size=2)
+    assert [replica_config(gpus, i).device for i in range(3)] == ["cuda:0", "cuda:2", "cuda:4"]
+    assert replica_config(EngineConfig(device="cuda:1"), 3).device == "cuda:1"
+    assert replica_config(EngineConfig(device="cpu"), 3).device == "cpu"

@@ -217,9 +217,11 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
 
 
 def replica_config(engine: EngineConfig, index: int) -> EngineConfig:
-    """Replica `index`'s engine: ``--device cuda`` means one GPU each (``cuda:index``)."""
+    """Replica `index`'s engine: ``--device cuda`` means GPUs of its own, from
+    ``cuda:(index * tensor_parallel_size)`` on (its ranks take the next ones)."""
     if engine.device == "cuda":
-        return msgspec.structs.replace(engine, device=f"cuda:{index}")
+        base = index * max(1, engine.tensor_parallel_size)
+        return msgspec.structs.replace(engine, device=f"cuda:{base}")
     return engine
 
 

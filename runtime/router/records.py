@@ -11,12 +11,13 @@ same token history (replay.py), which is how a dead replica's sessions are re-ho
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple, Union
 
-from radixlm.runtime.protocol import Generate, Input, OpenSession, Tool
+from radixlm.runtime.protocol import Error, Generate, Input, OpenSession, Tool
 
-__all__ = ["Appended", "Cut", "LogEntry", "Opened", "Pending", "PinRecord", "Produced",
+__all__ = ["Appended", "Cut", "LogEntry", "Opened", "Pending", "PinRecord", "Placement", "Produced",
            "SessionRecord"]
 
 
@@ -68,8 +69,23 @@ class PinRecord:
     length: int
     holders: set[int] = field(default_factory=set)  # replicas holding it (said `Pinned`)
     placing: set[int] = field(default_factory=set)  # replicas it is being placed on
+    # What waits for a placement to be answered (the engine registers a pin once its
+    # prefill is done, so an open must not reach it before): called with (True, None)
+    # once the replica holds it, (False, error) if it refused, (False, None) if the
+    # placement was cut off (its replica died, or the client whose link carried it left).
+    waiters: dict[int, list[Callable[[bool, Error | None], None]]] = field(
+        default_factory=dict)
     uses: int = 0  # sessions opened from it
     everywhere: bool = False  # hot: placed on every live replica
+
+
+@dataclass(eq=False)
+class Placement:
+    """A pin being placed on `replica` over `client`'s link (an internal request)."""
+
+    pin: PinRecord
+    replica: int
+    client: bytes
 
 
 @dataclass(eq=False)

@@ -41,6 +41,7 @@ from radixlm.runtime.router.records import (
     Opened,
     Pending,
     PinRecord,
+    Placement,
     Produced,
     SessionRecord,
 )
@@ -108,7 +109,7 @@ class Router:
         self.sessions: dict[str, SessionRecord] = {}
         self.inner_to_vid: dict[tuple[int, str], str] = {}
         self.pins: dict[tuple[str | None, str], PinRecord] = {}
-        self.internal: dict[str, Gather | Rehome | PinRecord] = {}
+        self.internal: dict[str, Gather | Rehome | Placement] = {}
         self.rids = itertools.count()
         self.poller = zmq.Poller()
         self.poller.register(clients, zmq.POLLIN)
@@ -226,9 +227,12 @@ class Router:
                 if p.replica == r.index:
                     del client.pending[rid]
                     retry.append((client, rid, p))
+        for rid, job in list(self.internal.items()):
+            if isinstance(job, Placement) and job.replica == r.index:
+                del self.internal[rid]
         for pin in self.pins.values():
             pin.holders.discard(r.index)
-            pin.placing.discard(r.index)
+            self._placed(pin, r.index, False, None)
         again = [s for s in self.sessions.values() if s.home == r.index and not s.rehoming]
         for rid, job in list(self.internal.items()):
             if isinstance(job, Gather) and r.index in job.waiting:
@@ -297,7 +301,10 @@ class Router:
             except msgspec.DecodeError:
                 log.error("undecodable reply from replica %d dropped", replica)
                 continue
-            self._on_reply(client, replica, msg, data)
+            try:
+                self._on_reply(client, replica, msg, data)
+            except Exception:  # noqa: BLE001 - one reply's bug must not stop the router
+                log.exception("handling a reply from replica %d failed", replica)
 
     # -- clients -------------------------------------------------------------------------------
 
@@ -313,7 +320,17 @@ class Router:
                 self._error(client, None, wire.ErrorCode.BAD_MESSAGE,
                             "a message is exactly one frame")
                 continue
-            self._dispatch(client, frames[1].bytes)
+            self._dispatch_guarded(client, frames[1].bytes)
+
+    def _dispatch_guarded(self, client: Client, data: bytes) -> None:
+        """A bug handling one message fails that request, never the router."""
+        try:
+            self._dispatch(client, data)
+        except Exception as e:  # noqa: BLE001 - reported to the client and logged
+            log.exception("handling a client message failed")
+            msg = decode_frame(data)
+            rid = None if isinstance(msg, FrameError) else getattr(msg, "rid", None)
+            self._error(client, rid, wire.ErrorCode.INTERNAL, f"router: {type(e).__name__}: {e}")
 
     def _register(self, ident: bytes, frames: list[zmq.Frame]) -> Client:
         try:
@@ -361,6 +378,9 @@ class Router:
             if ((isinstance(job, Gather) and job.client is client)
                     or (isinstance(job, Rehome) and job.record.owner == ident)):
                 del self.internal[rid]
+            elif isinstance(job, Placement) and job.client == ident:
+                del self.internal[rid]  # its link is gone: what waited is routed again
+                self._placed(job.pin, job.replica, False, None)
 
     def _reply(self, client: Client, msg: wire.Struct | bytes) -> None:
         data = msg if isinstance(msg, bytes) else wire.encode(msg)
@@ -494,8 +514,12 @@ class Router:
         load = 0
         if msg.pinned is not None:
             pin = self.pins.get((client.tenant, msg.pinned))
-            # unknown here: the replica says so
-            replica = live[0] if pin is None else self._pin_home(client, pin, live)
+            if pin is not None:
+                replica = self._pin_home(client, pin, live)
+                self.homed[replica] += 1
+                self._after_pin(client, pin, replica, msg, data)
+                return
+            replica = live[0]  # unknown here: the replica says so
         else:
             key = self.routing.key(client.tenant, msg.namespace, msg.input, None)
             replica, load = self.routing.place(key, live, msg.input, 0)
@@ -513,38 +537,62 @@ class Router:
 
     def _pin_home(self, client: Client, pin: PinRecord, live: list[int]) -> int:
         """Where a session opened from `pin` goes: its least loaded live holder (then the
-        one homing fewest sessions). A pin used `hot_pin_uses` times is placed on every
-        live replica. A replica holds it once it has said so (`Pinned`); one it is still
-        being placed on (by another client's connection, whose order this one does not
-        share) gets the pin again on this client's link, just before the open (one
-        connection keeps the order; a pin already there answers duplicate_id). With no
-        live holder, the pin is placed again (its input is kept) where routing says."""
+        one homing fewest sessions); with none, a replica it is being placed on (the open
+        then waits for the placement's answer: `PinRecord.waiters`), else one where
+        routing places it again (its input is kept). A pin used `hot_pin_uses` times is
+        placed on every live replica; a replica holds it once it has said so."""
         pin.uses += 1
         if pin.uses >= self.config.hot_pin_uses:
             pin.everywhere = True
         alive = set(live)
-        sent: set[int] = set()  # placed on this client's link just now
         if pin.everywhere:
             for replica in live:
                 if replica not in pin.holders and replica not in pin.placing:
                     self._place_pin(client, pin, replica)
-                    sent.add(replica)
-        candidates = (pin.holders | pin.placing) & alive
+        candidates = (pin.holders & alive) or (pin.placing & alive)
         if candidates:
-            replica = min(candidates, key=lambda i: (self.routing.loads[i], self.homed[i], i))
-        else:
-            replica = self.routing.place(pin.key, live, pin.msg_input, 0)[0]
-        if replica not in pin.holders and replica not in sent:
-            self._place_pin(client, pin, replica)
+            return min(candidates, key=lambda i: (self.routing.loads[i], self.homed[i], i))
+        replica = self.routing.place(pin.key, live, pin.msg_input, 0)[0]
+        self._place_pin(client, pin, replica)
         return replica
 
     def _place_pin(self, client: Client, pin: PinRecord, replica: int) -> None:
         rid = self._internal_rid()
-        self.internal[rid] = pin
+        self.internal[rid] = Placement(pin, replica, client.ident)
         pin.placing.add(replica)
         self._send(client, replica, wire.Pin(rid=rid, name=pin.name, input=pin.msg_input,
                                              namespace=pin.namespace))
         self.routing.tree.insert(pin.key, replica)
+
+    def _placed(self, pin: PinRecord, replica: int, held: bool,
+                error: wire.Error | None) -> None:
+        """A placement answered (or cut off): run what waited for it."""
+        pin.placing.discard(replica)
+        if held:
+            pin.holders.add(replica)
+        for waiter in pin.waiters.pop(replica, []):
+            waiter(held, error)
+
+    def _after_pin(self, client: Client, pin: PinRecord, replica: int, msg: wire.OpenSession,
+                   data: bytes) -> None:
+        """Open from `pin` on `replica` once it holds it."""
+        def go(held: bool, error: wire.Error | None) -> None:
+            if client.ident not in self.clients:
+                return
+            if held:
+                self._forward(client, replica, msg.rid, data, Pending("open", replica, data,
+                                                                      msg=msg))
+                return
+            self.homed[replica] -= 1
+            if error is not None:
+                self._reply(client, msgspec.structs.replace(error, rid=msg.rid))
+            else:
+                self._dispatch(client, data)  # routed again
+
+        if replica in pin.holders:
+            go(True, None)
+        else:
+            pin.waiters.setdefault(replica, []).append(go)
 
     def _close(self, client: Client, msg: wire.CloseSession, live: list[int]) -> None:
         records = []
@@ -597,13 +645,13 @@ class Router:
                 self._gather_reply(job, replica, rid, msg)
             elif isinstance(job, Rehome):
                 self._rehome_reply(job, msg)
-            elif isinstance(job, PinRecord):
+            elif isinstance(job, Placement):
                 del self.internal[rid]
-                job.placing.discard(replica)
-                if not isinstance(msg, wire.Error) or msg.code == wire.ErrorCode.DUPLICATE_ID:
-                    job.holders.add(replica)  # placed (or it was there already)
-                else:
-                    log.warning("placing pin on replica %d failed: %s", replica, msg.message)
+                error = msg if isinstance(msg, wire.Error) else None
+                held = error is None or error.code == wire.ErrorCode.DUPLICATE_ID  # (already)
+                if not held:
+                    log.warning("placing a pin on replica %d failed: %s", replica, msg)
+                self._placed(job.pin, replica, held, None if held else error)
             return
         p = client.pending.get(rid) if rid is not None else None
         if p is None:
@@ -784,7 +832,21 @@ class Router:
         if opening.pinned is not None:
             pin = self.pins.get((record.tenant, opening.pinned))
             if pin is not None and target not in pin.holders:
-                self._place_pin(client, pin, target)  # on the link the open follows
+                if target not in pin.placing:
+                    self._place_pin(client, pin, target)
+
+                def go(held: bool, error: wire.Error | None) -> None:
+                    if record.vid not in self.sessions:
+                        return
+                    if held:
+                        self._rehome_send(client, job, msgspec.structs.replace(opening, rid=""))
+                    elif error is None:
+                        self._start_rehome(record)  # its target died: another one
+                    else:
+                        self._lose(record, f"placing its pin failed: {error.message}")
+
+                pin.waiters.setdefault(target, []).append(go)
+                return
         self._rehome_send(client, job, msgspec.structs.replace(opening, rid=""))
 
     def _rehome_send(self, client: Client, job: Rehome, msg: wire.ClientMessage) -> None:

@@ -7,9 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import zmq.auth
 from radixlm.runtime.protocol import (
-    Done,
     Error,
     Generate,
     Input,
@@ -17,14 +15,13 @@ from radixlm.runtime.protocol import (
     OpenSession,
     Pin,
     Pinned,
-    SamplingParams,
     SessionList,
     SessionOpened,
     StatsReply,
 )
-from radixlm.runtime.raw_client import RawClient
 
 from tests.test_trust_curve import make_keys, serve
+from tests.test_trust_tenants import cached, client
 
 SECRET = "The vault code is 7731 and the backup code is 4410. " * 3
 
@@ -37,24 +34,6 @@ def routed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> It
     with serve(tmp, tiny_model_dir, "--replicas", "2", "--auth-dir", str(auth), "--endpoint",
                "tcp://127.0.0.1:0", "--no-http", "--hot-pin-uses", "2") as (endpoint, _):
         yield endpoint, auth
-
-
-def client(routed: tuple[str, Path], name: str) -> RawClient:
-    endpoint, auth = routed
-    server_public, _ = zmq.auth.load_certificate(auth / "server.key")
-    public, secret = zmq.auth.load_certificate(auth / "clients" / f"{name}.key_secret")
-    return RawClient(endpoint, timeout_s=60, options={
-        zmq.CURVE_SERVERKEY: server_public, zmq.CURVE_PUBLICKEY: public,
-        zmq.CURVE_SECRETKEY: secret})
-
-
-def cached(c: RawClient, text: str, namespace: str | None = None) -> int:
-    rid = c.new_rid("g")
-    c.send(Generate(rid=rid, input=Input(text=text), namespace=namespace,
-                    sampling=SamplingParams(max_tokens=1, temperature=0)))
-    reply = c.recv_for(rid)
-    assert isinstance(reply, Done), reply
-    return reply.usage.cached_tokens
 
 
 def test_tenants_are_the_same_on_every_replica(routed: tuple[str, Path]) -> None:

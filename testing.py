@@ -31,9 +31,11 @@ import argparse
 import contextlib
 import itertools
 import os
+import re
 import tempfile
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,12 +54,18 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML markers of the stub's 
 CONTEXT_LENGTH = 8192  # the stub's context length (its Welcome says so)
 
 
-def toy_next_token(seq: list[int], branch: int = 0) -> int:
-    """The toy model's next token after `seq`: EOS now and then, else a letter."""
+def toy_next_token(seq: list[int], branch: int = 0, banned: Collection[int] = ()) -> int:
+    """The toy model's next token after `seq`: EOS now and then, else a letter. A token in
+    `banned` (masked, as ``min_tokens`` masks EOS and stop ids) gives way to the next
+    letter of the alphabet that is not."""
     h = (sum(seq[-3:]) * 31 + len(seq) * 7 + branch * 13) % 101
-    if h == 0:
-        return EOS
-    return ord(ALPHABET[h % len(ALPHABET)])
+    token = EOS if h == 0 else ord(ALPHABET[h % len(ALPHABET)])
+    if banned:
+        i = h
+        while token in banned:
+            i += 1
+            token = ord(ALPHABET[i % len(ALPHABET)])
+    return token
 
 
 def toy_logprob(context: list[int], token: int) -> float:
@@ -325,9 +333,20 @@ class StubServer:
         if len(prompt) + sp.max_tokens > CONTEXT_LENGTH:
             raise _Refused(p.ErrorCode.TOO_LONG, "prompt + max_tokens exceeds the context")
         start = msg.prompt_logprobs_start
-        if start is not None and not 0 <= start <= len(appended):
+        history = len(prompt) - len(appended)
+        if start is not None and not -history <= start <= len(appended):
             raise _Refused(p.ErrorCode.INVALID_PARAMS,
-                           f"prompt_logprobs_start ({start}) must be in [0, {len(appended)}]")
+                           f"prompt_logprobs_start ({start}) must be in [{-history}, "
+                           f"{len(appended)}]")
+        if not 0 <= sp.min_tokens <= sp.max_tokens:
+            raise _Refused(p.ErrorCode.INVALID_PARAMS,
+                           f"min_tokens must be in [0, max_tokens], got {sp.min_tokens}")
+        for pattern in sp.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise _Refused(p.ErrorCode.INVALID_PARAMS,
+                               f"stop_regex {pattern!r} is not a valid regex: {e}") from None
         cached = self._compute(prompt)
         if session is not None:
             session.busy = True
@@ -351,19 +370,23 @@ class StubServer:
 
     def _run_job(self, job: _Job, *, until_done: bool) -> None:
         sp = job.msg.sampling
+        enders = ()
+        if sp.min_tokens:  # masked until min_tokens: EOS (unless ignored) and stop ids
+            enders = set(sp.stop_token_ids) if sp.ignore_eos else {EOS, *sp.stop_token_ids}
         for b in job.branches:
             while not b.done:
                 if len(b.output) >= sp.max_tokens:
                     self._finish(job, b, "length", None)
                     break
                 shift = (sp.seed or 0) + b.index if sp.temperature > 0 else 0
-                token = toy_next_token(job.prompt + b.output, shift)
+                banned = enders if enders and len(b.output) < sp.min_tokens else ()
+                token = toy_next_token(job.prompt + b.output, shift, banned)
                 b.output.append(token)
                 self.generated_tokens_total += 1
                 if token == EOS and not sp.ignore_eos:
                     self._finish(job, b, "stop", EOS)
                     break
-                if token in sp.stop_token_ids:
+                if token in sp.stop_token_ids:  # its text is not output (as SGLang trims it)
                     self._finish(job, b, "stop", token)
                     break
                 b.text += _decode([token])
@@ -373,13 +396,35 @@ class StubServer:
                     b.output = _encode_text(b.text)
                     self._finish(job, b, "stop", hit)
                     break
+                pattern = sp.stop_regex and next(
+                    (r for r in sp.stop_regex if re.search(r, b.text)), None)
+                if pattern:
+                    # SGLang's trim: at the pattern's text, if it occurs literally; a match
+                    # of anything else stays in the output.
+                    cut = b.text.find(pattern)
+                    if cut != -1:
+                        b.text = b.text[:cut]
+                        b.output = _encode_text(b.text)
+                    elif job.msg.stream:
+                        self._chunk(job, b, [token])
+                    self._finish(job, b, "stop", pattern)
+                    break
                 if job.msg.stream:
-                    self._send(job.client, p.Chunk(rid=job.msg.rid, text=_decode([token]),
-                                                    token_ids=[token], index=b.index))
+                    self._chunk(job, b, [token])
                 if not until_done:
                     break
         if all(b.done for b in job.branches):
             self._jobs.pop((job.client, job.msg.rid), None)
+
+    def _chunk(self, job: _Job, b: _Branch, tokens: list[int]) -> None:
+        logprobs = None
+        if job.msg.sampling.logprobs:
+            start = len(b.output) - len(tokens)
+            logprobs = [toy_logprob(job.prompt + b.output[: start + i], t)
+                        for i, t in enumerate(tokens)]
+        texts = {t: _decode([t]) for t in tokens} if job.msg.logprob_texts else None
+        self._send(job.client, p.Chunk(rid=job.msg.rid, text=_decode(tokens), token_ids=tokens,
+                                       logprobs=logprobs, index=b.index, token_texts=texts))
 
     def _finish(self, job: _Job, b: _Branch, reason: str, matched: str | int | None) -> None:
         b.done = True
@@ -402,20 +447,24 @@ class StubServer:
                     job.session.history = list(job.prompt)
                     job.session.busy = False
         self._trie.insert(job.prompt + b.output)
-        prompt_logprobs = None
-        if msg.prompt_logprobs_start is not None:  # a position in the input (appended) part
+        prompt_logprobs = prompt_ids = None
+        if msg.prompt_logprobs_start is not None:  # from the appended input (< 0: history)
             seq = job.prompt
             start = len(seq) - job.appended + msg.prompt_logprobs_start
-            prompt_logprobs = [toy_logprob(seq[:i], seq[i])
-                               for i in range(max(1, start), len(seq))]
+            positions = range(max(1, start), len(seq))
+            prompt_logprobs = [toy_logprob(seq[:i], seq[i]) for i in positions]
+            prompt_ids = [seq[i] for i in positions]
+        texts = None
+        if msg.logprob_texts:  # a toy token's text is its character
+            texts = {t: _decode([t]) for t in (*b.output, *(prompt_ids or ()))}
         self._send(job.client, p.Done(
             rid=msg.rid, finish_reason=reason, text=b.text, token_ids=list(b.output),  # type: ignore[arg-type]
             usage=p.Usage(prompt_tokens=len(job.prompt), cached_tokens=job.cached,
                         completion_tokens=len(b.output)),
-            matched_stop=matched, prompt_logprobs=prompt_logprobs,
+            matched_stop=matched, prompt_logprobs=prompt_logprobs, prompt_token_ids=prompt_ids,
             logprobs=[toy_logprob(job.prompt + b.output[:i], t) for i, t in enumerate(b.output)]
             if msg.sampling.logprobs else None,
-            session=session_id, session_length=length, index=b.index,
+            session=session_id, session_length=length, index=b.index, token_texts=texts,
         ))
 
     def _abort(self, client: bytes, msg: p.Abort) -> None:
@@ -506,7 +555,7 @@ class StubServer:
             waiting=0, prompt_tokens_total=total, cached_tokens_total=self.cached_tokens_total,
             hit_rate=self.cached_tokens_total / total if total else 0.0, invariant_ok=True,
             generated_tokens_total=self.generated_tokens_total, retractions=0,
-            fair_preemptions=0, capped_steps=0,
+            fair_preemptions=0, capped_steps=0, finish_reasons={}, latency={},
         ))
 
     def _flush(self, client: bytes, msg: p.FlushCache) -> None:

@@ -6,9 +6,16 @@ model on CPU unless told otherwise).
    flood, B's latency <= 3x the baseline.
 2. Control requests during a long prefill: A sends a ~4k-token prompt; B sends `stats`
    one after another until A's answer comes: their latency. Target: < 100 ms.
+3. A new request during a long prefill (``--rows prefill``): A sends a ~7,000-token
+   prompt; B's short streamed request, sent once A's prefill has begun: its time to
+   first token against the same request unloaded. Target: <= 3x.
+4. Grammar compiles (``--rows grammar``): B's tiny fresh regex (1 output token): its
+   latency unloaded, then while A -- another namespace, as another tenant is -- has six
+   slow JSON schemas (~2 s each) compiling. Target: <= 2x unloaded.
 
     .venv/bin/python benchmarks/bench_fairness.py
     .venv/bin/python benchmarks/bench_fairness.py --model PATH --threads 2
+    .venv/bin/python benchmarks/bench_fairness.py --rows prefill,grammar
 
 Baseline before the fairness work (issue 14's probe): under the flood, B's 8-token
 request did not finish in 120 s; a `stats` waited 33 s behind a 3.2k-token prefill.
@@ -18,6 +25,7 @@ Results go to benchmarks/results_fairness.md.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -29,7 +37,9 @@ from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.launcher import start_server
 from radixlm.runtime.protocol import (
     PROTOCOL_VERSION,
+    Chunk,
     Done,
+    Error,
     Generate,
     GetStats,
     Hello,
@@ -93,12 +103,117 @@ def flooder(endpoint: str) -> tuple[zmq.Context[Any], zmq.Socket[Any]]:
     return ctx, sock
 
 
-def run(args: argparse.Namespace) -> list[tuple[str, str, str, str]]:
+Row = tuple[str, str, str, str]
+
+
+def first_token_s(client: RawClient, text: str) -> float:
+    """Seconds from sending a streamed 4-token request to its first chunk."""
+    rid = client.new_rid("ttft")
+    started = time.perf_counter()
+    client.send(Generate(rid=rid, input=Input(text=text), stream=True,
+                         sampling=SamplingParams(max_tokens=4, ignore_eos=True)))
+    first = None
+    while True:
+        reply = client.recv_for(rid, 600)
+        if first is None and isinstance(reply, (Chunk, Done)):
+            first = time.perf_counter() - started
+        if isinstance(reply, Done):
+            return first
+        assert isinstance(reply, Chunk), reply
+
+
+def prefill_rows(endpoint: str, b: RawClient, prefill_tokens: int, rounds: int) -> list[Row]:
+    first_token_s(b, "Warm up.")
+    alone = statistics.median(first_token_s(b, f"Name a colour, {i}.") for i in range(PROBES))
+    prompt = long_prompt(b, prefill_tokens)
+    n_prompt = count_tokens(b, prompt)
+    loaded, prefill_s = [], 0.0
+    for i in range(rounds):  # each round: a fresh long prompt (no cache), B's probe mid-way
+        ctx, a = flooder(endpoint)
+        try:
+            t0 = time.perf_counter()
+            a.send(encode(Generate(rid=f"long{i}", input=Input(text=f"{i} {prompt}"),
+                                   stream=True, sampling=SamplingParams(max_tokens=1))))
+            while b.stats().running == 0:  # A's prefill has begun
+                time.sleep(0.005)
+            loaded.append(first_token_s(b, f"Name a colour, {i}."))
+            while not (a.poll(600_000) and isinstance(decode_server(a.recv()), Done)):
+                pass
+            prefill_s = time.perf_counter() - t0
+        finally:
+            a.close(0)
+            ctx.term()
+    worst = max(loaded)
+    ratio = worst / alone
+    return [
+        ("short request's time to first token, alone (median of 5)", f"{alone:.3f} s",
+         "baseline", ""),
+        (f"... while a {n_prompt}-token prefill runs (worst of {rounds}; the prefill took "
+         f"{prefill_s:.1f} s)", f"{worst:.3f} s", f"{ratio:.1f}x alone",
+         "<= 3x: " + ("met" if ratio <= 3 else "NOT met")),
+    ]
+
+
+def heavy_schema(fields: int, salt: str) -> str:
+    return json.dumps({"type": "object", "properties": {
+        f"{salt}_{i}": {"type": "string", "pattern": f"[a-z]{{2,{5 + i % 7}}}"}
+        for i in range(fields)}})  # fmt: skip
+
+
+def grammar_s(client: RawClient, regex: str, namespace: str) -> float:
+    rid = client.new_rid("g")
+    started = time.perf_counter()
+    client.send(Generate(rid=rid, input=Input(text="Digits:"), namespace=namespace,
+                         sampling=SamplingParams(max_tokens=1, regex=regex)))
+    client.collect(rid, timeout_s=600)
+    return time.perf_counter() - started
+
+
+def grammar_rows(endpoint: str, b: RawClient, round_: list[int]) -> list[Row]:
+    grammar_s(b, "warm[0-9]", "b")  # the tokenizer's grammar view is built once
+    alone = statistics.median(grammar_s(b, f"{i}[0-9]{{3}}", "b") for i in range(PROBES))
+    ctx, a = flooder(endpoint)
+    try:
+        for i in range(6):
+            round_[0] += 1
+            a.send(encode(Generate(
+                rid=f"slow{i}", input=Input(text="JSON:"), namespace="a",
+                sampling=SamplingParams(max_tokens=1,
+                                        json_schema=heavy_schema(70, f"s{round_[0]}")))))
+        time.sleep(0.2)  # A's compiles are queued and running
+        loaded = [grammar_s(b, f"{i}x[0-9]{{3}}", "b") for i in range(PROBES)]
+        t0 = time.perf_counter()
+        dones = 0
+        while dones < 6 and a.poll(600_000):
+            dones += isinstance(decode_server(a.recv()), (Done, Error))
+        a_s = time.perf_counter() - t0
+    finally:
+        a.close(0)
+        ctx.term()
+    worst = max(loaded)
+    ratio = statistics.median(loaded) / alone
+    return [
+        ("tiny fresh regex, 1 token, alone (median of 5)", f"{alone:.3f} s", "baseline", ""),
+        (f"... while another namespace compiles six ~2 s schemas (median of 5; worst "
+         f"{worst:.3f} s; A's last answered {a_s:.1f} s after)", f"{statistics.median(loaded):.3f} s",
+         f"{ratio:.1f}x alone", "<= 2x: " + ("met" if ratio <= 2 else "NOT met")),
+    ]
+
+
+def run(args: argparse.Namespace) -> list[Row]:
     config = EngineConfig(model=args.model, device="cpu", kv_tokens=args.kv_tokens,
                           threads=args.threads, log_level="warning",
-                          fair_step_factor=args.fair_step_factor)
-    rows = []
+                          fair_step_factor=args.fair_step_factor,
+                          chunked_prefill=args.chunked_prefill)
+    rows: list[Row] = []
+    wanted = set(args.rows.split(","))
     with start_server(config) as server, RawClient(server.endpoint, timeout_s=600) as b:
+        if "prefill" in wanted:
+            rows += prefill_rows(server.endpoint, b, args.long_prefill_tokens, args.prefill_rounds)
+        if "grammar" in wanted:
+            rows += grammar_rows(server.endpoint, b, [0])
+        if "flood" not in wanted:
+            return rows
         short_latencies(b, 1)  # warm-up
         alone = statistics.median(short_latencies(b, PROBES))
         ctx, a = flooder(server.endpoint)
@@ -161,6 +276,14 @@ def main() -> None:
     parser.add_argument("--flood-tokens", type=int, default=64)
     parser.add_argument("--prefill-tokens", type=int, default=4000,
                         help="tokens of the long prompt")
+    parser.add_argument("--long-prefill-tokens", type=int, default=7000,
+                        help="tokens of the prompt of the 'prefill' rows")
+    parser.add_argument("--chunked-prefill", type=int, default=EngineConfig().chunked_prefill,
+                        help="the server's --chunked-prefill (prompt tokens per step)")
+    parser.add_argument("--prefill-rounds", type=int, default=3,
+                        help="long prefills of the 'prefill' rows (a probe during each)")
+    parser.add_argument("--rows", default="flood,prefill,grammar",
+                        help="which rows: flood (1 and 2), prefill (3), grammar (4)")
     parser.add_argument("--fair-step-factor", type=float, default=EngineConfig().fair_step_factor,
                         help="the server's --fair-step-factor (0: whole batches, the baseline)")
     args = parser.parse_args()
@@ -170,7 +293,9 @@ def main() -> None:
     command = (f"  .venv/bin/python benchmarks/bench_fairness.py --model {args.model} --threads "
                f"{args.threads} --flood-tokens {args.flood_tokens} --prefill-tokens "
                f"{args.prefill_tokens} --kv-tokens {args.kv_tokens} --fair-step-factor "
-               f"{args.fair_step_factor:g}")
+               f"{args.fair_step_factor:g} --rows {args.rows} --long-prefill-tokens "
+               f"{args.long_prefill_tokens} --prefill-rounds {args.prefill_rounds} --chunked-prefill "
+               f"{args.chunked_prefill}")
     append_results(RESULTS, "Fairness", args.model, command, table)
 
 

@@ -336,7 +336,7 @@ ANSWER = {"type": "object", "properties": {"city": {"type": "string", "maxLength
           "required": ["city", "summary"], "additionalProperties": False}
 
 
-def _chat_turn(client: Any, model: str, choice: str) -> tuple[float, float, str]:
+def _chat_turn(client: Any, model: str, choice: str) -> tuple[float, float, str, int]:
     kw: dict[str, Any] = {}
     if choice == "auto+schema":
         kw["response_format"] = {"type": "json_schema",
@@ -344,20 +344,24 @@ def _chat_turn(client: Any, model: str, choice: str) -> tuple[float, float, str]
     t0 = time.perf_counter()
     first = None
     kind = "text"
+    tokens = 0
     stream = client.chat.completions.create(
         model=model, stream=True, temperature=0, max_tokens=120, tools=[TOOL],
         tool_choice="required" if choice == "required" else "auto", messages=[
             {"role": "system", "content": "You answer weather questions."},
-            {"role": "user", "content": "What is the weather in Paris?"}], **kw)
+            {"role": "user", "content": "What is the weather in Paris?"}],
+        stream_options={"include_usage": True}, **kw)
     for chunk in stream:
         delta = chunk.choices[0].delta if chunk.choices else None
         if first is None and delta is not None and (delta.tool_calls or delta.content):
             first = time.perf_counter() - t0
             kind = "call" if delta.tool_calls else "text"
-    return first or 0.0, time.perf_counter() - t0, kind
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return first or 0.0, time.perf_counter() - t0, kind, tokens
 
 
-def _responses_turn(client: Any, model: str, choice: str) -> tuple[float, float, str]:
+def _responses_turn(client: Any, model: str, choice: str) -> tuple[float, float, str, int]:
     kw: dict[str, Any] = {}
     if choice == "auto+schema":
         kw["text"] = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER}}
@@ -365,6 +369,7 @@ def _responses_turn(client: Any, model: str, choice: str) -> tuple[float, float,
     t0 = time.perf_counter()
     first = None
     kind = "text"
+    tokens = 0
     for event in client.responses.create(
             model=model, stream=True, temperature=0, max_output_tokens=120, tools=[tool],
             tool_choice="required" if choice == "required" else "auto",
@@ -375,7 +380,9 @@ def _responses_turn(client: Any, model: str, choice: str) -> tuple[float, float,
             first = time.perf_counter() - t0
             kind = "call" if event.type == "response.output_item.added" and \
                 event.item.type == "function_call" else "text"
-    return first or 0.0, time.perf_counter() - t0, kind
+        if event.type == "response.completed":
+            tokens = event.response.usage.output_tokens
+    return first or 0.0, time.perf_counter() - t0, kind, tokens
 
 
 def tools(args: argparse.Namespace) -> list[str]:
@@ -386,7 +393,7 @@ def tools(args: argparse.Namespace) -> list[str]:
 
     port = free_port()
     cases = [(api, choice) for api in ("chat", "responses") for choice in ("required", "auto+schema")]
-    times: dict[tuple[str, str], list[tuple[float, float, str]]] = {c: [] for c in cases}
+    times: dict[tuple[str, str], list[tuple[float, float, str, int]]] = {c: [] for c in cases}
     with rl.Engine("default", device="cpu", kv_tokens=16384, http=f"127.0.0.1:{port}",
                    threads=args.threads, startup_timeout=600) as engine:
         assert engine.http_url is not None
@@ -396,13 +403,14 @@ def tools(args: argparse.Namespace) -> list[str]:
                 run = _chat_turn if api == "chat" else _responses_turn
                 times[(api, choice)].append(run(client, "SmolLM2-135M-Instruct", choice))
         client.close()
-    lines = ["| API | tool_choice | first delta | whole reply | first delta is |",
-             "|---|---|---:|---:|---|"]
+    lines = ["| API | tool_choice | first delta | whole reply | output tokens | first delta is |",
+             "|---|---|---:|---:|---:|---|"]
     for (api, choice), got in times.items():
         rounds = got[1:]
         first = statistics.median(t[0] for t in rounds) * 1000
         whole = statistics.median(t[1] for t in rounds) * 1000
-        lines.append(f"| {api} | {choice} | {first:.0f} ms | {whole:.0f} ms | "
+        tokens = statistics.median(t[3] for t in rounds)
+        lines.append(f"| {api} | {choice} | {first:.0f} ms | {whole:.0f} ms | {tokens:.0f} | "
                      f"{', '.join(sorted({t[2] for t in rounds}))} |")
     lines.append(f"\nMedian of {args.repeats} interleaved rounds (one warm-up round dropped); "
                  "one streamed request at a time through `openai.OpenAI`, SmolLM2-135M-Instruct "

@@ -168,6 +168,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, log_level: str = _DEFAUL
     g.add_argument("--retained-cap", type=_non_negative_int, default=d.retained_cap,
                    help="cap on tokens held by sessions and pins; 0 = half the KV pool "
                         "(default: %(default)s)")
+    g.add_argument("--max-retained-per-tenant", type=_non_negative_int,
+                   default=d.max_retained_per_tenant, metavar="TOKENS",
+                   help="on a server with several tenants, the most one tenant's sessions "
+                        "and pins may retain; 0 = the retained cap shared equally among the "
+                        "tenants retaining tokens, a quarter of it at least (default: "
+                        "%(default)s)")
+    g.add_argument("--grammar-timeout", type=_positive_float, default=d.grammar_timeout_s,
+                   metavar="SECONDS",
+                   help="a constrained request whose grammar has not compiled in this time "
+                        "(its wait for a compile thread included) fails (default: %(default)s)")
     g.add_argument("--session-ttl", type=_non_negative_float, default=d.default_session_ttl_s,
                    metavar="SECONDS",
                    help="idle time after which a session is demoted to ordinary cache; 0 = only "
@@ -205,6 +215,11 @@ def add_trust_arguments(p: argparse.ArgumentParser) -> None:
             type=_positive_float, default=d.engine_timeout_s, metavar="SECONDS", help=(
                 "fail in-flight requests with engine_unavailable once the engine process has "
                 "not answered for this long (default: %(default)s)"))),
+        ("--drain-timeout", dict(
+            type=_non_negative_float, default=d.drain_timeout_s, metavar="SECONDS", help=(
+                "on SIGTERM (or Ctrl-C) the server takes no new requests and lets running "
+                "ones finish for up to this long, then stops; a second signal stops it at "
+                "once (default: %(default)s)"))),
         ("--max-inflight-per-client", dict(
             type=_non_negative_int, default=d.max_inflight_per_client, metavar="N", help=(
                 "generate requests one client may have in flight (more get 'capacity'); 0 = no "
@@ -240,7 +255,9 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         context_length=args.context_length,
         allow_long_context=args.allow_long_context,
         retained_cap=args.retained_cap,
+        max_retained_per_tenant=args.max_retained_per_tenant,
         default_session_ttl_s=args.session_ttl,
+        grammar_timeout_s=args.grammar_timeout,
         host_kv_tokens=args.host_kv_tokens,
         threads=args.threads,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", _DEFAULTS.tensor_parallel_size),
@@ -252,6 +269,7 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
         insecure=getattr(args, "insecure", _DEFAULTS.insecure),
         max_message_bytes=getattr(args, "max_message_bytes", _DEFAULTS.max_message_bytes),
         engine_timeout_s=getattr(args, "engine_timeout", _DEFAULTS.engine_timeout_s),
+        drain_timeout_s=getattr(args, "drain_timeout", _DEFAULTS.drain_timeout_s),
         max_inflight_per_client=getattr(args, "max_inflight_per_client",
                                         _DEFAULTS.max_inflight_per_client),
         max_priority=getattr(args, "max_priority", _DEFAULTS.max_priority),

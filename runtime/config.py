@@ -27,6 +27,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     context_length: int = 0  # 0 = the model's max_position_embeddings
     allow_long_context: bool = False  # allow context_length beyond the model's positions (warned)
     retained_cap: int = 0  # cap on retained (pinned + session) tokens; 0 = half the pool
+    max_retained_per_tenant: int = 0  # a tenant's quota of the cap; 0 = an equal share
+    grammar_timeout_s: float = 60.0  # a request's wait for its grammar to compile
     default_session_ttl_s: float = 0.0  # 0 = no idle TTL unless a session asks for one
     host_kv_tokens: int = 0  # host-memory KV tier capacity (tokens); 0 = off
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
@@ -40,6 +42,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     insecure: bool = False  # allow a public TCP endpoint without auth_dir
     max_message_bytes: int = 4 * 2**20  # largest client frame; libzmq drops the connection
     engine_timeout_s: float = 60.0  # engine silent this long -> in-flight requests fail
+    drain_timeout_s: float = 30.0  # SIGTERM: running requests may finish for this long
     max_inflight_per_client: int = 0  # generate requests one client may have in flight; 0 = no cap
     max_priority: int = 0  # a request's priority is clamped to this
     fair_step_factor: float = 2.0  # several clients decoding: a step within this many one-row steps; 0 = off

@@ -109,6 +109,9 @@ class EngineGenerate(_Internal, tag="gen"):
     # text or ids), and its renderings for the ends of history other than a closed turn.
     assistant_open: Union[bool, None] = None
     variants: Union[AppendVariants, None] = None
+    # When the frontend received the request (`time.monotonic()`, before tokenizing):
+    # the start of its time to first token and end-to-end latency (engine/timings.py).
+    arrived: Union[float, None] = None
 
 
 class EngineAbort(_Internal, tag="abort"):
@@ -187,6 +190,7 @@ class TokenOutput(_Internal):
     usage: Union[Usage, None] = None
     prompt_logprobs: Union[list[float], None] = None
     prompt_top_logprobs: Union[list[list[TopLogprob]], None] = None
+    prompt_token_ids: Union[list[int], None] = None  # the tokens of prompt_logprobs
     # A stop string matched inside the last kept token: its text's last `text_trim`
     # characters are the stop string's start, which the output's text leaves out.
     text_trim: int = 0

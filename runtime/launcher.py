@@ -112,6 +112,25 @@ class RunningServer:
             time.sleep(poll_interval_s)
         return exited
 
+    def drain(self, timeout_s: float) -> None:
+        """Stop gracefully: SIGTERM the processes clients talk to (the frontend, the HTTP
+        API), which take no new requests and exit once the running ones have finished, or
+        at `timeout_s` (their --drain-timeout); then stop the engine."""
+        front = {role: p for role, p in self.processes.items() if role != "engine"}
+        for proc in front.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s + STOP_GRACE_S
+        for role, proc in front.items():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("the %s process (pid %d) did not drain in time; killing it",
+                            role, proc.pid)
+                proc.kill()
+                proc.wait()
+        self.stop()
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop every child (SIGTERM, then SIGKILL after `grace_s`) and remove the sockets."""
         _stop_processes(self.processes, grace_s)

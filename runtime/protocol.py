@@ -96,6 +96,8 @@ class SamplingParams(Struct):
     seed: Union[int, None] = None
     stop: list[str] = []
     stop_token_ids: list[int] = []
+    stop_regex: list[str] = []  # Python regexes: the output ends once its text matches one
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many
     ignore_eos: bool = False
     logprobs: bool = False  # logprob of each sampled token
     top_logprobs: int = 0  # and this many alternatives per position
@@ -165,6 +167,8 @@ class Generate(Struct, tag="generate"):
     tool_choice: Union[ToolChoiceMode, NamedToolChoice] = "auto"
     # False: at most one call per answer ("required": exactly one).
     parallel_tool_calls: bool = True
+    # With logprobs: each token's text rides with them (SGLang's return_text_in_logprobs).
+    logprob_texts: bool = False
 
 
 class Abort(Struct, tag="abort"):
@@ -303,6 +307,8 @@ class Chunk(Struct, tag="chunk"):
     logprobs: Union[list[float], None] = None
     top_logprobs: Union[list[list[TopLogprob]], None] = None
     index: int = 0  # branch index when n > 1
+    # With logprob_texts: the text of every token id in this chunk's ids and logprobs.
+    token_texts: Union[dict[int, str], None] = None
 
 
 class Usage(Struct):
@@ -332,6 +338,10 @@ class Done(Struct, tag="done"):
     top_logprobs: Union[list[list[TopLogprob]], None] = None
     prompt_logprobs: Union[list[float], None] = None  # from prompt_logprobs_start on
     prompt_top_logprobs: Union[list[list[TopLogprob]], None] = None
+    prompt_token_ids: Union[list[int], None] = None  # the tokens of prompt_logprobs
+    # With logprob_texts: the text (decoded alone) of every token id in the output, its
+    # top alternatives and the prompt's logprobs.
+    token_texts: Union[dict[int, str], None] = None
     session: Union[str, None] = None  # the session this branch's history lives in
     session_length: Union[int, None] = None  # its history length after this turn
     index: int = 0  # branch index when n > 1 (one Done per branch)
@@ -369,6 +379,16 @@ class Ok(Struct, tag="ok"):
     rid: str
 
 
+class Histogram(Struct):
+    """Observations of one duration, in seconds, as Prometheus buckets them: `counts[i]`
+    fell in (`bounds[i-1]`, `bounds[i]`], the last count above every bound."""
+
+    bounds: list[float]  # ascending upper bounds
+    counts: list[int]  # per bucket (not cumulative): len(bounds) + 1
+    sum: float
+    count: int
+
+
 class StatsReply(Struct, tag="stats_reply"):
     rid: str
     capacity: int
@@ -392,6 +412,12 @@ class StatsReply(Struct, tag="stats_reply"):
     retractions: int  # running requests sent back to the queue (their KV kept as cache)
     fair_preemptions: int  # of those, to give another client its share of running slots
     capped_steps: int  # decode steps that held rows back for another client's latency
+    # Generate branches that ended, by finish reason ("stop", "length", "abort").
+    finish_reasons: dict[str, int]
+    # Per-request timings measured in the engine (every protocol, streamed or not), by
+    # name: request_queue_time, time_to_first_token, e2e_request_latency,
+    # request_prefill_time, request_decode_time, request_time_per_output_token.
+    latency: dict[str, Histogram]
 
 
 class SessionOpened(Struct, tag="session_opened"):

@@ -28,6 +28,7 @@ from radixlm.runtime.protocol import (
     Generate,
     Input,
     SamplingParams,
+    Tool,
 )
 from radixlm.runtime.sampling_params import validate_sampling
 
@@ -72,7 +73,17 @@ def check_input_size(inp: Input | None, max_bytes: int, context_length: int) -> 
     if inp.input_ids is not None and len(inp.input_ids) > context_length:
         raise RequestError(ErrorCode.TOO_LONG, f"input ({len(inp.input_ids)} tokens) exceeds "
                                                f"the context length ({context_length})")
-    texts = [inp.text] if inp.text is not None else [m.content or "" for m in inp.messages or ()]
+    messages = inp.messages or ()
+    # Every message and tool call renders to at least one token: more of them than the
+    # context holds can never fit, and is refused before anything is rendered.
+    parts = len(messages) + sum(len(m.tool_calls or ()) for m in messages)
+    if parts > context_length:
+        raise RequestError(ErrorCode.TOO_LONG, f"input ({len(messages)} messages, {parts} with "
+                                               f"their tool calls) exceeds the context length "
+                                               f"({context_length}): each takes a token at least")
+    texts = [inp.text] if inp.text is not None else [
+        t for m in messages for t in (m.content or "", *(
+            f"{c.name}{c.arguments}" for c in m.tool_calls or ()))]
     chars = sum(len(t) for t in texts)
     if chars * 4 <= max_bytes:  # UTF-8: at most 4 bytes a character
         return
@@ -103,6 +114,14 @@ def check_generate(msg: Generate, vocab_size: int) -> None:
         raise _invalid("n > 1 needs max_tokens >= 1")
     check_sampling(msg.sampling, vocab_size)
     check_input(msg.input, vocab_size)
+
+
+def check_tools(tools: list[Tool] | None, context_length: int) -> None:
+    """Each tool definition renders to a token at least: more than the context holds are
+    refused before they are rendered."""
+    if tools and len(tools) > context_length:
+        raise RequestError(ErrorCode.TOO_LONG, f"{len(tools)} tool definitions exceed the "
+                                               f"context length ({context_length})")
 
 
 def check_fork(n: int) -> None:
@@ -157,11 +176,13 @@ def resolve_max_tokens(sampling: SamplingParams, prompt_len: int, *, context_len
     return msgspec.structs.replace(sampling, max_tokens=max(1, room))
 
 
-def check_prompt_logprobs_start(start: int | None, input_len: int) -> None:
+def check_prompt_logprobs_start(start: int | None, input_len: int, history_len: int = 0) -> None:
     """A position in the request's input, 0 up to its length (which asks for no values);
-    with a session the input is what it appends, which only the engine knows."""
-    if start is not None and not 0 <= start <= input_len:
-        raise _invalid(f"prompt_logprobs_start ({start}) must be in [0, {input_len}]")
+    with a session the input is what it appends, which only the engine knows, and a
+    negative start counts back into the session's history (-k: its last k tokens)."""
+    if start is not None and not -history_len <= start <= input_len:
+        raise _invalid(f"prompt_logprobs_start ({start}) must be in [{-history_len}, {input_len}]"
+                       + ("" if history_len else " (negative only into a session's history)"))
 
 
 def check_truncate(length: int, history_len: int) -> None:

@@ -28,12 +28,14 @@ goes through, in this order (the order of transformers' and vLLM's processors):
 
 Before all of these, a grammar `mask` (``runtime.grammar.TokenMask``: the whole batch's
 token bitmask, filled in one pass) sets the tokens a constrained row's grammar forbids
-to -inf.
+to -inf, and `banned` tokens (a row below its ``min_tokens``: EOS and stop ids) are set to
+-inf too, unless nothing would be left.
 
 Logprobs are those of the **raw model distribution**: ``log_softmax`` of the logits
 before penalties, temperature and filtering (what SGLang and vLLM report by default and
-what `select()`-style scoring needs), restricted by the grammar mask when a row has
-one (the constrained distribution: forbidden tokens have probability 0); a request asks
+what `select()`-style scoring needs), restricted by the grammar mask and the banned
+tokens when a row has them (the constrained distribution: forbidden tokens have
+probability 0); a request asks
 with ``logprobs`` (the sampled token's) and ``top_logprobs`` (that many alternatives,
 most likely first).
 
@@ -97,6 +99,19 @@ class PromptLogprobs(NamedTuple):
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+def _ban(logits: torch.Tensor, banned: Sequence[Sequence[int]]) -> None:
+    """Set each row's `banned` tokens to -inf in place, unless nothing else is allowed."""
+    for i, ids in enumerate(banned):
+        if not ids:
+            continue
+        cols = torch.as_tensor(list(ids), device=logits.device)
+        row = logits[i]
+        kept = row.index_select(0, cols)
+        row.index_fill_(0, cols, -math.inf)
+        if not torch.isfinite(row).any():  # only these were allowed: they stay
+            row.index_copy_(0, cols, kept)
+
+
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
     """A generator for a seeded request (None for an unseeded one), on the logits' device."""
     if seed is None:
@@ -149,6 +164,7 @@ class Sampler:
         prompt_ids: Sequence[Sequence[int]] | None = None,
         generators: Sequence[torch.Generator | None] | None = None,
         mask: LogitsMask | None = None,
+        banned: Sequence[Sequence[int]] | None = None,
     ) -> SampleOutput:
         """Sample a token for each row of `logits` ``[B, V]`` (float32, V >= vocab_size).
 
@@ -157,7 +173,10 @@ class Sampler:
         `generators[i]`: row i's generator from `make_generator` (None = unseeded);
         `mask`: the grammar mask of the batch (None: no row is constrained), applied to
         `logits` in place (float32 logits of exactly `vocab_size` columns are not copied
-        first: the caller must not reuse them).
+        first: the caller must not reuse them). `banned[i]`: tokens row i may not sample
+        now (``min_tokens``: its EOS and stop ids), set to -inf after the grammar mask --
+        unless that would leave the row nothing (a grammar whose match is complete allows
+        only EOS): then they stay.
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
@@ -177,6 +196,8 @@ class Sampler:
         logits = logits[:, : self.vocab_size].float()
         if mask is not None:  # in place: the caller hands its rows over to sampling
             logits = mask.apply(logits)
+        if banned is not None:
+            _ban(logits, banned)
         want_lp = [_wants_logprobs(p) for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_lp) else None
 

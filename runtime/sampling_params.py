@@ -14,6 +14,7 @@ import math
 from typing import Any, Protocol
 
 from radixlm.runtime.protocol import MAX_TOP_LOGPROBS
+from radixlm.tokenizer.stop_regex import check_patterns
 
 __all__ = [
     "GREEDY_EPS",
@@ -41,6 +42,8 @@ class SamplingParamsLike(Protocol):
     seed: int | None
     stop: list[str]
     stop_token_ids: list[int]
+    stop_regex: list[str]
+    min_tokens: int
     ignore_eos: bool
     logprobs: bool
     top_logprobs: int
@@ -110,4 +113,7 @@ def validate_sampling(params: SamplingParamsLike, vocab_size: int | None = None)
         if not _integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
             bound = f" and < vocab size {vocab_size}" if vocab_size is not None else ""
             return f"stop_token_ids must be integers >= 0{bound}, got {t!r}"
-    return None
+    if not _integer(params.min_tokens) or not 0 <= params.min_tokens <= params.max_tokens:
+        return (f"min_tokens must be an integer in [0, max_tokens ({params.max_tokens})], "
+                f"got {params.min_tokens!r}")
+    return check_patterns(params.stop_regex)

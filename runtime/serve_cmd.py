@@ -49,6 +49,7 @@ from radixlm.runtime.transport.discovery import (
     RuntimeDirError,
     claim_default,
 )
+from radixlm.runtime.transport.exits import how_it_ended
 
 __all__ = ["run_serve"]
 
@@ -145,12 +146,17 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         if args.endpoint_file:
             write_endpoint_file(args.endpoint_file, server.endpoint)
         role, code = server.wait()
-        say("serve", f"the {role} process exited with code {code}; stopping")
+        say("serve", f"the {role} process {how_it_ended(code)}; stopping")
         return 1
     except (ServerStartError, EndpointError, RuntimeDirError, HttpStartError) as e:
         say("serve", str(e))
         return 1
-    except (KeyboardInterrupt, StopRequested):
+    except (KeyboardInterrupt, StopRequested) as e:
+        why = "SIGTERM" if isinstance(e, StopRequested) else "Ctrl-C"
+        if server is not None:
+            _drain(server, config.drain_timeout_s, why)
+        # The last word of the log says why it stopped (rl.Engine reports that line).
+        say("serve", f"stopped on {why}")
         return 0  # start_server has stopped what it started if it was interrupted
     finally:
         if http_socket is not None:
@@ -162,6 +168,19 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         if args.endpoint_file:
             with contextlib.suppress(OSError):
                 os.unlink(args.endpoint_file)
+
+
+def _drain(server: RunningServer, timeout_s: float, why: str) -> None:
+    """Let running requests finish (up to `timeout_s`); a second signal stops at once."""
+    say("serve", f"{why}: taking no new requests, finishing the running ones (up to "
+                 f"{timeout_s:g} s; {why} again stops at once)")
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        server.drain(timeout_s)
+    except (KeyboardInterrupt, StopRequested):
+        say("serve", "stopping at once")
+        server.stop(grace_s=0.0)
 
 
 def _url_host(host: str) -> str:

@@ -207,6 +207,10 @@ class EngineFacts:
     kv_capacity = _Read[int](_welcome_of, "The KV pool's size in tokens.")
     server_version = _Read[str](_welcome_of, "The engine's radixlm version.")
 
+    def get_model_name(self) -> str:
+        """The model the engine serves (SGLang's ``RuntimeEndpoint.get_model_name``)."""
+        return self.model
+
     def _welcome(self) -> Welcome:
         raise NotImplementedError
 

@@ -32,14 +32,17 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from radixlm.runtime.transport.exits import how_it_ended
 from radixlm.runtime.transport.progress import Spinner, starting_label
 from radixlm.sdk.errors import EngineDeadError, EngineStartError
+from radixlm.sdk.server_args import ServerArgs, engine_options
 from radixlm.sdk.sync import Client
 
 __all__ = ["Engine", "EngineProcess", "Runtime", "engine_flags"]
 
 _STOP_GRACE_S = 10.0
 _LOG_TAIL_LINES = 15
+_UP_LINES = ("radixlm serve: ready at", "radixlm serve: HTTP API at")  # not a reason to stop
 # Keyword names that differ from the `serve` flag (EngineConfig field -> flag).
 _FLAG_NAMES = {"default_session_ttl_s": "session-ttl", "session_ttl_s": "session-ttl"}
 
@@ -133,8 +136,10 @@ class EngineProcess:
             return None
         tail = self.log_tail()
         # `radixlm serve` says why it stopped in one line; else show the end of its log.
-        summary = [line for line in tail.splitlines() if line.startswith("radixlm serve:")]
-        what = f"the server process (radixlm serve, pid {self.proc.pid}) exited with code {code}"
+        # Its last line that is not news of being up ("ready at", "HTTP API at").
+        summary = [line for line in tail.splitlines() if line.startswith("radixlm serve:")
+                   and not line.startswith(_UP_LINES)]
+        what = f"the server process (radixlm serve, pid {self.proc.pid}) {how_it_ended(code)}"
         if summary:  # it names the process that failed (engine or frontend) and why
             message = summary[-1].removeprefix("radixlm serve: ")
             return f"{what}: {keyword_words(message, self.options)}"
@@ -174,7 +179,8 @@ class Engine(Client):
     `heartbeat_timeout` only covers a process that is alive but stopped answering. Use it
     as a context manager, or call `close` (alias `shutdown`).
     ``http="HOST:PORT"`` also serves the OpenAI-compatible HTTP API there (`http_url` is
-    its ``.../v1`` base URL; ``api_key=`` sets its key).
+    its ``.../v1`` base URL; ``api_key=`` sets its key). `server_args`: SGLang's
+    `ServerArgs` (see `radixlm.sdk.server_args`).
     """
 
     def __init__(
@@ -184,8 +190,14 @@ class Engine(Client):
         startup_timeout: float = 600.0,
         heartbeat_timeout: float = 60.0,
         endpoint: str | None = None,
+        server_args: ServerArgs | None = None,
         **engine_flags: Any,
     ) -> None:
+        if "model_path" in engine_flags:  # SGLang's name for it
+            model = engine_flags.pop("model_path")
+        if server_args is not None:  # SGLang's: its model and options, then these
+            model = server_args.model_path
+            engine_flags = {**engine_options(server_args.options), **engine_flags}
         self.process = EngineProcess(model, engine_flags, endpoint)
         # Registered before the client's finalizer, so at exit it runs after it.
         self._process_finalizer = weakref.finalize(self, self.process.stop)
@@ -236,6 +248,11 @@ def _wait_http(timeout_s: float, process: EngineProcess) -> str:
     raise EngineStartError(f"the HTTP API did not start: {reason}")
 
 
-def Runtime(model_path: str = "default", **kwargs: Any) -> Engine:  # noqa: N802 - SGLang's name
-    """SGLang's ``sgl.Runtime(model_path=...)``: an `Engine`."""
-    return Engine(model_path, **kwargs)
+def Runtime(model_path: str = "default", log_level: str | None = None,  # noqa: N802 - SGLang's name
+            launch_timeout: float = 600.0, **kwargs: Any) -> Engine:
+    """SGLang's ``sgl.Runtime(model_path=..., **server_args)``: an `Engine`. SGLang's
+    server arguments are translated (`radixlm.sdk.server_args`); `launch_timeout` is the
+    Engine's `startup_timeout`."""
+    known = {k: kwargs.pop(k) for k in ("heartbeat_timeout", "endpoint") if k in kwargs}
+    return Engine(model_path, startup_timeout=launch_timeout, **known,
+                  **engine_options({"log_level": log_level, **kwargs}))

@@ -2,8 +2,9 @@
 
 The engine's errors, one class per protocol `ErrorCode` under `EngineError`, are the
 neutral transport's (`radixlm.runtime.transport.errors`), which every client of the
-engine shares; the SDK re-exports them and adds its own two: `EngineStartError`
-(`rl.Engine` could not start the engine) and `ProgramError` (a program misused the SDK).
+engine shares; the SDK re-exports them and adds its own three: `EngineStartError`
+(`rl.Engine` could not start the engine), `ProgramError` (a program misused the SDK) and
+`UnsupportedError` (a part of SGLang's frontend radixlm refuses by design).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from radixlm.runtime.transport.errors import plain_errors as plain_errors  # for
 
 # The exception classes (`error_from_reply` and `plain_errors` are not ``rl.*`` names).
 __all__ = sorted([*(n for n in _engine.__all__ if n.endswith("Error")), "EngineStartError",
-                  "ProgramError"])
+                  "ProgramError", "UnsupportedError"])
 
 
 class EngineStartError(EngineDeadError):
@@ -26,3 +27,8 @@ class EngineStartError(EngineDeadError):
 
 class ProgramError(RuntimeError):
     """A program used the SDK in a way it cannot run (not an engine error)."""
+
+
+class UnsupportedError(NotImplementedError):
+    """A part of SGLang's frontend that radixlm does not provide by design (hosted API
+    backends, image and video inputs); the message says what to use instead."""

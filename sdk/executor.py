@@ -22,11 +22,10 @@ Everything here runs in the event loop of the run's client (no locks needed).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 import msgspec
@@ -40,10 +39,23 @@ from radixlm.runtime.protocol import (
     SessionOpened,
 )
 from radixlm.runtime.transport.mailbox import EMPTY, Latch, Mailbox
-from radixlm.sdk.errors import ProgramError, plain_errors
-from radixlm.sdk.lang import Gen, RoleBegin, RoleEnd, Select, Text
+from radixlm.sdk.choices import decide
+from radixlm.sdk.errors import NotFoundError, ProgramError, plain_errors
+from radixlm.sdk.lang import (
+    Gen,
+    RoleBegin,
+    RoleEnd,
+    Select,
+    SeparateReasoning,
+    Text,
+    VarScopeBegin,
+    VarScopeEnd,
+)
 from radixlm.sdk.options import branch_seed
+from radixlm.sdk.prefix import strip_prefix
+from radixlm.sdk.reasoning import reasoning_name, split_reasoning
 from radixlm.sdk.results import meta_info
+from radixlm.sdk.stream_meta import StreamLog
 from radixlm.sdk.text_buffer import TextBuffer
 
 if TYPE_CHECKING:
@@ -90,7 +102,7 @@ class StateCore:
                  "resolved", "finished", "_on_finish", "error", "session", "session_length",
                  "owned", "handed_over", "_text", "fork_text_pos", "messages", "variables",
                  "meta", "var_done", "pending", "role", "role_open", "role_content",
-                 "seed_offset")
+                 "role_start", "scopes", "streams", "outputs", "seed_offset")
 
     def __init__(self, run: ProgramRun, *, forked: bool = False) -> None:
         self.run = run
@@ -120,6 +132,10 @@ class StateCore:
         self.role: str | None = None
         self.role_open = False  # the assistant header was sent: generated text follows it
         self.role_content: list[str] = []
+        self.role_start = 0  # where the current role's content starts in the text
+        self.scopes: dict[str, int] = {}  # var_scope name -> where its text starts
+        self.streams: dict[Any, StreamLog] = {}  # streaming gens' tokens and logprobs
+        self.outputs: dict[Any, _Output] = {}  # where each gen's output is
         # Fork child i samples with the run's seed + its parent's offset + i, as branch i
         # of a ``gen(n=k)`` does: seeded forks differ from each other and rerun the same.
         self.seed_offset = 0
@@ -197,12 +213,24 @@ class StateCore:
             await self._select(op)
         elif isinstance(op, JoinOp):
             await self._join(op.children, op.mode)
+        elif isinstance(op, SeparateReasoning):
+            await self._separate_reasoning(op)
         else:  # pragma: no cover - ProgramState only submits the ops above
             raise ProgramError(f"unknown program operation {op!r}")
 
     def _set_var(self, name: Any, value: Any) -> None:
         self.variables[name] = value
         self.var_done.add(name)
+
+    def _scope_begin(self, name: str) -> None:
+        self.scopes[name] = len(self._text)
+
+    def _scope_end(self, name: str) -> None:
+        """``with s.var_scope(name)`` ended: the text appended inside is the variable."""
+        start = self.scopes.pop(name, None)
+        if start is None:  # pragma: no cover - var_scope() always submits both
+            raise ProgramError(f"var_scope({name!r}) ended without beginning")
+        self._set_var(name, self._text.since(start))
 
     # -- local text and roles ------------------------------------------------------------
 
@@ -239,6 +267,7 @@ class StateCore:
         if self.role is not None:
             raise ProgramError(f"rl.{role}() inside rl.{self.role}(): roles cannot nest")
         self.role, self.role_open, self.role_content = role, False, []
+        self.role_start = len(self._text)
 
     def _role_end(self, role: str) -> None:
         if self.role != role:
@@ -272,24 +301,59 @@ class StateCore:
         """Send what is pending to the session (opening it on first use). With `keep_last`,
         the last piece is returned instead, to travel with the request that follows."""
         inputs, self.pending = self.pending, []
-        last = inputs.pop() if keep_last and inputs else None
-        if self.session is None:
+        if self.session is not None:
+            last = inputs.pop() if keep_last and inputs else None
+        else:
             if self.handed_over:  # pragma: no cover - `_fork` checked nothing follows
                 raise ProgramError("internal: this state gave its session to a fork")
-            first = inputs.pop(0) if inputs else None
-            with anyio.CancelScope(shield=True):  # a cancel must not lose the new id
-                opened = await self.client.call(OpenSession(
-                    rid=self.client.new_rid(), input=first, pinned=self.run.pin,
-                    namespace=self.run.namespace,
-                ), SessionOpened)
-            self.session = opened.session
-            self.owned.add(opened.session)
-            self.session_length = opened.length
+            whole = list(inputs)
+            cached = self._from_cached_prefix(inputs) if self.run.pin is None else None
+            try:
+                last = await self._open(inputs, keep_last, cached or self.run.pin)
+            except NotFoundError:
+                if cached is None:
+                    raise
+                # The pin `program.cache()` made is gone (unpinned): start from scratch.
+                self.run.cached_prefix.gone = True  # type: ignore[union-attr]
+                self.run.cached_prefix = None
+                inputs = whole
+                last = await self._open(inputs, keep_last, None)
         for inp in inputs:  # pieces of different kinds (text, messages): one append each
             msg = self.client.generate_message(inp, _APPEND_ONLY, session=self.session)
             done = (await self.client.run_generate(msg))[0]
             self._took(done)
         return last
+
+    async def _open(self, inputs: list[Input], keep_last: bool, pinned: str | None
+                    ) -> Input | None:
+        """Open this state's session (from `pinned`) with the first of `inputs`; with
+        `keep_last`, the last one is taken off and returned, as `_push` returns it."""
+        last = inputs.pop() if keep_last and inputs else None
+        first = inputs.pop(0) if inputs else None
+        with anyio.CancelScope(shield=True):  # a cancel must not lose the new id
+            opened = await self.client.call(OpenSession(
+                rid=self.client.new_rid(), input=first, pinned=pinned,
+                namespace=self.run.namespace,
+            ), SessionOpened)
+        self.session = opened.session
+        self.owned.add(opened.session)
+        self.session_length = opened.length
+        return last
+
+    def _from_cached_prefix(self, inputs: list[Input]) -> str | None:
+        """The pin made by ``program.cache()`` when this state's input starts with its
+        prefix (which is then taken off `inputs`: the pin holds it already)."""
+        cached = self.run.cached_prefix
+        if cached is None or not inputs:
+            return None
+        matched, rest = strip_prefix(inputs[0], cached.input)
+        if not matched:
+            return None
+        if rest is None:
+            inputs.pop(0)
+        else:
+            inputs[0] = rest
+        return cached.name
 
     def _took(self, done: Done) -> None:
         if done.session_length is not None:
@@ -310,16 +374,30 @@ class StateCore:
             last = pending.pop() if pending else None
         else:
             last = await self._push(keep_last=True)
-        sampling = self.run.sampling_for(op.sampling)
+        run = self.run
+        sampling = run.sampling_for(op.sampling, op.dtype_stop)
         if self.seed_offset and sampling.seed is not None:
             sampling = msgspec.structs.replace(
                 sampling, seed=branch_seed(sampling.seed, self.seed_offset))
-        stream = self.run.stream and op.n == 1
+        n = op.n if op.n is not None else run.gen_defaults.n
+        logprob_start = (op.logprob_start_len if op.logprob_start_len is not None
+                         else run.gen_defaults.logprob_start_len)
+        # SGLang's logprob_start_len counts in the whole prompt (the state's text); the
+        # protocol's start counts from the appended input (negative: into the history).
+        plp_start = None
+        if logprob_start is not None and sampling.logprobs:
+            plp_start = logprob_start - self.session_length
+        texts = op.text_in_logprobs if op.text_in_logprobs is not None else \
+            run.gen_defaults.text_in_logprobs
+        stream = run.stream and n == 1
         msg = self.client.generate_message(last or Input(input_ids=[]), sampling,
-                                           session=self.session, n=op.n, stream=stream)
+                                           session=self.session, n=n, stream=stream,
+                                           prompt_logprobs_start=plp_start,
+                                           logprob_texts=bool(texts))
         name = op.name
+        text_start = len(self._text)
         start = time.perf_counter()
-        if op.n > 1:
+        if n > 1:
             req = self.client.request(msg)
             try:
                 async with req:
@@ -335,15 +413,18 @@ class StateCore:
                 self._switch_session(branches[0], dones[0].session_length,
                                      [*branches[1:], *([old] if old else [])])
             self.variables[name] = [d.text for d in dones]
-            self.meta[name] = [meta_info(d, latency) for d in dones]
-            self._add_generated(dones[0].text)
+            self.meta[name] = [_gen_meta(d, latency, logprob_start) for d in dones]
+            done = dones[0]
+            self._add_generated(done.text)
         elif stream:
             self.variables[name] = ""
+            log = self.streams[name] = StreamLog(msg.rid)
             done = None
             async with self.client.request(msg) as req:
                 while not req.finished:
                     reply = await req.receive()
                     if isinstance(reply, Chunk):
+                        log.add(reply)
                         self.variables[name] += reply.text
                         self._add_generated(reply.text)
                         self.run.notify()
@@ -351,13 +432,14 @@ class StateCore:
                         done = reply
             assert done is not None
             self._took(done)
-            self.meta[name] = meta_info(done, time.perf_counter() - start)
+            self.meta[name] = _gen_meta(done, time.perf_counter() - start, logprob_start)
         else:
             done = (await self.client.run_generate(msg))[0]
             self._took(done)
             self.variables[name] = done.text
-            self.meta[name] = meta_info(done, time.perf_counter() - start)
+            self.meta[name] = _gen_meta(done, time.perf_counter() - start, logprob_start)
             self._add_generated(done.text)
+        self.outputs[name] = _Output(text_start, len(self._text), done.usage.prompt_tokens)
         self.var_done.add(name)
 
     async def _select(self, op: Select) -> None:
@@ -382,20 +464,23 @@ class StateCore:
                 self.client.cork()  # their requests, one write
         scored = [d for d in dones if d is not None]
         logprobs = [list(d.prompt_logprobs or []) for d in scored]
-        index, scores = op.method.choose(logprobs)
+        unconditional = None
+        if getattr(op.method, "requires_unconditional_logprobs", False):
+            unconditional = await self._unconditional(op.choices, [len(lp) for lp in logprobs])
+        index, decision_meta = decide(op.method, list(op.choices), logprobs, unconditional)
+        history = self.session_length  # where the chosen choice begins in its session
         old = self.session
-        self._switch_session(forks[index], scored[index].session_length,
-                                   [*forks, old])
+        self._switch_session(forks[index], scored[index].session_length, [*forks, old])
         choice = op.choices[index]
         latency = time.perf_counter() - start
         self.variables[op.name] = choice
         self.meta[op.name] = {
             "choices": list(op.choices),
-            "choices_method": op.method.name,
-            "scores": scores,
-            "normalized_prompt_logprobs": [sum(lp) / len(lp) if lp else -math.inf
-                                           for lp in logprobs],
-            "input_token_logprobs": [[(v, None, None) for v in lp] for lp in logprobs],
+            "choices_method": getattr(op.method, "name", type(op.method).__name__),
+            **decision_meta,
+            # Alternatives are not asked for when scoring: one None per token, as SGLang
+            # writes a position without them.
+            "input_top_logprobs": [[None] * len(lp) for lp in logprobs],
             "prompt_tokens": sum(d.usage.prompt_tokens for d in scored),
             "cached_tokens": sum(d.usage.cached_tokens for d in scored),
             "completion_tokens": 0,
@@ -403,7 +488,74 @@ class StateCore:
             "e2e_latency": latency,
         }
         self.var_done.add(op.name)
+        text_start = len(self._text)
         self._add_generated(choice)
+        self.outputs[op.name] = _Output(text_start, len(self._text), history)
+
+    async def _unconditional(self, choices: tuple[str, ...], lengths: list[int]
+                             ) -> list[list[float | None]]:
+        """Each choice's tokens scored with no context (plain requests): the last
+        ``len - 1`` logprobs, after a None for the first token (it has no context)."""
+        out: list[list[float | None]] = [[] for _ in choices]
+
+        async def one(i: int) -> None:
+            msg = self.client.generate_message(Input(text=choices[i]), _APPEND_ONLY,
+                                               namespace=self.run.namespace,
+                                               prompt_logprobs_start=0)
+            values = list((await self.client.run_generate(msg))[0].prompt_logprobs or [])
+            n = lengths[i]
+            tail: list[float | None] = list(values[-(n - 1):]) if n > 1 else []
+            out[i] = ([None] * (n - len(tail)) + tail) if n else []
+
+        with plain_errors():
+            async with anyio.create_task_group() as tg:
+                for i in range(len(choices)):
+                    tg.start_soon(one, i)
+                self.client.cork()
+        return out
+
+    async def _separate_reasoning(self, op: SeparateReasoning) -> None:
+        """Move each named gen's thinking block into ``<name>_reasoning_content``; the
+        state's text and its session keep only the answer (the session is cut back to
+        where the gen began and the answer appended, so the model does not see the
+        reasoning again, as with SGLang's text). Streamed runs are left as they are."""
+        if self.run.stream:
+            return
+        for name in op.names:
+            value = self.variables.get(name)
+            if isinstance(value, list):  # gen(n=k): each branch; the state has the first
+                pairs = [split_reasoning(v, op.format) for v in value]
+                self._set_var(name, [a for _, a in pairs])
+                self._set_var(reasoning_name(name), [r for r, _ in pairs])
+                reasoning, answer = pairs[0] if pairs else ("", "")
+                value = value[0] if value else ""
+            elif isinstance(value, str):
+                reasoning, answer = split_reasoning(value, op.format)
+                self._set_var(name, answer)
+                self._set_var(reasoning_name(name), reasoning)
+            else:
+                continue
+            out = self.outputs.get(name)
+            if out is not None and answer != value:
+                await self._replace_output(out, answer)
+
+    async def _replace_output(self, out: _Output, answer: str) -> None:
+        text = str(self._text)
+        after = text[out.text_end:]
+        self._text.truncate(out.text_start)
+        self._text.append(answer + after)
+        if self.role is not None:
+            self.role_content = [self._text.since(self.role_start)]
+        if self.session is not None:
+            await self.client.truncate_session(self.session, out.prompt_tokens)
+            self.session_length = out.prompt_tokens
+            later, self.pending = self.pending, []
+            self._pend_text(answer)
+            for inp in later:
+                if inp.text is not None:
+                    self._pend_text(inp.text)
+                else:
+                    self.pending.append(inp)
 
     async def _fork(self, children: tuple[StateCore, ...]) -> None:
         try:
@@ -455,6 +607,9 @@ class StateCore:
         self.var_done = set(parent.var_done)
         self.role, self.role_open = parent.role, parent.role_open
         self.role_content = list(parent.role_content)
+        self.role_start = parent.role_start
+        self.scopes = dict(parent.scopes)
+        self.outputs = dict(parent.outputs)
         self._resolve()
 
     def _resolve(self) -> None:
@@ -514,6 +669,18 @@ class StateCore:
             return self.finished or self.run.ended
         return var in self.var_done or self.finished or self.run.ended
 
+    async def next_piece(self, var: Any, cursor: int, tokens: int
+                         ) -> tuple[str, bool, dict[str, Any] | None, int]:
+        """`next_text`, with the meta info of the tokens after `tokens` (see
+        `StreamLog`) and the token count it covers, taken in the same loop step."""
+        chunk, done = await self.next_text(var, cursor)
+        log = self.streams.get(var)
+        final = self.meta.get(var) if var in self.var_done else None
+        if log is None:
+            return chunk, done, final, tokens
+        # Tokens without text yet (held back) ride with the next piece that has some.
+        return chunk, done, log.meta_since(tokens, final), len(log.tokens) if chunk else tokens
+
     async def next_text(self, var: Any, cursor: int) -> tuple[str, bool]:
         """Text of `var` (None: the whole state) past `cursor`, once there is some or it is
         complete; and whether it is complete."""
@@ -526,10 +693,36 @@ class StateCore:
 # Appending input to a session without generating (and scoring select's choices).
 _APPEND_ONLY = SamplingParams(max_tokens=0)
 
+
+class _Output(NamedTuple):
+    """Where a gen's output is: in the state's text, and in its session's history."""
+
+    text_start: int
+    text_end: int
+    prompt_tokens: int  # the session's length before the output
+
+
+def _gen_meta(done: Done, latency_s: float, logprob_start: int | None) -> dict[str, Any]:
+    """A gen's meta info. ``input_token_logprobs`` as SGLang lists them: the tokens from
+    ``logprob_start_len`` on, the first with the logprob None (SGLang's scheduler keeps the
+    logprobs from the start's logits on, which predict the tokens after it); at start 0
+    that token's id is not known here either (no logprob comes with it)."""
+    info = meta_info(done, latency_s)
+    triples = info.get("input_token_logprobs")
+    if logprob_start is not None and triples is not None:
+        if logprob_start == 0:
+            info["input_token_logprobs"] = [(None, None, None), *triples]
+        elif triples:
+            _, token, text = triples[0]
+            info["input_token_logprobs"] = [(None, token, text), *triples[1:]]
+    return info
+
 # Ops that never talk to the engine, applied without a coroutine: (state, op) -> None.
 _LOCAL_OPS: dict[type, Callable[[StateCore, Any], None]] = {
     Text: lambda core, op: core._add_text(op.value),
     RoleBegin: lambda core, op: core._role_begin(op.role),
     RoleEnd: lambda core, op: core._role_end(op.role),
     SetVarOp: lambda core, op: core._set_var(op.name, op.value),
+    VarScopeBegin: lambda core, op: core._scope_begin(op.name),
+    VarScopeEnd: lambda core, op: core._scope_end(op.name),
 }

@@ -6,21 +6,21 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 from radixlm.runtime.protocol import SamplingParams, branch_seed
 from radixlm.sdk.structured import schema_text
 
 __all__ = [
-    "SAMPLING_FIELDS", "SamplingOptions", "TurnOptions", "branch_seed", "protocol_options", "sampling_params",
+    "GEN_FIELDS", "SAMPLING_FIELDS", "GenDefaults", "SamplingOptions", "TurnOptions", "branch_seed", "protocol_options", "sampling_params",
     "unknown_keyword",
 ]
 
 
 class SamplingOptions(TypedDict, total=False):
     """The sampling keywords of `generate`, `stream`, `session`, `send` and program runs:
-    the fields of the protocol's `SamplingParams`, plus SGLang's names for three of them.
-    ``None`` means "the default"; ``stop`` may be one string."""
+    the fields of the protocol's `SamplingParams`, plus SGLang's names for four of them.
+    ``None`` means "the default"; ``stop`` and ``stop_regex`` may be one string."""
 
     max_tokens: int | None
     max_new_tokens: int | None  # SGLang's name for max_tokens
@@ -34,6 +34,9 @@ class SamplingOptions(TypedDict, total=False):
     seed: int | None
     stop: str | Sequence[str] | None
     stop_token_ids: Sequence[int] | None
+    stop_regex: str | Sequence[str] | None  # ends the output once its text matches
+    min_tokens: int | None  # EOS / stop_token_ids cannot end the output before this many
+    min_new_tokens: int | None  # SGLang's name for min_tokens
     ignore_eos: bool | None
     logprobs: bool | None
     return_logprob: bool | None  # SGLang's name for logprobs
@@ -58,10 +61,33 @@ class TurnOptions(SamplingOptions, total=False):
 # SGLang spellings accepted next to the protocol's field names.
 _ALIASES = {
     "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
     "return_logprob": "logprobs",
     "top_logprobs_num": "top_logprobs",
 }
 SAMPLING_FIELDS: frozenset[str] = frozenset(SamplingParams.__struct_fields__) | frozenset(_ALIASES)
+# What a gen (or, as the default of its gens, a program run) takes besides sampling
+# options: branches per gen, and the prompt logprobs its meta info reports (SGLang's).
+GEN_FIELDS: frozenset[str] = frozenset({"n", "logprob_start_len", "return_text_in_logprobs"})
+
+
+class GenDefaults(NamedTuple):
+    """A run's defaults for its gens' `GEN_FIELDS` (a gen's own values override them)."""
+
+    n: int = 1
+    logprob_start_len: int | None = None
+    text_in_logprobs: bool | None = None
+
+    @classmethod
+    def take(cls, options: dict[str, Any]) -> GenDefaults:
+        """The `GEN_FIELDS` of run options, removed from `options` (None: not given)."""
+        n = options.pop("n", None)
+        if n is not None and (not isinstance(n, int) or n < 1):
+            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        start = options.pop("logprob_start_len", None)
+        if start is not None and start < 0:
+            raise ValueError(f"logprob_start_len must be >= 0, got {start}")
+        return cls(n or 1, start, options.pop("return_text_in_logprobs", None))
 
 
 def unknown_keyword(where: str, key: str, known: Iterable[str]) -> TypeError:
@@ -94,9 +120,10 @@ def sampling_params(options: Mapping[str, Any]) -> SamplingParams:
     """A `SamplingParams` from keyword options (``None`` means "default"); ``stop`` may be
     a single string. Unknown names raise ``TypeError``; values are checked by the engine."""
     fields = protocol_options("sampling options", options)
-    stop = fields.get("stop")
-    if stop is not None:
-        fields["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    for key in ("stop", "stop_regex"):
+        value = fields.get(key)
+        if value is not None:
+            fields[key] = [value] if isinstance(value, str) else list(value)
     if "stop_token_ids" in fields:
         fields["stop_token_ids"] = list(fields["stop_token_ids"])
     return SamplingParams(**fields)

@@ -21,65 +21,83 @@ thread so that its reads never block the event loop.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, Union
 
 import anyio
+import msgspec
 from anyio.from_thread import BlockingPortal
 from anyio.lowlevel import current_token
+from radixlm.runtime.protocol import Input
 from radixlm.sdk.client import AsyncClient
-from radixlm.sdk.errors import ProgramError, plain_errors
-from radixlm.sdk.options import SAMPLING_FIELDS, unknown_keyword
+from radixlm.sdk.errors import DuplicateIdError, ProgramError, plain_errors
+from radixlm.sdk.global_config import global_config
+from radixlm.sdk.options import GEN_FIELDS, SAMPLING_FIELDS, unknown_keyword
+from radixlm.sdk.prefix import CachedPrefix
 from radixlm.sdk.run import ProgramRun, await_future
 from radixlm.sdk.state import ProgramState
 from radixlm.sdk.sync import Client
+from radixlm.sdk.trace import TracedState, constant_prefix, trace
 
-__all__ = ["Program", "flush_cache", "function", "get_default_backend", "set_default_backend"]
+__all__ = ["Program", "flush_cache", "function", "get_default_backend", "get_server_info",
+           "set_default_backend"]
 
 Backend = Union[Client, AsyncClient]
 _CANCEL_WAIT_S = 10.0
-
-
-class _DefaultBackend:
-    """The backend programs use when none is passed. SGLang's API (`set_default_backend`)
-    needs this one piece of process-wide state; nothing else in the SDK is global."""
-
-    backend: Backend | None = None
+_PRECACHE_MIN_CHARS = 64  # SGLang precaches a batch's prefix only when it is longer
 
 
 def set_default_backend(backend: Backend | None) -> None:
-    """Make `backend` (an `rl.Engine`, `rl.connect(...)` client or `AsyncClient`) the one
-    programs run on when no ``backend=`` is given."""
-    _DefaultBackend.backend = backend
+    """Make `backend` (an `rl.Engine`, `rl.connect(...)` client, `rl.RuntimeEndpoint` or
+    `AsyncClient`) the one programs run on when no ``backend=`` is given (it is
+    ``rl.global_config.default_backend``)."""
+    global_config.default_backend = backend
 
 
 def get_default_backend() -> Backend | None:
     """The backend set with `set_default_backend` (None if none is)."""
-    return _DefaultBackend.backend
+    return global_config.default_backend  # type: ignore[no-any-return]
 
 
-def flush_cache(backend: Backend | None = None) -> None:
+def flush_cache(backend: Backend | None = None) -> bool:
     """SGLang's ``sgl.flush_cache()``: evict everything evictable from the prefix cache of
-    `backend` (default: the default backend); sessions and pins keep what they hold."""
+    `backend` (default: the default backend); sessions and pins keep what they hold.
+    Returns True, or False when there is no backend (as SGLang)."""
+    if backend is None and global_config.default_backend is None:
+        return False
     client = _resolve(backend)
     if isinstance(client, AsyncClient):
         raise ProgramError("with an AsyncClient use `await client.flush_cache()`")
     client.flush_cache()
+    return True
+
+
+def get_server_info(backend: Backend | None = None) -> dict[str, Any] | None:
+    """SGLang's ``sgl.get_server_info()``: what the engine of `backend` (default: the
+    default backend) says about itself, and its stats; None when there is no backend."""
+    if backend is None and global_config.default_backend is None:
+        return None
+    client = _resolve(backend)
+    if isinstance(client, AsyncClient):
+        raise ProgramError("with an AsyncClient use `await client.stats()`")
+    return client.get_server_info()
 
 
 def _resolve(backend: Backend | None) -> Backend:
-    backend = backend if backend is not None else _DefaultBackend.backend
+    backend = backend if backend is not None else global_config.default_backend
     if backend is None:
         raise ProgramError("no backend: pass backend=... or call "
                            "rl.set_default_backend(rl.Engine())")
     if not isinstance(backend, (Client, AsyncClient)):
-        raise TypeError(f"a backend is an rl.Engine, rl.connect(...) or rl.AsyncClient, "
-                        f"not {type(backend).__name__}")
+        raise TypeError(f"a backend is an rl.Engine, rl.connect(...), rl.RuntimeEndpoint or "
+                        f"rl.AsyncClient, not {type(backend).__name__}")
     return backend
 
 
@@ -88,7 +106,7 @@ def _split(options: dict[str, Any], params: frozenset[str] = frozenset()
     """(sampling defaults, program arguments) from a run's keyword arguments; a name the
     program itself declares (`params`) is always the program's."""
     def sampling_option(k: str) -> bool:
-        return k in SAMPLING_FIELDS and k not in params
+        return (k in SAMPLING_FIELDS or k in GEN_FIELDS) and k not in params
 
     sampling = {k: v for k, v in options.items() if sampling_option(k) and v is not None}
     return sampling, {k: v for k, v in options.items() if not sampling_option(k)}
@@ -123,9 +141,14 @@ class Program:
         if not params:
             raise TypeError(f"{self.__name__}: a program's first parameter is its state `s`")
         self.params = frozenset(p.name for p in params[1:])
+        self.arg_names = [p.name for p in params[1:]
+                          if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         # A body taking **kwargs accepts any argument name; otherwise a run's unknown
         # keyword is the SDK's error, named before the body runs.
         self.any_keyword = any(p.kind is p.VAR_KEYWORD for p in params)
+        # The prefix `cache()` pinned, by the client it is pinned in.
+        self._cached: weakref.WeakKeyDictionary[AsyncClient, CachedPrefix] = (
+            weakref.WeakKeyDictionary())
 
     def _body_kwargs(self, where: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The body's keyword arguments: the bound ones updated with `kwargs` (the run's
@@ -134,24 +157,84 @@ class Program:
             for key in kwargs:
                 if key not in self.params:
                     raise unknown_keyword(f"{self.__name__}.{where}()", key,
-                                          self.params | SAMPLING_FIELDS)
+                                          self.params | SAMPLING_FIELDS | GEN_FIELDS)
         return {**self.bind_arguments, **kwargs}
 
     def bind(self, **kwargs: Any) -> Program:
         """A copy with some arguments fixed."""
+        if not self.any_keyword:
+            for key in kwargs:
+                if key not in self.params:
+                    raise unknown_keyword(f"{self.__name__}.bind()", key, self.params)
         return Program(self.func, {**self.bind_arguments, **kwargs})
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # Called with a state: a sub-program running inline in the caller's program.
-        if args and isinstance(args[0], ProgramState):
+        # Called with a state (a running or a traced one): a sub-program, inline.
+        if args and isinstance(args[0], (ProgramState, TracedState)):
             return self.func(*args, **{**self.bind_arguments, **kwargs})
         return self.run(*args, **kwargs)
+
+    # -- tracing and the constant prefix ------------------------------------------------------
+
+    def trace(self, *, backend: Backend | None = None, **kwargs: Any) -> TracedState:
+        """Run the body against a recording state (nothing is sent): the expressions it
+        appends are ``.nodes``; arguments not given are placeholders (`trace.Argument`),
+        and values it reads are `trace.Variable`s. `backend` is accepted for SGLang."""
+        return trace(self.func, self.arg_names, {**self.bind_arguments, **kwargs})
+
+    def constant_prefix(self) -> Input | None:
+        """The input every run of the program begins with, known without running it: the
+        leading text, or the leading whole messages, before anything that depends on an
+        argument or a generated value (None if there is none)."""
+        if self.is_async:
+            return None  # an async body cannot be traced without running it
+        return constant_prefix(trace(self.func, self.arg_names, dict(self.bind_arguments),
+                                     prefix_only=True))
+
+    def cache(self, backend: Backend | None = None) -> str | None:
+        """SGLang's ``program.cache()``: pin the program's constant prefix (see
+        `constant_prefix`) in the engine, so that every later run on `backend` starts
+        its session from the pin, and it is never evicted. Returns the pin's name (None:
+        the program has no constant prefix); idempotent. ``client.unpin(name)`` ends it."""
+        client = _resolve(backend)
+        if isinstance(client, AsyncClient):
+            raise ProgramError("cache() needs a synchronous backend (rl.Engine, rl.connect)")
+        prefix = self.constant_prefix()
+        if prefix is None:
+            return None
+        key = repr((self.func.__module__, self.func.__qualname__, msgspec.json.encode(prefix)))
+        name = f"rl.cache:{self.__name__}:{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+        with contextlib.suppress(DuplicateIdError):  # pinned already: cache() again
+            client.pin(name, prefix.text, messages=prefix.messages)
+        self._cached[client.aclient] = CachedPrefix(name, prefix)
+        return name
+
+    def _precache(self, client: Client) -> None:
+        """SGLang's run_batch precache: prefill the constant prefix once, so that every
+        program of the batch finds it in the cache (``global_config`` switches it)."""
+        if client.aclient in self._cached:
+            return  # pinned: better than cached
+        try:
+            prefix = self.constant_prefix()
+        except Exception:  # noqa: BLE001 - the body failed on placeholders: no precache
+            return
+        if prefix is None:
+            return
+        chars = len(prefix.text or "") + sum(len(m.content or "") for m in prefix.messages or [])
+        if chars > _PRECACHE_MIN_CHARS:
+            client.generate(prefix.text, messages=prefix.messages, add_generation_prompt=False,
+                            max_tokens=0)
 
     def _new_run(self, client: AsyncClient, sampling: dict[str, Any], *, stream: bool,
                  pin: str | None, namespace: str | None, loop_thread: int, token: Any,
                  portal: BlockingPortal | None) -> ProgramRun:
+        cached = self._cached.get(client) if namespace is None else None
+        if cached is not None and cached.gone:
+            self._cached.pop(client, None)
+            cached = None
         return ProgramRun(client, defaults=sampling, stream=stream, pin=pin, namespace=namespace,
-                          loop_thread=loop_thread, token=token, portal=portal)
+                          loop_thread=loop_thread, token=token, portal=portal,
+                          cached_prefix=cached)
 
     def _sync_run(self, client: Client, sampling: dict[str, Any], stream: bool,
                   pin: str | None, namespace: str | None) -> ProgramRun:
@@ -163,12 +246,15 @@ class Program:
     # -- sync ---------------------------------------------------------------------------------
 
     def run(self, *args: Any, backend: Backend | None = None, stream: bool = False,
-            pin: str | None = None, namespace: str | None = None, **kwargs: Any) -> ProgramState:
+            pin: str | None = None, namespace: str | None = None, use_thread: bool = True,
+            **kwargs: Any) -> ProgramState:
         """Run the program and return its state once it finished (with ``stream=True``, at
         once: read it with ``state.text_iter(name)``). Engine errors raise.
 
         `pin`: start the program's session from this pinned prefix (see ``client.pin``);
-        `namespace`: the cache namespace of its sessions."""
+        `namespace`: the cache namespace of its sessions. `use_thread` is SGLang's: its
+        programs run in a thread of their own, or not; here every program runs as tasks
+        in the backend's event loop either way, and the body in the caller's thread."""
         client = _resolve(backend)
         sampling, kwargs = _split(kwargs, self.params)
         kwargs = self._body_kwargs("run", kwargs)
@@ -176,9 +262,11 @@ class Program:
             raise ProgramError("run() needs a synchronous backend (rl.Engine, rl.connect); "
                                "with an AsyncClient use `await program.arun(...)`")
         if self.is_async:
-            return client.loop.call(partial(
+            state = client.loop.call(partial(
                 self.arun, *args, backend=client.aclient, pin=pin, namespace=namespace,
                 _portal=client.portal, **sampling, **kwargs))
+            _report(state)
+            return state  # type: ignore[no-any-return]
         run = self._sync_run(client, sampling, stream, pin, namespace)
         run.spawn = client.loop.spawn  # at the body's first commit
         self._run_body(run, args, kwargs)
@@ -189,6 +277,7 @@ class Program:
         error = run.first_error()
         if error is not None:
             raise error
+        _report(run.root)
         return run.root
 
     def _run_body(self, run: ProgramRun, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
@@ -211,14 +300,18 @@ class Program:
         max_concurrency: int | None = None,
         num_threads: int | str | None = None,
         progress_bar: bool = False,
+        generator_style: bool = False,
         pin: str | None = None,
         namespace: str | None = None,
         **sampling: Any,
-    ) -> list[ProgramState]:
-        """Run the program once per argument dict, concurrently (anyio tasks in the
-        backend's loop, at most `max_concurrency` programs at a time; SGLang's
-        `num_threads` is read as that limit). Returns the states in order; a program that
-        failed raises its error when its state is read (``state.error()`` returns it)."""
+    ) -> Any:
+        """Run the program once per argument dict (or tuple of positional arguments),
+        concurrently (anyio tasks in the backend's loop, at most `max_concurrency`
+        programs at a time; SGLang's `num_threads` is read as that limit, ``"auto"``:
+        none). Returns the states in order; a program that failed raises its error when
+        its state is read (``state.error()`` returns it). With `generator_style`, an
+        iterator that yields each state, in order, once it finished (the batch starts
+        when it is first iterated)."""
         client = _resolve(backend)
         if isinstance(client, AsyncClient):
             raise ProgramError("run_batch() needs a synchronous backend; with an AsyncClient "
@@ -227,19 +320,29 @@ class Program:
             max_concurrency = num_threads
         defaults, extra = _split(sampling)
         if extra:
-            raise unknown_keyword("run_batch()", sorted(extra)[0], SAMPLING_FIELDS)
-        pbar = _progress(len(batch_kwargs)) if progress_bar else None
+            raise unknown_keyword("run_batch()", sorted(extra)[0], SAMPLING_FIELDS | GEN_FIELDS)
+        states = self._batch(client, list(batch_kwargs), defaults, max_concurrency,
+                             progress_bar, pin, namespace)
+        return states if generator_style else list(states)
+
+    def _batch(self, client: Client, batch: list[Any], defaults: dict[str, Any],
+               max_concurrency: int | None, progress_bar: bool, pin: str | None,
+               namespace: str | None) -> Iterator[ProgramState]:
+        if global_config.enable_precache_with_tracing and len(batch) > 1 and pin is None:
+            self._precache(client)
+        pbar = _progress(len(batch)) if progress_bar else None
         try:
             if self.is_async:
-                return client.loop.call(partial(
-                    self.arun_batch, batch_kwargs, backend=client.aclient,
+                yield from client.loop.call(partial(
+                    self.arun_batch, batch, backend=client.aclient,
                     max_concurrency=max_concurrency, pin=pin, namespace=namespace,
                     _portal=client.portal, _on_done=pbar.update if pbar else None, **defaults))
-            runs = [self._sync_run(client, defaults, False, pin, namespace) for _ in batch_kwargs]
+                return
+            runs = [self._sync_run(client, defaults, False, pin, namespace) for _ in batch]
             fut = client.loop.spawn(
                 _supervise_batch, runs, max_concurrency, pbar.update if pbar else None)
             try:
-                for run, arguments in zip(runs, batch_kwargs, strict=False):
+                for run, arguments in zip(runs, batch, strict=False):
                     args, kwargs = _arguments(arguments)
                     try:
                         run.root.ret_value = self.func(run.root, *args,
@@ -249,13 +352,15 @@ class Program:
                         run.cancel()
                     finally:
                         run.commit(final=True)
+                for run in runs:  # in order, each once it finished
+                    run.root.sync()
+                    yield run.root
             except BaseException:
                 for run in runs:
                     run.commit(final=True)
                 _wait_cancelled(fut)
                 raise
             _wait(fut, lambda: fut.cancel())
-            return [run.root for run in runs]
         finally:
             if pbar is not None:
                 pbar.close()
@@ -420,6 +525,12 @@ def _settle(fut: Future[Any]) -> None:
 def _wait_cancelled(fut: Future[Any]) -> None:
     fut.cancel()
     _settle(fut)
+
+
+def _report(state: ProgramState) -> None:
+    """``global_config.verbosity >= 2``: print the finished program's text (SGLang's)."""
+    if global_config.verbosity >= 2:
+        print(state.text())
 
 
 def _progress(total: int) -> Any:

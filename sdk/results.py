@@ -9,7 +9,8 @@ from typing import Any
 from radixlm.runtime.protocol import Done, Message, ToolCall, TopLogprob
 from radixlm.sdk.structured import to_tool_calls
 
-__all__ = ["GenerateResult", "StreamDelta", "meta_info", "to_messages"]
+__all__ = ["GenerateResult", "StreamDelta", "logprob_triples", "meta_info", "to_messages",
+           "top_triples"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,15 +57,22 @@ def _finish_reason(done: Done) -> dict[str, Any]:
     return {"type": done.finish_reason}
 
 
-def _triples(values: list[float], ids: list[int] | None) -> list[tuple[float, int | None, None]]:
-    """SGLang's ``(logprob, token_id, text)`` form (text is not returned by the engine)."""
+def logprob_triples(values: list[float], ids: list[int] | None,
+                    texts: dict[int, str] | None = None) -> list[tuple[float, int | None, Any]]:
+    """SGLang's ``(logprob, token_id, text)`` form; the text is None unless the request
+    asked for texts (``logprob_texts``, SGLang's ``return_text_in_logprobs``)."""
     if ids is None:
         return [(v, None, None) for v in values]
-    return [(v, t, None) for v, t in zip(values, ids, strict=False)]
+    if texts is None:
+        return [(v, t, None) for v, t in zip(values, ids, strict=False)]
+    return [(v, t, texts.get(t)) for v, t in zip(values, ids, strict=False)]
 
 
-def _top(rows: list[list[TopLogprob]]) -> list[list[tuple[float, int, None]]]:
-    return [[(alt.logprob, alt.token_id, None) for alt in row] for row in rows]
+def top_triples(rows: list[list[TopLogprob]], texts: dict[int, str] | None = None
+                ) -> list[list[tuple[float, int, Any]]]:
+    if texts is None:
+        return [[(alt.logprob, alt.token_id, None) for alt in row] for row in rows]
+    return [[(alt.logprob, alt.token_id, texts.get(alt.token_id)) for alt in row] for row in rows]
 
 
 def meta_info(done: Done, latency_s: float) -> dict[str, Any]:
@@ -82,14 +90,17 @@ def meta_info(done: Done, latency_s: float) -> dict[str, Any]:
         "e2e_latency": latency_s,
         "output_ids": done.token_ids,
     }
+    texts = done.token_texts
     if done.logprobs is not None:
-        info["output_token_logprobs"] = _triples(done.logprobs, done.token_ids)
+        info["output_token_logprobs"] = logprob_triples(done.logprobs, done.token_ids, texts)
+        info["output_token_logprobs_length"] = len(done.logprobs)
     if done.top_logprobs is not None:
-        info["output_top_logprobs"] = _top(done.top_logprobs)
+        info["output_top_logprobs"] = top_triples(done.top_logprobs, texts)
     if done.prompt_logprobs is not None:
-        info["input_token_logprobs"] = _triples(done.prompt_logprobs, None)
+        info["input_token_logprobs"] = logprob_triples(done.prompt_logprobs,
+                                                       done.prompt_token_ids, texts)
     if done.prompt_top_logprobs is not None:
-        info["input_top_logprobs"] = _top(done.prompt_top_logprobs)
+        info["input_top_logprobs"] = top_triples(done.prompt_top_logprobs, texts)
     return info
 
 

@@ -23,12 +23,14 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 from anyio.from_thread import BlockingPortal
 from anyio.lowlevel import EventLoopToken, checkpoint
 from radixlm.runtime.transport.mailbox import Latch
 from radixlm.sdk.errors import EngineDeadError, ProgramError
 from radixlm.sdk.executor import END, StateCore
-from radixlm.sdk.options import protocol_options, sampling_params
+from radixlm.sdk.options import GenDefaults, protocol_options, sampling_params
+from radixlm.sdk.prefix import CachedPrefix
 from radixlm.sdk.tasks import TaskSet
 
 if TYPE_CHECKING:
@@ -56,11 +58,15 @@ class ProgramRun:
         loop_thread: int,
         token: EventLoopToken,
         portal: BlockingPortal | None = None,
+        cached_prefix: CachedPrefix | None = None,
     ) -> None:
         self.client = client
         # What the program's gens default to, and where its sessions start.
-        self.defaults = protocol_options("run()", defaults)  # a gen's options override them
+        options = dict(defaults)
+        self.gen_defaults = GenDefaults.take(options)
+        self.defaults = protocol_options("run()", options)  # a gen's options override them
         self.stream, self.pin, self.namespace = stream, pin, namespace
+        self.cached_prefix = cached_prefix  # pinned by ``program.cache()``
         # The loop its executors run in.
         self.loop_thread, self.token, self.portal = loop_thread, token, portal
         self.new_waiter = client.new_waiter
@@ -69,7 +75,7 @@ class ProgramRun:
         # each run reaches its state's mailbox in one put (one possible wake-up).
         self._pending: list[tuple[StateCore, list[Any]]] = []
         self._early: list[tuple[StateCore, list[Any]]] = []  # handed over before the supervisor ran
-        self._sampling: dict[tuple[tuple[str, Any], ...], SamplingParams] = {}
+        self._sampling: dict[Any, SamplingParams] = {}
         self._tasks: TaskSet | None = None  # the supervisor's, while it runs
         self._body_ended = Latch(self.new_waiter)  # every state got its END
         self._changed: Latch | None = None
@@ -250,16 +256,26 @@ class ProgramRun:
             core.started = True
             tasks.start(core.execute)
 
-    def sampling_for(self, options: dict[str, Any]) -> SamplingParams:
-        """The `SamplingParams` of a gen with these options over the run's defaults, built
-        once per distinct options: a program's gens mostly repeat theirs."""
+    def sampling_for(self, options: dict[str, Any], extra_stop: tuple[str, ...] = ()
+                     ) -> SamplingParams:
+        """The `SamplingParams` of a gen with these options over the run's defaults (and
+        `extra_stop` added to its stop strings), built once per distinct options: a
+        program's gens mostly repeat theirs."""
         try:
-            cached = self._sampling.get(key := tuple(options.items()))
+            cached = self._sampling.get(key := (tuple(options.items()), extra_stop))
         except TypeError:  # an unhashable value (a stop list): built each time
-            return sampling_params({**self.defaults, **options})
+            return self._build_sampling(options, extra_stop)
         if cached is None:
-            cached = self._sampling[key] = sampling_params({**self.defaults, **options})
+            cached = self._sampling[key] = self._build_sampling(options, extra_stop)
         return cached
+
+    def _build_sampling(self, options: dict[str, Any], extra_stop: tuple[str, ...]
+                        ) -> SamplingParams:
+        params = sampling_params({**self.defaults, **options})
+        if extra_stop:
+            stops = [*params.stop, *(s for s in extra_stop if s not in params.stop)]
+            params = msgspec.structs.replace(params, stop=stops)
+        return params
 
     def resolved(self, core: StateCore) -> None:
         """`core` (a fork child) can run now: start its executor if it has ops."""

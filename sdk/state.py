@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from radixlm.sdk.errors import ProgramError
 from radixlm.sdk.executor import ForkOp, JoinOp, SetVarOp, StateCore
-from radixlm.sdk.lang import flatten
+from radixlm.sdk.lang import RoleScopes, flatten
 from radixlm.sdk.run import await_future
 
 if TYPE_CHECKING:
@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 __all__ = ["ProgramState", "ProgramStateGroup"]
 
 
-class ProgramState:
-    """The state of a running program (``s``): append with ``+=``, read with ``s[name]``.
+class ProgramState(RoleScopes):
+    """The state of a running program (``s``): append with ``+=``, read with ``s[name]``;
+    roles and variable scopes also as methods (``with s.user(): ...``, `RoleScopes`).
 
     Reads wait for the operations they depend on; the rest runs concurrently.
     """
@@ -42,14 +43,27 @@ class ProgramState:
         return self
 
     def __setitem__(self, name: str, value: Any) -> None:
-        """Set variable `name` (``s[name] = value``; SGLang's ``set_var``)."""
-        self._run.submit(self._core, SetVarOp(name, value))
+        """Set variable `name` (``s[name] = value``; SGLang's ``set_var``). After the
+        program ended (``state["x"] = int(state["x"])`` on a run's result) it is set at
+        once, once the state's last operations ran."""
+        core = self._core
+        if not core.end_submitted:
+            self._run.submit(core, SetVarOp(name, value))
+            return
+        self.sync()  # its executor is done: nothing else writes the state any more
+        core.variables[name] = value
+        core.var_done.add(name)
 
     set_var = __setitem__
 
-    def fork(self, size: int = 1) -> ProgramStateGroup:
+    def _append(self, items: list[Any]) -> None:  # what `RoleScopes` appends with
+        self._run.submit_all(self._core, items)
+
+    def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
         """`size` copies of this state continuing independently from here: one engine
-        ``ForkSession``, no prefix re-sent. ``join()`` gathers their variables back."""
+        ``ForkSession``, no prefix re-sent. ``join()`` gathers their variables back.
+        (`position_ids_offset` is SGLang's; its interpreter ignores it, and so does this.)"""
+        size = int(size)
         if size < 1:
             raise ValueError(f"fork size must be >= 1, got {size}")
         new_core = self._run.new_core
@@ -57,9 +71,9 @@ class ProgramState:
         self._run.submit(self._core, ForkOp(children))
         return ProgramStateGroup([ProgramState(self._run, c) for c in children], self)
 
-    def copy(self) -> _CopiedState:
+    def copy(self, position_ids_offset: Any = None) -> _CopiedState:
         """One fork of this state; as a context manager it is joined back on exit."""
-        child = self.fork(1)
+        child = self.fork(1, position_ids_offset)
         return _CopiedState(child, self)
 
     # -- reading (blocking) --------------------------------------------------------------------
@@ -173,26 +187,30 @@ class ProgramState:
 
     async def text_async_iter(self, var_name: Any = None,
                               return_meta_data: bool = False) -> AsyncIterator[Any]:
-        """Async version of `text_iter`; with `return_meta_data`, yields (text, meta_info)."""
+        """Async version of `text_iter`; with `return_meta_data`, yields (text, meta_info):
+        while a gen streams, the meta of the tokens that piece covers (their
+        ``output_token_logprobs``, the running ``completion_tokens``: see
+        `radixlm.sdk.stream_meta`)."""
         if not self._run.stream:
             await self.wait()
             value = self._core.text if var_name is None else await self.aget(var_name)
             yield (value, self._core.meta.get(var_name)) if return_meta_data else value
             return
         self._run.commit()
-        cursor = 0
+        with_meta = return_meta_data and var_name is not None  # SGLang: text only for None
+        cursor = tokens = 0
         core = self._core
         while True:
             if self._run.in_loop_thread():
-                chunk, done = await core.next_text(var_name, cursor)
+                chunk, done, meta, tokens = await core.next_piece(var_name, cursor, tokens)
             elif self._run.portal is not None:
-                chunk, done = await await_future(
-                    self._run.portal.start_task_soon(core.next_text, var_name, cursor))
+                chunk, done, meta, tokens = await await_future(self._run.portal.start_task_soon(
+                    core.next_piece, var_name, cursor, tokens))
             else:
                 raise ProgramError("this program state belongs to another event loop")
             cursor += len(chunk)
             if chunk:
-                yield (chunk, core.meta.get(var_name)) if return_meta_data else chunk
+                yield (chunk, meta) if with_meta else chunk
             if done:
                 break
         self._raise_if_failed()
@@ -228,6 +246,13 @@ class ProgramStateGroup:
 
     def __getitem__(self, i: int) -> ProgramState:
         return self.states[i]
+
+    def __setitem__(self, i: int, value: ProgramState) -> None:
+        """What ``forks[i] += expr`` ends with (Python stores the result back): the same
+        state. Putting another state there is refused, as in SGLang."""
+        if value is not self.states[i]:
+            raise TypeError("a fork group's states cannot be replaced: append to them with "
+                            "forks[i] += ...")
 
     def __len__(self) -> int:
         return len(self.states)

@@ -20,6 +20,7 @@ from anyio.from_thread import BlockingPortal
 from radixlm.runtime.protocol import Welcome
 from radixlm.sdk.chat import AsyncChatSession
 from radixlm.sdk.client import AsyncClient, EngineFacts, TextStream
+from radixlm.sdk.errors import EngineDeadError
 from radixlm.sdk.loop_thread import LoopThread
 from radixlm.sdk.results import GenerateResult, StreamDelta
 from radixlm.sdk.signatures import blocking, constructor_parameters, facing, same_parameters
@@ -149,6 +150,37 @@ class ChatSession:
         return [ChatSession(self._loop, c) for c in children]
 
 
+class EndpointAddress(str):
+    """A client's engine address: a plain string wherever one is expected, and also what
+    SGLang programs reach through ``runtime.endpoint`` (``get_model_name()``,
+    ``get_server_info()``, ``flush_cache()``, ``cache_prefix(text)``: the client's)."""
+
+    __slots__ = ("_client",)
+
+    def __new__(cls, address: str, client: Client) -> EndpointAddress:
+        self = super().__new__(cls, address)
+        self._client = weakref.ref(client)
+        return self
+
+    def _of(self) -> Client:
+        client = self._client()
+        if client is None:
+            raise EngineDeadError(f"the client of {str(self)} is gone")
+        return client
+
+    def get_model_name(self) -> str:
+        return self._of().get_model_name()
+
+    def get_server_info(self) -> dict[str, Any]:
+        return self._of().get_server_info()
+
+    def flush_cache(self) -> None:
+        self._of().flush_cache()
+
+    def cache_prefix(self, prefix: str) -> None:
+        self._of().cache_prefix(prefix)
+
+
 class Client(EngineFacts):
     """A synchronous client of a running engine (see `connect`); also the base of
     `rl.Engine`. The same calls as `AsyncClient`, blocking; programs run on it."""
@@ -156,7 +188,7 @@ class Client(EngineFacts):
     @same_parameters(AsyncClient.__init__)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.aclient = AsyncClient(*args, **kwargs)
-        self.endpoint = self.aclient.endpoint
+        self.endpoint = EndpointAddress(self.aclient.endpoint, self)
         self._loop = LoopThread("radixlm-client")
         try:
             held, stop = self._loop.portal.start_task(_hold_client, self.aclient)
@@ -199,6 +231,23 @@ class Client(EngineFacts):
 
     def _welcome(self) -> Welcome:
         return self.aclient._welcome()
+
+    # -- SGLang's backend calls ----------------------------------------------------------
+
+    def get_server_info(self) -> dict[str, Any]:
+        """What the engine said about itself (its model, version, sizes) and its stats
+        (``internal_states``), as SGLang's ``get_server_info`` gives them."""
+        w = self._welcome()
+        return {"model_path": w.model, "version": w.server_version,
+                "protocol_version": w.protocol_version, "context_length": w.context_length,
+                "page_size": w.page_size, "kv_capacity": w.kv_capacity,
+                "max_message_bytes": w.max_message_bytes, "endpoint": str(self.endpoint),
+                "internal_states": [self.stats()]}
+
+    def cache_prefix(self, prefix: str) -> None:
+        """Prefill `prefix` into the prefix cache (SGLang's ``cache_prefix``: nothing is
+        generated; it stays cached until evicted, like any other prefix)."""
+        self.generate(prefix, max_tokens=0)
 
     # -- calls: `AsyncClient`'s, blocking --------------------------------------------------
 

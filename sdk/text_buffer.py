@@ -34,5 +34,16 @@ class TextBuffer:
             self._pieces = [joined]
         return joined
 
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` characters."""
+        if length < self.length:
+            self._joined = str(self)[:length]
+            self._pieces = [self._joined]
+            self.length = length
+
+    def since(self, start: int) -> str:
+        """The text from character `start` on."""
+        return str(self)[start:]
+
     def copy(self) -> TextBuffer:
         return TextBuffer(str(self))

@@ -234,7 +234,9 @@ VALID_SERVER = [
      "private": 0, "retained_tokens": {"hard": 3}, "retained_cap": 5, "host_capacity": 0,
      "host_used": 0, "sessions": 1, "pins": 0, "running": 0, "waiting": 0,
      "prompt_tokens_total": 9, "cached_tokens_total": 3, "hit_rate": 0.33, "invariant_ok": True,
-     "generated_tokens_total": 4, "retractions": 1, "fair_preemptions": 1, "capped_steps": 2},
+     "generated_tokens_total": 4, "retractions": 1, "fair_preemptions": 1, "capped_steps": 2,
+     "finish_reasons": {"stop": 2}, "latency": {"e2e_request_latency": {
+         "bounds": [0.5, 1.0], "counts": [1, 1, 0], "sum": 1.2, "count": 2}}},
     {"type": "session_opened", "rid": "r", "session": "s", "length": 0},
     {"type": "sessions_forked", "rid": "r", "sessions": ["a", "b"]},
     {"type": "pinned", "rid": "r", "name": "tools", "length": 12},

@@ -35,6 +35,8 @@ class P:
     seed: int | None = None
     stop: list = dataclasses.field(default_factory=list)
     stop_token_ids: list = dataclasses.field(default_factory=list)
+    stop_regex: list = dataclasses.field(default_factory=list)
+    min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
@@ -379,6 +381,30 @@ def test_sample_logprobs_are_raw_model_logprobs(device):
         assert [v for _, v in out.top_logprobs[i]] == pytest.approx(vals.tolist(), abs=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_banned_tokens_are_never_sampled_and_leave_the_logprobs_renormalised(device):
+    """min_tokens: a row's banned tokens (its EOS and stop ids) get probability 0; the
+    logprobs are those of the distribution without them; a row whose only allowed tokens
+    are banned (a grammar at its end) keeps them."""
+    vocab = 30
+    logits = rand_logits(3, vocab, 21, device=device)
+    top = logits.argmax(-1).tolist()
+    banned = [[top[0], 3], [], list(range(vocab))]
+    params = [P(temperature=0, logprobs=True), P(temperature=0, logprobs=True),
+              P(temperature=0, logprobs=True)]
+    out = Sampler(vocab, device).sample(logits.clone(), params, [[]] * 3, banned=banned)
+    reference = logits.double().cpu().clone()
+    reference[0, banned[0]] = -math.inf
+    assert out.token_ids == [int(reference[0].argmax()), top[1], top[2]]
+    raw = torch.log_softmax(reference, -1)
+    assert out.logprobs[0] == pytest.approx(float(raw[0, out.token_ids[0]]), abs=1e-5)
+    for seed in range(20):  # sampled rows too
+        picked = Sampler(vocab, device).sample(
+            rand_logits(1, vocab, seed, device=device), [P()], [[]],
+            banned=[banned[0]]).token_ids[0]
+        assert picked not in banned[0]
+
+
 def test_prompt_logprobs_equal_log_softmax(monkeypatch):
     monkeypatch.setattr(sampling, "_PROMPT_LOGPROB_CHUNK", 3)  # exercise chunking
     logits = rand_logits(10, 20, 15)
@@ -443,6 +469,12 @@ BAD = [
     ("seed", 1.5),
     ("stop", [""]),
     ("stop_token_ids", [-1]),
+    ("min_tokens", -1),
+    ("min_tokens", 129),  # more than max_tokens
+    ("min_tokens", 1.5),
+    ("stop_regex", ["("]),
+    ("stop_regex", ["(a+)+"]),  # exponential backtracking
+    ("stop_regex", [""]),
 ]
 
 
@@ -468,6 +500,7 @@ GOOD = [
     P(seed=(1 << 64) - 1),
     P(repetition_penalty=0.5),
     P(stop=["\n"], stop_token_ids=[0, 5]),
+    P(min_tokens=128, stop_regex=["[0-9]+\\.", "END"]),
 ]
 
 

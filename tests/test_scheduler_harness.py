@@ -45,6 +45,7 @@ class Harness:
         engine_config: EngineConfig | None = None,
         model=None,
         grammars=None,
+        clock=None,
         **options,
     ) -> None:
         cfg = ModelConfig.from_dir(model_dir)
@@ -60,7 +61,8 @@ class Harness:
         self.tokenizer = Tokenizer.load(model_dir)
         self.sched = Scheduler(self.cache, self.runner, Sampler(cfg.vocab_size),
                                SchedulerOptions(**options), eos_token_ids=eos, sessions=manager,
-                               grammars=grammars, tokenizer=self.tokenizer)
+                               grammars=grammars, tokenizer=self.tokenizer,
+                               **({} if clock is None else {"clock": clock}))
         self.tokens: dict[tuple[int, int], list[int]] = defaultdict(list)
         self.final: dict[tuple[int, int], TokenOutput] = {}
         self.logprobs: dict[tuple[int, int], list[float]] = defaultdict(list)

@@ -262,7 +262,7 @@ def test_dead_engine_fails_calls_within_seconds(tiny_model_dir: Path) -> None:
         next(iter(stream))
         os.kill(engine.pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(rl.EngineDeadError, match="exited"):
+        with pytest.raises(rl.EngineDeadError, match=r"killed by signal 9 \(SIGKILL\)"):
             for _ in stream:
                 pass
         with pytest.raises(rl.EngineDeadError):

@@ -64,8 +64,7 @@ def test_flush_cache_on_the_backend(client, stub) -> None:
             rl.flush_cache()
         finally:
             rl.set_default_backend(None)
-    with pytest.raises(rl.ProgramError, match="no backend"):
-        rl.flush_cache()
+    assert rl.flush_cache() is False  # SGLang's api.flush_cache: no backend, nothing to do
 
 
 def test_a_misspelt_run_keyword_is_the_sdks_error_before_anything_is_sent(client, stub) -> None:

@@ -14,7 +14,7 @@ from radixlm.sdk.options import SamplingOptions, sampling_params
 
 # The SGLang spellings the SDK accepts, and the protocol field each one means.
 SGLANG_NAMES = {"max_new_tokens": "max_tokens", "return_logprob": "logprobs",
-                "top_logprobs_num": "top_logprobs"}
+                "top_logprobs_num": "top_logprobs", "min_new_tokens": "min_tokens"}
 
 
 # AsyncClient's building blocks for programs and chat sessions (not user calls).

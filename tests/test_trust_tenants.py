@@ -108,6 +108,8 @@ def test_sessions_pins_and_flush_are_tenant_scoped(shared: tuple[str, Path]) -> 
         assert isinstance(from_pin, SessionOpened) and from_pin.length > 0
         stats = bob.call(GetStats(rid="s"))
         assert isinstance(stats, StatsReply) and stats.sessions == 0 and stats.pins == 0
+        # Nor the server's traffic: no finish reasons, no latency histograms.
+        assert stats.finish_reasons == {} and stats.latency == {}
 
 
 def test_a_flush_drops_only_the_flushing_tenants_cache(shared: tuple[str, Path]) -> None:

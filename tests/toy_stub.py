@@ -9,7 +9,7 @@ of the SDK, the reference those tests compare with.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import pytest
 import radixlm as rl
@@ -17,13 +17,17 @@ from radixlm.testing import EOS, StubServer, toy_next_token
 
 
 def toy_generate(ids: list[int], max_tokens: int, *, ignore_eos: bool = False,
-                 shift: int = 0) -> list[int]:
-    """The stub's continuation of `ids` (`shift`: a sampled branch's seed + index)."""
+                 shift: int = 0, min_tokens: int = 0,
+                 stop_token_ids: Collection[int] = ()) -> list[int]:
+    """The stub's continuation of `ids` (`shift`: a sampled branch's seed + index): it
+    ends at EOS or a stop id, neither of which may come before `min_tokens` tokens
+    (SGLang's min_new_tokens masks them)."""
+    enders = set(stop_token_ids) | (set() if ignore_eos else {EOS})
     out: list[int] = []
     for _ in range(max_tokens):
-        token = toy_next_token(ids + out, shift)
+        token = toy_next_token(ids + out, shift, enders if len(out) < min_tokens else ())
         out.append(token)
-        if token == EOS and not ignore_eos:
+        if token in enders:
             break
     return out
 

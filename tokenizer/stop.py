@@ -11,8 +11,14 @@ proper prefix of some stop string (it may still become one); everything before i
 safe to emit. `flush` releases the held suffix when the stream ends without a hit.
 
 `TokenStopMatcher` applies it to a stream of token ids (the engine runs one per branch
-that has stop strings): it maps the text back to tokens, so the engine holds back only
-the tokens that may begin a stop string and ends the branch at the kept tokens.
+that has stop strings or stop_regex patterns): it maps the text back to tokens, so the
+engine holds back only the tokens that may begin a stop string and ends the branch at the
+kept tokens. A stop_regex pattern (tokenizer/stop_regex.py, SGLang's rules) ends the
+branch at the first token after which the output's text matches it; the text is cut only
+where the pattern's characters occur literally (as SGLang trims), else all of it is kept.
+So that nothing past such a cut is ever sent, text that is, or may grow into, a literal
+occurrence of a pattern is held back as a possible stop string is (until the end, once
+one is complete without the regex matching: a later match would cut there).
 """
 
 from __future__ import annotations
@@ -22,7 +28,9 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from radixlm.tokenizer.call_frames import FramedCalls
 from radixlm.tokenizer.detokenizer import IncrementalDetokenizer
+from radixlm.tokenizer.stop_regex import StopRegex
 
 __all__ = ["StopStringMatcher", "TokenStopMatcher"]
 
@@ -46,6 +54,15 @@ class StopStringMatcher:
         self._inner_chars = frozenset(c for s in self.stops for c in s[:-1])
         self._held = ""
         self.hit: str | None = None  # the stop string found, once found
+
+    def add(self, stop: str) -> None:
+        """One more stop string, matched in the text fed from now on."""
+        if not stop or stop in self.stops:
+            return
+        self.stops += (stop,)
+        self._max_len = max(self._max_len, len(stop))
+        self._first_chars = self._first_chars | {stop[0]}
+        self._inner_chars = self._inner_chars | set(stop[:-1])
 
     @property
     def done(self) -> bool:
@@ -108,7 +125,8 @@ _PENDING = sys.maxsize  # the text end of a token the detokenizer still holds ba
 
 
 class TokenStopMatcher:
-    """Stop strings over one stream of token ids (one output branch): the engine's matcher.
+    """Stop strings (and stop_regex patterns) over one stream of token ids (one output
+    branch): the engine's matcher.
 
     Tokens are detokenized incrementally (`IncrementalDetokenizer`, with `context`: the
     tail of the prompt, as the frontend's detokenizer has it) and their text searched by a
@@ -120,15 +138,33 @@ class TokenStopMatcher:
     text covers everything before it (`kept`; tokens completing one character stay
     together), so the history a session keeps is exactly the returned text whenever the
     stop string starts at a token boundary; otherwise the last kept token also holds the
-    stop string's first `trim` characters, which the text leaves out.
+    stop string's first `trim` characters, which the text leaves out. A regex hit keeps
+    every token up to the one that completed the match, unless the pattern occurs
+    literally in the text: then it is cut there as a stop string is.
+
+    With `calls` (a `FramedCalls` over the output's parallel tool calls), each call, once
+    complete, becomes a stop string of the text after it: a call that repeats an earlier
+    one word for word ends the branch before it (`repeated`), and while a call may still
+    become a repeat its tokens are held back. The branch then keeps only the tokens whose
+    text ends before the repeat (no `trim`): its history ends with the last new call.
     """
 
-    __slots__ = ("_detok", "_stops", "_ends", "_decoded", "_emitted", "released", "kept",
+    __slots__ = ("_detok", "_stops", "_regex", "_literal", "_text", "_ends", "_decoded",
+                 "_emitted", "_safe", "_hit", "_calls", "_call_stops", "released", "kept",
                  "trim", "finished")
 
-    def __init__(self, tokenizer: Any, stops: Iterable[str], context: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Any, stops: Iterable[str], context: Sequence[int] = (),
+                 regexes: Sequence[str] = (), calls: FramedCalls | None = None) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids=context)
         self._stops = StopStringMatcher(stops)
+        self._calls = calls
+        self._call_stops: set[str] = set()  # the calls so far, as stop strings
+        self._regex = StopRegex(regexes) if regexes else None
+        # The patterns as literal strings: what may still be cut away is held back.
+        self._literal = StopStringMatcher(regexes)
+        self._text = ""  # the output's text so far (kept only for stop_regex)
+        self._safe = 0  # characters before any (possible) literal occurrence of a pattern
+        self._hit: str | None = None
         self._ends: list[int] = []  # where each token's text ends (_PENDING while held)
         self._decoded = 0  # characters detokenized
         self._emitted = 0  # of those, passed by the string matcher (before any stop)
@@ -139,28 +175,40 @@ class TokenStopMatcher:
 
     @property
     def hit(self) -> str | None:
-        """The stop string that matched, once one has."""
-        return self._stops.hit
+        """The stop string (or stop_regex pattern) that matched, once one has."""
+        return self._hit
+
+    @property
+    def repeated(self) -> bool:
+        """The branch ended at a call that repeats an earlier one (not a stop the request
+        gave)."""
+        return self._hit is not None and self._hit in self._call_stops
+
+    @property
+    def matched(self) -> str | None:
+        """The request's stop string or pattern that matched (None for a repeated call)."""
+        return None if self.repeated else self._hit
 
     def feed(self, ids: Iterable[int]) -> bool:
         """Take the next generated tokens; True when a stop string has matched (the tokens
         after it are then ignored, as is everything fed later)."""
-        if self._stops.hit is not None or self.finished:
-            return self._stops.hit is not None
+        if self._hit is not None or self.finished:
+            return self._hit is not None
         detok, ends = self._detok, self._ends
         for token in ids:
             piece = detok.feed((token,))
             ends.append(_PENDING)
             if piece and self._take(piece):
                 return True
-        self.released = bisect_right(ends, self._emitted)
+        emitted = self._emitted if self._regex is None else min(self._emitted, self._safe)
+        self.released = bisect_right(ends, emitted)
         return False
 
     def finish(self) -> bool:
         """The stream ends (EOS, length, grammar, abort): release the held text, which may
         still complete a stop string (True then)."""
-        if self._stops.hit is not None or self.finished:
-            return self._stops.hit is not None
+        if self._hit is not None or self.finished:
+            return self._hit is not None
         self.finished = True
         piece = self._detok.flush()
         if self._take(piece):
@@ -176,13 +224,50 @@ class TokenStopMatcher:
         while i >= 0 and ends[i] == _PENDING:
             ends[i] = self._decoded
             i -= 1
+        if self._calls is not None:
+            start = 0
+            for cut, call in self._calls.feed(piece):  # (a complete call's text is no repeat
+                if self._take_text(piece[start:cut]):  # of itself: it stops what follows)
+                    return True
+                if call not in self._stops.stops:
+                    self._call_stops.add(call)
+                    self._stops.add(call)
+                start = cut
+            piece = piece[start:]
+        return self._take_text(piece)
+
+    def _take_text(self, piece: str) -> bool:
+        """Decoded text, searched for stop strings, calls' repeats and patterns."""
         emit, hit = self._stops.feed(piece) if piece else ("", None)
         self._emitted += len(emit)
-        if hit is None:
+        if hit is not None:
+            self._hit = hit
+            if hit in self._call_stops:  # a repeated call: the tokens wholly before it
+                self.kept = self.released = bisect_right(self._ends, self._emitted)
+                self.trim = 0
+            else:
+                self._keep_before(self._emitted)
+            return True
+        regex = self._regex
+        if regex is None or not piece:
             return False
-        emitted = self._emitted
-        # The shortest token prefix whose text covers everything before the stop string.
-        kept = bisect_right(ends, ends[bisect_left(ends, emitted)]) if emitted else 0
-        self.kept = self.released = kept
-        self.trim = ends[kept - 1] - emitted if kept else 0
+        self._text += piece
+        self._safe += len(self._literal.feed(piece)[0])
+        if not regex.search(self._text, len(piece)):
+            return False
+        self._hit = pattern = regex.hit
+        assert pattern is not None
+        cut = self._text.find(pattern)  # SGLang's trim: the pattern found literally
+        if cut == -1:  # the match stays: every token so far is kept
+            self.kept = self.released = len(self._ends)
+            self.trim = 0
+        else:
+            self._keep_before(cut)
         return True
+
+    def _keep_before(self, chars: int) -> None:
+        """Keep the shortest token prefix whose text covers the first `chars` characters."""
+        ends = self._ends
+        kept = bisect_right(ends, ends[bisect_left(ends, chars)]) if chars else 0
+        self.kept = self.released = kept
+        self.trim = ends[kept - 1] - chars if kept else 0

@@ -93,7 +93,8 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         tokenizer = Tokenizer.load(model_dir)
         eos |= tokenizer.eos_token_ids
         # Grammars need the vocabulary's text (masks) and the tokenizer (jump-forward).
-        grammars = Grammars(tokenizer, mcfg.vocab_size, eos)
+        grammars = Grammars(tokenizer, mcfg.vocab_size, eos,
+                            timeout_s=config.grammar_timeout_s)
     except Exception as e:  # noqa: BLE001 - a checkpoint without tokenizer files still serves ids
         log.warning("no tokenizer in %s (%s): EOS ids from config.json only, no grammars, "
                     "no stop strings",

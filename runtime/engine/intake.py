@@ -39,6 +39,7 @@ from radixlm.runtime.rules import (
 )
 from radixlm.runtime.sampling import make_generator
 from radixlm.tokenizer import Tokenizer, TokenStopMatcher
+from radixlm.tokenizer.call_frames import FramedCalls
 
 log = logging.getLogger(__name__)
 
@@ -119,15 +120,17 @@ class MessageHandler:
                 prompt = appended
             history = len(prompt) - len(appended)
             start = msg.prompt_logprobs_start
-            check_prompt_logprobs_start(start, len(appended))
+            check_prompt_logprobs_start(start, len(appended), history)
             sampling = resolve_max_tokens(msg.sampling, len(prompt),
                                           context_length=self.opt.context_length,
                                           pool=self.capacity)
             self._check_fits(len(prompt), sampling.max_tokens, history)
-            grammar = self._grammar(msg.grammar)
-            if msg.sampling.stop and self.tokenizer is None:
-                raise RequestError(ErrorCode.INVALID_PARAMS,
-                                   "this engine has no tokenizer: it cannot match stop strings")
+            grammar = self._grammar(
+                msg.grammar, intake.namespace if intake is not None else msg.namespace,
+                msg.client)
+            if (msg.sampling.stop or msg.sampling.stop_regex) and self.tokenizer is None:
+                raise RequestError(ErrorCode.INVALID_PARAMS, "this engine has no tokenizer: "
+                                   "it cannot match stop strings or stop_regex")
         except RequestError as e:
             if intake is not None:
                 self.sessions.abort_intake(intake, msg.client)
@@ -142,17 +145,22 @@ class MessageHandler:
             turn=intake.turn if intake is not None else None,
             prompt_logprobs_start=None if start is None else history + start,
             priority=msg.priority, grammar=grammar,
-        ), stop_context=msg.input_ids)  # fmt: skip
+            times=self.endings.counters.latency.start(msg.arrived),
+        ), stop_context=msg.input_ids, calls=msg.grammar)  # fmt: skip
 
-    def _grammar(self, spec: GrammarSpec | None) -> CompiledGrammar | Pending | None:
+    def _grammar(self, spec: GrammarSpec | None, namespace: str | None,
+                 client: bytes) -> CompiledGrammar | Pending | None:
         """The compiled grammar, or its compilation in flight (the group then waits in
-        `table.compiling`; a grammar that does not compile fails it there)."""
+        `table.compiling`; a grammar that does not compile fails it there). The cache is
+        the namespace's own (its tenant's: nothing of one is answered faster for another);
+        compile threads are shared fairly between tenants, or clients without one."""
         if spec is None:
             return None
         if self.grammars is None:
             raise RequestError(ErrorCode.INVALID_PARAMS,
                                "this engine has no tokenizer: it cannot serve grammars")
-        return self.grammars.get(spec)
+        party = namespace.partition("/")[0] if namespace is not None else client
+        return self.grammars.get(spec, owner=namespace, party=party)
 
     def _on_open_session(self, msg: EngineOpenSession) -> None:
         try:
@@ -197,9 +205,12 @@ class MessageHandler:
                      pool=self.capacity, retained=self.sessions.unreclaimable_tokens(),
                      history_len=history_len, what=what)
 
-    def _enqueue(self, g: RequestGroup, stop_context: list[int] | None = None) -> None:
+    def _enqueue(self, g: RequestGroup, stop_context: list[int] | None = None,
+                 calls: GrammarSpec | None = None) -> None:
         """Queue the group's branches (`stop_context`: the input's ids, the left context
-        of a stop-string matcher's text, as of the frontend's detokenizer)."""
+        of a stop-string matcher's text, as of the frontend's detokenizer; `calls`: the
+        grammar, whose parallel tool calls end at the first repeat)."""
+        parallel = calls.separator if calls is not None and self.tokenizer is not None else None
         g.stop_ids = frozenset(g.sampling.stop_token_ids) | (
             frozenset() if g.sampling.ignore_eos else self.eos_token_ids
         )
@@ -216,8 +227,13 @@ class MessageHandler:
             if g.sampling.logprobs or g.sampling.top_logprobs:
                 r.logprobs = []
                 r.top_logprobs = [] if g.sampling.top_logprobs else None
-            if g.sampling.stop and stop_context is not None:
-                r.stops = TokenStopMatcher(self.tokenizer, g.sampling.stop, stop_context)
+            if (g.sampling.stop or g.sampling.stop_regex or parallel is not None) \
+                    and stop_context is not None:
+                watch = None
+                if calls is not None and parallel is not None:
+                    watch = FramedCalls(calls.begin, calls.end, parallel)
+                r.stops = TokenStopMatcher(self.tokenizer, g.sampling.stop, stop_context,
+                                           g.sampling.stop_regex, watch)
             g.branches.append(r)
         self.table.add(g)
 

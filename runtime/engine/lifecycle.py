@@ -91,7 +91,7 @@ class Endings:
                 del r.logprobs[keep:]
             if r.top_logprobs is not None:
                 del r.top_logprobs[keep:]
-        return "stop", stops.hit
+        return "stop", stops.matched
 
     def wait_for_tail(self, r: Request, reason: str, matched: int | str | None,
                       out: TokenOutput | None) -> None:
@@ -130,6 +130,9 @@ class Endings:
             r.sent = len(r.output)
         out.finish_reason = r.finish_reason
         out.matched_stop = r.matched_stop
+        if g.times is not None:
+            self.counters.latency.branch_ended(g.times, g.n, r.finish_reason or "stop",
+                                               len(r.output))
         out.usage = Usage(
             prompt_tokens=g.prompt_len,
             cached_tokens=max(r.cached_tokens, 0),
@@ -140,6 +143,8 @@ class Endings:
         if g.prompt_logprobs_start is not None:
             out.prompt_logprobs = g.prompt_logprobs or []
             out.prompt_top_logprobs = g.prompt_top_logprobs
+            # Position 0 has no logprob: they are of the tokens from max(start, 1) on.
+            out.prompt_token_ids = g.prompt[max(g.prompt_logprobs_start, 1):].tolist()
         session = g.turn.ended_in.get(r.index) if g.turn is not None else None
         if session is not None:
             out.session = session

@@ -12,8 +12,10 @@ its token then advances its `GrammarState`, and when the grammar forces the text
 follows, the jump-forward tokens replace it (computed by the next step as one extend).
 
 The engine ends every branch: a stop token id or EOS, the grammar's end, the token limit,
-or a stop string (a branch with stop strings feeds its tokens to its `TokenStopMatcher`
-and sends on only the tokens the matcher releases; the others may begin a stop string).
+or a stop string or stop_regex (a branch with either feeds its tokens to its
+`TokenStopMatcher` and sends on only the tokens the matcher releases; the others may begin
+a stop string). Below its ``min_tokens`` a branch cannot sample its EOS or stop ids (the
+sampler masks them, unless nothing else is allowed).
 """
 
 from __future__ import annotations
@@ -115,10 +117,15 @@ class OutputProcessor:
             prompts = [r.tokens[: r.group.prompt_len] for r in reqs]
         gens = [r.generator for r in reqs]
         states = self._grammar_states(reqs)
+        banned = None
+        if any(p.min_tokens for p in params):  # below it, EOS and stop ids are masked
+            banned = [r.group.stop_ids if len(r.output) < p.min_tokens else ()
+                      for r, p in zip(reqs, params, strict=True)]
         res = self.sampler.sample(
             logits, params, [r.output for r in reqs], prompts,
             gens if any(g is not None for g in gens) else None,
             mask=self.grammars.mask(states) if states is not None else None,  # type: ignore[union-attr]
+            banned=banned,
         )  # fmt: skip
         self.counters.generated_tokens += len(reqs)
         outputs = self.outbox.outputs
@@ -140,6 +147,8 @@ class OutputProcessor:
                     top = _tops(tops[i])
                     r.top_logprobs.append(top)
                     out.top_logprobs = [top]
+            if g.times is not None and not r.output:
+                self.counters.latency.first_token(g.times)
             end = n + len(toks)
             r.tokens[n:end] = toks
             r.num_tokens = end
@@ -156,7 +165,7 @@ class OutputProcessor:
                 if reason is not None:
                     self._finish(r, reason, matched, out)
             elif stops.feed(toks):  # (its last output is made as it ends)
-                self._finish(r, "stop", stops.hit, None)
+                self._finish(r, "stop", stops.matched, None)
             elif reason is not None:
                 self._finish(r, reason, matched, None)
             else:

@@ -1,6 +1,9 @@
 """Prefill scheduling: which prompt tokens run this step, under the chunked-prefill budget.
 
-Unfinished chunked prompts go first, then waiting requests in policy order: **match**
+Waiting requests are admitted first, in policy order -- with half the budget while
+unfinished chunked prompts run, which share the rest equally (then what is left, oldest
+first), so that a new request is admitted within one step of a long prefill and finishes
+its prompt within a few, rather than after the long prompt's last chunk: **match**
 (not a reservation; a match taken at an older cache epoch is redone) → in-batch dedup
 (hold requests whose shared new prefix another one is computing) → **lock** the match
 → **allocate only the uncached suffix** (evicting unlocked leaves, then demoting idle
@@ -77,16 +80,36 @@ class PrefillManager:
         """Add this step's prefill chunks to `plan`; `touched`: requests whose KV this
         changed (failed with the step if it fails)."""
         budget = self.opt.chunked_prefill
-        for r in self.table.running:
-            if budget <= 0:
+        chunked = [r for r in self.table.running if r.state is ReqState.PREFILLING]
+        if self.table.waiting and len(self.table.running) < self.opt.max_running:
+            # Admission goes first, with half the budget while long prompts are prefilled
+            # in chunks: a new request never waits for their last chunk (what it leaves
+            # unused is theirs).
+            budget -= self._admit(plan, budget // 2 if chunked else budget, touched)
+        for r, grant in zip(chunked, self._shares(chunked, budget), strict=True):
+            if grant <= 0:
+                continue
+            ext = self.chunk(r, grant)
+            if self.kv.grow(r, r.kv_len + ext):
+                plan.append(Scheduled(r, ext, self.logits_from(r, ext)))
+
+    @staticmethod
+    def _shares(chunked: list[Request], budget: int) -> list[int]:
+        """Each unfinished prompt's tokens this step: an equal share of `budget` first (a
+        short one is not held behind a long one), then what is left, oldest first."""
+        if not chunked or budget <= 0:
+            return [0] * len(chunked)
+        want = [r.num_tokens - r.kv_len for r in chunked]
+        equal = max(1, budget // len(chunked))
+        grants = [min(w, equal) for w in want]
+        left = budget - sum(grants)
+        for i, w in enumerate(want):
+            if left <= 0:
                 break
-            if r.state is ReqState.PREFILLING:
-                ext = self.chunk(r, budget)
-                if self.kv.grow(r, r.kv_len + ext):
-                    plan.append(Scheduled(r, ext, self.logits_from(r, ext)))
-                    budget -= ext
-        if budget > 0 and self.table.waiting and len(self.table.running) < self.opt.max_running:
-            self._admit(plan, budget, touched)
+            extra = min(w - grants[i], left)
+            grants[i] += extra
+            left -= extra
+        return grants
 
     def share_slots(self) -> None:
         """Before the step is planned: retract other clients' newest requests while a
@@ -98,8 +121,11 @@ class PrefillManager:
                                     logging.DEBUG):
                 self.counters.preemptions += 1
 
-    def _admit(self, plan: list[Scheduled], budget: int, touched: list[Request]) -> None:
+    def _admit(self, plan: list[Scheduled], budget: int, touched: list[Request]) -> int:
+        """Admit waiting requests (policy order) into `budget` prompt tokens; returns how
+        many of them the admitted chunks use."""
         opt, kv, table = self.opt, self.kv, self.table
+        given = budget
         self.update_ratio()
         matches: dict[int, tuple[MatchResult, int]] = {}
 
@@ -140,6 +166,8 @@ class PrefillManager:
                 break
             table.move(r, ReqState.PREFILLING)  # (now the last of `running`)
             if r.cached_tokens < 0:  # first admission: usage and hit-rate figures
+                if r.group.times is not None:
+                    self.counters.latency.scheduled(r.group.times)
                 r.cached_tokens = m.length + restored
                 if r.index == 0:
                     self.sessions.on_admit(r, m.length, restored)
@@ -149,6 +177,7 @@ class PrefillManager:
             budget -= ext
             inflight.append(r)
             reserve += self.future_need(r)
+        return given - budget
 
     def _restore(self, r: Request) -> int:
         """Copy back session history the host tier kept (demoted sessions): those tokens

@@ -29,6 +29,7 @@ from radixlm.runtime.protocol import SamplingParams, TopLogprob
 
 if TYPE_CHECKING:
     from radixlm.runtime.engine.sessions.controller import Turn
+    from radixlm.runtime.engine.timings import GroupTimes
     from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
     from radixlm.runtime.grammar.matcher import GrammarState
     from radixlm.tokenizer import TokenStopMatcher
@@ -69,6 +70,7 @@ class RequestGroup:
     grammar: CompiledGrammar | Pending | None = None
     recomputed_tokens: int = 0
     restored_tokens: int = 0
+    times: GroupTimes | None = None  # a Generate's moments (timings.py)
 
     @property
     def prompt_len(self) -> int:

@@ -50,6 +50,7 @@ from radixlm.runtime.engine.state import ReqState
 from radixlm.runtime.engine.stats import stats_reply
 from radixlm.runtime.engine.step_budget import StepBudget
 from radixlm.runtime.engine.table import Counters, RequestTable
+from radixlm.runtime.engine.timings import Latencies
 from radixlm.runtime.engine_wire import EngineAbort, EngineCommand, ToFrontend
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model.batch import ForwardBatch
@@ -103,7 +104,7 @@ class Scheduler:
         self.clock = clock
         self.device = torch.device(model.device)
         self.table = RequestTable()
-        self.counters = Counters()
+        self.counters = Counters(latency=Latencies(clock))
         self.outbox = Outbox()
         self.sessions = SessionController(sessions, self.outbox.reply)
         self.kv = CacheManager(cache, self.sessions.make_room)

@@ -29,5 +29,7 @@ def stats_reply(rid: str, sizes: CacheSizes, table: RequestTable, counters: Coun
         retractions=c.retractions,
         fair_preemptions=c.preemptions,
         capped_steps=capped_steps,
+        finish_reasons=dict(c.latency.finish_reasons),
+        latency=c.latency.wire(),
         **sessions.stats(),
     )

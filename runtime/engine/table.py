@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixlm.runtime.engine.request import Request, RequestGroup
 from radixlm.runtime.engine.state import LIVE_WITH_KV, ReqState, advance
+from radixlm.runtime.engine.timings import Latencies
 from radixlm.runtime.grammar.compiler import Pending
 
 
@@ -24,6 +25,7 @@ class Counters:
     retractions: int = 0
     preemptions: int = 0  # of those, for another client's fair share of running slots
     finished: int = 0
+    latency: Latencies = field(default_factory=Latencies)  # per-request timings
 
 
 class RequestTable:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -34,6 +35,7 @@ from radixlm.runtime.curve_keys import (
     start_authenticator,
 )
 from radixlm.runtime.engine_wire import EngineReady, to_frontend_decoder
+from radixlm.runtime.frontend.identities import unpredictable_routing_ids
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.server import Frontend, welcome_from
 from radixlm.runtime.frontend.tenants import write_gateway_token
@@ -79,7 +81,8 @@ def client_socket_options(config: EngineConfig, client_fd: int = -1) -> dict[int
     frame size limit (libzmq drops a connection whose frame is larger, before buffering
     it), CURVE server keys when clients must authenticate, and the listening socket the
     launcher bound (`client_fd`; libzmq then owns and closes it)."""
-    options: dict[int, int | bytes] = {zmq.ROUTER_MANDATORY: 1}
+    # No handover: a peer naming a live connection's id is ignored, never given its place.
+    options: dict[int, int | bytes] = {zmq.ROUTER_MANDATORY: 1, zmq.ROUTER_HANDOVER: 0}
     if client_fd >= 0:
         options[zmq.USE_FD] = client_fd
     if config.max_message_bytes > 0:
@@ -89,8 +92,17 @@ def client_socket_options(config: EngineConfig, client_fd: int = -1) -> dict[int
     return options
 
 
+def _drain_on(frontend: Frontend, timeout_s: float) -> Callable[[int, object], None]:
+    """The SIGTERM handler: the first drains (`Frontend.begin_drain`), a second exits."""
+    def handler(signum: int, frame: object) -> None:
+        if frontend.draining:
+            raise SystemExit(128 + signum)
+        frontend.begin_drain(timeout_s, signal.Signals(signum).name)
+    return handler
+
+
 def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
-    """Serve clients until interrupted (SIGTERM is turned into SystemExit by the launcher)."""
+    """Serve clients until drained after SIGTERM (a second one exits at once)."""
     ctx: zmq.Context[Any] = zmq.Context()
     sockets: list[zmq.Socket[Any]] = []
     executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="radixlm-tokenize")
@@ -102,6 +114,7 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
             accepted = (make_gateway_keys(Path(endpoints.runtime_dir), Path(config.auth_dir))
                         if endpoints.runtime_dir else None)
             authenticator = start_authenticator(ctx, Path(config.auth_dir), accepted)
+        unpredictable_routing_ids()  # before the ROUTER picks its first id (identities.py)
         clients = open_socket(ctx, zmq.ROUTER, endpoints.client, bind=True,
                               options=client_socket_options(config, endpoints.client_fd))
         sockets.append(clients)
@@ -131,6 +144,7 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
         # A signal may land on ZeroMQ's I/O thread; Python runs its handler on the main
         # thread, which the wake-up fd pulls out of its poll.
         signal.set_wakeup_fd(frontend.wakeup_fd, warn_on_full_buffer=False)
+        signal.signal(signal.SIGTERM, _drain_on(frontend, config.drain_timeout_s))
         try:
             frontend.serve()
         finally:

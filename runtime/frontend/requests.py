@@ -10,6 +10,7 @@ refusal found while preparing is answered in the client's order.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,7 @@ from radixlm.runtime.rules import (
     check_input,
     check_input_size,
     check_pin_name,
+    check_tools,
 )
 
 # Inputs up to this many characters are tokenized on the main thread (a thread hop costs
@@ -119,6 +121,7 @@ class ClientRequests:
 
     # ----------------------------------------------------------------- handlers
     def generate(self, client: ClientState, msg: wire.Generate) -> None:
+        arrived = time.monotonic()  # the engine's timings start here (engine/timings.py)
         if msg.rid in client.inflight:
             raise RequestError(wire.ErrorCode.DUPLICATE_ID, f"request {msg.rid!r} is already in flight")
         if self._max_inflight and len(client.inflight) >= self._max_inflight:
@@ -127,12 +130,14 @@ class ClientRequests:
                                f"server's cap (--max-inflight-per-client); wait for one to end")
         check_generate(msg, self.model.vocab_size)
         check_input_size(msg.input, self.model.max_input_bytes, self.model.context_length)
+        check_tools(msg.tools, self.model.context_length)
         plan = plan_structured(msg, self.model.tool_format)
         key = next(self._keys)
         stream = RequestStream(key, client.identity, msg.rid, stream=msg.stream, n=msg.n,
                                sampling=msg.sampling, session=msg.session,
                                tokenizer=self.model.tokenizer,
-                               tool_calls=plan.tool_calls if plan.parse_calls else None)
+                               tool_calls=plan.tool_calls if plan.parse_calls else None,
+                               logprob_texts=msg.logprob_texts)
         self.routes.streams[key] = stream
         client.inflight[msg.rid] = key
 
@@ -149,7 +154,7 @@ class ClientRequests:
                            else client.names.turn_namespace(msg.namespace)),
                 grammar=plan.grammar,
                 assistant_open=assistant_flag(msg.input) if msg.session is not None else None,
-                variants=variants,
+                variants=variants, arrived=arrived,
             ))
 
         model = self.model

@@ -18,6 +18,14 @@ Message handling, in order of arrival per client (see clients.py for the queue):
   frontend keeps no record of sessions: the engine owns histories and ends every turn;
   an append is rendered for each way its history may end and the engine picks.
 
+Identities are the server's: a connection whose ROUTER id its peer chose
+(``ZMQ_ROUTING_ID``) is refused (identities.py).
+
+Draining (SIGTERM, `begin_drain`): new work (hello, generate, sessions, pins) is refused
+with engine_unavailable while the requests already running finish; once none is left, or
+at the drain timeout (those still running then fail with a message that says so), every
+client's sessions are closed in the engine and `serve` returns.
+
 Client disconnects are seen two ways: a send to a vanished client fails
 (``ROUTER_MANDATORY`` -> EHOSTUNREACH), and the socket monitor reports a closed
 connection even for an idle client (clients.py). Either way the frontend forgets the
@@ -48,6 +56,7 @@ from radixlm.runtime.engine_wire import (
 )
 from radixlm.runtime.frontend.clients import ClientState, Pending, Routes
 from radixlm.runtime.frontend.frames import FrameError, decode_frame
+from radixlm.runtime.frontend.identities import REFUSED_IDENTITY, assigned_by_server
 from radixlm.runtime.frontend.liveness import PROBE_CLIENT, Change, EngineWatch
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.replies import EngineReplies
@@ -61,6 +70,8 @@ log = logging.getLogger("radixlm.frontend")
 
 # Messages taken from one socket per loop turn, so no source starves the others.
 BATCH = 256
+# What a draining frontend refuses: anything that would start new work in the engine.
+NEW_WORK = (wire.Hello, wire.Generate, wire.OpenSession, wire.ForkSession, wire.Pin)
 
 
 def welcome_from(ready: EngineReady, server_version: str, max_message_bytes: int = 0,
@@ -119,19 +130,22 @@ class Frontend:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        self._drain_until: float | None = None  # set by `begin_drain`
+        self._drain_why = ""
 
     # -- loop ------------------------------------------------------------------------------
 
     def serve(self) -> None:
-        """Run until interrupted (SIGTERM / KeyboardInterrupt propagate)."""
+        """Run until drained (`begin_drain`) or interrupted (KeyboardInterrupt and the
+        SystemExit of a second SIGTERM propagate)."""
         poller = zmq.Poller()
         poller.register(self._from_engine, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._sock, zmq.POLLIN)
         poll_ms = int(self._watch.interval_s * 1000)
-        while True:
-            ready = dict(poller.poll(poll_ms))
+        while not self._drained():
+            ready = dict(poller.poll(poll_ms if self._drain_until is None else 50))
             self._watch_engine()
             if self._from_engine in ready:
                 self._drain_engine()
@@ -141,6 +155,44 @@ class Frontend:
                 self._drain_wakes()
             if self._sock in ready:
                 self._drain_clients()
+
+    # -- draining --------------------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_until is not None
+
+    def begin_drain(self, timeout_s: float, why: str = "SIGTERM") -> None:
+        """Take no new work; let what runs finish for up to `timeout_s` (signal-safe: the
+        loop notices on its next turn)."""
+        if self._drain_until is None:
+            self._drain_until = time.monotonic() + timeout_s
+            self._drain_why = why
+            self._wake(b"")
+
+    def _busy(self) -> bool:
+        return any(c.inflight or c.awaiting or c.pending for c in self._clients)
+
+    def _drained(self) -> bool:
+        """Whether the drain is over: nothing runs, or its time is up (what still runs
+        then fails). Either way every client's sessions are closed in the engine."""
+        if self._drain_until is None:
+            return False
+        busy = self._busy()
+        if busy and time.monotonic() < self._drain_until:
+            return False
+        message = (f"the server stopped ({self._drain_why}) before this request finished "
+                   "(its --drain-timeout ran out)")
+        failed = self._fail_all(message) if busy else 0
+        for client in self._clients:
+            if client.touched_engine:
+                self.routes.to_engine(None, ClientGone(client=client.identity))
+        log.info("drained after %s: %d request(s) stopped unfinished", self._drain_why, failed)
+        return True
+
+    def _stopping(self) -> str:
+        return (f"the server is stopping ({self._drain_why}): it takes no new requests, "
+                "only finishes the running ones")
 
     @property
     def wakeup_fd(self) -> int:
@@ -209,6 +261,12 @@ class Frontend:
         in case it comes back; late replies to the failed commands (each gets exactly one)
         are dropped."""
         message = self._unavailable()
+        failed = self._fail_all(message)
+        log.error("%s: %d request(s) failed with engine_unavailable", message, failed)
+
+    def _fail_all(self, message: str) -> int:
+        """Fail every request in flight with engine_unavailable and `message`; the engine is
+        told to abort them. Returns how many."""
         routes = self.routes
         failed = 0
         for client in self._clients:
@@ -224,7 +282,7 @@ class Frontend:
                 routes.error(client, rid, wire.ErrorCode.ENGINE_UNAVAILABLE, message)
                 failed += 1
             client.awaiting.clear()
-        log.error("%s: %d request(s) failed with engine_unavailable", message, failed)
+        return failed
 
     # -- ordered preparation -------------------------------------------------------------
 
@@ -258,6 +316,9 @@ class Frontend:
 
     def on_client_frames(self, frames: list[zmq.Frame]) -> None:
         identity = frames[0].bytes
+        if not assigned_by_server(identity):
+            self._refuse_identity(identity, frames)
+            return
         client = self._clients.get(identity) or self._register(identity, frames)
         error = self.routes.error
         if len(frames) != 2:
@@ -275,6 +336,10 @@ class Frontend:
             error(client, msg.rid, wire.ErrorCode.HANDSHAKE_REQUIRED,
                   f"send hello (protocol_version={PROTOCOL_VERSION}) first")
             return
+        if self._drain_until is not None and isinstance(msg, NEW_WORK):
+            error(client, msg.rid if not isinstance(msg, wire.Hello) else None,
+                  wire.ErrorCode.ENGINE_UNAVAILABLE, self._stopping())
+            return
         if self._watch.down and type(msg) not in (wire.Tokenize, wire.Detokenize):  # no engine
             error(client, msg.rid, wire.ErrorCode.ENGINE_UNAVAILABLE, self._unavailable())
             return
@@ -285,6 +350,15 @@ class Frontend:
         except Exception as e:  # a bug: answer it and keep serving everyone else
             log.exception("handling %s failed", type(msg).__name__)
             error(client, msg.rid, wire.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def _refuse_identity(self, identity: bytes, frames: list[zmq.Frame]) -> None:
+        """Answer a peer-chosen identity's message with `forbidden`; nothing is kept."""
+        msg = decode_frame(frames[-1].bytes) if len(frames) == 2 else None
+        rid = None if msg is None or isinstance(msg, wire.Hello) else msg.rid
+        log.info("refused a client that chose its routing id (%d bytes)", len(identity))
+        error = wire.Error(rid=rid, code=wire.ErrorCode.FORBIDDEN, message=REFUSED_IDENTITY)
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.send_multipart([identity, wire.encode(error)], zmq.NOBLOCK)
 
     def _register(self, identity: bytes, frames: list[zmq.Frame]) -> ClientState:
         frame = frames[0]

@@ -7,8 +7,11 @@ on the branch's last output, its `Done`.
 The engine ends every turn, stop strings included (tokenizer/stop.py
 `TokenStopMatcher`): it sends only tokens whose text is before any stop string, and the
 last output says how many characters of its text belong to the matched stop string
-(`text_trim`), which are left out. So the streamed chunks concatenate to the Done's text
-and ids, and the Done's session length is the engine's.
+(`text_trim`), which are left out. A matched stop token id's own text is left out too
+(the token stays in `token_ids` and the history), as SGLang trims it. So the streamed
+chunks concatenate to the Done's text and ids, and the Done's session length is the
+engine's. With ``logprob_texts`` every chunk and Done maps the token ids it carries
+(output, top alternatives, prompt) to their texts, each decoded alone.
 """
 
 from __future__ import annotations
@@ -54,11 +57,12 @@ class RequestStream:
     """One in-flight Generate, from the frontend's side."""
 
     __slots__ = ("key", "client", "rid", "stream", "session", "appended",
-                 "_tokenizer", "_sampling", "_branches", "remaining", "_tool_calls")
+                 "_tokenizer", "_sampling", "_branches", "remaining", "_tool_calls", "_texts")
 
     def __init__(self, key: int, client: bytes, rid: str, *, stream: bool, n: int,
                  sampling: SamplingParams, session: str | None, tokenizer: Tokenizer,
-                 tool_calls: Callable[[str], list[ToolCall] | None] | None = None) -> None:
+                 tool_calls: Callable[[str], list[ToolCall] | None] | None = None,
+                 logprob_texts: bool = False) -> None:
         self.key = key
         self.client = client
         self.rid = rid
@@ -70,6 +74,7 @@ class RequestStream:
         self._branches: list[_Branch | None] = [None] * n
         self.remaining = n  # branches without a Done yet
         self._tool_calls = tool_calls  # reads a branch's calls out of its whole text
+        self._texts = logprob_texts  # token ids' texts ride with the logprobs
 
     def prepared(self, ids: list[int]) -> None:
         """The request's ids are known: the detokenizers take their tail as context (the
@@ -92,7 +97,10 @@ class RequestStream:
         final = out.finish_reason is not None
         ids = out.token_ids
         start = len(b.token_ids)
-        text = b.detok.feed(ids) if ids else ""
+        if final and ids and isinstance(out.matched_stop, int) and out.matched_stop == ids[-1]:
+            text = b.detok.feed(ids[:-1])  # a matched stop token's text is trimmed
+        else:
+            text = b.detok.feed(ids) if ids else ""
         if final:
             text += b.detok.flush()
             if out.text_trim:  # the stop string's start, inside the last kept token
@@ -111,6 +119,8 @@ class RequestStream:
                 top_logprobs=top_logprobs[start:sent] if top_logprobs is not None else None,
                 index=index,
             )
+            if self._texts:
+                chunk.token_texts = self._token_texts(ids, chunk.top_logprobs)
         if not final:
             # NamedTuple's own __new__ is Python code; this is its C equivalent.
             return tuple.__new__(Outcome, (chunk, None))
@@ -123,11 +133,18 @@ class RequestStream:
         if b.top_logprobs is not None and out.top_logprobs:
             b.top_logprobs.extend(out.top_logprobs)
 
+    def _token_texts(self, ids: list[int], tops: list[list[TopLogprob]] | None,
+                     more: list[int] | None = None) -> dict[int, str]:
+        """Each token id's text, decoded alone (SGLang's return_text_in_logprobs)."""
+        token_text = self._tokenizer.token_text  # memoised
+        alternatives = (alt.token_id for row in tops or () for alt in row)
+        return {t: token_text(t) for t in (*ids, *alternatives, *(more or ()))}
+
     def _finish(self, b: _Branch, out: TokenOutput) -> Done:
         b.done = True
         self.remaining -= 1
         text = "".join(b.texts)
-        return Done(
+        done = Done(
             rid=self.rid,
             finish_reason=out.finish_reason,  # type: ignore[arg-type]
             text=text,
@@ -139,8 +156,13 @@ class RequestStream:
             top_logprobs=b.top_logprobs,
             prompt_logprobs=out.prompt_logprobs,
             prompt_top_logprobs=out.prompt_top_logprobs,
+            prompt_token_ids=out.prompt_token_ids,
             session=out.session,
             session_length=out.session_length,
             index=out.index,
             tool_calls=self._tool_calls(text) if self._tool_calls is not None else None,
         )
+        if self._texts:
+            tops = [*(b.top_logprobs or ()), *(out.prompt_top_logprobs or ())]
+            done.token_texts = self._token_texts(b.token_ids, tops, out.prompt_token_ids)
+        return done

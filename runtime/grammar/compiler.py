@@ -1,30 +1,39 @@
-"""Compiled grammars, cached by spec and compiled off the scheduler loop.
+"""Compiled grammars, cached per tenant and compiled off the scheduler loop.
 
-`GrammarCompiler.get(spec)` returns at once: the `CompiledGrammar` when it is cached,
-else a `Pending` handle whose compilation runs on a worker thread (xgrammar releases the
-GIL while it compiles, so a two-second schema does not stall the decoding of other
-requests). The scheduler keeps the request waiting and polls `Pending.result()`.
+`GrammarCompiler.get(spec, owner=..., party=...)` returns at once: the `CompiledGrammar`
+when the owner's cache holds it, else a `Pending` handle whose compilation runs on a
+worker thread (xgrammar releases the GIL while it compiles, so a two-second schema does
+not stall the decoding of other requests), queued fairly between parties
+(compile_queue.py). The scheduler keeps the request waiting and polls
+`Pending.result()`, which gives up at the time limit.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
+import os
 import re
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from typing import Any
 
 import xgrammar as xgr
+from radixlm.runtime.grammar.compile_queue import CompileQueue, Job
 from radixlm.runtime.grammar.spec import GrammarSpec
 
-__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError", "Pending"]
+__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError", "GrammarTimeout", "Pending"]
 
 log = logging.getLogger(__name__)
 
 CompiledGrammar = xgr.CompiledGrammar
 DEFAULT_CACHE_ENTRIES = 256
+DEFAULT_TIMEOUT_S = 60.0  # a request's wait for its grammar, queue included
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
@@ -32,92 +41,140 @@ class GrammarError(ValueError):
     """A grammar that does not compile; the message is the compiler's, naming the field."""
 
 
+class GrammarTimeout(GrammarError):
+    """The grammar did not compile within the compiler's time limit."""
+
+
 class Pending:
     """A compilation in flight: `result()` is None until it is done, then the compiled
-    grammar (or raises its `GrammarError`)."""
+    grammar (or raises its `GrammarError`); past its deadline it raises `GrammarTimeout`
+    and stops waiting. `cancel()` (or dropping the handle) says nobody waits any more: a
+    compilation no handle waits for leaves the queue before it starts."""
 
-    __slots__ = ("_future",)
+    __slots__ = ("_future", "_deadline", "_detach", "__weakref__")
 
-    def __init__(self, future: Future[CompiledGrammar]) -> None:
+    def __init__(self, future: Future[CompiledGrammar], deadline: float = math.inf) -> None:
         self._future = future
+        self._deadline = deadline
+        self._detach: Callable[[], Any] | None = None
 
     def done(self) -> bool:
-        return self._future.done()
+        return self._future.done() or time.monotonic() >= self._deadline
 
     def result(self) -> CompiledGrammar | None:
-        if not self._future.done():
-            return None
-        return self._future.result()  # raises the GrammarError, if any
+        if self._future.done():
+            return self._future.result()  # raises the GrammarError, if any
+        if time.monotonic() >= self._deadline:
+            self.cancel()
+            raise GrammarTimeout("the grammar did not compile within its time limit "
+                                 "(the engine's --grammar-timeout); try a simpler one")
+        return None
 
     def wait(self, timeout: float | None = None) -> CompiledGrammar:
         return self._future.result(timeout)
+
+    def cancel(self) -> None:
+        if self._detach is not None:
+            self._detach()
+
+
+def default_workers() -> int:
+    """Compile threads: two at least (one party never holds them all), a quarter of the
+    cores at most (the rest decode)."""
+    return max(2, min(8, (os.cpu_count() or 1) // 4))
 
 
 class GrammarCompiler:
     """Compiles `GrammarSpec`s for one tokenizer; see the module docstring.
 
     Thread use: `get` and `close` are called from the scheduler thread only; compilations
-    run on one worker thread (more would contend with the model for the CPU). The cache
-    holds at most `max_entries` specs (least recently used dropped first); a failed
-    compilation is not cached.
+    run on `workers` threads, shared fairly between parties (`CompileQueue`), each party
+    running at most ``workers - 1`` at once. The cache is partitioned by owner (a tenant's
+    namespace): one tenant's compilations never answer another's faster, so timing says
+    nothing across tenants. It holds at most `max_entries` grammars (least recently used
+    dropped first); a failed compilation is not cached.
     """
 
     def __init__(self, info: xgr.TokenizerInfo | Callable[[], xgr.TokenizerInfo],
-                 max_entries: int = DEFAULT_CACHE_ENTRIES, threads: int = 1) -> None:
-        # A callable is called on the worker thread at the first compilation: reading a
+                 max_entries: int = DEFAULT_CACHE_ENTRIES, threads: int = 1,
+                 workers: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        # A callable is called on a worker thread at the first compilation: reading a
         # large vocabulary takes a while, and the scheduler never waits for it.
         self._info = info
+        self._info_lock = threading.Lock()
         self._threads = threads
-        self._xgr: xgr.GrammarCompiler | None = None  # touched by the worker thread only
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
-        self._lock = threading.Lock()  # guards _cache against the worker's error eviction
-        self._cache: OrderedDict[GrammarSpec, Future[CompiledGrammar]] = OrderedDict()
+        self._local = threading.local()  # each worker's own xgrammar compiler
+        workers = default_workers() if workers is None else workers
+        self._queue = CompileQueue(workers, per_party=max(1, workers - 1))
+        self._lock = threading.Lock()  # guards _cache against the workers' error eviction
+        self._cache: OrderedDict[tuple[Hashable, GrammarSpec], Job] = OrderedDict()
         self._max = max_entries
+        self.timeout_s = timeout_s
         self.compiled = 0  # compilations started (cache misses)
 
-    def get(self, spec: GrammarSpec) -> CompiledGrammar | Pending:
+    def get(self, spec: GrammarSpec, *, owner: Hashable = None,
+            party: Hashable = None) -> CompiledGrammar | Pending:
+        """`owner`: whose cache partition (a tenant's namespace); `party`: whose share
+        of the compile threads (a tenant, or a client)."""
+        key = (owner, spec)
         with self._lock:
-            future = self._cache.get(spec)
-            if future is not None:
-                self._cache.move_to_end(spec)
+            job = self._cache.get(key)
+            if job is not None and not job.future.cancelled():
+                self._cache.move_to_end(key)
             else:
-                future = self._pool.submit(self._compile_and_forget_failures, spec)
-                self._cache[spec] = future
+                job = self._queue.submit(party, functools.partial(
+                    self._compile_and_forget_failures, key))
+                self._cache[key] = job
                 self.compiled += 1
                 while len(self._cache) > self._max:
                     self._cache.popitem(last=False)
-        if future.done() and future.exception() is None:
+        future = job.future
+        if future.done() and not future.cancelled() and future.exception() is None:
             return future.result()
-        return Pending(future)
+        pending = Pending(future, time.monotonic() + self.timeout_s)
+        pending._detach = self._queue.attach(job, pending)
+        return pending
 
     def compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile (or fetch) and wait: for tests, benchmarks and the SDK's checks."""
         got = self.get(spec)
         return got.wait() if isinstance(got, Pending) else got
 
-    def _compile_and_forget_failures(self, spec: GrammarSpec) -> CompiledGrammar:
+    def queued(self) -> int:
+        """Compilations waiting for a thread."""
+        return self._queue.queued()
+
+    def _compile_and_forget_failures(self, key: tuple[Hashable, GrammarSpec]) -> CompiledGrammar:
         try:
-            return self._compile(spec)
+            return self._compile(key[1])
         except GrammarError:
             with self._lock:
-                self._cache.pop(spec, None)
+                self._cache.pop(key, None)
             raise
 
+    def _tokenizer_info(self) -> xgr.TokenizerInfo:
+        with self._info_lock:
+            if not isinstance(self._info, xgr.TokenizerInfo):
+                self._info = self._info()
+            return self._info
+
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        if self._xgr is None:
-            info = self._info if isinstance(self._info, xgr.TokenizerInfo) else self._info()
+        compiler = getattr(self._local, "xgr", None)
+        if compiler is None:
             # xgrammar's own cache would grow without bound; ours is the bounded one.
-            self._xgr = xgr.GrammarCompiler(info, max_threads=self._threads, cache_enabled=False)
+            compiler = xgr.GrammarCompiler(self._tokenizer_info(), max_threads=self._threads,
+                                           cache_enabled=False)
+            self._local.xgr = compiler
         try:
             grammar = _grammar(spec)
-            return self._xgr.compile_grammar(grammar)
+            return compiler.compile_grammar(grammar)
         except GrammarError:
             raise
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarError(f"{spec.kind} does not compile: {_first_line(e)}") from None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._queue.close()
 
 
 def _grammar(spec: GrammarSpec) -> xgr.Grammar:

@@ -7,10 +7,15 @@ forces text, the jump-forward tokens that replace it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from radixlm.runtime.grammar.bitmask import BatchMasker, TokenMask
-from radixlm.runtime.grammar.compiler import CompiledGrammar, GrammarCompiler, Pending
+from radixlm.runtime.grammar.compiler import (
+    DEFAULT_TIMEOUT_S,
+    CompiledGrammar,
+    GrammarCompiler,
+    Pending,
+)
 from radixlm.runtime.grammar.jump_forward import plan_jump
 from radixlm.runtime.grammar.matcher import GrammarState
 from radixlm.runtime.grammar.spec import GrammarSpec
@@ -24,16 +29,20 @@ class Grammars:
     """One per engine. `jump_forward=False` samples every token (benchmarks compare)."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: Iterable[int],
-                 *, jump_forward: bool = True, compiler: GrammarCompiler | None = None) -> None:
+                 *, jump_forward: bool = True, compiler: GrammarCompiler | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         stop = frozenset(eos_ids)
         self.tokenizer = tokenizer
         self.compiler = compiler or GrammarCompiler(
-            lambda: tokenizer_info(tokenizer, vocab_size, stop))
+            lambda: tokenizer_info(tokenizer, vocab_size, stop), timeout_s=timeout_s)
         self.masker = BatchMasker(vocab_size)
         self.jump_forward = jump_forward
 
-    def get(self, spec: GrammarSpec) -> CompiledGrammar | Pending:
-        return self.compiler.get(spec)
+    def get(self, spec: GrammarSpec, *, owner: Hashable = None,
+            party: Hashable = None) -> CompiledGrammar | Pending:
+        """`owner`: the cache partition (a tenant's namespace); `party`: whose share of
+        the compile threads (see `GrammarCompiler.get`)."""
+        return self.compiler.get(spec, owner=owner, party=party)
 
     @staticmethod
     def new_state(compiled: CompiledGrammar, stop_ids: Iterable[int]) -> GrammarState:

@@ -103,6 +103,13 @@ async def _model(ctx: HttpContext, request: Request) -> Response:
     return _json_response(_model_json(ctx))
 
 
+async def _model_info(ctx: HttpContext, request: Request) -> Response:
+    """SGLang's native ``/get_model_info``, plus the engine's protocol endpoint, which
+    ``rl.RuntimeEndpoint("http://...")`` connects programs to (they run on sessions)."""
+    return _json_response({"model_path": ctx.welcome.model, "served_model_name": ctx.model_name,
+                           "is_generation": True, "radixlm_endpoint": ctx.config.engine_endpoint})
+
+
 async def _health(ctx: HttpContext, request: Request) -> Response:
     """200 once the engine itself answers (a stats request, which the engine serves even
     mid-step) within --health-timeout; 503 otherwise -- a frozen engine included."""
@@ -203,6 +210,7 @@ def build_app(config: HttpConfig) -> Starlette:
         route("/v1/sessions/{session_id}", "sessions_delete", _delete_session, ["DELETE"]),
         route("/v1/models", "models", _models, ["GET"]),
         route("/v1/models/{model:path}", "model", _model, ["GET"]),
+        route("/get_model_info", "model_info", _model_info, ["GET"]),
         route("/v1/tokenize", "tokenize", tokenize.tokenize, ["POST"]),
         route("/v1/detokenize", "detokenize", tokenize.detokenize, ["POST"]),
         route("/tokenize", "tokenize", tokenize.tokenize, ["POST"]),

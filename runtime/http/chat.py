@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 from radixlm.runtime.http import convert, generation, sse, turns
-from radixlm.runtime.http.context import HttpContext, decode_body, now, read_body
+from radixlm.runtime.http.context import HttpContext, now, request_body
 from radixlm.runtime.http.errors import invalid
 from radixlm.runtime.http.logprobs import chat_content
 from radixlm.runtime.http.reply_stream import ArgsDelta, CallBegin, Event, ReplyParser, TextDelta
@@ -49,7 +49,7 @@ def session_json(entry: Stored | None) -> dict[str, Any] | None:
 
 
 async def chat_completions(ctx: HttpContext, request: Request) -> Response:
-    req = decode_body(await read_body(request, ctx.config.max_body_bytes), ChatCompletionRequest)
+    req = await request_body(ctx, request, ChatCompletionRequest)
     ctx.check_model(req.model)
     n = convert.n_of(req.n)
     if req.top_logprobs and not req.logprobs:

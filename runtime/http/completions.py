@@ -11,7 +11,7 @@ import anyio
 import msgspec
 from radixlm.runtime.http import convert, generation, sse
 from radixlm.runtime.http.chat import usage_json
-from radixlm.runtime.http.context import HttpContext, decode_body, now, read_body
+from radixlm.runtime.http.context import HttpContext, now, request_body
 from radixlm.runtime.http.errors import from_engine, invalid
 from radixlm.runtime.http.logprobs import completion as completion_logprobs
 from radixlm.runtime.http.schemas import CompletionRequest
@@ -25,19 +25,24 @@ Prompt = Union[str, list[int]]
 MAX_BATCH = 64
 
 
+def _token_ids(value: Any) -> bool:
+    """Whether `value` is a non-empty list of token ids (non-negative, 64-bit at most)."""
+    return isinstance(value, list) and bool(value) and all(
+        type(t) is int and 0 <= t < 2**63 for t in value)
+
+
 def prompts_of(prompt: Union[str, list[Any]]) -> list[Prompt]:
     """A prompt, token ids, or a batch of either -> a list of single prompts."""
     if isinstance(prompt, str):
         return [prompt]
-    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    if _token_ids(prompt):
         return [prompt]
     if not prompt or len(prompt) > MAX_BATCH:
         raise invalid(f"prompt must be a string, token ids, or a batch of 1 to {MAX_BATCH} of "
                       "either", "prompt")
     out: list[Prompt] = []
     for i, p in enumerate(prompt):
-        if isinstance(p, str) or (isinstance(p, list) and p and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in p)):
+        if isinstance(p, str) or _token_ids(p):
             out.append(p)
         else:
             raise invalid(f"prompt[{i}] must be a string or a non-empty list of token ids",
@@ -46,7 +51,7 @@ def prompts_of(prompt: Union[str, list[Any]]) -> list[Prompt]:
 
 
 async def completions(ctx: HttpContext, request: Request) -> Response:
-    req = decode_body(await read_body(request, ctx.config.max_body_bytes), CompletionRequest)
+    req = await request_body(ctx, request, CompletionRequest)
     ctx.check_model(req.model)
     prompts = prompts_of(req.prompt)
     n = convert.n_of(req.n)

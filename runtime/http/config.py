@@ -12,6 +12,12 @@ DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_TOKENS = None  # what is left of the context, as vLLM
 API_KEY_ENV = "RADIXLM_API_KEY"  # how `radixlm serve` hands the keys (one a line) to the HTTP process
 DEFAULT_HEALTH_TIMEOUT_S = 5.0
+# Bounds of one request, checked before anything is rendered or sent to the engine.
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024  # the request line and every header, together
+DEFAULT_MAX_HEADERS = 100
+DEFAULT_MAX_MESSAGES = 2048  # chat messages, Responses input items, conversation items
+DEFAULT_MAX_TOOLS = 128  # OpenAI's own limit
+DEFAULT_MAX_PARTS = 4096  # content parts and tool calls, over all messages
 
 
 class HttpConfigError(ValueError):
@@ -36,6 +42,12 @@ class HttpConfig:
     gateway_token_file: str | None = None  # the frontend's gateway credential (tenants)
     server_key: str | None = None  # an --auth-dir server: its server.key ...
     client_key: str | None = None  # ... and the runtime directory's gateway.key_secret
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # 431 beyond, before any route runs
+    max_headers: int = DEFAULT_MAX_HEADERS
+    max_messages: int = DEFAULT_MAX_MESSAGES  # 400 beyond, before rendering
+    max_tools: int = DEFAULT_MAX_TOOLS
+    max_parts: int = DEFAULT_MAX_PARTS
+    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests may finish for this long
 
     @property
     def metrics_public(self) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
+from radixlm.runtime.http.bounds import check_request
 from radixlm.runtime.http.config import HttpConfig
 from radixlm.runtime.http.engine_link import EngineLink
 from radixlm.runtime.http.errors import ApiError
@@ -19,6 +20,7 @@ from radixlm.runtime.protocol import Welcome
 from starlette.requests import Request
 
 T = TypeVar("T")
+S = TypeVar("S", bound=msgspec.Struct)
 
 
 class TokenTexts:
@@ -139,6 +141,20 @@ def decode_body(body: bytes, kind: type[T]) -> T:
         raise ApiError(400, f"invalid request: {text}", param=param, code="invalid_type") from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the body nests JSON arrays or objects too deeply",
+                       code="invalid_json") from None
+
+
+async def request_body(ctx: HttpContext, request: Request, kind: type[S], *,
+                       empty: bytes | None = None) -> S:
+    """A route's body: read (413 past --max-body-bytes), parsed and type-checked, and
+    within the request bounds (`bounds.check_request`); `empty`: the body to assume when
+    none is sent."""
+    body = await read_body(request, ctx.config.max_body_bytes)
+    req = decode_body(empty if not body and empty is not None else body, kind)
+    check_request(req, ctx.config)
+    return req
 
 
 def now() -> int:

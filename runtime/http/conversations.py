@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 from radixlm.runtime.http import turns
-from radixlm.runtime.http.context import HttpContext, decode_body, read_body
+from radixlm.runtime.http.context import HttpContext, request_body
 from radixlm.runtime.http.errors import ApiError, invalid
 from radixlm.runtime.http.items import stored_item, to_messages
 from radixlm.runtime.http.schemas import (
@@ -68,8 +68,7 @@ def _conversation(ctx: HttpContext, request: Request) -> Conversation:
 
 
 async def create(ctx: HttpContext, request: Request) -> Response:
-    body = await read_body(request, ctx.config.max_body_bytes)
-    req = decode_body(body or b"{}", ConversationCreate)
+    req = await request_body(ctx, request, ConversationCreate, empty=b"{}")
     items = _items(ctx, req.items, None)
     conv = ctx.store.new_conversation(_metadata(req.metadata), items)
     return _ok(conv.body())
@@ -81,7 +80,7 @@ async def get(ctx: HttpContext, request: Request) -> Response:
 
 async def update(ctx: HttpContext, request: Request) -> Response:
     conv = _conversation(ctx, request)
-    req = decode_body(await read_body(request, ctx.config.max_body_bytes), ConversationUpdate)
+    req = await request_body(ctx, request, ConversationUpdate)
     conv.metadata = _metadata(req.metadata)
     return _ok(conv.body())
 
@@ -94,7 +93,7 @@ async def delete(ctx: HttpContext, request: Request) -> Response:
 
 async def add_items(ctx: HttpContext, request: Request) -> Response:
     conv = _conversation(ctx, request)
-    req = decode_body(await read_body(request, ctx.config.max_body_bytes), ItemsCreate)
+    req = await request_body(ctx, request, ItemsCreate)
     added = _items(ctx, req.items, conv)
     conv.items += added
     ctx.store.adopt(conv)

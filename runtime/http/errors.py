@@ -6,6 +6,7 @@ engine refusals are mapped by their protocol code (see `from_engine`).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -58,8 +59,24 @@ def invalid(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
 
 
+# The server's internal endpoints and file paths, which HTTP clients have no use for.
+_PARENS = re.compile(r" ?\((?:[a-z]+://|/)[^()\s]*\)")
+_AT_ENDPOINT = re.compile(r" at [a-z]+://[^\s):,;]+(?::\d+)?")
+_ENDPOINT = re.compile(r"[a-z]+://[^\s):,;]+(?::\d+)?")
+_PATH = re.compile(r"(?<![\w/:.])/(?:[\w.@+-]+/)*[\w.@+-]+")
+
+
+def public_message(message: str) -> str:
+    """`message` without the endpoints and paths of the server's processes."""
+    message = _AT_ENDPOINT.sub("", _PARENS.sub("", message))
+    return _PATH.sub("(a path)", _ENDPOINT.sub("the server", message))
+
+
 def from_engine(err: EngineError) -> ApiError:
-    """The HTTP error for an engine refusal (or for a dead engine)."""
-    code = "engine_dead" if isinstance(err, EngineDeadError) else err.code
+    """The HTTP error for an engine refusal (or for a dead engine, said without the
+    server's internal endpoints)."""
+    dead = isinstance(err, EngineDeadError)
+    code = "engine_dead" if dead else err.code
     status, kind = _ENGINE_STATUS.get(code, (500, "server_error"))
-    return ApiError(status, err.message, type=kind, code=_OPENAI_CODE.get(code, code))
+    message = f"the engine is not available: {public_message(err.message)}" if dead else err.message
+    return ApiError(status, message, type=kind, code=_OPENAI_CODE.get(code, code))

@@ -30,6 +30,10 @@ def child_command(config: HttpConfig, parent_pid: int, log_level: str,
         *(["--fd", str(fd)] if fd is not None else []),
         "--log-level", log_level, "--response-ttl", str(config.response_ttl_s),
         "--max-body-bytes", str(config.max_body_bytes),
+        "--max-header-bytes", str(config.max_header_bytes),
+        "--max-headers", str(config.max_headers), "--max-messages", str(config.max_messages),
+        "--max-tools", str(config.max_tools), "--max-parts", str(config.max_parts),
+        "--drain-timeout", str(config.drain_timeout_s),
     ]
     if config.default_max_tokens is not None:
         command += ["--default-max-tokens", str(config.default_max_tokens)]

@@ -12,7 +12,12 @@ from collections.abc import Sequence
 from radixlm.runtime.http.config import (
     API_KEY_ENV,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_HEADERS,
+    DEFAULT_MAX_MESSAGES,
+    DEFAULT_MAX_PARTS,
     DEFAULT_MAX_TOKENS,
+    DEFAULT_MAX_TOOLS,
     DEFAULT_RESPONSE_TTL_S,
     HttpConfig,
     HttpConfigError,
@@ -52,6 +57,10 @@ def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True,
                        help="serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000)")
         g.add_argument("--fd", type=int, default=None, metavar="FD",
                        help="serve this listening socket (bound by the parent) at --http")
+        g.add_argument("--drain-timeout", type=float, default=HttpConfig.drain_timeout_s,
+                       metavar="SECONDS",
+                       help="on SIGTERM, how long in-flight requests may finish (a second "
+                            "signal stops at once) (default: %(default)s)")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every HTTP route but /health; "
                         "repeat it for several keys, each its own tenant (also read, one a "
@@ -70,6 +79,18 @@ def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True,
                         "(its id then gets 404) (default: %(default)s)")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (413 beyond) (default: %(default)s)")
+    g.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
+                   help="largest request head (request line and headers) accepted; 431 "
+                        "beyond, before the API key is looked at (default: %(default)s)")
+    g.add_argument("--max-headers", type=int, default=DEFAULT_MAX_HEADERS,
+                   help="most headers in one request (431 beyond) (default: %(default)s)")
+    g.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
+                   help="most messages (or input items) in one request (default: %(default)s)")
+    g.add_argument("--max-tools", type=int, default=DEFAULT_MAX_TOOLS,
+                   help="most tool definitions in one request (default: %(default)s)")
+    g.add_argument("--max-parts", type=int, default=DEFAULT_MAX_PARTS,
+                   help="most content parts and tool calls in one request, all messages "
+                        "together (default: %(default)s)")
     g.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                    help="output limit of requests that name none (default: what is left of "
                         "the context after the prompt)")
@@ -114,6 +135,11 @@ def http_config(args: argparse.Namespace, engine_endpoint: str,
             args.default_max_tokens is not None and args.default_max_tokens <= 0):
         raise HttpConfigError("--response-ttl, --max-body-bytes and --default-max-tokens must "
                               "be > 0")
+    bounds = {"--max-header-bytes": args.max_header_bytes, "--max-headers": args.max_headers,
+              "--max-messages": args.max_messages, "--max-tools": args.max_tools,
+              "--max-parts": args.max_parts}
+    if any(v <= 0 for v in bounds.values()):
+        raise HttpConfigError(f"{', '.join(bounds)} must be > 0")
     return HttpConfig(engine_endpoint=engine_endpoint, host=host, port=port, api_keys=keys,
                       insecure=args.insecure, metrics_require_key=args.metrics_require_key,
                       gateway_token_file=getattr(args, "gateway_token_file", None),
@@ -121,6 +147,10 @@ def http_config(args: argparse.Namespace, engine_endpoint: str,
                       client_key=getattr(args, "client_key", None), response_ttl_s=args.response_ttl,
                       max_body_bytes=args.max_body_bytes,
                       default_max_tokens=args.default_max_tokens,
+                      max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
+                      max_messages=args.max_messages, max_tools=args.max_tools,
+                      max_parts=args.max_parts,
+                      drain_timeout_s=getattr(args, "drain_timeout", HttpConfig.drain_timeout_s),
                       served_model_name=args.served_model_name, tokenizer_dir=args.tokenizer)
 
 
@@ -128,6 +158,7 @@ def serve(config: HttpConfig, log_level: str = "warning", fd: int | None = None)
     """Run the HTTP frontend until SIGTERM/SIGINT (on listening socket `fd` when given)."""
     import uvicorn
     from radixlm.runtime.http.app import build_app
+    from radixlm.runtime.http.head_limits import limited_protocol
 
     try:
         import uvloop  # noqa: F401
@@ -136,9 +167,10 @@ def serve(config: HttpConfig, log_level: str = "warning", fd: int | None = None)
     except ImportError:
         loop = "asyncio"
     server = uvicorn.Server(uvicorn.Config(
-        build_app(config), host=config.host, port=config.port, loop=loop, http="httptools",
+        build_app(config), host=config.host, port=config.port, loop=loop,
+        http=limited_protocol(config.max_header_bytes, config.max_headers),
         lifespan="on", log_level=log_level, access_log=log_level == "debug",
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=config.drain_timeout_s,  # a second signal: at once
     ))
     server.run(sockets=None if fd is None else [socket.socket(fileno=fd)])
     if not server.started:

@@ -1,10 +1,12 @@
 """Prometheus metrics of the HTTP frontend (one registry per app, no global state).
 
 Two sources:
-- the engine's own counters and gauges, read from its stats at each scrape: they count
-  all traffic, every protocol (a ZeroMQ ``generate`` moves them as an HTTP one does);
-- what this process sees of its own requests: HTTP status codes, end-to-end latency,
-  time to first token and between tokens of streams, finish reasons, aborted streams.
+- the engine's own counters, gauges and per-request latency histograms (queue time,
+  time to first token, end to end, ...), read from its stats at each scrape: they count
+  all traffic, every protocol, streamed or not (a ZeroMQ ``generate`` moves them as an
+  HTTP one does);
+- what this process sees of its own requests: HTTP status codes, the time between the
+  tokens of streams, aborted streams, stored objects.
 
 Names follow vLLM's where it has a counterpart, with the ``radixlm:`` prefix (the
 mapping is in docs/http.md), each with a ``model_name`` label.
@@ -15,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from radixlm.runtime.protocol import Histogram as WireHistogram
 from radixlm.runtime.protocol import StatsReply
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -73,6 +76,41 @@ class _EngineCollector:
         for state in ("free", "evictable", "protected", "private"):
             pool.add_metric([self.model, state], getattr(s, state))
         yield pool
+        success = CounterMetricFamily("radixlm:request_success", "Finished generations (each "
+                                      "branch) by finish reason (engine, every protocol)",
+                                      labels=["model_name", "finished_reason"])
+        for reason, n in sorted(s.finish_reasons.items()):
+            success.add_metric([self.model, reason], n)
+        yield success
+        for name, h in sorted(s.latency.items()):
+            yield _histogram(f"radixlm:{name}_seconds", _LATENCY_DOCS.get(name, name), label, h)
+
+
+_LATENCY_DOCS = {
+    "request_queue_time": "Requests, from the engine's intake to their first scheduling",
+    "time_to_first_token": "Requests, from arrival to their first output token",
+    "e2e_request_latency": "Requests, from arrival to their end",
+    "request_prefill_time": "Requests, from their first scheduling to their first token",
+    "request_decode_time": "Requests, from their first token to their end",
+    "request_time_per_output_token": "Requests' decode time over their output tokens after "
+                                     "the first",
+}
+
+
+def _histogram(name: str, doc: str, labels: list[str], h: WireHistogram) -> HistogramMetricFamily:
+    """An engine histogram (counts per bucket) as Prometheus' cumulative buckets."""
+    family = HistogramMetricFamily(name, doc + " (engine, every protocol; seconds)",
+                                   labels=["model_name"])
+    cumulative, buckets = 0, []
+    for bound, n in zip([*map(_le, h.bounds), "+Inf"], h.counts, strict=True):
+        cumulative += n
+        buckets.append((bound, cumulative))
+    family.add_metric(labels, buckets, sum_value=h.sum)
+    return family
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
 
 
 class Metrics:
@@ -82,17 +120,9 @@ class Metrics:
         r.register(self.engine)  # type: ignore[arg-type]
         self.requests = Counter("radixlm_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
-        self.e2e = Histogram("radixlm:e2e_request_latency_seconds",
-                             "Generation requests, from arrival to their last token (HTTP)",
-                             ["model_name"], registry=r, buckets=_LATENCY_BUCKETS)
-        self.ttft = Histogram("radixlm:time_to_first_token_seconds",
-                              "Streamed requests: arrival to first token (HTTP)", ["model_name"],
-                              registry=r, buckets=_LATENCY_BUCKETS)
         self.itl = Histogram("radixlm:inter_token_latency_seconds",
                              "Streamed requests: time between streamed tokens (HTTP)",
                              ["model_name"], registry=r, buckets=_LATENCY_BUCKETS)
-        self.finished = Counter("radixlm:request_success", "Finished generations by finish "
-                                "reason (HTTP)", ["model_name", "finished_reason"], registry=r)
         self.aborted = Counter("radixlm_http_streams_aborted",
                                "Streams whose client left before the end (aborted in the engine)",
                                registry=r)

@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 from radixlm.runtime.http import convert, generation, sse, turns
 from radixlm.runtime.http import items as item_lists
-from radixlm.runtime.http.context import HttpContext, decode_body, now, read_body
+from radixlm.runtime.http.context import HttpContext, now, request_body
 from radixlm.runtime.http.conversations import page
 from radixlm.runtime.http.errors import invalid
 from radixlm.runtime.http.history import MESSAGES_ONLY, chain_keys, root_key
@@ -110,7 +110,7 @@ class _Turn:
 
 
 async def create(ctx: HttpContext, request: Request) -> Response:
-    req = decode_body(await read_body(request, ctx.config.max_body_bytes), ResponsesRequest)
+    req = await request_body(ctx, request, ResponsesRequest)
     ctx.check_model(req.model)
     keep = req.store is not False
     own_items = item_lists.input_items(req.input)

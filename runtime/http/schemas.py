@@ -8,9 +8,13 @@ send explicit ``null`` for options they leave unset.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
+
+# Integers are bounded where they are decoded: JSON integers have no size, the wire's
+# msgpack has 64 bits, and a value past them is the client's error (400), not ours.
+Int = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 
 
 class Body(msgspec.Struct, kw_only=True):
@@ -93,11 +97,11 @@ class SamplingExtras(Body, kw_only=True):
 
     temperature: Union[float, None] = None
     top_p: Union[float, None] = None
-    seed: Union[int, None] = None
+    seed: Union[Int, None] = None
     presence_penalty: Union[float, None] = None
     frequency_penalty: Union[float, None] = None
-    stop_token_ids: Union[list[int], None] = None
-    top_k: Union[int, None] = None
+    stop_token_ids: Union[list[Int], None] = None
+    top_k: Union[Int, None] = None
     min_p: Union[float, None] = None
     repetition_penalty: Union[float, None] = None
     ignore_eos: Union[bool, None] = None
@@ -110,16 +114,16 @@ class CompletionOptions(SamplingExtras, kw_only=True):
     model: Union[str, None] = None  # optional: the one served model
     stream: Union[bool, None] = None
     stream_options: Union[StreamOptions, None] = None
-    n: Union[int, None] = None
-    max_tokens: Union[int, None] = None
+    n: Union[Int, None] = None
+    max_tokens: Union[Int, None] = None
     stop: Union[str, list[str], None] = None
 
 
 class ChatCompletionRequest(CompletionOptions, kw_only=True):
     messages: list[ChatMessage]
-    max_completion_tokens: Union[int, None] = None
+    max_completion_tokens: Union[Int, None] = None
     logprobs: Union[bool, None] = None
-    top_logprobs: Union[int, None] = None
+    top_logprobs: Union[Int, None] = None
     response_format: Union[ResponseFormat, None] = None
     tools: Union[list[ChatTool], None] = None
     tool_choice: Union[str, ChatToolChoice, None] = None
@@ -133,7 +137,7 @@ class ChatCompletionRequest(CompletionOptions, kw_only=True):
 class CompletionRequest(CompletionOptions, kw_only=True):
     prompt: Union[str, list[Any]]  # text, token ids, or a batch of either (checked later)
     echo: Union[bool, None] = None
-    logprobs: Union[int, None] = None  # this many alternatives per token (0-20)
+    logprobs: Union[Int, None] = None  # this many alternatives per token (0-20)
 
 
 # -- responses -------------------------------------------------------------------------
@@ -196,10 +200,10 @@ class ResponsesRequest(SamplingExtras, kw_only=True):
     tools: Union[list[ResponseTool], None] = None
     parallel_tool_calls: Union[bool, None] = None
     stream: Union[bool, None] = None
-    max_output_tokens: Union[int, None] = None
+    max_output_tokens: Union[Int, None] = None
     text: Union[TextConfig, None] = None
     metadata: Union[dict[str, str], None] = None
-    top_logprobs: Union[int, None] = None
+    top_logprobs: Union[Int, None] = None
 
 
 # -- conversations ---------------------------------------------------------------------
@@ -231,4 +235,4 @@ class TokenizeRequest(Body, kw_only=True):
 
 class DetokenizeRequest(Body, kw_only=True):
     model: Union[str, None] = None
-    tokens: list[int]
+    tokens: list[Int]

@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 from radixlm.runtime.http import convert
-from radixlm.runtime.http.context import HttpContext, decode_body, read_body
+from radixlm.runtime.http.context import HttpContext, request_body
 from radixlm.runtime.http.errors import from_engine, invalid
 from radixlm.runtime.http.schemas import DetokenizeRequest, TokenizeRequest
 from radixlm.runtime.protocol import Input
@@ -20,7 +20,7 @@ _json = msgspec.json.Encoder()
 
 
 async def tokenize(ctx: HttpContext, request: Request) -> Response:
-    req = decode_body(await read_body(request, ctx.config.max_body_bytes), TokenizeRequest)
+    req = await request_body(ctx, request, TokenizeRequest)
     ctx.check_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise invalid("give exactly one of prompt and messages", "prompt")
@@ -44,7 +44,7 @@ async def tokenize(ctx: HttpContext, request: Request) -> Response:
 
 
 async def detokenize(ctx: HttpContext, request: Request) -> Response:
-    req = decode_body(await read_body(request, ctx.config.max_body_bytes), DetokenizeRequest)
+    req = await request_body(ctx, request, DetokenizeRequest)
     ctx.check_model(req.model)
     try:
         text = await ctx.link.detokenize(req.tokens)

@@ -221,8 +221,9 @@ class Connection:
     def _lost(self, reason: str) -> None:
         """The link dropped. With a `liveness` hook, its reason (the process exited, and
         why) is worth the wait of a moment: the socket closes before the exit is seen."""
-        why = (f"{reason} ({self.endpoint}): the server stopped, or it dropped a frame "
-               "larger than its --max-message-bytes")
+        # (This client never sends a frame past the server's --max-message-bytes: `send`
+        # refuses it first, so a dropped link is the server's end, not ours.)
+        why = f"{reason} ({self.endpoint}): the server stopped (or was killed)"
         if self._liveness is None or self._aloop is None:
             self._fail(EngineDeadError(why))
             return

@@ -32,12 +32,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL = "SmolLM2-135M-Instruct"
 KEY = "agents-key"
+# Room for a call, its repeat (where the answer ends) or a `Weather`; the grammar ends
+# calls and structured output, so free text is what a larger limit would cost.
+CALL_TOKENS = 96
 REPO = Path(__file__).resolve().parents[2]
 
 
-class Weather(BaseModel):
-    city: str = Field(max_length=20)
-    summary: str = Field(max_length=40)
+class Weather(BaseModel):  # short fields: few tokens to decode on a 2-core CI machine
+    city: str = Field(max_length=12)
+    summary: str = Field(max_length=16)
+
+
+class Reply(BaseModel):
+    answer: str = Field(max_length=12)
 
 
 def weather_report(city: str) -> str:
@@ -70,11 +77,78 @@ def _async_client(smol: HttpServer):  # noqa: ANN202
     return AsyncOpenAI(base_url=smol.base_url, api_key=KEY, max_retries=0)
 
 
+# -- parallel calls under tool_choice "required" --------------------------------------------
+
+CITY_TOOL = {"name": "get_weather", "description": "Get the weather for a city.",
+             "parameters": {"type": "object", "properties": {"city": {"type": "string",
+                                                                      "maxLength": 12}},
+                            "required": ["city"], "additionalProperties": False}}
+
+
+def test_required_parallel_calls_end_at_a_repeat(smol) -> None:  # noqa: ANN001
+    """SmolLM2 under "required" with parallel calls writes the same call again and again;
+    the answer ends before the first repeat. Reference: the model's own next call after
+    the answer (a plain JSON-schema request over the prompt's and the answer's token ids,
+    which the engine does not watch) is one the answer already holds."""
+    from radixlm.runtime.protocol import (
+        Done,
+        Generate,
+        Input,
+        Message,
+        SamplingParams,
+        Tokenize,
+        Tokens,
+        Tool,
+    )
+    from radixlm.tokenizer.tools import call_schema, generic_tool_prompt
+
+    tool = Tool(**CITY_TOOL)  # type: ignore[arg-type]
+    question = [Message(role="user", content="What is the weather in Paris?")]
+    with smol.server.client(timeout_s=300) as raw:
+        done = raw.call(Generate(rid="calls", input=Input(messages=question), tools=[tool],
+                                 tool_choice="required",
+                                 sampling=SamplingParams(max_tokens=CALL_TOKENS, temperature=0)))
+        assert isinstance(done, Done)
+        calls = [(c.name, json.loads(c.arguments)) for c in done.tool_calls or []]
+        assert calls and len(set(map(repr, calls))) == len(calls), done.text
+        assert done.finish_reason == "stop" and len(done.token_ids) < CALL_TOKENS, done.text
+        # The prompt as the generic format shows tools: a system message, then the question.
+        shown = [Message(role="system", content=generic_tool_prompt([tool])), *question]
+        prompt = raw.call(Tokenize(rid="p", input=Input(messages=shown)))
+        assert isinstance(prompt, Tokens) and len(prompt.input_ids) == done.usage.prompt_tokens
+        nxt = raw.call(Generate(rid="next", input=Input(input_ids=prompt.input_ids + done.token_ids),
+                                sampling=SamplingParams(max_tokens=48, temperature=0,
+                                                        json_schema=call_schema([tool], "generic"))))
+        assert isinstance(nxt, Done)
+    again = json.loads(nxt.text)
+    assert (again["name"], again["arguments"]) in calls, (done.text, nxt.text)
+
+
+def test_required_parallel_calls_keep_the_history_exact(smol) -> None:  # noqa: ANN001
+    """The turn that ended at a repeat continues from exactly its kept tokens: the next
+    turn of the chain hits its whole history."""
+    client = smol.openai()
+    first = client.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                    tools=[{"type": "function", **CITY_TOOL}],
+                                    tool_choice="required", temperature=0,
+                                    max_output_tokens=CALL_TOKENS)
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert calls and first.usage.output_tokens < CALL_TOKENS
+    assert len({(c.name, c.arguments) for c in calls}) == len(calls)
+    results = [{"type": "function_call_output", "call_id": c.call_id,
+                "output": weather_report(json.loads(c.arguments)["city"])} for c in calls]
+    second = client.responses.create(model=MODEL, previous_response_id=first.id, input=results,
+                                     tools=[{"type": "function", **CITY_TOOL}],
+                                     temperature=0, max_output_tokens=4)
+    assert second.usage.input_tokens_details.cached_tokens == (first.usage.input_tokens
+                                                               + first.usage.output_tokens)
+    client.close()
+
+
 # -- openai-agents ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("kind", "stream"), [("responses", False), ("responses", True),
-                                              ("chat", False)])
+@pytest.mark.parametrize(("kind", "stream"), [("responses", False), ("chat", True)])
 def test_openai_agents_tools_with_output_type(smol, kind: str, stream: bool) -> None:  # noqa: ANN001
     _openai_agents()
     from agents import (
@@ -102,8 +176,9 @@ def test_openai_agents_tools_with_output_type(smol, kind: str, stream: bool) -> 
         agent = Agent(name="weather", instructions="You answer weather questions.",
                       tools=[get_weather], output_type=Weather,
                       model=model_class(model=MODEL, openai_client=client),
-                      model_settings=ModelSettings(temperature=0, max_tokens=160,
-                                                   tool_choice="required"))
+                      model_settings=ModelSettings(temperature=0, max_tokens=CALL_TOKENS,
+                                                   tool_choice="required",
+                                                   include_usage=True))  # (streamed chat)
         question = "What is the weather in Paris?"
         if stream:
             result = Runner.run_streamed(agent, question, max_turns=4)
@@ -130,9 +205,10 @@ def test_openai_agents_conversations_session(smol) -> None:  # noqa: ANN001
 
     async def run() -> list[tuple[int, int, int]]:
         client = _async_client(smol)
-        agent = Agent(name="chat", instructions="Reply in one short sentence.",
+        # A short structured answer: the grammar ends each turn (free text would run on).
+        agent = Agent(name="chat", instructions="Answer briefly.", output_type=Reply,
                       model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-                      model_settings=ModelSettings(temperature=0, max_tokens=120))
+                      model_settings=ModelSettings(temperature=0, max_tokens=48))
         session = OpenAIConversationsSession(openai_client=client)
         turns = []
         for text in ["My name is Ada.", "What is my name?", "Say it again."]:
@@ -167,18 +243,18 @@ def test_langchain_tools_streamed_and_structured(smol, responses_api: bool) -> N
         return weather_report(city)
 
     llm = ChatOpenAI(model=MODEL, base_url=smol.base_url, api_key=KEY, temperature=0,
-                     max_tokens=120, max_retries=0, use_responses_api=responses_api)
+                     max_tokens=CALL_TOKENS, max_retries=0, use_responses_api=responses_api)
     bound = llm.bind_tools([get_weather], tool_choice="any")
-    whole = bound.invoke("What is the weather in Paris?")
-    assert [c["name"] for c in whole.tool_calls] == ["get_weather"]
     chunks = list(bound.stream("What is the weather in Paris?"))
     fragments = [tc for c in chunks for tc in c.tool_call_chunks if tc.get("args")]
     assert len(fragments) > 1  # the arguments streamed in pieces
     merged = chunks[0]
     for c in chunks[1:]:
         merged = merged + c
-    assert merged.tool_calls[0]["args"] == whole.tool_calls[0]["args"]
-    assert json.loads("".join(tc["args"] for tc in fragments)) == whole.tool_calls[0]["args"]
+    assert [c["name"] for c in merged.tool_calls] == ["get_weather"]
+    args = merged.tool_calls[0]["args"]
+    assert set(args) == {"city"} and isinstance(args["city"], str)
+    assert json.loads("".join(tc["args"] for tc in fragments)) == args
     if not responses_api:
         structured = llm.with_structured_output(Weather, method="json_schema")
         assert isinstance(structured.invoke("Weather in Rome: sunny."), Weather)
@@ -202,7 +278,7 @@ def test_pydantic_ai_native_output_with_tools(smol, kind: str) -> None:  # noqa:
     model = model_class(MODEL, provider=OpenAIProvider(base_url=smol.base_url, api_key=KEY))
     agent = Agent(model, output_type=NativeOutput(Weather),
                   instructions="You answer weather questions.",
-                  model_settings=ModelSettings(temperature=0, max_tokens=160))
+                  model_settings=ModelSettings(temperature=0, max_tokens=CALL_TOKENS))
     calls: list[str] = []
 
     async def once(ctx: RunContext, tool_def):  # noqa: ANN001, ANN202
@@ -227,8 +303,8 @@ import instructor, openai
 from pydantic import BaseModel, Field
 
 class Weather(BaseModel):
-    city: str = Field(max_length=20)
-    summary: str = Field(max_length=40)
+    city: str = Field(max_length=12)
+    summary: str = Field(max_length=16)
 
 base = openai.OpenAI(base_url=os.environ["BASE_URL"], api_key=os.environ["API_KEY"],
                      max_retries=0)

@@ -160,3 +160,18 @@ def test_models_and_health(http_server, api) -> None:  # noqa: ANN001
     assert [m.id for m in models.data] == [http_server.model]
     status, body = http_server.request("GET", "/health", key=None)  # no key needed
     assert status == 200 and body["status"] == "ok"
+
+
+def test_model_info_names_the_engine_and_runtime_endpoint_connects_through_it(http_server) -> None:  # noqa: ANN001
+    """SGLang's /get_model_info (its RuntimeEndpoint's first call), with the engine's
+    protocol endpoint: ``rl.RuntimeEndpoint(url)`` runs programs on that engine."""
+    import radixlm as rl
+
+    status, body = http_server.request("GET", "/get_model_info")
+    assert status == 200 and body["radixlm_endpoint"] == http_server.server.endpoint
+    assert http_server.request("GET", "/get_model_info", key=None)[0] == 401
+    with pytest.raises(rl.EngineDeadError, match="api_key"):
+        rl.RuntimeEndpoint(http_server.url)
+    with rl.RuntimeEndpoint(http_server.url, api_key=http_server.api_key) as backend:
+        assert backend.endpoint == http_server.server.endpoint
+        assert backend.get_model_name() == body["model_path"]

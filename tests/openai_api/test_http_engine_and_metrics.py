@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
+import time
 import uuid
 
 import pytest
@@ -43,18 +44,30 @@ def _metric(text: str, name: str, labels: str = "") -> float:
     return float(match.group(1))
 
 
+def _buckets(text: str, name: str, model: str) -> list[tuple[float, float]]:
+    """A histogram's (le, cumulative count) pairs, in order."""
+    pattern = rf'^{re.escape(name)}_bucket{{le="([^"]+)",model_name="{re.escape(model)}"}} (\S+)$'
+    return [(float(le), float(n)) for le, n in re.findall(pattern, text, re.M)]
+
+
+LATENCIES = ("request_queue_time", "time_to_first_token", "e2e_request_latency",
+             "request_prefill_time", "request_decode_time", "request_time_per_output_token")
+
+
 def test_metrics(http_server, api) -> None:  # noqa: ANN001
     model = f'{{model_name="{http_server.model}"}}'
     _, before = http_server.request("GET", "/metrics")
+    t0 = time.monotonic()
     messages = [{"role": "user", "content": f"Metrics {uuid.uuid4().hex[:6]}"}]
     r = api.chat.completions.create(model=http_server.model, messages=messages, max_tokens=5,
                                     temperature=0)
     list(api.chat.completions.create(model=http_server.model, messages=messages, max_tokens=5,
                                      temperature=0, stream=True))
-    # The token counters are the engine's: ZeroMQ traffic moves them as HTTP traffic does.
+    # The counters and latencies are the engine's: ZeroMQ traffic moves them as HTTP does.
     with http_server.server.client(timeout_s=60) as raw:
         zmq_done = raw.generate(f"Over ZeroMQ {uuid.uuid4().hex[:6]}", max_tokens=3,
-                                temperature=0)
+                                temperature=0, ignore_eos=True)
+    window = time.monotonic() - t0
     http_server.request("POST", "/v1/chat/completions", b"{")
     status, after = http_server.request("GET", "/metrics")
     assert status == 200
@@ -71,11 +84,23 @@ def test_metrics(http_server, api) -> None:  # noqa: ANN001
     assert grown("radixlm:prefix_cache_hits_total") == (
         r.usage.prompt_tokens_details.cached_tokens + r.usage.prompt_tokens - 1
         + zmq_done.usage.cached_tokens)  # the repeat hits all but its last token
-    assert grown("radixlm:e2e_request_latency_seconds_count") == 2
-    assert grown("radixlm:time_to_first_token_seconds_count") == 1
+    # Every request, streamed or not, over either protocol, is timed in the engine, inside
+    # the window the test's own clock saw.
+    for name in LATENCIES:
+        metric = f"radixlm:{name}_seconds"
+        assert grown(metric + "_count") == 3, name
+        assert 0 <= grown(metric + "_sum") <= window, name
+        buckets = _buckets(after, metric, http_server.model)
+        assert buckets[-1] == (float("inf"), _metric(after, metric + "_count", model))
+        assert [le for le, _ in buckets] == sorted(le for le, _ in buckets)
+        assert [n for _, n in buckets] == sorted(n for _, n in buckets)  # cumulative
+    assert grown("radixlm:time_to_first_token_seconds_sum") <= grown(
+        "radixlm:e2e_request_latency_seconds_sum")
     assert grown("radixlm:inter_token_latency_seconds_count") >= 1
-    assert grown("radixlm:request_success_total",
-                 f'{{finished_reason="{r.choices[0].finish_reason}",model_name="{http_server.model}"}}') == 2
+    reasons = [r.choices[0].finish_reason] * 2 + [zmq_done.finish_reason]
+    for reason in set(reasons):
+        assert grown("radixlm:request_success_total", f'{{finished_reason="{reason}",model_name='
+                     f'"{http_server.model}"}}') == reasons.count(reason)
     pool = {s: _metric(after, "radixlm:kv_pool_tokens", f'{{model_name="{http_server.model}",state="{s}"}}')
             for s in ("free", "evictable", "protected", "private")}
     assert sum(pool.values()) == http_server.server.welcome.kv_capacity

@@ -68,7 +68,9 @@ class SessionManager:
         self.clock = clock
         self.default_ttl_s = config.default_session_ttl_s or None
         self.records = Records(cache, clock)
-        self.retention = Retention(self.records, cache, config.retained_cap or cache.capacity // 2)
+        self.retention = Retention(self.records, cache, config.retained_cap or cache.capacity // 2,
+                                   per_tenant=config.max_retained_per_tenant,
+                                   multi_tenant=bool(config.auth_dir))
         self.host: HostTier | None = None
         self._backup: HostBackup | None = None
         if config.host_kv_tokens > 0:

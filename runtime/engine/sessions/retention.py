@@ -13,13 +13,19 @@ request needs room. A session whose own turn would take retention past the cap k
 its previous lock (`advance_lock`): the new tokens stay ordinary cache (at demoted
 priority), so the cap is never exceeded and running requests always have the rest of
 the pool.
+
+Tenants. On a server with several tenants each also has a quota of the cap (`quota_for`,
+``--max-retained-per-tenant``; by default an equal share of the cap among the tenants
+retaining tokens, a quarter of it at least), so one tenant cannot fill the cap for all:
+an admission beyond its own quota demotes only its own idle soft sessions and is
+otherwise refused, and refusals name only the tenant's own figures.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 from radixlm.cache import PrefixCache
@@ -93,13 +99,27 @@ def retained_by_class(held: Sequence[tuple[str, Held]], page_size: int = 1) -> d
     return out
 
 
+def tenant_of(namespace: Hashable, multi_tenant: bool) -> str:
+    """The tenant an engine-side namespace belongs to (frontend/tenants.py names them
+    ``TENANT`` and ``TENANT/NS``; a gateway's tenants are ``gw-NAME``). "" is the local
+    tenant: every namespace of a server without tenants, and local clients' beside
+    gateways."""
+    if not isinstance(namespace, str):
+        return ""
+    tenant = namespace.partition("/")[0]
+    return tenant if multi_tenant or tenant.startswith("gw-") else ""
+
+
 class Retention:
     """The cap over `records`' holders, and the releases it and the pool ask for."""
 
-    def __init__(self, records: Records, cache: PrefixCache, cap: int) -> None:
+    def __init__(self, records: Records, cache: PrefixCache, cap: int, *,
+                 per_tenant: int = 0, multi_tenant: bool = False) -> None:
         self.records = records
         self.cache = cache
         self.cap = cap
+        self.per_tenant = per_tenant  # 0: an equal share among the retaining tenants
+        self.multi_tenant = multi_tenant
         # The retained counts (O(held tokens)) are memoised against the records' lock
         # version, since the scheduler reads them on every request it admits.
         self._total_memo: tuple[int, int] = (-1, 0)
@@ -146,35 +166,97 @@ class Retention:
         victims.sort(key=lambda s: s.last_used)
         return victims
 
-    def fits(self, candidate: Held, replacing: Session | None = None) -> bool:
-        """Whether `candidate` (replacing what `replacing` holds) fits under the cap,
-        demoting idle soft sessions (LRU) for it if needed. When even demoting all of
-        them would not do, nothing is demoted and the answer is False."""
+    # --------------------------------------------------------------- tenants
+    def _tenant(self, namespace: Hashable) -> str:
+        return tenant_of(namespace, self.multi_tenant)
+
+    def quota_for(self, tenant: str) -> int:
+        """What `tenant` may retain: --max-retained-per-tenant, else the cap shared
+        equally among the tenants retaining tokens (it included), a quarter at least."""
+        if self.per_tenant > 0:
+            return min(self.per_tenant, self.cap)
+        tenants = {self._tenant(h.namespace) for _, h in self.records.holders()} | {tenant}
+        return self.cap if len(tenants) == 1 else max(self.cap // len(tenants), self.cap // 4)
+
+    def tenant_retained(self, tenant: str, candidate: Held | None = None,
+                        skip: frozenset[str] = frozenset()) -> int:
+        """Distinct tokens `tenant`'s holders retain (with `candidate`, without `skip`)."""
+        held = [h for _, h in self.records.holders(skip) if self._tenant(h.namespace) == tenant]
+        held += [s.reserved for s in self.records.sessions.values()
+                 if s.reserved is not None and self._tenant(s.namespace) == tenant]
+        if candidate is not None:
+            held.append(candidate)
+        return distinct_tokens(held, self.cache.page_size)
+
+    # -------------------------------------------------------------- fitting
+    def _fit(self, candidate: Held, replacing: Session | None,
+             over: Callable[[frozenset[str]], bool], victims: list[Session],
+             reason: str) -> bool:
+        """Demote `victims` (LRU first) until `over(skip)` is False; False, demoting
+        nothing, when even all of them would not do."""
         skip = frozenset() if replacing is None else frozenset({replacing.id})
-        cap = self.cap
-        if self._retained_with(candidate, skip) <= cap:
+        if not over(skip):
             return True
-        victims = self._soft_victims(exclude=replacing)
-        if self._retained_with(candidate, skip | {v.id for v in victims}) > cap:
+        if over(skip | {v.id for v in victims}):
             return False
         for v in victims:
-            self.demote(v, reason="retention cap")
-            if self._retained_with(candidate, skip) <= cap:
+            self.demote(v, reason=reason)
+            if not over(skip):
                 break
         return True
 
+    def _refusal(self, candidate: Held, replacing: Session | None = None) -> str | None:
+        """Why `candidate` does not fit (demoting idle soft sessions for it first): None
+        when it fits, "quota" (the tenant's own) or "cap" (the server's)."""
+        tenant = self._tenant(candidate.namespace)
+        quota = self.quota_for(tenant)
+        if quota < self.cap:
+            own = [v for v in self._soft_victims(exclude=replacing)
+                   if self._tenant(v.namespace) == tenant]
+            if not self._fit(candidate, replacing,
+                             lambda skip: self.tenant_retained(tenant, candidate, skip) > quota,
+                             own, "tenant retention quota"):
+                return "quota"
+        if not self._fit(candidate, replacing,
+                         lambda skip: self._retained_with(candidate, skip) > self.cap,
+                         self._soft_victims(exclude=replacing), "retention cap"):
+            return "cap"
+        return None
+
+    def fits(self, candidate: Held, replacing: Session | None = None) -> bool:
+        """Whether `candidate` (replacing what `replacing` holds) fits under its tenant's
+        quota and the cap, demoting idle soft sessions (LRU; for the quota, the tenant's
+        own) for it if needed. When even that would not do, the answer is False."""
+        return self._refusal(candidate, replacing) is None
+
     def admit(self, candidate: Held) -> None:
-        """`fits`, or a CAPACITY refusal."""
-        if self.fits(candidate):
+        """`fits`, or a CAPACITY refusal that names only the asking tenant's figures
+        (on a server without tenants, the server's)."""
+        why = self._refusal(candidate)
+        if why is None:
             return
-        now = self.retained_total()
-        more = self._retained_with(candidate) - now
-        raise RequestError(
-            ErrorCode.CAPACITY,
-            f"retention cap reached: pins and sessions retain {now} of {self.cap} "
-            f"tokens and this needs {more} more, beyond what demoting idle soft sessions "
-            f"frees; close sessions, unpin prefixes or raise retained_cap"
-        )
+        tenant = self._tenant(candidate.namespace)
+        own = self.tenant_retained(tenant)
+        more = self.tenant_retained(tenant, candidate) - own
+        advice = "close sessions or unpin prefixes"
+        if why == "quota":
+            flag = ("--max-retained-per-tenant" if self.per_tenant > 0
+                    else "an equal share of the cap among the tenants retaining tokens")
+            message = (f"retention quota reached: this tenant's pins and sessions retain "
+                       f"{own} of its {self.quota_for(tenant)} tokens ({flag}) and this needs "
+                       f"{more} more, beyond what demoting its idle soft sessions frees; "
+                       f"{advice}")
+        elif self.multi_tenant or tenant:
+            message = (f"the server's retention cap is reached (shared by its tenants): this "
+                       f"tenant retains {own} tokens and this needs {more} more; {advice}, "
+                       "or try again later")
+        else:
+            now = self.retained_total()
+            message = (f"retention cap reached: pins and sessions retain {now} of {self.cap} "
+                       f"tokens and this needs {self._retained_with(candidate) - now} more, "
+                       f"beyond what demoting idle soft sessions frees; {advice} or raise "
+                       "retained_cap")
+        raise RequestError(ErrorCode.CAPACITY, message)
 
     def advance_lock(self, s: Session) -> bool:
         """After the history grew: lock its cached part if the cap allows (demoting idle

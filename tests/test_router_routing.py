@@ -139,11 +139,12 @@ def test_merged_stats_sum_and_recompute_the_hit_rate() -> None:
                           host_capacity=0, host_used=0, sessions=1, pins=0, running=1,
                           waiting=0, prompt_tokens_total=prompt, cached_tokens_total=cached,
                           hit_rate=cached / prompt, invariant_ok=ok, generated_tokens_total=2,
-                          retractions=0, fair_preemptions=0, capped_steps=0)
+                          retractions=0, fair_preemptions=0, capped_steps=0,
+                          finish_reasons={"stop": 1})
 
     merged = merge_stats("r", [stats(100, 10, 5), stats(300, 30, 25, ok=False)])
     assert (merged.rid, merged.capacity, merged.sessions, merged.running) == ("r", 400, 2, 2)
-    assert merged.retained_tokens == {"hard": 40}
+    assert merged.retained_tokens == {"hard": 40} and merged.finish_reasons == {"stop": 2}
     assert merged.hit_rate == pytest.approx(30 / 40)
     assert merged.invariant_ok is False
 

@@ -19,18 +19,20 @@ from radixlm.runtime.protocol import (
 
 __all__ = ["merge_replies"]
 
+_MAPS = ("retained_tokens", "finish_reasons")  # counts by name: summed name by name
 _SUMMED = [f for f in StatsReply.__struct_fields__
-           if f not in ("rid", "retained_tokens", "hit_rate", "invariant_ok")]
+           if f not in ("rid", "hit_rate", "invariant_ok", *_MAPS)]
 
 
 def merge_stats(rid: str, replies: Sequence[StatsReply]) -> StatsReply:
     totals = {f: sum(getattr(r, f) for r in replies) for f in _SUMMED}
-    retained: dict[str, int] = {}
+    maps: dict[str, dict[str, int]] = {f: {} for f in _MAPS}
     for r in replies:
-        for k, v in r.retained_tokens.items():
-            retained[k] = retained.get(k, 0) + v
+        for f, merged in maps.items():
+            for k, v in getattr(r, f).items():
+                merged[k] = merged.get(k, 0) + v
     prompt = totals["prompt_tokens_total"]
-    return StatsReply(rid=rid, retained_tokens=retained,
+    return StatsReply(rid=rid, **maps,
                       hit_rate=totals["cached_tokens_total"] / prompt if prompt else 0.0,
                       invariant_ok=all(r.invariant_ok for r in replies), **totals)
 

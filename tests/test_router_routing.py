@@ -11,6 +11,7 @@ import pytest
 import zmq
 from radixlm.runtime.protocol import (
     Generate,
+    Histogram,
     Input,
     Message,
     OpenSession,
@@ -140,11 +141,13 @@ def test_merged_stats_sum_and_recompute_the_hit_rate() -> None:
                           waiting=0, prompt_tokens_total=prompt, cached_tokens_total=cached,
                           hit_rate=cached / prompt, invariant_ok=ok, generated_tokens_total=2,
                           retractions=0, fair_preemptions=0, capped_steps=0,
-                          finish_reasons={"stop": 1})
+                          finish_reasons={"stop": 1}, latency={"ttft": Histogram(
+                              bounds=[0.1], counts=[1, capacity // 100], sum=1.0, count=2)})
 
     merged = merge_stats("r", [stats(100, 10, 5), stats(300, 30, 25, ok=False)])
     assert (merged.rid, merged.capacity, merged.sessions, merged.running) == ("r", 400, 2, 2)
     assert merged.retained_tokens == {"hard": 40} and merged.finish_reasons == {"stop": 2}
+    assert merged.latency["ttft"].counts == [2, 4] and merged.latency["ttft"].count == 4
     assert merged.hit_rate == pytest.approx(30 / 40)
     assert merged.invariant_ok is False
 

@@ -10,6 +10,7 @@ import msgspec
 from radixlm.runtime.protocol import (
     Error,
     ErrorCode,
+    Histogram,
     Ok,
     ServerMessage,
     SessionInfo,
@@ -21,7 +22,23 @@ __all__ = ["merge_replies"]
 
 _MAPS = ("retained_tokens", "finish_reasons")  # counts by name: summed name by name
 _SUMMED = [f for f in StatsReply.__struct_fields__
-           if f not in ("rid", "hit_rate", "invariant_ok", *_MAPS)]
+           if f not in ("rid", "hit_rate", "invariant_ok", "latency", *_MAPS)]
+
+
+def _histograms(replies: Sequence[StatsReply]) -> dict[str, Histogram]:
+    """Latency histograms bucket by bucket (replicas of one build share the bounds)."""
+    out: dict[str, Histogram] = {}
+    for r in replies:
+        for name, h in r.latency.items():
+            if name not in out:
+                out[name] = Histogram(bounds=list(h.bounds), counts=list(h.counts),
+                                      sum=h.sum, count=h.count)
+            elif out[name].bounds == h.bounds:
+                m = out[name]
+                m.counts = [a + b for a, b in zip(m.counts, h.counts, strict=True)]
+                m.sum += h.sum
+                m.count += h.count
+    return out
 
 
 def merge_stats(rid: str, replies: Sequence[StatsReply]) -> StatsReply:
@@ -32,7 +49,7 @@ def merge_stats(rid: str, replies: Sequence[StatsReply]) -> StatsReply:
             for k, v in getattr(r, f).items():
                 merged[k] = merged.get(k, 0) + v
     prompt = totals["prompt_tokens_total"]
-    return StatsReply(rid=rid, **maps,
+    return StatsReply(rid=rid, latency=_histograms(replies), **maps,
                       hit_rate=totals["cached_tokens_total"] / prompt if prompt else 0.0,
                       invariant_ok=all(r.invariant_ok for r in replies), **totals)
 

@@ -329,7 +329,20 @@ def build_parser() -> argparse.ArgumentParser:
     from radixlm.runtime.http.main import add_http_arguments
 
     add_http_arguments(serve, insecure=False, serve=True)  # the trust group's --insecure
+    from radixlm.runtime.router.cli import add_replicas_argument, add_router_arguments
+
+    add_replicas_argument(serve)
     serve.set_defaults(run=cmd_serve)
+
+    router = command(
+        "router", help="one endpoint in front of running radixlm servers (replicas)",
+        description="Serve the radixlm protocol in front of N radixlm servers, local or "
+                    "remote: a session's messages go to the replica holding it, new work to "
+                    "the longest estimated cached prefix balanced by load; a dead replica's "
+                    "sessions are rebuilt elsewhere (docs/deployment.md).",
+    )
+    add_router_arguments(router)
+    router.set_defaults(run=cmd_router)
 
     keys = command(
         "keys", help="make CurveZMQ keys for 'serve --auth-dir DIR'",
@@ -424,9 +437,19 @@ def _add_client_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas != 1:
+        from radixlm.runtime.router.cli import serve_replicas
+
+        return serve_replicas(args, config_from_args(args, endpoint=args.endpoint))
     from radixlm.runtime.serve_cmd import run_serve
 
     return run_serve(args, config_from_args(args, endpoint=args.endpoint))
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from radixlm.runtime.router.cli import cmd_router as run
+
+    return run(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -116,8 +116,11 @@ class Gateway(Struct):
     server's user can read), and the connection is then `tenant`'s (docs/protocol.md,
     "Tenants"). A wrong token is refused (``forbidden``)."""
 
-    tenant: str  # 1-64 of letters, digits, '_', '-'
+    tenant: str  # 1-64 of letters, digits, '_', '-' (relayed: 1-80)
     token: str
+    # A router relaying the tenant its own server named (``key-...``, ``gw-...``): the
+    # connection is that tenant exactly, not ``gw-`` + `tenant`.
+    relayed: bool = False
 
 
 class Hello(Struct, tag="hello"):

@@ -46,6 +46,7 @@ __all__ = ["GATEWAY_TOKEN", "LOCAL", "EngineNames", "GatewayRefused", "gateway_n
 
 GATEWAY_TOKEN = "gateway.token"  # in the runtime directory
 _TENANT = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_RELAYED_TENANT = re.compile(r"^[A-Za-z0-9_-]{1,80}$")  # a server's own tenant names
 
 
 class GatewayRefused(Exception):
@@ -68,6 +69,11 @@ def gateway_names(gateway: Gateway, token: str | None) -> EngineNames:
     """The names of the tenant a gateway declares, if its credential is the server's."""
     if token is None or not hmac.compare_digest(gateway.token.encode(), token.encode()):
         raise GatewayRefused("hello.gateway: not this server's gateway credential")
+    if gateway.relayed:  # a router (runtime/router) speaking for a tenant of its own
+        if not _RELAYED_TENANT.match(gateway.tenant):
+            raise GatewayRefused("hello.gateway.tenant (relayed) must be 1-80 letters, "
+                                 "digits, '_' or '-'")
+        return EngineNames(gateway.tenant)
     if not _TENANT.match(gateway.tenant):
         raise GatewayRefused("hello.gateway.tenant must be 1-64 letters, digits, '_' or '-'")
     return EngineNames("gw-" + gateway.tenant)

@@ -1,0 +1,79 @@
+"""The router process: `run_router(config, runtime_dir)` serves until interrupted.
+
+Start-up: the client socket is bound first (a taken address fails at once), with CURVE
+and zmq.auth's authenticator when ``auth_dir`` is given, exactly as a server's frontend
+(frontend/main.py); the router's gateway credential goes into its private runtime
+directory (so the HTTP frontend can speak for its API keys' tenants through it); then
+the replicas are dialled, and the router serves once the first one has welcomed it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import zmq
+from radixlm.runtime import channel
+from radixlm.runtime.curve_keys import (
+    make_gateway_keys,
+    server_socket_options,
+    start_authenticator,
+)
+from radixlm.runtime.frontend.tenants import write_gateway_token
+from radixlm.runtime.router.config import RouterConfig
+from radixlm.runtime.router.server import Router
+from zmq.auth.thread import ThreadAuthenticator
+
+__all__ = ["run_router"]
+
+log = logging.getLogger("radixlm.router")
+
+
+def run_router(config: RouterConfig, runtime_dir: Path,
+               on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve until interrupted; `on_ready` gets the bound endpoint once serving."""
+    ctx: zmq.Context[Any] = zmq.Context()  # the clients' side, with the authenticator
+    # The replicas' side: a context of its own, so the authenticator (a ZAP handler,
+    # which libzmq asks about every connection of its context) never judges the
+    # router's own connections to its replicas.
+    replica_ctx: zmq.Context[Any] = zmq.Context()
+    authenticator: ThreadAuthenticator | None = None
+    clients: zmq.Socket[Any] | None = None
+    router: Router | None = None
+    endpoint = config.endpoint or channel.ipc_endpoint(runtime_dir, "client")
+    try:
+        options: dict[int, int | bytes] = {zmq.ROUTER_MANDATORY: 1}
+        if config.max_message_bytes > 0:
+            options[zmq.MAXMSGSIZE] = config.max_message_bytes
+        if config.auth_dir:
+            accepted = make_gateway_keys(runtime_dir, Path(config.auth_dir))
+            authenticator = start_authenticator(ctx, Path(config.auth_dir), accepted)
+            options.update(server_socket_options(Path(config.auth_dir)))
+        clients = channel.open_socket(ctx, zmq.ROUTER, endpoint, bind=True, options=options)
+        monitor = clients.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        token = write_gateway_token(runtime_dir)
+        router = Router(config, replica_ctx, clients, monitor, token)
+        router.start_replicas()
+        welcome = router.wait_first(config.start_timeout_s)
+        bound = channel.bound_endpoint(clients)
+        log.info("router ready at %s: %d replicas (%s)", bound, len(config.replicas),
+                 welcome.model)
+        if on_ready is not None:
+            on_ready(bound)
+        router.serve()
+    finally:
+        if router is not None:
+            router.close()
+            router.client_monitor.close(linger=0)
+        if clients is not None:
+            clients.disable_monitor()
+            clients.close(linger=0)
+        if authenticator is not None:
+            authenticator.stop()
+        replica_ctx.term()
+        ctx.term()
+        path = channel.ipc_path(endpoint)
+        if path is not None:
+            path.unlink(missing_ok=True)

@@ -1,0 +1,64 @@
+"""Where new work goes: the replica with the longest estimated cached prefix, unless the
+replicas' loads are too far apart (docs/deployment.md states the rule for users).
+
+A replica's load is the tokens of the requests the router has in flight there: each
+one's estimated prompt tokens not matched in that replica's part of the tree, plus its
+``max_tokens`` (what it may still run and queue).
+
+1. **Imbalance**: when the busiest and the idlest live replicas differ by more than
+   `Balance.abs_tokens` *and* the busiest carries more than `Balance.rel` times the
+   idlest's load, the request goes where its load plus its own uncached tokens (what
+   that replica would compute of it) is least: new work goes to the idle replica, a
+   long cached conversation stays home unless the gap exceeds its recomputation.
+2. **Cache**: otherwise the replica with the longest match gets it (ties: the lower
+   load), if that match covers at least `Balance.cache_threshold` of the key.
+3. **Room**: otherwise the least loaded replica (ties: the smaller tree: more room).
+
+``round_robin`` ignores caches and loads (the benchmark's baseline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass
+
+from radixlm.runtime.router.keys import CHARS_PER_TOKEN
+from radixlm.runtime.router.prefix_tree import Match
+
+__all__ = ["Balance", "choose"]
+
+
+@dataclass(frozen=True)
+class Balance:
+    policy: str = "cache_aware"  # or "round_robin"
+    cache_threshold: float = 0.5  # fraction of the key a match must cover
+    abs_tokens: int = 1024  # load gap (tokens) that may count as imbalance...
+    rel: float = 1.5  # ...when the busiest also carries this many times the idlest's
+
+
+def choose(balance: Balance, live: Sequence[int], alive: AbstractSet[int], match: Match,
+           key_len: int, loads: Sequence[int], sizes: Mapping[int, int], turn: int) -> int:
+    """The replica (of the non-empty `live`, `alive` as a set) for a request whose key
+    has `key_len` characters and runs through `match` in the tree, given each replica's
+    load (`loads[i]`, tokens) and tree size; `turn` counts decisions (round-robin)."""
+    if balance.policy == "round_robin":
+        return live[turn % len(live)]
+    if len(live) == 1:
+        return live[0]
+    view = loads if len(alive) == len(loads) else [loads[r] for r in live]
+    lo, hi = min(view), max(view)  # builtins: one C pass each
+    if view.count(lo) == 1:
+        idlest = [live[view.index(lo)]]
+    else:
+        idlest = [live[i] for i, load in enumerate(view) if load == lo]
+    if hi - lo > balance.abs_tokens and hi > balance.rel * lo:
+        # the cheapest place: load plus what it would have to compute of this request
+        # (a conversation leaves its cache only for a gap larger than its recomputation)
+        lengths = match.lengths()
+        return min(live, key=lambda r: (
+            loads[r] + (key_len - lengths.get(r, 0)) // CHARS_PER_TOKEN, -lengths.get(r, 0)))
+    best, best_len = match.longest(alive, loads)
+    if best >= 0 and key_len and best_len >= balance.cache_threshold * key_len:
+        return best
+    return min(idlest, key=lambda r: sizes.get(r, 0)) if len(idlest) > 1 else idlest[0]

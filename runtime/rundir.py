@@ -95,7 +95,7 @@ def remove_stale(parent: Path, prefix: str = "radixlm-") -> list[Path]:
                 continue
             if _owner_is_dead(entry):
                 shutil.rmtree(entry, ignore_errors=True)
-                log.info("removed the stale runtime directory %s (its server is gone)", entry)
+                log.debug("removed the stale runtime directory %s (its server is gone)", entry)
                 removed.append(entry)
     return removed
 

@@ -113,7 +113,11 @@ def validate_sampling(params: SamplingParamsLike, vocab_size: int | None = None)
         if not _integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
             bound = f" and < vocab size {vocab_size}" if vocab_size is not None else ""
             return f"stop_token_ids must be integers >= 0{bound}, got {t!r}"
-    if not _integer(params.min_tokens) or not 0 <= params.min_tokens <= params.max_tokens:
-        return (f"min_tokens must be an integer in [0, max_tokens ({params.max_tokens})], "
+    # max_tokens None is the rest of the context, resolved in the engine: any min_tokens
+    # >= 0 is then within it (the engine's own bound ends the output first).
+    top = params.max_tokens
+    if not _integer(params.min_tokens) or params.min_tokens < 0 or (
+            top is not None and params.min_tokens > top):
+        return (f"min_tokens must be an integer in [0, max_tokens ({top})], "
                 f"got {params.min_tokens!r}")
     return check_patterns(params.stop_regex)

@@ -237,6 +237,8 @@ def check_name(token: str, called: bool, names: Names) -> str | None:
                 rest = parts[cut:]
                 if not rest or names.member_of(module, rest[0]):
                     return None
+                if module == "radixlm" and names.member_of("radixlm.sdk", rest[0]):
+                    return None  # the package hands its SDK's names out on first use
                 return f"{module} defines no {rest[0]!r}"
         return f"no module {token!r}"
     if len(parts) > 1:

@@ -76,7 +76,8 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--start-timeout", type=float, default=RouterConfig.start_timeout_s,
                    metavar="SECONDS", help="wait this long for the first replica")
     p.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error"))
+                   choices=("debug", "info", "warning", "error"),
+                   help="how much the router logs (default: info)")
     add_balance_arguments(p)
 
 

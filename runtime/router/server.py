@@ -566,10 +566,10 @@ class Router:
         self._forward(client, replica, msg.rid, data, Pending("pin", replica, data))
 
     def _pin_home(self, client: Client, pin: PinRecord, live: list[int]) -> int:
-        """Where a session opened from `pin` goes: its least loaded live holder (then the
-        one homing fewest sessions); with none, a replica it is being placed on (the open
-        then waits for the placement's answer: `PinRecord.waiters`), else one where
-        routing places it again (its input is kept). A pin used `hot_pin_uses` times is
+        """Where a session opened from `pin` goes: its least loaded live holder or replica
+        it is being placed on (then the one homing fewest sessions; an open on a replica
+        still placing it waits for the placement's answer: `PinRecord.waiters`); with
+        none, one where routing places it again (its input is kept). A pin used `hot_pin_uses` times is
         placed on every live replica; a replica holds it once it has said so."""
         pin.uses += 1
         if pin.uses >= self.config.hot_pin_uses:
@@ -579,7 +579,10 @@ class Router:
             for replica in live:
                 if replica not in pin.holders and replica not in pin.placing:
                     self._place_pin(client, pin, replica)
-        candidates = (pin.holders & alive) or (pin.placing & alive)
+        # A replica it is being placed on counts as one (an open there waits for the
+        # placement's answer): a burst of opens right after the pin went hot spreads,
+        # instead of all going to the first holder while the others' placements run.
+        candidates = (pin.holders | pin.placing) & alive
         if candidates:
             return min(candidates, key=lambda i: (self.routing.loads[i], self.homed[i], i))
         replica = self.routing.place(pin.key, live, pin.msg_input, 0)[0]

@@ -283,3 +283,57 @@ def test_routing_decisions_equal_a_brute_force_reference(seed: int) -> None:
     assert kinds == {"continues", "new"}
     if balance.policy == "cache_aware":
         assert {"imbalance", "cache", "room"} <= rules, rules
+
+
+def _bare_router(replicas: int) -> tuple[Router, Any]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    front, monitor = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PAIR)
+    config = RouterConfig(replicas=tuple(ReplicaSpec(f"ipc:///nonexistent/{i}")
+                                         for i in range(replicas)))
+    router = Router(config, ctx, front, monitor, None)
+
+    def done() -> None:
+        router.close()
+        front.close(0)
+        monitor.close(0)
+        ctx.term()
+    return router, done
+
+
+def test_sigterm_is_never_swallowed_by_the_per_message_guard() -> None:
+    """SIGTERM raises StopRequested wherever the loop is; the guard that turns one
+    message's bug into an error reply must let it through (it did not: the router
+    then ran on after SIGTERM)."""
+    from radixlm.runtime.cli_common import StopRequested
+
+    router, done = _bare_router(1)
+    try:
+        def stop(client: Client, data: bytes) -> None:
+            raise StopRequested
+        router._dispatch = stop  # type: ignore[method-assign]
+        with pytest.raises(StopRequested):
+            router._dispatch_guarded(Client(b"c", -1, None), b"")
+    finally:
+        done()
+
+
+def test_opens_from_a_hot_pin_spread_over_replicas_still_placing_it() -> None:
+    from radixlm.runtime.router.records import PinRecord
+
+    router, done = _bare_router(3)
+    try:
+        for r in router.replicas:
+            r.up = True
+        router._send = lambda client, replica, msg: None  # type: ignore[method-assign]
+        client = Client(b"c", -1, None)
+        pin = PinRecord("p", None, Input(text="x"), None, "\x00\x00x", 1, holders={0})
+        pin.uses = router.config.hot_pin_uses  # the next use makes it hot
+        homes = []
+        for _ in range(6):  # a burst: no placement answered yet
+            home = router._pin_home(client, pin, router.live())
+            router.homed[home] += 1
+            homes.append(home)
+        assert pin.placing == {1, 2} and pin.holders == {0}
+        assert sorted(homes) == [0, 0, 1, 1, 2, 2], homes
+    finally:
+        done()

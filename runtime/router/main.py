@@ -75,16 +75,21 @@ def run_router(config: RouterConfig, runtime_dir: Path,
             on_ready(bound)
         router.serve()
     finally:
-        if router is not None:
-            router.close()
-            router.client_monitor.close(linger=0)
-        if clients is not None:
-            clients.disable_monitor()
-            clients.close(linger=0)
-        if authenticator is not None:
-            authenticator.stop()
-        replica_ctx.term()
-        ctx.term()
-        path = channel.ipc_path(endpoint)
-        if path is not None:
-            path.unlink(missing_ok=True)
+        try:
+            if router is not None:
+                router.close()
+                router.client_monitor.close(linger=0)
+            if clients is not None:
+                clients.disable_monitor()
+                clients.close(linger=0)
+            if authenticator is not None:
+                authenticator.stop()
+        finally:
+            # destroy, not term: it closes a socket still open (one SIGTERM left untracked
+            # half-way through opening it, or a close above that failed), where term()
+            # would wait for it forever and the router would never exit
+            replica_ctx.destroy(linger=0)
+            ctx.destroy(linger=0)
+            path = channel.ipc_path(endpoint)
+            if path is not None:
+                path.unlink(missing_ok=True)

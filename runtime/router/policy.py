@@ -42,7 +42,9 @@ __all__ = ["Balance", "choose"]
 class Balance:
     policy: str = "cache_aware"  # or "round_robin"
     cache_threshold: float = 0.5  # fraction of the key a match must cover
-    abs_tokens: int = 1024  # load gap (tokens) that may count as imbalance...
+    # Load gap (tokens) that may count as imbalance... (wide for a continuation: moving
+    # a conversation recomputes it, a cost for good; a queue's gap passes)
+    abs_tokens: int = 4096
     new_abs_tokens: int = 256  # (...for a request that continues no key sent before)
     rel: float = 1.5  # ...when the busiest also carries this many times the idlest's
 

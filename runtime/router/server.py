@@ -566,10 +566,11 @@ class Router:
         self._forward(client, replica, msg.rid, data, Pending("pin", replica, data))
 
     def _pin_home(self, client: Client, pin: PinRecord, live: list[int]) -> int:
-        """Where a session opened from `pin` goes: its least loaded live holder or replica
-        it is being placed on (then the one homing fewest sessions; an open on a replica
-        still placing it waits for the placement's answer: `PinRecord.waiters`); with
-        none, one where routing places it again (its input is kept). A pin used `hot_pin_uses` times is
+        """Where a session opened from `pin` goes: of its live holders and the replicas it
+        is being placed on, the one homing fewest sessions (then the least loaded; an
+        open on a replica still placing it waits for the placement's answer:
+        `PinRecord.waiters`); with none, one where routing places it again (its input is
+        kept). A pin used `hot_pin_uses` times is
         placed on every live replica; a replica holds it once it has said so."""
         pin.uses += 1
         if pin.uses >= self.config.hot_pin_uses:
@@ -584,7 +585,10 @@ class Router:
         # instead of all going to the first holder while the others' placements run.
         candidates = (pin.holders | pin.placing) & alive
         if candidates:
-            return min(candidates, key=lambda i: (self.routing.loads[i], self.homed[i], i))
+            # sessions homed first: a session's load comes later (its turns), and one
+            # waiting for a placement has none yet, so load first sent a burst of opens
+            # all to the replica still placing the pin
+            return min(candidates, key=lambda i: (self.homed[i], self.routing.loads[i], i))
         replica = self.routing.place(pin.key, live, pin.msg_input, 0)[0]
         self._place_pin(client, pin, replica)
         return replica

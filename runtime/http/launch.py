@@ -12,6 +12,7 @@ import sys
 import time
 
 from radixlm.runtime.http.config import API_KEY_ENV, HttpConfig
+from radixlm.runtime.launcher import child_exit, stop_child
 from radixlm.runtime.listeners import Listener
 
 _PROBE_INTERVAL_S = 0.1
@@ -71,8 +72,7 @@ def start_http(config: HttpConfig, *, log_level: str = "warning",
     try:
         wait_ready(config.host, config.port, proc, timeout_s)
     except BaseException:
-        proc.terminate()
-        proc.wait()
+        stop_child(proc)
         raise
     return proc
 
@@ -81,7 +81,7 @@ def wait_ready(host: str, port: int, proc: subprocess.Popen[bytes] | None, timeo
     deadline = time.monotonic() + timeout_s
     probe_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     while True:
-        if proc is not None and proc.poll() is not None:
+        if proc is not None and child_exit(proc) is not None:
             raise HttpStartError(f"the HTTP frontend exited with code {proc.returncode} "
                                  "during start-up (see its log above)")
         try:

@@ -35,6 +35,7 @@ def child_command(config: HttpConfig, parent_pid: int, log_level: str,
         "--max-headers", str(config.max_headers), "--max-messages", str(config.max_messages),
         "--max-tools", str(config.max_tools), "--max-parts", str(config.max_parts),
         "--drain-timeout", str(config.drain_timeout_s),
+        "--link-timeout", str(config.link_timeout_s),
     ]
     if config.default_max_tokens is not None:
         command += ["--default-max-tokens", str(config.default_max_tokens)]

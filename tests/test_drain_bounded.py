@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 from radixlm.runtime.config import Endpoints, EngineConfig
-from radixlm.runtime.launcher import KILL_WAIT_S, STOP_GRACE_S, RunningServer, child_exit
+from radixlm.runtime.launcher import RunningServer
 from radixlm.runtime.protocol import Welcome
+from radixlm.runtime.transport.children import KILL_WAIT_S, STOP_GRACE_S, child_exit
 
 pytestmark = pytest.mark.timeout(120)
 

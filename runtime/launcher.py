@@ -53,6 +53,12 @@ from radixlm.runtime.curve_keys import check_auth_dir
 from radixlm.runtime.listeners import Listener, listen_zmq
 from radixlm.runtime.protocol import Welcome
 from radixlm.runtime.rundir import READY_FILE, read_ready, remove_stale, write_owner
+from radixlm.runtime.transport.children import (
+    STOP_GRACE_S,
+    child_exit,
+    end_child,
+    signal_child,
+)
 
 __all__ = [
     "RunningServer",
@@ -69,7 +75,6 @@ log = logging.getLogger("radixlm.launcher")
 
 ROLES = ("engine", "frontend")
 DEFAULT_START_TIMEOUT_S = 600.0  # first start of the default model converts its GGUF
-STOP_GRACE_S = 5.0
 _PROBE_INTERVAL_S = 0.1
 
 
@@ -101,7 +106,7 @@ class RunningServer:
     def poll(self) -> tuple[str, int] | None:
         """(role, exit code) of a child that has exited, else None."""
         for role, proc in self.processes.items():
-            code = proc.poll()
+            code = child_exit(proc)
             if code is not None:
                 return role, code
         return None
@@ -118,17 +123,10 @@ class RunningServer:
         at `timeout_s` (their --drain-timeout); then stop the engine."""
         front = {role: p for role, p in self.processes.items() if role != "engine"}
         for proc in front.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+            signal_child(proc, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s + STOP_GRACE_S
         for role, proc in front.items():
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("the %s process (pid %d) did not drain in time; killing it",
-                            role, proc.pid)
-                proc.kill()
-                proc.wait()
+            end_child(proc, role, max(0.0, deadline - time.monotonic()), "did not drain in time")
         self.stop()
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
@@ -315,7 +313,7 @@ def _wait_ready(processes: dict[str, subprocess.Popen[bytes]], runtime_dir: Path
     deadline = time.monotonic() + timeout_s
     while (ready := read_ready(runtime_dir)) is None:
         for role, proc in processes.items():
-            code = proc.poll()
+            code = child_exit(proc)
             if code is not None:
                 raise ServerStartError(
                     f"the {role} process exited with code {code} during start-up: "
@@ -338,16 +336,10 @@ def _child_error(runtime_dir: Path, role: str) -> str:
 
 def _stop_processes(processes: dict[str, subprocess.Popen[bytes]], grace_s: float) -> None:
     for proc in processes.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
+        signal_child(proc, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for role, proc in processes.items():
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("the %s process (pid %d) ignored SIGTERM; killing it", role, proc.pid)
-            proc.kill()
-            proc.wait()
+        end_child(proc, role, max(0.0, deadline - time.monotonic()), "ignored SIGTERM")
 
 
 def _remove_runtime_files(runtime_dir: Path, client_endpoint: str) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from radixlm.runtime.transport.children import child_exit, stop_child
 from radixlm.runtime.transport.exits import how_it_ended
 from radixlm.runtime.transport.progress import Spinner, starting_label
 from radixlm.sdk.errors import EngineDeadError, EngineStartError
@@ -131,7 +131,7 @@ class EngineProcess:
 
     def exit_reason(self) -> str | None:
         """None while the process runs; else its exit code and the end of its log."""
-        code = self.proc.poll()
+        code = child_exit(self.proc)
         if code is None:
             return None
         tail = self.log_tail()
@@ -159,13 +159,9 @@ class EngineProcess:
 
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
         """SIGTERM (the server stops its children), SIGKILL after `grace_s`; remove the dir."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        # Not Popen.wait: a Ctrl-C landing inside it can leave Popen's lock held for good
+        # (runtime/transport/children.py), and then a later wait never returns.
+        stop_child(self.proc, "server", grace_s)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -21,6 +21,7 @@ replies' usage (recomputed session histories included: the router reports them t
 Imbalance = the busiest replica's computed tokens / the mean over replicas.
 
     .venv/bin/python benchmarks/bench_router.py [--agents 64] [--turns 6] [--out FILE]
+        [--cases one,cache,rr,...] [--no-cost]
 """
 
 from __future__ import annotations
@@ -224,7 +225,11 @@ def router_process(replicas: list[RunningServer], policy: str, workdir: Path):
         yield endpoint_file.read_text().strip()
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(20)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # (it stays a failure: the router must stop on SIGTERM)
+            raise
 
 
 def run_case(name: str, engine: EngineConfig, replicas: int, policy: str | None, mode: str,
@@ -258,9 +263,11 @@ def routing_cost(sessions: int = 10_000, replicas: int = 64, trials: int = 20_00
     """Per-request decision time of the router's own dispatch (decode, route, record),
     with `sessions` live sessions over `replicas` simulated replicas (sends are no-ops)."""
     from radixlm.runtime.router.config import ReplicaSpec, RouterConfig
+    from radixlm.runtime.router.main import tune_gc
     from radixlm.runtime.router.records import Opened, SessionRecord
     from radixlm.runtime.router.server import Client, Router
 
+    tune_gc()  # as the router process does (its collections are part of its cost)
     ctx: zmq.Context[Any] = zmq.Context()
     front, monitor = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PAIR)
     config = RouterConfig(replicas=tuple(ReplicaSpec(f"ipc:///sim/{i}") for i in range(replicas)))
@@ -304,6 +311,18 @@ def routing_cost(sessions: int = 10_000, replicas: int = 64, trials: int = 20_00
     return out
 
 
+# name on the command line: (row name, replicas, policy (None: one engine), mode, kill)
+CASES: dict[str, tuple[str, int, str | None, str, bool]] = {
+    "one": ("one engine", 1, None, "resend", False),
+    "cache": ("cache-aware, 2 replicas", 2, "cache_aware", "resend", False),
+    "rr": ("round-robin, 2 replicas", 2, "round_robin", "resend", False),
+    "kill": ("cache-aware, replica 2 killed half-way", 2, "cache_aware", "resend", True),
+    "s-one": ("one engine", 1, None, "sessions", False),
+    "s-cache": ("cache-aware, 2 replicas", 2, "cache_aware", "sessions", False),
+    "s-kill": ("cache-aware, replica 2 killed half-way", 2, "cache_aware", "sessions", True),
+}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--agents", type=int, default=64)
@@ -311,6 +330,9 @@ def main() -> int:
     p.add_argument("--model", default=None, help="default: the tiny random Llama")
     p.add_argument("--kv-tokens", type=int, default=200_000)
     p.add_argument("--out", default=None)
+    p.add_argument("--cases", default="all", help="a quicker run: comma-separated of "
+                   f"{','.join(CASES)} (the one-engine baseline of a mode runs with it)")
+    p.add_argument("--no-cost", action="store_true", help="skip the routing-cost row")
     args = p.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-router-"))
     model = args.model
@@ -322,19 +344,16 @@ def main() -> int:
     engine = EngineConfig(model=model, device="cpu", dtype="float32", kv_tokens=args.kv_tokens,
                           threads=1)
     system = tool_prompt(random.Random(7))
-    cost = routing_cost()
+    cost = {} if args.no_cost else routing_cost()
     print(f"routing cost: {cost}", file=sys.stderr, flush=True)
-    rows = [
-        run_case("one engine", engine, 1, None, "resend", args, system, workdir),
-        run_case("cache-aware, 2 replicas", engine, 2, "cache_aware", "resend", args, system, workdir),
-        run_case("round-robin, 2 replicas", engine, 2, "round_robin", "resend", args, system, workdir),
-        run_case("cache-aware, replica 2 killed half-way", engine, 2, "cache_aware", "resend",
-                 args, system, workdir, kill_half=True),
-        run_case("one engine", engine, 1, None, "sessions", args, system, workdir),
-        run_case("cache-aware, 2 replicas", engine, 2, "cache_aware", "sessions", args, system, workdir),
-        run_case("cache-aware, replica 2 killed half-way", engine, 2, "cache_aware", "sessions",
-                 args, system, workdir, kill_half=True),
-    ]
+    wanted = set(CASES) if args.cases == "all" else set(args.cases.split(","))
+    if wanted - set(CASES):
+        p.error(f"unknown cases: {sorted(wanted - set(CASES))}")
+    modes = {CASES[c][3] for c in wanted}
+    rows = [run_case(name, engine, replicas, policy, mode, args, system, workdir,
+                     kill_half=kill)
+            for case, (name, replicas, policy, mode, kill) in CASES.items()
+            if case in wanted or (policy is None and mode in modes)]
     lines = [f"{args.agents} agents x {args.turns} turns, one shared tool prompt "
              f"({len(system)} chars), greedy 16-token replies; model: "
              f"{'tiny random Llama' if args.model is None else args.model}", "",
@@ -348,9 +367,10 @@ def main() -> int:
             f"| {r['prompt']:,} | {r['computed']:,} | {r['computed'] / base[r['mode']] - 1:+.1%} "
             f"| {r['recomputed']:,} | {', '.join('dead' if c < 0 else f'{c:,}' for c in r['per_replica'])} "
             f"| {r['imbalance']:.2f} | {r['seconds']:.1f} |")
-    lines += ["", "| routing decision (10,000 live sessions, 64 simulated replicas) | µs per request |",
-              "|---|---|"]
-    lines += [f"| {name} | {us:.1f} |" for name, us in cost.items()]
+    if cost:
+        lines += ["", "| routing decision (10,000 live sessions, 64 simulated replicas) "
+                  "| µs per request |", "|---|---|"]
+        lines += [f"| {name} | {us:.1f} |" for name, us in cost.items()]
     text = "\n".join(lines)
     print(text)
     if args.out:

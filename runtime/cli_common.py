@@ -16,8 +16,10 @@ __all__ = ["StopRequested", "find_server", "key_options", "say", "setup_logging"
            "stop_on_sigterm", "write_endpoint_file"]
 
 
-class StopRequested(Exception):
-    """SIGTERM: stop like Ctrl-C does."""
+class StopRequested(BaseException):
+    """SIGTERM: stop like Ctrl-C does (a BaseException, as KeyboardInterrupt is: the
+    `except Exception` that keeps a server serving past one request's bug must not swallow
+    it; once the router did, and ran on after SIGTERM)."""
 
 
 def stop_on_sigterm(signum: int, frame: object) -> None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -75,9 +76,23 @@ def _replica(tmp: Path, name: str, model: Path) -> contextlib.AbstractContextMan
 
 
 @contextlib.contextmanager
+def _replicas(tmp: Path, model: Path, *names: str) -> Iterator[list[ServerHandle]]:
+    """Replicas started at once (each start is mostly imports: in parallel they take
+    about one's time), all stopped on exit."""
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(names)) as pool:
+        managers = [_replica(tmp, name, model) for name in names]
+        futures = [pool.submit(m.__enter__) for m in managers]
+        for m, f in zip(managers, futures, strict=True):
+            with contextlib.suppress(BaseException):  # a failed one is raised below
+                f.result()
+                stack.push(m.__exit__)
+        yield [f.result() for f in futures]
+
+
+@contextlib.contextmanager
 def cluster(tmp: Path, model: Path) -> Iterator[tuple[ServerHandle, ServerHandle, str, Path]]:
     """Two replicas and a router in front of them, once it sees both."""
-    with (_replica(tmp, "a", model) as a, _replica(tmp, "b", model) as b,
+    with (_replicas(tmp, model, "a", "b") as (a, b),
           start_router(tmp / "router", [a.endpoint, b.endpoint]) as (endpoint, _, log)):
         with RawClient(endpoint) as probe:
             _wait_capacity(probe, a.welcome.kv_capacity + b.welcome.kv_capacity)
@@ -274,25 +289,37 @@ def test_sigkill_of_a_replica_loses_no_conversation(tmp_path: Path, tiny_model_d
                 assert [t.session_length for t in turns] == [t.session_length for t in want]
 
 
-@pytest.mark.xfail(strict=False, reason="passes alone (30 s); in one whole-suite run the "
-                   "router's stats gather got no reply within 60 s after the replica came "
-                   "back (issue 28: open)")
 def test_a_replica_that_comes_back_rejoins(tmp_path: Path, tiny_model_dir: Path) -> None:
-    with _replica(tmp_path, "a", tiny_model_dir) as a:
-        b_cm = _replica(tmp_path, "b", tiny_model_dir)
-        b = b_cm.__enter__()
+    """Killed, then started again at the same endpoint: while it is out and while it
+    rejoins, every request is answered (by the other); once back, it gets work again."""
+    with _replicas(tmp_path, tiny_model_dir, "a", "b") as (a, b):
+        restarted: list[contextlib.AbstractContextManager[ServerHandle]] = []
         try:
-            with (start_router(tmp_path / "router", [a.endpoint, b.endpoint]) as (endpoint, _, _),
+            with (start_router(tmp_path / "router", [a.endpoint, b.endpoint]) as (endpoint, _, log),
                   RawClient(endpoint) as via):
                 one = a.welcome.kv_capacity
                 _wait_capacity(via, 2 * one)
                 _kill(b)
                 _wait_capacity(via, one)  # taken out
-                assert _turn(via, None, "one replica left").finish_reason in ("stop", "length")
-                b_cm.__exit__(None, None, None)
                 (tmp_path / "b" / "endpoint").unlink(missing_ok=True)  # SIGKILL left it
-                b_cm = _replica(tmp_path, "b", tiny_model_dir)  # the same endpoint
-                b_cm.__enter__()
+                restarted.append(_replica(tmp_path, "b", tiny_model_dir))  # the same endpoint
+                with ThreadPoolExecutor(1) as pool:
+                    back = pool.submit(restarted[0].__enter__)
+                    answered = 0
+                    # requests meanwhile: each answered (a RawClient call waits 60 s at most)
+                    while not back.done() or answered < 3:
+                        assert _turn(via, None, f"meanwhile {answered}").finish_reason in (
+                            "stop", "length")
+                        assert via.stats().capacity in (one, 2 * one)
+                        answered += 1
+                    b2 = back.result()
                 _wait_capacity(via, 2 * one)  # back
+                # it gets work again: new sessions spread over both
+                sids = [via.call(OpenSession(rid=f"o{i}", input=Input(text=f"agent {i}: " * 8)))
+                        for i in range(6)]
+                assert _all_sessions(b2) >= 1, log.read_text()
+                via.call(CloseSession(rid="c", sessions=[s.session for s in sids
+                                                          if isinstance(s, SessionOpened)]))
         finally:
-            b_cm.__exit__(None, None, None)
+            for m in restarted:
+                m.__exit__(None, None, None)

@@ -87,7 +87,7 @@ def test_tree_forgets_lru_leaves_past_its_cap_and_dead_replicas() -> None:
 
 
 def test_balance_rule() -> None:
-    b = Balance(cache_threshold=0.5, abs_tokens=100, rel=1.5)
+    b = Balance(cache_threshold=0.5, abs_tokens=100, new_abs_tokens=100, rel=1.5)
     live = [0, 1, 2]
     tree = ApproxTree()
     key = "k" * 100
@@ -114,6 +114,13 @@ def test_balance_rule() -> None:
     assert choose(b, live, set(live), match, 100, [300, 400, 300], {}, 0) == 1
     # a dead replica's match does not count
     assert choose(b, [0, 2], set([0, 2]), match, 100, [0, 0, 0], {}, 0) == 0
+    # the gap: new work is balanced sooner than a continuation (a key that runs through
+    # the whole of a leaf: a conversation's next turn)
+    assert not match.continues() and home.continues()
+    wide = Balance(cache_threshold=0.5, abs_tokens=1000, new_abs_tokens=100, rel=1.5)
+    assert choose(wide, live, set(live), match, 100, [300, 400, 200], {}, 0) == 2
+    assert choose(wide, live, set(live), home, 4000, [0, 900, 0], {}, 0) == 1  # stays
+    assert choose(wide, live, set(live), home, 4000, [0, 1100, 0], {}, 0) == 0
     rr = Balance(policy="round_robin")
     assert [choose(rr, live, set(live), match, 100, [0, 0, 0], {}, t) for t in range(4)] == [0, 1, 2, 0]
 
@@ -193,3 +200,140 @@ def test_replicas_on_gpus_take_their_own_devices() -> None:
     assert [replica_config(gpus, i).device for i in range(3)] == ["cuda:0", "cuda:2", "cuda:4"]
     assert replica_config(EngineConfig(device="cuda:1"), 3).device == "cuda:1"
     assert replica_config(EngineConfig(device="cpu"), 3).device == "cpu"
+
+
+def _prefixes(keys: list[str]) -> int:
+    return len({k[:i] for k in keys for i in range(1, len(k) + 1)})
+
+
+def _gap(balance: Balance, sent: dict[int, list[str]], key: str) -> int:
+    """A continuation (`key` extends a key sent before, to any replica, that no other
+    sent key extends) gets the wider gap."""
+    keys = {k for ks in sent.values() for k in ks}
+    continues = any(key.startswith(k) and not any(o != k and o.startswith(k) for o in keys)
+                    for k in keys)
+    return balance.abs_tokens if continues else balance.new_abs_tokens
+
+
+def _reference_place(balance: Balance, sent: dict[int, list[str]], live: list[int], key: str,
+                     loads: list[int], turn: int) -> tuple[int, int, str]:
+    """policy.py's rule written out naively: each live replica's longest common prefix
+    with anything it was sent, its load, its share of the tree."""
+    rule = "one"
+    if balance.policy == "round_robin":
+        replica, rule = live[turn % len(live)], "round robin"
+    elif len(live) == 1:
+        replica = live[0]
+    else:
+        length = {r: max((_common(k, key) for k in sent[r]), default=0) for r in live}
+        lo, hi = min(loads[r] for r in live), max(loads[r] for r in live)
+        if hi - lo > _gap(balance, sent, key) and hi > balance.rel * lo:
+            replica = min(live, key=lambda r: (loads[r] + (len(key) - length[r]) // 4,
+                                               -length[r], r))
+            rule = "imbalance"
+        else:
+            best = max(length.values())
+            if best > 0 and best >= balance.cache_threshold * len(key):
+                replica = min((r for r in live if length[r] == best),
+                              key=lambda r: (loads[r], r))
+                rule = "cache"
+            else:
+                replica = min((r for r in live if loads[r] == lo),
+                              key=lambda r: (_prefixes(sent[r]), r))
+                rule = "room"
+    matched = max((_common(k, key) for k in sent[replica]), default=0)
+    return replica, max(0, len(key) // 4 - matched // 4) + 8, rule
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_routing_decisions_equal_a_brute_force_reference(seed: int) -> None:
+    """`Routing.place` (tree walk, policy, insert) against the rule computed naively, on
+    random workloads: shared prefixes, replicas going out and back, loads rising and
+    falling across all three rules."""
+    from radixlm.runtime.router.routing import Routing
+
+    rng = random.Random(seed)
+    replicas = rng.choice([2, 3, 5, 8])
+    balance = Balance(policy="round_robin" if seed == 5 else "cache_aware",
+                      cache_threshold=rng.choice([0.3, 0.5, 0.8]),
+                      abs_tokens=rng.choice([5, 20, 60]), new_abs_tokens=rng.choice([3, 20]),
+                      rel=rng.choice([1.2, 1.5, 3.0]))
+    routing = Routing(balance, replicas)
+    sent: dict[int, list[str]] = {r: [] for r in range(replicas)}
+    stems = ["".join(rng.choice("abcd") for _ in range(rng.randint(4, 40))) for _ in range(6)]
+    rules, kinds = set(), set()
+    for turn in range(400):
+        key = rng.choice(stems) + "".join(rng.choice("abcd") for _ in range(rng.randint(0, 30)))
+        if rng.random() < 0.3:
+            stems.append(key)  # a conversation that goes on
+        live = sorted(rng.sample(range(replicas), rng.randint(1, replicas)))
+        routing.alive = frozenset(live)
+        *want, rule = _reference_place(balance, sent, live, key, routing.loads, turn)
+        continued = _gap(balance, sent, key) == balance.abs_tokens
+        got = routing.place(key, live, None, 8)
+        assert got == tuple(want), (turn, key, live, routing.loads)
+        rules.add(rule)
+        routing.loads[got[0]] += got[1]
+        sent[got[0]].append(key)
+        kinds.add("continues" if continued else "new")
+        for r in range(replicas):  # requests finishing
+            if rng.random() < 0.2:
+                routing.unload(r, rng.randint(0, 40))
+        assert routing.tree.chars == {r: _prefixes(k) for r, k in sent.items() if k}
+    assert kinds == {"continues", "new"}
+    if balance.policy == "cache_aware":
+        assert {"imbalance", "cache", "room"} <= rules, rules
+
+
+def _bare_router(replicas: int) -> tuple[Router, Any]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    front, monitor = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PAIR)
+    config = RouterConfig(replicas=tuple(ReplicaSpec(f"ipc:///nonexistent/{i}")
+                                         for i in range(replicas)))
+    router = Router(config, ctx, front, monitor, None)
+
+    def done() -> None:
+        router.close()
+        front.close(0)
+        monitor.close(0)
+        ctx.term()
+    return router, done
+
+
+def test_sigterm_is_never_swallowed_by_the_per_message_guard() -> None:
+    """SIGTERM raises StopRequested wherever the loop is; the guard that turns one
+    message's bug into an error reply must let it through (it did not: the router
+    then ran on after SIGTERM)."""
+    from radixlm.runtime.cli_common import StopRequested
+
+    router, done = _bare_router(1)
+    try:
+        def stop(client: Client, data: bytes) -> None:
+            raise StopRequested
+        router._dispatch = stop  # type: ignore[method-assign]
+        with pytest.raises(StopRequested):
+            router._dispatch_guarded(Client(b"c", -1, None), b"")
+    finally:
+        done()
+
+
+def test_opens_from_a_hot_pin_spread_over_replicas_still_placing_it() -> None:
+    from radixlm.runtime.router.records import PinRecord
+
+    router, done = _bare_router(3)
+    try:
+        for r in router.replicas:
+            r.up = True
+        router._send = lambda client, replica, msg: None  # type: ignore[method-assign]
+        client = Client(b"c", -1, None)
+        pin = PinRecord("p", None, Input(text="x"), None, "\x00\x00x", 1, holders={0})
+        pin.uses = router.config.hot_pin_uses  # the next use makes it hot
+        homes = []
+        for _ in range(6):  # a burst: no placement answered yet
+            home = router._pin_home(client, pin, router.live())
+            router.homed[home] += 1
+            homes.append(home)
+        assert pin.placing == {1, 2} and pin.holders == {0}
+        assert sorted(homes) == [0, 0, 1, 1, 2, 2], homes
+    finally:
+        done()

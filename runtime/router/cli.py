@@ -51,6 +51,8 @@ def add_balance_arguments(p: argparse.ArgumentParser) -> None:
                         "decide its replica")
     g.add_argument("--balance-abs-tokens", type=int, default=d.abs_tokens,
                    help="replicas whose loads (in-flight tokens) differ by more than this...")
+    g.add_argument("--balance-new-abs-tokens", type=int, default=d.new_abs_tokens,
+                   help="...or than this, for a request that continues nothing sent before...")
     g.add_argument("--balance-rel", type=float, default=d.rel,
                    help="...and by more than this ratio are balanced: the least loaded "
                         "replica gets new work")
@@ -83,7 +85,8 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
 
 def _balance(args: argparse.Namespace) -> Balance:
     return Balance(policy=args.routing_policy, cache_threshold=args.cache_threshold,
-                   abs_tokens=args.balance_abs_tokens, rel=args.balance_rel)
+                   abs_tokens=args.balance_abs_tokens,
+                   new_abs_tokens=args.balance_new_abs_tokens, rel=args.balance_rel)
 
 
 def _serve_router(config: RouterConfig, endpoint_file: str | None,

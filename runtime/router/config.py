@@ -34,7 +34,7 @@ class RouterConfig:
     hot_pin_uses: int = 8  # sessions opened from a pin before it goes on every replica
     probe_interval_s: float = 0.5  # a quiet replica is asked for stats this often...
     replica_timeout_s: float = 5.0  # ...and taken out when silent this long
-    rejoin_interval_s: float = 1.0  # a down replica is tried again this often
+    rejoin_interval_s: float = 1.0  # a down replica is dialled afresh at most this often
     start_timeout_s: float = 120.0  # waiting for the first replica at start
     max_message_bytes: int = 4 << 20
 

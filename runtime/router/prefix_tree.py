@@ -71,6 +71,16 @@ class Match:
                 found[replica] = end  # deeper nodes overwrite: the longest wins
         return found
 
+    def continues(self) -> bool:
+        """Whether the key runs through the whole of a leaf: it extends (or repeats) a
+        key sent before that nothing sent since extends, as a conversation's next turn
+        extends its last one."""
+        if not self.nodes:
+            return False
+        node, end = self.nodes[-1]
+        start = self.nodes[-2][1] if len(self.nodes) > 1 else 0
+        return not node.children and end - start == len(node.label)
+
     def length(self, replica: int) -> int:
         """The characters of the key `replica`'s part of the tree covers."""
         for node, end in reversed(self.nodes):
@@ -80,12 +90,14 @@ class Match:
 
     def longest(self, alive: AbstractSet[int], loads: Sequence[int]) -> tuple[int, int]:
         """(replica, characters) of the longest match among `alive`, the least loaded
-        of those that tie; (-1, 0) if none matches at all."""
+        of those that tie (then the lowest index); (-1, 0) if none matches at all."""
         for node, end in reversed(self.nodes):
-            best = -1
+            best, best_load = -1, 0
             for replica in node.seen:
-                if replica in alive and (best < 0 or loads[replica] < loads[best]):
-                    best = replica
+                if replica in alive:
+                    load = loads[replica]
+                    if best < 0 or load < best_load or (load == best_load and replica < best):
+                        best, best_load = replica, load
             if best >= 0:
                 return best, end
         return -1, 0
@@ -114,12 +126,15 @@ class ApproxTree:
             child = node.children.get(key[pos])
             if child is None:
                 break
-            n = _common(child.label, key, pos)
-            pos += n
+            label = child.label
+            if key.startswith(label, pos):  # the usual case: one C call, no search
+                pos += len(label)
+                nodes.append((child, pos))
+                node = child
+                continue
+            pos += _common(label, key, pos)
             nodes.append((child, pos))
-            if n < len(child.label):
-                break
-            node = child
+            break
         return Match(nodes)
 
     def insert(self, key: str, replica: int, match: Match | None = None) -> None:
@@ -142,11 +157,12 @@ class ApproxTree:
             if child is None:
                 leaf = Node(key[pos:], node)
                 node.children[key[pos]] = leaf
-                child, n = leaf, len(leaf.label)
+                child, n = leaf, size - pos
+            elif key.startswith(child.label, pos):
+                n = len(child.label)
             else:
                 n = _common(child.label, key, pos)
-                if n < len(child.label):
-                    child = self._split(child, n)
+                child = self._split(child, n)
             if replica not in child.seen:
                 added += len(child.label)
             child.seen[replica] = now

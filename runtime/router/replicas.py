@@ -3,8 +3,13 @@
 Each replica has a **control** connection, the router's own: it is how the router learns
 a replica's `Welcome`, and watches it (a `stats` probe when it has been quiet for
 `probe_interval_s`; silent for `replica_timeout_s`, or its connection closed, and it is
-down). A down replica is dialled again every `rejoin_interval_s` on a fresh connection;
-its welcome brings it back, empty (its engine restarted: nothing of before is cached).
+down). A replica is up once it has welcomed the control connection *and* answered a
+`stats` there (its frontend welcomes alone; the stats reply says its engine serves), so
+no request and no fan-out goes to one still starting or rejoining. A replica not up is
+dialled again on a fresh connection when its last one has gone unanswered for
+``max(rejoin_interval_s, replica_timeout_s)`` (zmq reconnects by itself, but a connection
+stuck in a dead listener's backlog, or a session zmq gave up on, would never answer); its
+welcome and stats bring it back, empty (its engine restarted: nothing of before is cached).
 
 Each client of the router gets, lazily, one **link** per replica it uses: its own
 connection, whose hello declares the client's tenant (`Gateway` ``relayed``, with the
@@ -59,14 +64,14 @@ class ReplicaState:
     up: bool = False
     heard: float = 0.0  # when the replica last said anything (monotonic)
     probe_sent: float | None = None
-    next_dial: float = 0.0
+    dialled: float = 0.0  # when its control connection was opened (monotonic)
     generation: int = 0  # times it came up: a link from an older one is stale
 
     def open_control(self, ctx: zmq.Context[Any], now: float) -> None:
         self.close_control()
         self.control = dial(ctx, self.spec, None, "radixlm-router")
         self.monitor = self.control.get_monitor_socket(_EVENTS)
-        self.heard, self.probe_sent = now, None
+        self.heard, self.probe_sent, self.dialled = now, None, now
 
     def close_control(self) -> None:
         if self.control is not None:

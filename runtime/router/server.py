@@ -6,7 +6,10 @@ unchanged), a DEALER per (client, replica) it uses, a control DEALER per replica
 - New sessions, pins and plain requests go where `routing.Routing` says (the longest
   estimated cached prefix, balanced against load; policy.py).
 - Stats, session listings, cache flushes and unpins go to every live replica and their
-  replies are merged (merge.py).
+  replies are merged (merge.py). A fan-out waits `replica_timeout_s` at most: a replica
+  that has not answered by then is left out of a stats or listing reply (an
+  ``engine_unavailable`` error for the others), so a fan-out never hangs on a replica
+  that went quiet, died unnoticed or is coming back.
 - A replica that dies or stops answering is taken out: requests it had that sent nothing
   to the client yet are sent again elsewhere, the rest fail with ``engine_unavailable``;
   each of its sessions is rebuilt on another replica from its log (replay.py), messages
@@ -77,6 +80,8 @@ class Gather:
     waiting: dict[int, str]  # replica -> internal rid still unanswered
     replies: list[tuple[int, wire.ServerMessage]] = field(default_factory=list)
     on_done: Callable[[wire.ServerMessage], None] | None = None
+    started: float = 0.0  # monotonic: a replica silent past the timeout is left out
+    reads: bool = True  # stats, listings: a silent replica's part is left out (else: an error)
 
 
 @dataclass(eq=False)
@@ -110,6 +115,7 @@ class Router:
         self.inner_to_vid: dict[tuple[int, str], str] = {}
         self.pins: dict[tuple[str | None, str], PinRecord] = {}
         self.internal: dict[str, Gather | Rehome | Placement] = {}
+        self.gathers: dict[Gather, None] = {}  # unanswered fan-outs, oldest first
         self.rids = itertools.count()
         self.poller = zmq.Poller()
         self.poller.register(clients, zmq.POLLIN)
@@ -174,10 +180,19 @@ class Router:
                 data = r.control.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            msg = wire.decode_server(data)
+            try:
+                msg = wire.decode_server(data)
+            except msgspec.DecodeError:
+                log.error("undecodable message from replica %d dropped", r.index)
+                continue
             r.heard, r.probe_sent = now, None
-            if isinstance(msg, wire.Welcome):
-                self._replica_up(r, msg)
+            if r.up:
+                continue
+            if isinstance(msg, wire.Welcome):  # its frontend answers: is its engine serving?
+                r.welcome = msg
+                r.control.send(wire.encode(wire.GetStats(rid=_INTERNAL + "rejoin")))
+            elif isinstance(msg, wire.StatsReply) and r.welcome is not None:
+                self._replica_up(r, r.welcome)
 
     def _drain_replica_monitor(self, r: ReplicaState) -> None:
         assert r.monitor is not None
@@ -190,8 +205,19 @@ class Router:
                 self._replica_down(r, "its connection closed")
 
     def _watch(self, now: float) -> None:
+        timeout = self.config.replica_timeout_s
+        for job in list(self.gathers):  # oldest first
+            if now - job.started <= timeout:
+                break
+            self._gather_expired(job, now)
         for r in self.replicas:
-            if not r.up or r.control is None:
+            if r.control is None:
+                continue
+            if not r.up:
+                # A fresh connection now and then: one whose hello went unanswered may
+                # be a dead end (a peer that never accepted it, a session zmq gave up).
+                if now - r.dialled > max(self.config.rejoin_interval_s, timeout):
+                    self._dial_control(r, now)
                 continue
             quiet = now - r.heard
             if quiet > self.config.replica_timeout_s:
@@ -201,6 +227,8 @@ class Router:
                 r.probe_sent = now
 
     def _replica_up(self, r: ReplicaState, welcome: wire.Welcome) -> None:
+        """Its welcome and then a stats reply came: its engine serves (a replica is not
+        sent work, nor asked in a fan-out, before)."""
         if r.up:
             return
         r.up, r.welcome = True, welcome
@@ -213,7 +241,7 @@ class Router:
 
     def _replica_down(self, r: ReplicaState, why: str) -> None:
         log.warning("replica %d (%s) is down: %s", r.index, r.spec.endpoint, why)
-        r.up = False
+        r.up, r.welcome = False, None
         self.routing.loads[r.index] = 0
         self._live = None
         self.routing.replica_gone(r.index)
@@ -378,6 +406,8 @@ class Router:
             if ((isinstance(job, Gather) and job.client is client)
                     or (isinstance(job, Rehome) and job.record.owner == ident)):
                 del self.internal[rid]
+                if isinstance(job, Gather):
+                    self.gathers.pop(job, None)
             elif isinstance(job, Placement) and job.client == ident:
                 del self.internal[rid]  # its link is gone: what waited is routed again
                 self._placed(job.pin, job.replica, False, None)
@@ -536,10 +566,11 @@ class Router:
         self._forward(client, replica, msg.rid, data, Pending("pin", replica, data))
 
     def _pin_home(self, client: Client, pin: PinRecord, live: list[int]) -> int:
-        """Where a session opened from `pin` goes: its least loaded live holder (then the
-        one homing fewest sessions); with none, a replica it is being placed on (the open
-        then waits for the placement's answer: `PinRecord.waiters`), else one where
-        routing places it again (its input is kept). A pin used `hot_pin_uses` times is
+        """Where a session opened from `pin` goes: of its live holders and the replicas it
+        is being placed on, the one homing fewest sessions (then the least loaded; an
+        open on a replica still placing it waits for the placement's answer:
+        `PinRecord.waiters`); with none, one where routing places it again (its input is
+        kept). A pin used `hot_pin_uses` times is
         placed on every live replica; a replica holds it once it has said so."""
         pin.uses += 1
         if pin.uses >= self.config.hot_pin_uses:
@@ -549,9 +580,15 @@ class Router:
             for replica in live:
                 if replica not in pin.holders and replica not in pin.placing:
                     self._place_pin(client, pin, replica)
-        candidates = (pin.holders & alive) or (pin.placing & alive)
+        # A replica it is being placed on counts as one (an open there waits for the
+        # placement's answer): a burst of opens right after the pin went hot spreads,
+        # instead of all going to the first holder while the others' placements run.
+        candidates = (pin.holders | pin.placing) & alive
         if candidates:
-            return min(candidates, key=lambda i: (self.routing.loads[i], self.homed[i], i))
+            # sessions homed first: a session's load comes later (its turns), and one
+            # waiting for a placement has none yet, so load first sent a burst of opens
+            # all to the replica still placing the pin
+            return min(candidates, key=lambda i: (self.homed[i], self.routing.loads[i], i))
         replica = self.routing.place(pin.key, live, pin.msg_input, 0)[0]
         self._place_pin(client, pin, replica)
         return replica
@@ -615,7 +652,9 @@ class Router:
             return
         gather = Gather(client, msg.rid, {},
                         on_done=lambda reply: [self._forget(v) for v in vids
-                                               if not isinstance(reply, wire.Error)])
+                                               if not isinstance(reply, wire.Error)],
+                        started=time.monotonic(), reads=False)
+        self.gathers[gather] = None
         for replica, inners in by_home.items():
             rid = self._internal_rid()
             gather.waiting[replica] = rid
@@ -623,7 +662,9 @@ class Router:
             self._send(client, replica, wire.CloseSession(rid=rid, sessions=inners))
 
     def _fan_out(self, client: Client, msg: wire.ClientMessage, replicas: list[int]) -> None:
-        gather = Gather(client, msg.rid, {})
+        gather = Gather(client, msg.rid, {}, started=time.monotonic(),
+                        reads=isinstance(msg, (wire.GetStats, wire.ListSessions)))
+        self.gathers[gather] = None
         for replica in replicas:
             rid = self._internal_rid()
             gather.waiting[replica] = rid
@@ -791,9 +832,26 @@ class Router:
         job.replies.append((replica, msg))
         self._gather_check(job)
 
+    def _gather_expired(self, job: Gather, now: float) -> None:
+        """Replicas that have not answered a fan-out in `replica_timeout_s` are left out
+        of it: a stats call never hangs on a replica that went quiet, restarted or is
+        rejoining (one silent that long is taken out anyway, by its control probes)."""
+        for replica, rid in job.waiting.items():
+            self.internal.pop(rid, None)
+            quiet = now - job.started
+            log.warning("replica %d did not answer a fan-out in %.1f s: left out of it",
+                        replica, quiet)
+            if not job.reads:
+                job.replies.append((replica, wire.Error(
+                    rid=job.rid, code=_UNAVAILABLE,
+                    message=f"replica {replica} did not answer in {quiet:.1f} s")))
+        job.waiting.clear()
+        self._gather_check(job)
+
     def _gather_check(self, job: Gather) -> None:
         if job.waiting:
             return
+        self.gathers.pop(job, None)
         merged = merge_replies(job.rid, [m for _, m in job.replies], self._session_view,
                                [i for i, _ in job.replies])
         if job.on_done is not None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -315,6 +316,9 @@ def main() -> None:
                f"{args.fair_step_factor:g} --rows {args.rows} --long-prefill-tokens "
                f"{args.long_prefill_tokens} --prefill-rounds {args.prefill_rounds} --chunked-prefill "
                f"{args.chunked_prefill} --prefill-slice-ms {args.prefill_slice_ms:g}")
+    load = os.getloadavg()
+    command += (f"\n\n  load average after the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
+                f"({os.cpu_count()} cores)")
     append_results(RESULTS, "Fairness", args.model, command, table)
 
 

@@ -146,6 +146,16 @@ def _greedy(runner: ModelRunner, prompt: list[int], n: int, banned: list[int]) -
     return out
 
 
+def _hf_greedy_checks(model, prompt: list[int], ours: list[int], banned: list[int]) -> list[int]:
+    """What transformers' greedy decoding picks after `prompt` + each prefix of `ours`:
+    one forward over the whole sequence (teacher forcing). `ours` is transformers' greedy
+    output exactly when this returns it, without its 32 sequential `generate` steps."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ours[:-1]])).logits[0, len(prompt) - 1 :]
+    logits[:, banned] = -float("inf")  # as min_new_tokens does
+    return logits.argmax(-1).tolist()
+
+
 def test_greedy_matches_transformers(converted, hf_reference):
     tok, model = hf_reference
     cfg = ModelConfig.from_dir(converted)
@@ -156,13 +166,10 @@ def test_greedy_matches_transformers(converted, hf_reference):
     pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, total + NEW_TOKENS + 16, 1,
                   torch.float32, "cpu")  # fmt: skip
     runner = ModelRunner(converted, "cpu", "float32", pool, attention="torch")
+    eos = model.generation_config.eos_token_id
+    banned = [eos] if isinstance(eos, int) else list(eos)
     for text in texts:
         ids = tok.encode(text, add_special_tokens=False)
-        with torch.no_grad():
-            ref = model.generate(
-                torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                min_new_tokens=NEW_TOKENS, pad_token_id=tok.pad_token_id,
-            )[0, len(ids) :].tolist()  # fmt: skip
-        eos = model.generation_config.eos_token_id
-        banned = [eos] if isinstance(eos, int) else list(eos)
-        assert _greedy(runner, ids, NEW_TOKENS, banned) == ref, text
+        ours = _greedy(runner, ids, NEW_TOKENS, banned)
+        assert len(ours) == NEW_TOKENS
+        assert _hf_greedy_checks(model, ids, ours, banned) == ours, text

@@ -35,8 +35,6 @@ def wait_exit(proc, timeout_s: float = 60.0) -> int:  # noqa: ANN001
     return code
 
 
-@pytest.mark.xfail(strict=False, reason="passes alone in ~4 s; once in a whole-suite run the "
-                   "drained server took over 60 s to exit after SIGTERM (issue 24: open)")
 def test_a_server_stopped_by_sigterm_says_so(tiny_model_dir: Path) -> None:
     with rl.Engine(str(tiny_model_dir), device="cpu", kv_tokens=512, threads=1) as engine:
         assert engine.generate("hello", max_tokens=2)

@@ -174,7 +174,8 @@ def build_app(config: HttpConfig) -> Starlette:
     def make_tenant(key: str | None) -> Tenant:
         name = "local" if key is None else tenant_name(key)
         link = EngineLink(config.engine_endpoint, tenant=None if key is None else name,
-                          gateway_token=token, curve=curve)
+                          gateway_token=token, curve=curve,
+                          heartbeat_timeout=config.link_timeout_s)
         return Tenant(name, link, ConversationStore(config.response_ttl_s, link.close_sessions))
 
     tenants = Tenants(config.api_keys, make_tenant)

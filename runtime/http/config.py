@@ -8,6 +8,8 @@ import socket
 from dataclasses import dataclass
 
 DEFAULT_RESPONSE_TTL_S = 3600.0
+# The frontend's heartbeat unanswered this long: the engine's requests fail with 503.
+DEFAULT_LINK_TIMEOUT_S = 15.0
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_TOKENS = None  # what is left of the context, as vLLM
 API_KEY_ENV = "RADIXLM_API_KEY"  # how `radixlm serve` hands the keys (one a line) to the HTTP process
@@ -48,6 +50,7 @@ class HttpConfig:
     max_tools: int = DEFAULT_MAX_TOOLS
     max_parts: int = DEFAULT_MAX_PARTS
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests may finish for this long
+    link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S  # the frontend silent this long: 503
 
     @property
     def metrics_public(self) -> bool:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from anyio.abc import TaskGroup
 from radixlm.runtime import protocol as p
+from radixlm.runtime.http.config import DEFAULT_LINK_TIMEOUT_S
 from radixlm.runtime.transport.connection import Connection, Request
 from radixlm.runtime.transport.curve import CurveKeys
 from radixlm.runtime.transport.errors import InternalError
@@ -21,7 +22,7 @@ R = TypeVar("R")
 
 
 class EngineLink:
-    def __init__(self, endpoint: str, *, heartbeat_timeout: float = 15.0,
+    def __init__(self, endpoint: str, *, heartbeat_timeout: float = DEFAULT_LINK_TIMEOUT_S,
                  tenant: str | None = None, gateway_token: str | None = None,
                  curve: CurveKeys | None = None) -> None:
         """`tenant` with `gateway_token`: the connection is that tenant's (the frontend

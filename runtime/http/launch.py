@@ -12,6 +12,7 @@ import sys
 import time
 
 from radixlm.runtime.http.config import API_KEY_ENV, HttpConfig
+from radixlm.runtime.launcher import child_exit, stop_child
 from radixlm.runtime.listeners import Listener
 
 _PROBE_INTERVAL_S = 0.1
@@ -34,6 +35,7 @@ def child_command(config: HttpConfig, parent_pid: int, log_level: str,
         "--max-headers", str(config.max_headers), "--max-messages", str(config.max_messages),
         "--max-tools", str(config.max_tools), "--max-parts", str(config.max_parts),
         "--drain-timeout", str(config.drain_timeout_s),
+        "--link-timeout", str(config.link_timeout_s),
     ]
     if config.default_max_tokens is not None:
         command += ["--default-max-tokens", str(config.default_max_tokens)]
@@ -71,8 +73,7 @@ def start_http(config: HttpConfig, *, log_level: str = "warning",
     try:
         wait_ready(config.host, config.port, proc, timeout_s)
     except BaseException:
-        proc.terminate()
-        proc.wait()
+        stop_child(proc)
         raise
     return proc
 
@@ -81,7 +82,7 @@ def wait_ready(host: str, port: int, proc: subprocess.Popen[bytes] | None, timeo
     deadline = time.monotonic() + timeout_s
     probe_host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
     while True:
-        if proc is not None and proc.poll() is not None:
+        if proc is not None and child_exit(proc) is not None:
             raise HttpStartError(f"the HTTP frontend exited with code {proc.returncode} "
                                  "during start-up (see its log above)")
         try:

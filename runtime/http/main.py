@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from radixlm.runtime.http.config import (
     API_KEY_ENV,
+    DEFAULT_LINK_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_HEADER_BYTES,
     DEFAULT_MAX_HEADERS,
@@ -77,6 +78,10 @@ def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True,
                    metavar="SECONDS",
                    help="idle time after which a stored response or chat session expires "
                         "(its id then gets 404) (default: %(default)s)")
+    g.add_argument("--link-timeout", type=float, default=DEFAULT_LINK_TIMEOUT_S,
+                   metavar="SECONDS",
+                   help="fail requests with 503 once the server's frontend has not answered "
+                        "the HTTP API's heartbeat for this long (default: %(default)s)")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (413 beyond) (default: %(default)s)")
     g.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
@@ -131,6 +136,8 @@ def http_config(args: argparse.Namespace, engine_endpoint: str,
     host, port = listen if listen is not None else parse_listen(args.http)
     keys = read_api_keys(args.api_key, args.api_key_file, os.environ.get(API_KEY_ENV))
     check_bind(host, keys, args.insecure)
+    if args.link_timeout <= 0:
+        raise HttpConfigError("--link-timeout must be > 0")
     if args.response_ttl <= 0 or args.max_body_bytes <= 0 or (
             args.default_max_tokens is not None and args.default_max_tokens <= 0):
         raise HttpConfigError("--response-ttl, --max-body-bytes and --default-max-tokens must "
@@ -151,6 +158,7 @@ def http_config(args: argparse.Namespace, engine_endpoint: str,
                       max_messages=args.max_messages, max_tools=args.max_tools,
                       max_parts=args.max_parts,
                       drain_timeout_s=getattr(args, "drain_timeout", HttpConfig.drain_timeout_s),
+                      link_timeout_s=args.link_timeout,
                       served_model_name=args.served_model_name, tokenizer_dir=args.tokenizer)
 
 

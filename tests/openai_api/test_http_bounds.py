@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -205,16 +206,20 @@ def test_message_tool_and_part_counts_are_bounded(bounded: HttpServer) -> None:
 def test_errors_about_a_dead_server_name_no_internal_endpoint(
         tmp_path: Path, http_model_dir: Path) -> None:
     port = free_port()
+    # --link-timeout: the HTTP process gives the frozen frontend up after 3 s, not 15.
     with start_test_server(tmp_path / "dead", http_model_dir, "--http",
-                           f"127.0.0.1:{port}", "--api-key", API_KEY) as handle:
+                           f"127.0.0.1:{port}", "--api-key", API_KEY,
+                           "--link-timeout", "3") as handle:
         server = HttpServer(handle, f"http://127.0.0.1:{port}", http_model_dir.name,
                             http_model_dir)
         frontend = role_pid(server.server.pid, "frontend")
         os.kill(frontend, signal.SIGSTOP)  # frozen: the HTTP process's link gives up on it
+        t0 = time.monotonic()
         try:
             s, b = server.request("POST", "/v1/chat/completions", _chat(server))
         finally:
             os.kill(frontend, signal.SIGCONT)
+        assert time.monotonic() - t0 < 12, "--link-timeout 3 was not applied (15 s default)"
         err = _error(s, b, 503)
         message = str(err["message"])
         assert "ipc://" not in message and "tcp://" not in message, message

@@ -17,11 +17,17 @@ import statistics
 import time
 from pathlib import Path
 
-import numpy as np
-from bench_frames import append_results  # (benchmarks/ is the script's own directory)
-from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.engine.engine_main import build_engine
-from radixlm.runtime.engine.options import SchedulerOptions
+# As the engine process runs (EngineConfig.omp_wait_policy, set before torch loads
+# OpenMP): with OpenMP's default (active) policy on a shared machine every parallel
+# region waits for a descheduled spinning thread, and slicing's many smaller regions
+# measured 2-2.7x slower there (passive: no slower).
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import numpy as np  # noqa: E402
+from bench_frames import append_results  # noqa: E402 - benchmarks/ is the script's own directory
+from radixlm.runtime.config import EngineConfig  # noqa: E402
+from radixlm.runtime.engine.engine_main import build_engine  # noqa: E402
+from radixlm.runtime.engine.options import SchedulerOptions  # noqa: E402
 
 RESULTS = Path(__file__).with_name("results_fairness.md")
 
@@ -86,7 +92,7 @@ def main() -> None:
         f"the longest {1e3 * longest:.0f} ms) | {s:.2f} s | {s / b:.2f}x | <= 1.10x: "
         f"{'met' if s / b <= 1.10 else 'NOT met'} |",
     ])  # fmt: skip
-    command = (f"  .venv/bin/python benchmarks/bench_prefill_slices.py --model {args.model} "
+    command = (f"  OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} .venv/bin/python benchmarks/bench_prefill_slices.py --model {args.model} "
                f"--threads {args.threads} --tokens {args.tokens} --chunk {args.chunk} "
                f"--slice-ms {args.slice_ms:g} --rows {args.rows} --rounds {args.rounds}\n\n"
                f"  load average during the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "

@@ -8,7 +8,8 @@ model on CPU unless told otherwise).
    one after another until A's answer comes: their latency. Target: < 100 ms.
 3. A new request during a long prefill (``--rows prefill``): A sends a ~7,000-token
    prompt; B's short streamed request, sent once A's prefill has begun: its time to
-   first token against the same request unloaded. Target: <= 3x.
+   first token against the same request unloaded. Target: <= 3x. Also the long prompt
+   alone (``--prefill-slice-ms 0``: one forward per chunk, the baseline before slicing).
 4. Grammar compiles (``--rows grammar``): B's tiny fresh regex (1 output token): its
    latency unloaded, then while A -- another namespace, as another tenant is -- has six
    slow JSON schemas (~2 s each) compiling. Target: <= 2x unloaded.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -143,9 +145,23 @@ def prefill_rows(endpoint: str, b: RawClient, prefill_tokens: int, rounds: int) 
         finally:
             a.close(0)
             ctx.term()
+    # The long prompt alone (a fresh one, nobody else around): what slicing costs it.
+    ctx, a = flooder(endpoint)
+    try:
+        t0 = time.perf_counter()
+        a.send(encode(Generate(rid="long-alone", input=Input(text=f"alone {prompt}"),
+                               stream=True, sampling=SamplingParams(max_tokens=1))))
+        while not (a.poll(600_000) and isinstance(decode_server(a.recv()), Done)):
+            pass
+        alone_prefill_s = time.perf_counter() - t0
+    finally:
+        a.close(0)
+        ctx.term()
     worst = max(loaded)
     ratio = worst / alone
     return [
+        (f"the {n_prompt}-token prompt alone (1 output token)", f"{alone_prefill_s:.1f} s",
+         "", ""),
         ("short request's time to first token, alone (median of 5)", f"{alone:.3f} s",
          "baseline", ""),
         (f"... while a {n_prompt}-token prefill runs (worst of {rounds}; the prefill took "
@@ -204,7 +220,8 @@ def run(args: argparse.Namespace) -> list[Row]:
     config = EngineConfig(model=args.model, device="cpu", kv_tokens=args.kv_tokens,
                           threads=args.threads, log_level="warning",
                           fair_step_factor=args.fair_step_factor,
-                          chunked_prefill=args.chunked_prefill)
+                          chunked_prefill=args.chunked_prefill,
+                          prefill_slice_ms=args.prefill_slice_ms)
     rows: list[Row] = []
     wanted = set(args.rows.split(","))
     with start_server(config) as server, RawClient(server.endpoint, timeout_s=600) as b:
@@ -286,6 +303,9 @@ def main() -> None:
                         help="which rows: flood (1 and 2), prefill (3), grammar (4)")
     parser.add_argument("--fair-step-factor", type=float, default=EngineConfig().fair_step_factor,
                         help="the server's --fair-step-factor (0: whole batches, the baseline)")
+    parser.add_argument("--prefill-slice-ms", type=float, default=EngineConfig().prefill_slice_ms,
+                        help="the server's --prefill-slice-ms (0: one forward per chunk, the "
+                             "baseline)")
     args = parser.parse_args()
     rows = run(args)
     table = "\n".join(["| measure | value | vs | target |", "|---|---|---|---|",
@@ -295,7 +315,10 @@ def main() -> None:
                f"{args.prefill_tokens} --kv-tokens {args.kv_tokens} --fair-step-factor "
                f"{args.fair_step_factor:g} --rows {args.rows} --long-prefill-tokens "
                f"{args.long_prefill_tokens} --prefill-rounds {args.prefill_rounds} --chunked-prefill "
-               f"{args.chunked_prefill}")
+               f"{args.chunked_prefill} --prefill-slice-ms {args.prefill_slice_ms:g}")
+    load = os.getloadavg()
+    command += (f"\n\n  load average after the run: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f} "
+                f"({os.cpu_count()} cores)")
     append_results(RESULTS, "Fairness", args.model, command, table)
 
 

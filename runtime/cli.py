@@ -236,6 +236,11 @@ def add_trust_arguments(p: argparse.ArgumentParser) -> None:
                 "whose measured time stays within F one-row steps (the rows rotate among a "
                 "flooding client's requests); 0 = whole batches always (default: "
                 "%(default)s)"))),
+        ("--prefill-slice-ms", dict(
+            type=_non_negative_float, default=d.prefill_slice_ms, metavar="MS", help=(
+                "on CPU (torch attention) a long prefill chunk runs in slices of about this "
+                "many ms, other clients' new requests and decodes between them; 0 = one "
+                "forward per chunk (default: %(default)s)"))),
     ]
     for flag, options in flags:
         g.add_argument(flag, **options)
@@ -279,6 +284,7 @@ def config_from_args(args: argparse.Namespace, *, endpoint: str = "") -> EngineC
                                         _DEFAULTS.max_inflight_per_client),
         max_priority=getattr(args, "max_priority", _DEFAULTS.max_priority),
         fair_step_factor=getattr(args, "fair_step_factor", _DEFAULTS.fair_step_factor),
+        prefill_slice_ms=getattr(args, "prefill_slice_ms", _DEFAULTS.prefill_slice_ms),
     )
 
 

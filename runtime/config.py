@@ -47,6 +47,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_inflight_per_client: int = 0  # generate requests one client may have in flight; 0 = no cap
     max_priority: int = 0  # a request's priority is clamped to this
     fair_step_factor: float = 2.0  # several clients decoding: a step within this many one-row steps; 0 = off
+    prefill_slice_ms: float = 25.0  # a long prefill chunk (CPU torch backend) runs in slices of ~this, other work between; 0 = off
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class Endings:
         """Finish/abort one branch: cache its KV (not after an error), settle its session
         turn or pin, unlock, free its private slots, and emit its last output."""
         g = r.group
+        r.slicing = False  # (a slice in progress is dropped: slicing.py)
         if r.stops is not None and error is None and not r.reported:
             reason, matched = self.settle(r, reason, matched)
         try:
@@ -158,6 +159,7 @@ class Endings:
         if r.pending_end is not None:
             self.end_pending(r)
             return False
+        r.slicing = False
         self.kv.cache_finished(r)
         self.kv.detach(r)
         self.table.move(r, ReqState.RETRACTED)

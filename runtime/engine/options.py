@@ -28,14 +28,23 @@ class SchedulerOptions:
     # While several clients decode, a step takes at most the rows whose measured time stays
     # within this many one-row steps (step_budget.py); 0 = whole batches always.
     fair_step_factor: float = 2.0
+    # Preemptible prefill (slicing.py): a prefill chunk of at least this many tokens runs
+    # in slices of about this many ms (pieces of one layer over this many rows), other
+    # work between them; 0 ms = off. Only where the model allows it (the CPU torch backend).
+    prefill_slice_ms: float = 25.0
+    prefill_slice_min_tokens: int = 512
+    prefill_slice_rows: int = 256
     tick_interval_s: float = 0.1  # SessionManager.tick period while busy
     check_invariants: bool = False  # assert the pool invariant after every step (tests)
 
     def __post_init__(self) -> None:
         check_policy(self.policy)
-        for name in ("max_running", "chunked_prefill", "context_length"):
+        for name in ("max_running", "chunked_prefill", "context_length",
+                     "prefill_slice_min_tokens", "prefill_slice_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_slice_ms < 0:
+            raise ValueError(f"prefill_slice_ms must be >= 0, got {self.prefill_slice_ms}")
         if not (self.fair_step_factor == 0 or self.fair_step_factor >= 1):
             raise ValueError(f"fair_step_factor must be 0 (off) or >= 1, got {self.fair_step_factor}")
 
@@ -49,5 +58,6 @@ class SchedulerOptions:
             chunked_prefill=config.chunked_prefill,
             context_length=context_length,
             fair_step_factor=config.fair_step_factor,
+            prefill_slice_ms=config.prefill_slice_ms,
         )
         return replace(base, **overrides) if overrides else base

@@ -80,7 +80,9 @@ class PrefillManager:
         """Add this step's prefill chunks to `plan`; `touched`: requests whose KV this
         changed (failed with the step if it fails)."""
         budget = self.opt.chunked_prefill
-        chunked = [r for r in self.table.running if r.state is ReqState.PREFILLING]
+        # (a chunk computing in slices is not scheduled again: slicing.py)
+        chunked = [r for r in self.table.running
+                   if r.state is ReqState.PREFILLING and not r.slicing]
         if self.table.waiting and len(self.table.running) < self.opt.max_running:
             # Admission goes first, with half the budget while long prompts are prefilled
             # in chunks: a new request never waits for their last chunk (what it leaves

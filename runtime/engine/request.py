@@ -117,6 +117,8 @@ class Request:
     # frontend (only those it released: the others may begin a stop string).
     stops: TokenStopMatcher | None = None
     sent: int = 0
+    # Its prefill chunk is computing in slices (slicing.py): nobody else schedules it.
+    slicing: bool = False
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 

@@ -10,7 +10,9 @@ Each `step()`:
 2. **prefill** (prefill.py) under the chunked-prefill token budget: unfinished chunked
    prompts, then admission of waiting requests in policy order (match, dedup, lock,
    allocate only the uncached suffix);
-3. one forward over decodes and prefill chunks together (continuous batching);
+3. one forward over decodes and prefill chunks together (continuous batching) -- except
+   a long prefill chunk, which runs in time slices, a step for the other work between
+   them (slicing.py);
 4. **outputs** (outputs.py): insert what was computed, sample, emit tokens; finished
    branches end through lifecycle.py (insert prompt, then prompt + output; unlock; free
    what never joined the tree).
@@ -46,6 +48,7 @@ from radixlm.runtime.engine.prefill import PrefillManager
 from radixlm.runtime.engine.request import Request
 from radixlm.runtime.engine.sessions import SessionManager
 from radixlm.runtime.engine.sessions.controller import SessionController
+from radixlm.runtime.engine.slicing import Slicer
 from radixlm.runtime.engine.state import ReqState
 from radixlm.runtime.engine.stats import stats_reply
 from radixlm.runtime.engine.step_budget import StepBudget
@@ -123,6 +126,7 @@ class Scheduler:
         self.outputs = OutputProcessor(self.table, self.kv, sampler, self.sessions, self.endings,
                                        self.outbox, self.counters, grammars)
         self.grammars = grammars
+        self.slicer = Slicer(model, options)
         self._last_tick = -math.inf
         self.gate: ForwardGate = _NoGate()  # the serving loop installs its StateGate
 
@@ -186,24 +190,26 @@ class Scheduler:
         the step fails that step's requests (INTERNAL) and leaves the engine serving."""
         plan: list[Scheduled] = []
         touched: list[Request] = []
+        slicer = self.slicer
         try:
             release_compiled(self.table, self.endings)
             self.prefill.share_slots()
-            self.decode.schedule(plan)
-            self.prefill.schedule(plan, touched)
-            if not plan:
-                self.prefill.break_stall()
-                return False
-            batch = build_batch(plan, self.device)
-            decode_only = all(s.req.state is ReqState.DECODING for s in plan)
-            t0 = time.perf_counter()
-            with self.gate.forward():
-                logits = self.model.forward(batch)
-            dt = time.perf_counter() - t0
-            self.counters.forward_s += dt
-            if decode_only:
-                self.budget.record(len(plan), dt)
-            self.outputs.after_forward(plan, logits)
+            slicer.check()
+            if slicer.due():
+                self._slice(touched)
+            else:
+                self.decode.schedule(plan)
+                self.prefill.schedule(plan, touched)
+                slicer.check()
+                slicer.take(plan)
+                if plan:
+                    slicer.slice_next = slicer.current is not None
+                    self._forward(plan)
+                elif slicer.current is not None:
+                    self._slice(touched)
+                else:
+                    self.prefill.break_stall()
+                    return False
         except Exception as exc:  # noqa: BLE001 - one bad step must not kill the engine
             log.exception("scheduler step failed; failing its requests")
             self.endings.fail(set(s.req for s in plan) | set(touched), exc)
@@ -214,6 +220,36 @@ class Scheduler:
         if self.opt.check_invariants:
             self.check_integrity()
         return True
+
+    def _forward(self, plan: list[Scheduled]) -> None:
+        """One forward over `plan`, then its outputs."""
+        batch = build_batch(plan, self.device)
+        decode_only = all(s.req.state is ReqState.DECODING for s in plan)
+        t0 = time.perf_counter()
+        with self.gate.forward():
+            logits = self.model.forward(batch)
+        dt = time.perf_counter() - t0
+        self.counters.forward_s += dt
+        if decode_only:
+            self.budget.record(len(plan), dt)
+        self.outputs.after_forward(plan, logits)
+
+    def _slice(self, touched: list[Request]) -> None:
+        """One slice of the long prefill chunk in progress; its outputs once complete."""
+        slicer = self.slicer
+        assert slicer.current is not None
+        touched.append(slicer.current.entry.req)  # (failed with the step if it fails)
+        t0 = time.perf_counter()
+        try:
+            with self.gate.forward():
+                done = slicer.advance()
+        except BaseException:
+            slicer.current = None
+            raise
+        self.counters.forward_s += time.perf_counter() - t0
+        if done is not None:
+            entry, logits = done
+            self.outputs.after_forward([entry], logits)
 
     # ===================================================================== state
     @property

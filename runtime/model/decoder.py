@@ -33,6 +33,16 @@ class DecoderLayer:
             setattr(self, name, tensors.get(name))
 
 
+def dense_layer(layer: DecoderLayer) -> DecoderLayer:
+    """`layer` with its quantized matrices dequantized once (float32, `[in, out]` views):
+    what `QuantWeight.matmul` multiplies by for a prefill's rows anyway, kept for the
+    several pieces of one layer that sliced.py runs (instead of once per piece)."""
+    def dense(w):
+        return w.dequantize().t() if isinstance(w, QuantWeight) else w
+
+    return DecoderLayer(**{name: dense(getattr(layer, name)) for name in DecoderLayer.__slots__})
+
+
 def transposed(w: Weight, device: torch.device) -> Weight:
     """`w` ([out, in]) as the `[in, out]` right operand of `x @ w_t`, in the memory layout
     that streams fastest. On CPU a batch-1 step is a GEMV bound by memory bandwidth, and
@@ -197,38 +207,49 @@ class DecoderModel:
 
     def forward_hidden(self, batch, attn) -> torch.Tensor:
         """The last layer's hidden states of the `batch.logits_indices` rows (pre final norm)."""
+        x = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions)
+        for i in range(len(self.layers)):
+            x = self.layer_forward(i, x, cos, sin, attn)
+        if batch.logits_indices.shape[0] != x.shape[0]:
+            x = x.index_select(0, batch.logits_indices)
+        return x
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`[T, hidden]` input embeddings."""
+        if isinstance(self.embed, QuantWeight):
+            return self.embed.dequantize(input_ids)
+        return F.embedding(input_ids, self.embed)
+
+    def layer_forward(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      attn, layer: DecoderLayer | None = None) -> torch.Tensor:
+        """Layer `i` (or `layer`, standing in for it: sliced.py's dense copy) over the
+        `[T, hidden]` rows `x`, whose K/V the planned `attn` writes; may update `x` in
+        place. Also run alone, a piece at a time (sliced.py)."""
         c = self.config
+        layer = self.layers[i] if layer is None else layer
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         hq = H + Hkv
         eps = c.rms_norm_eps
         hidden = (c.hidden_size,)
         inter = c.intermediate_size
-        T = batch.input_ids.shape[0]
-        if isinstance(self.embed, QuantWeight):
-            x = self.embed.dequantize(batch.input_ids)
-        else:
-            x = F.embedding(batch.input_ids, self.embed)
-        cos, sin = self.rotary.cos_sin(batch.positions)
-        half = D // 2
-        for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, hidden, layer.in_norm, eps)
-            qkv = _mm(h, layer.w_qkv_t, layer.b_qkv).view(T, hq + Hkv, D)
-            qk = qkv[:, :hq]
-            if layer.qk_norm is not None:
-                qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
-            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
-            o = attn.forward(i, qk[:, :H], qk[:, H:], qkv[:, hq:])
-            x = self.add_out_proj(x, o, layer.w_o_t)
-            if layer.b_o is not None:
-                x = x + layer.b_o
-            h = F.rms_norm(x, hidden, layer.post_norm, eps)
-            gu = _mm(h, layer.w_gu_t, layer.b_gu)
-            act = F.silu(gu[:, :inter]) * gu[:, inter:]
-            x = self.add_out_proj(x, act, layer.w_down_t)
-            if layer.b_down is not None:
-                x = x + layer.b_down
-        if batch.logits_indices.shape[0] != T:
-            x = x.index_select(0, batch.logits_indices)
+        T = x.shape[0]
+        h = F.rms_norm(x, hidden, layer.in_norm, eps)
+        qkv = _mm(h, layer.w_qkv_t, layer.b_qkv).view(T, hq + Hkv, D)
+        qk = qkv[:, :hq]
+        if layer.qk_norm is not None:
+            qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
+        qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)
+        o = attn.forward(i, qk[:, :H], qk[:, H:], qkv[:, hq:])
+        x = self.add_out_proj(x, o, layer.w_o_t)
+        if layer.b_o is not None:
+            x = x + layer.b_o
+        h = F.rms_norm(x, hidden, layer.post_norm, eps)
+        gu = _mm(h, layer.w_gu_t, layer.b_gu)
+        act = F.silu(gu[:, :inter]) * gu[:, inter:]
+        x = self.add_out_proj(x, act, layer.w_down_t)
+        if layer.b_down is not None:
+            x = x + layer.b_down
         return x
 
 

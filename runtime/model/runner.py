@@ -15,6 +15,7 @@ from .config import ModelConfig
 from .decoder import DecoderModel
 from .fused_decode import FusedDecode
 from .loader import load_model, resolve_device, resolve_dtype
+from .sliced import SlicedPrefill
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +152,24 @@ class ModelRunner:
         # Outside inference mode, so callers (sampling) may edit the logits in place.
         with torch.no_grad():
             logits = self.model.compute_logits(hidden)
-        if batch.num_tokens >= TRIM_TOKENS and self.device.type == "cpu" and (trim := _malloc_trim()):
-            trim(0)
+        self._trim(batch.num_tokens)
         return logits
+
+    def _trim(self, num_tokens: int) -> None:
+        if num_tokens >= TRIM_TOKENS and self.device.type == "cpu" and (trim := _malloc_trim()):
+            trim(0)
+
+    @property
+    def sliceable(self) -> bool:
+        """Whether `start_sliced` applies: the torch backend on CPU (sliced.py)."""
+        return self.attention == "torch" and self.device.type == "cpu"
+
+    def start_sliced(self, tokens, slots, kv_len: int, extend: int, logits_from: int,
+                     rows: int) -> SlicedPrefill:
+        """One request's prefill chunk as a resumable task (`SlicedPrefill.advance`);
+        the same K/V and logits as `forward` of that one-request batch."""
+        return SlicedPrefill(self.model, self.attn, tokens, slots, kv_len, extend,
+                             logits_from, rows, self.device, self._trim)
 
     def build_batch(self, requests) -> ForwardBatch:
         """`ForwardBatch.build(requests, device=self.device)`."""

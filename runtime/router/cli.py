@@ -158,6 +158,7 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
     from radixlm.runtime.http.launch import HttpStartError, start_http
     from radixlm.runtime.http.main import http_config, http_listen
     from radixlm.runtime.launcher import RunningServer, ServerStartError, start_server
+    from radixlm.runtime.transport.children import stop_child
 
     setup_logging(args.log_level)
     signal.signal(signal.SIGTERM, stop_on_sigterm)
@@ -213,9 +214,7 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
         return 0
     finally:
         for proc in http_proc:
-            proc.terminate()
-            with contextlib.suppress(Exception):
-                proc.wait(10)
+            stop_child(proc, "http", 10.0)  # bounded, signal-safe (transport/children.py)
         for server in servers:
             server.stop()
 

@@ -67,7 +67,9 @@ def run_router(config: RouterConfig, runtime_dir: Path,
         token = write_gateway_token(runtime_dir)
         router = Router(config, replica_ctx, clients, monitor, token)
         router.start_replicas()
-        welcome = router.wait_first(config.start_timeout_s)
+        # the others get a moment to come up too (one that is down is dialled again
+        # later and rejoins: readiness does not wait for it)
+        welcome = router.wait_first(config.start_timeout_s, settle_s=config.replica_timeout_s)
         bound = channel.bound_endpoint(clients)
         log.info("router ready at %s: %d replicas (%s)", bound, len(config.replicas),
                  welcome.model)

@@ -131,14 +131,19 @@ class Router:
         for r in self.replicas:
             self._dial_control(r, now)
 
-    def wait_first(self, timeout_s: float) -> wire.Welcome:
-        """Serve nothing until one replica has welcomed the router."""
+    def wait_first(self, timeout_s: float, settle_s: float = 0.0) -> wire.Welcome:
+        """Serve nothing until one replica is up, then until every replica is or
+        `settle_s` more have passed (so that a router whose replicas all serve does not
+        report ready with half of them: its first stats would say half the capacity)."""
         deadline = time.monotonic() + timeout_s
         while self.welcome is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no replica answered in {timeout_s:g} s: "
                                    + ", ".join(r.spec.endpoint for r in self.replicas))
             self.step(0.1, serve_clients=False)
+        settled = min(deadline, time.monotonic() + settle_s)
+        while not all(r.up for r in self.replicas) and time.monotonic() < settled:
+            self.step(0.05, serve_clients=False)
         return self.welcome
 
     def serve(self) -> None:

@@ -43,6 +43,7 @@ from radixlm.runtime.model import (
 from radixlm.runtime.model import resolve_model as _resolve_model
 from radixlm.runtime.model.loader import engine_weight_format
 from radixlm.runtime.sampling import Sampler
+from radixlm.runtime.transport.memory import release_free_memory
 from radixlm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -166,6 +167,7 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
         engine.tp.on_failure(lambda: setattr(stop, "set", True))
     try:
         outbox.send(encode(engine.ready))
+        release_free_memory()  # what loading freed (runtime/transport/memory.py)
         log.info("engine ready")
         loop = EngineLoop(sched, inbox, outbox, stop)
         loop.on_step = _ThroughputLog(sched, loop).maybe_log

@@ -40,6 +40,7 @@ from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.server import Frontend, welcome_from
 from radixlm.runtime.frontend.tenants import write_gateway_token
 from radixlm.runtime.rundir import write_ready
+from radixlm.runtime.transport.memory import release_free_memory
 from radixlm.tokenizer import Tokenizer
 from zmq.auth.thread import ThreadAuthenticator
 
@@ -139,6 +140,7 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
         bound = channel.bound_endpoint(clients)
         if endpoints.runtime_dir:
             write_ready(Path(endpoints.runtime_dir), bound, welcome)
+        release_free_memory()  # what loading the tokenizer freed
         log.info("frontend ready: %s (context %d, vocab %d) at %s", ready.model,
                  model.context_length, model.vocab_size, bound)
         # A signal may land on ZeroMQ's I/O thread; Python runs its handler on the main

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
-from functools import cache
 from pathlib import Path
 
 import torch
 from radixlm.runtime.attention import KVPoolLike, create_backend
+from radixlm.runtime.transport.memory import trim_heap
 
 from .batch import ForwardBatch
 from .config import ModelConfig
@@ -25,15 +24,6 @@ log = logging.getLogger(__name__)
 # 2,048-token chunk would otherwise stay resident (measured: +180 MB on SmolLM2 after an
 # 8k-token prompt). malloc_trim takes ~1 ms; such a forward takes seconds.
 TRIM_TOKENS = 256
-
-
-@cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None elsewhere."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
-        return None
 
 
 # KV pool element types a CPU model may use whatever it computes in (`--kv-dtype`).
@@ -156,8 +146,8 @@ class ModelRunner:
         return logits
 
     def _trim(self, num_tokens: int) -> None:
-        if num_tokens >= TRIM_TOKENS and self.device.type == "cpu" and (trim := _malloc_trim()):
-            trim(0)
+        if num_tokens >= TRIM_TOKENS and self.device.type == "cpu":
+            trim_heap()
 
     @property
     def sliceable(self) -> bool:

@@ -40,6 +40,10 @@ class PtySession:
             try:
                 if cwd is not None:
                     os.chdir(cwd)
+                # A program started at a terminal's prompt has SIGINT at its default; a
+                # test run from a background job inherits it ignored (exec keeps SIG_IGN),
+                # and Ctrl-C would then reach nothing.
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.execvpe(argv[0], list(argv), env)
             finally:
                 os._exit(127)

@@ -101,6 +101,7 @@ class Tally:
     def __init__(self) -> None:
         self.frames = self.replies = self.undecodable = self.unknown_codes = 0
         self.internal = self.hangs = self.crashes = 0
+        self.internal_messages: list[str] = []  # what a bug said, for the assertion
 
     def reply(self, data: bytes) -> None:
         self.replies += 1
@@ -111,7 +112,9 @@ class Tally:
             return
         if isinstance(msg, protocol.Error):
             self.unknown_codes += msg.code not in CODES
-            self.internal += msg.code == protocol.ErrorCode.INTERNAL
+            if msg.code == protocol.ErrorCode.INTERNAL:
+                self.internal += 1
+                self.internal_messages.append(msg.message)
 
 
 def test_ten_thousand_fuzzed_frames(fuzz_server: ServerHandle) -> None:
@@ -176,7 +179,7 @@ def test_ten_thousand_fuzzed_frames(fuzz_server: ServerHandle) -> None:
     if drained:  # every frame answered (and each hello)
         assert tally.replies >= tally.frames + CLIENTS
     assert (tally.crashes, tally.hangs, tally.undecodable, tally.unknown_codes, tally.internal) \
-        == (0, 0, 0, 0, 0), fuzz_server.log()[-3000:]
+        == (0, 0, 0, 0, 0), (tally.internal_messages, fuzz_server.log()[-3000:])
 
 
 def _await(sock: zmq.Socket[Any], rid: str, tally: Tally) -> bool:

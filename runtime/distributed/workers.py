@@ -32,9 +32,12 @@ class WorkerProcess:
     def describe_exit(self) -> str:
         """Why this worker is gone, in one line."""
         self.read_error()
-        self.process.join(1.0)  # reaped: its exit code is known
+        # reaped, so its exit code is known (a rank that reported its error may take a
+        # while to tear down its process group on a loaded machine: 1 s was once short)
+        self.process.join(5.0)
         code = self.process.exitcode
-        how = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
+        how = ("still exiting" if code is None else f"exit code {code}" if code >= 0
+               else f"signal {-code}")
         detail = f": {self.error}" if self.error else ""
         return f"tensor-parallel rank {self.rank} (pid {self.process.pid}) stopped ({how}){detail}"
 

@@ -199,3 +199,37 @@ def test_an_aborted_request_cancels_its_queued_compilation(make_harness, tok, ti
     finally:
         gate.set()
         grammars.close()
+
+
+def test_a_waiter_collected_while_another_attaches_does_not_cancel_its_compile(
+        tok: Tokenizer) -> None:
+    """The race behind a fuzz run's one INTERNAL reply: request B finds A's queued job in
+    the cache; before B attaches, A's dropped handle is collected (a finalizer runs at any
+    allocation) and, as the job's last waiter, cancels it. B must get the grammar, not a
+    CancelledError."""
+    gate = threading.Event()
+    c = Recording(tok, gate, workers=1)
+    try:
+        hold = _holding(c)
+        first = c.get(regex("shared"), owner="a", party="a")
+        assert isinstance(first, Pending) and c.queued() == 1
+        queue = c._queue
+        real_attach = queue.attach
+        dropped = [first]
+        del first
+
+        def attach_after_a_collection(job, handle):  # noqa: ANN001, ANN202
+            dropped.clear()  # A's request aborted: its handle goes, here, mid-get
+            gc.collect()
+            return real_attach(job, handle)
+
+        queue.attach = attach_after_a_collection  # type: ignore[method-assign]
+        second = c.get(regex("shared"), owner="a", party="a")
+        queue.attach = real_attach  # type: ignore[method-assign]
+        assert isinstance(second, Pending)
+        gate.set()
+        _wait(hold)
+        assert _accepts(_wait(second), tok, "shared")  # on the old code: CancelledError
+    finally:
+        gate.set()
+        c.close()

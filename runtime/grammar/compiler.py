@@ -121,23 +121,29 @@ class GrammarCompiler:
         """`owner`: whose cache partition (a tenant's namespace); `party`: whose share
         of the compile threads (a tenant, or a client)."""
         key = (owner, spec)
-        with self._lock:
-            job = self._cache.get(key)
-            if job is not None and not job.future.cancelled():
-                self._cache.move_to_end(key)
-            else:
-                job = self._queue.submit(party, functools.partial(
-                    self._compile_and_forget_failures, key))
-                self._cache[key] = job
-                self.compiled += 1
-                while len(self._cache) > self._max:
-                    self._cache.popitem(last=False)
-        future = job.future
-        if future.done() and not future.cancelled() and future.exception() is None:
-            return future.result()
-        pending = Pending(future, time.monotonic() + self.timeout_s)
-        pending._detach = self._queue.attach(job, pending)
-        return pending
+        while True:
+            with self._lock:
+                job = self._cache.get(key)
+                if job is not None and not job.future.cancelled():
+                    self._cache.move_to_end(key)
+                else:
+                    job = self._queue.submit(party, functools.partial(
+                        self._compile_and_forget_failures, key))
+                    self._cache[key] = job
+                    self.compiled += 1
+                    while len(self._cache) > self._max:
+                        self._cache.popitem(last=False)
+            future = job.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                return future.result()
+            pending = Pending(future, time.monotonic() + self.timeout_s)
+            pending._detach = self._queue.attach(job, pending)
+            # Between the lookup and the attach, the last other waiter's handle may have
+            # been collected (a finalizer runs at any allocation) and cancelled the queued
+            # job: waiting on it would fail this request with CancelledError. Once
+            # attached, nobody else can cancel it; if it was, ask again.
+            if not future.cancelled():
+                return pending
 
     def compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile (or fetch) and wait: for tests, benchmarks and the SDK's checks."""

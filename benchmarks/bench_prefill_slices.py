@@ -61,13 +61,16 @@ def prefill(runner, tokens: np.ndarray, chunk: int, slice_s: float | None,
 def main() -> None:
     opt = SchedulerOptions()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="default")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=5970)
-    p.add_argument("--chunk", type=int, default=opt.chunked_prefill)
-    p.add_argument("--slice-ms", type=float, default=opt.prefill_slice_ms)
-    p.add_argument("--rows", type=int, default=opt.prefill_slice_rows)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", default="default", help="model (default: SmolLM2-135M GGUF)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--tokens", type=int, default=5970, help="prompt tokens of the long prompt")
+    p.add_argument("--chunk", type=int, default=opt.chunked_prefill,
+                   help="prompt tokens per prefill chunk (the engine's --chunked-prefill)")
+    p.add_argument("--slice-ms", type=float, default=opt.prefill_slice_ms,
+                   help="time per slice (the engine's --prefill-slice-ms)")
+    p.add_argument("--rows", type=int, default=opt.prefill_slice_rows,
+                   help="rows of one layer piece")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved A/B rounds (median)")
     args = p.parse_args()
     engine = build_engine(EngineConfig(model=args.model, device="cpu", threads=args.threads,
                                        kv_tokens=args.tokens + 64, log_level="warning"))

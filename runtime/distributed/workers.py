@@ -33,9 +33,13 @@ class WorkerProcess:
         """Why this worker is gone, in one line."""
         self.read_error()
         # reaped, so its exit code is known (a rank that reported its error may take a
-        # while to tear down its process group on a loaded machine: 1 s was once short)
+        # while to tear down its process group on a loaded machine: 1 s was once short).
+        # Another thread joining the same process may reap it first: join then returns
+        # with the code not yet recorded, which that thread does a moment later.
+        deadline = time.monotonic() + 5.0
         self.process.join(5.0)
-        code = self.process.exitcode
+        while (code := self.process.exitcode) is None and time.monotonic() < deadline:
+            self.process.join(0.02)
         how = ("still exiting" if code is None else f"exit code {code}" if code >= 0
                else f"signal {-code}")
         detail = f": {self.error}" if self.error else ""

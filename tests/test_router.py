@@ -38,7 +38,7 @@ from radixlm.runtime.protocol import (
     TruncateSession,
     Unpin,
 )
-from radixlm.runtime.raw_client import RawClient
+from radixlm.runtime.raw_client import RawClient, ServerError
 
 START_S = 120.0
 
@@ -105,11 +105,19 @@ def pair(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iter
         yield a, b, endpoint
 
 
-def _wait_capacity(client: RawClient, expected: int) -> None:
-    """Until the router's stats cover `expected` KV tokens (the replicas it sees up)."""
+def _wait_capacity(client: RawClient, expected: int, log: Path | None = None) -> None:
+    """Until the router's stats cover `expected` KV tokens (the replicas it sees up);
+    a failure shows the router's log, which says what it saw of its replicas."""
     deadline = time.monotonic() + 60
-    while (got := client.stats().capacity) != expected:
-        assert time.monotonic() < deadline, f"router capacity {got}, expected {expected}"
+    said = (lambda: log.read_text()) if log is not None else (lambda: "")
+    while True:
+        try:
+            got = client.stats().capacity
+        except ServerError as e:
+            raise AssertionError(f"{e}\n{said()}") from e
+        if got == expected:
+            return
+        assert time.monotonic() < deadline, f"router capacity {got}, expected {expected}\n{said()}"
         time.sleep(0.2)
 
 
@@ -298,9 +306,9 @@ def test_a_replica_that_comes_back_rejoins(tmp_path: Path, tiny_model_dir: Path)
             with (start_router(tmp_path / "router", [a.endpoint, b.endpoint]) as (endpoint, _, log),
                   RawClient(endpoint) as via):
                 one = a.welcome.kv_capacity
-                _wait_capacity(via, 2 * one)
+                _wait_capacity(via, 2 * one, log)
                 _kill(b)
-                _wait_capacity(via, one)  # taken out
+                _wait_capacity(via, one, log)  # taken out
                 (tmp_path / "b" / "endpoint").unlink(missing_ok=True)  # SIGKILL left it
                 restarted.append(_replica(tmp_path, "b", tiny_model_dir))  # the same endpoint
                 with ThreadPoolExecutor(1) as pool:
@@ -323,3 +331,29 @@ def test_a_replica_that_comes_back_rejoins(tmp_path: Path, tiny_model_dir: Path)
         finally:
             for m in restarted:
                 m.__exit__(None, None, None)
+
+
+def test_a_replica_lost_during_a_stats_fan_out_leaves_the_others_replies(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A stats fan-out waiting on both replicas when one dies: the survivor's reply, still
+    to come, is merged (the router once dropped it, and answered 'no replica is up')."""
+    with cluster(tmp_path, tiny_model_dir) as (a, b, endpoint, log), RawClient(endpoint) as via:
+        one = a.welcome.kv_capacity
+        a_pids = [a.pid, *a.child_pids]
+        for pid in [*a_pids, b.pid, *b.child_pids]:  # neither answers: the fan-out waits on both
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                pending = pool.submit(via.stats)
+                time.sleep(0.3)
+                _kill(b)
+                deadline = time.monotonic() + 2  # well inside the 3 s replica timeout
+                while "replica 1" not in log.read_text() or "is down" not in log.read_text():
+                    assert time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.02)
+                for pid in a_pids:
+                    os.kill(pid, signal.SIGCONT)
+                a_pids = []
+                assert pending.result(30).capacity == one, log.read_text()
+        finally:
+            for pid in a_pids:
+                os.kill(pid, signal.SIGCONT)

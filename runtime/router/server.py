@@ -268,7 +268,7 @@ class Router:
             self._placed(pin, r.index, False, None)
         again = [s for s in self.sessions.values() if s.home == r.index and not s.rehoming]
         for rid, job in list(self.internal.items()):
-            if isinstance(job, Gather) and r.index in job.waiting:
+            if isinstance(job, Gather) and job.waiting.get(r.index) == rid:  # its own rid only
                 del self.internal[rid]
                 del job.waiting[r.index]
                 self._gather_check(job)

@@ -30,6 +30,7 @@ from radixlm.runtime.distributed import (
     check_tp_size,
 )
 from radixlm.runtime.distributed.load import check_dense
+from radixlm.runtime.distributed.workers import join_process
 from radixlm.runtime.model import ForwardBatch, ModelConfig, ModelRunner
 from tiny_models import TINY_VARIANTS, make_tiny_checkpoint
 
@@ -274,8 +275,8 @@ def test_an_error_in_a_worker_reaches_the_log_and_fails_the_engine(
     try:
         tp.on_failure(lambda: fired.append(True))
         tp.workers[0].conn.send_bytes(bytes(48))  # op 0: no such step
-        tp.workers[0].process.join(60)
-        assert tp.workers[0].process.exitcode == 1
+        # the engine's failure watcher joins the same process: join_process, not join
+        assert join_process(tp.workers[0].process, 60) == 1
         deadline = time.monotonic() + 10
         while not fired and time.monotonic() < deadline:
             time.sleep(0.05)

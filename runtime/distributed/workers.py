@@ -34,12 +34,7 @@ class WorkerProcess:
         self.read_error()
         # reaped, so its exit code is known (a rank that reported its error may take a
         # while to tear down its process group on a loaded machine: 1 s was once short).
-        # Another thread joining the same process may reap it first: join then returns
-        # with the code not yet recorded, which that thread does a moment later.
-        deadline = time.monotonic() + 5.0
-        self.process.join(5.0)
-        while (code := self.process.exitcode) is None and time.monotonic() < deadline:
-            self.process.join(0.02)
+        code = join_process(self.process, 5.0)
         how = ("still exiting" if code is None else f"exit code {code}" if code >= 0
                else f"signal {-code}")
         detail = f": {self.error}" if self.error else ""
@@ -51,6 +46,17 @@ class WorkerProcess:
                 msg = self.conn.recv_bytes()
                 if msg.startswith(FAILED):
                     self.error = msg[len(FAILED):].decode(errors="replace")
+
+
+def join_process(process: BaseProcess, timeout_s: float) -> int | None:
+    """`process.join`, safe when another thread joins the same process: the loser of the
+    two `waitpid` calls gets ECHILD and returns before the winner records the exit code,
+    so wait (up to the same deadline) until it is recorded. None: still running."""
+    deadline = time.monotonic() + timeout_s
+    process.join(timeout_s)
+    while (code := process.exitcode) is None and time.monotonic() < deadline:
+        process.join(0.02)
+    return code
 
 
 def spawn_worker(ctx: SpawnContext, spec: WorkerSpec) -> WorkerProcess:
@@ -85,7 +91,6 @@ def wait_loaded(workers: list[WorkerProcess], timeout_s: float) -> None:
                     continue
                 if msg.startswith(FAILED):
                     w.error = msg[len(FAILED):].decode(errors="replace")
-            w.process.join(5.0)
             raise TensorParallelError(w.describe_exit())
 
 
@@ -98,9 +103,8 @@ def stop_all(workers: list[WorkerProcess], send_stop: bool) -> None:
             w.process.terminate()
     deadline = time.monotonic() + STOP_WAIT_S
     for w in workers:
-        w.process.join(max(0.0, deadline - time.monotonic()))
-        if w.process.is_alive():
+        if join_process(w.process, max(0.0, deadline - time.monotonic())) is None:
             log.warning("tensor-parallel rank %d did not stop: killing it", w.rank)
             w.process.kill()
-            w.process.join(1.0)
+            join_process(w.process, 1.0)
         w.conn.close()

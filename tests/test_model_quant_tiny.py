@@ -261,3 +261,22 @@ def test_fused_steps_are_identical_for_any_thread_count(tmp_path):
     for threads in (2, 5):
         for a, b in zip(results[1], results[threads], strict=True):
             assert torch.equal(a, b), f"{threads} threads differ from 1"
+
+
+def test_fused_step_with_the_head_folded_in_gives_compute_logits(tmp_path):
+    """One request's step ends with the final norm and the quantized LM head in the same
+    kernel call: its logits are `compute_logits` of the step's hidden state, per op."""
+    model = make_tiny_checkpoint(tmp_path, "llama", seed=9, max_position_embeddings=256)
+    c = ModelConfig.from_dir(model)
+    pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 48, 1, torch.float32, "cpu")
+    runner = ModelRunner(model, "cpu", "float32", pool, attention="torch", quantize="int8")
+    assert runner.fused is not None and runner.fused.head is not None
+    ids = list(range(3, 33))
+    runner.forward(ForwardBatch.build([BatchRequest(ids, 0, list(range(30)))]))
+    step = ForwardBatch.build([BatchRequest([9], 30, list(range(31)))])
+    folded = runner.forward(step)  # the step's own path: the head in the kernel call
+    with torch.no_grad():
+        per_op = runner.model.compute_logits(runner.fused.forward_hidden(step))
+    assert folded.shape == (1, c.vocab_size)
+    torch.testing.assert_close(folded, per_op, atol=1e-4, rtol=1e-4)
+    assert folded.argmax().item() == per_op.argmax().item()

@@ -8,7 +8,9 @@ matrix products split across threads, K/V of the new tokens written straight int
 pool (float32, float16 or bfloat16 elements), attention over each request's slots. One
 request takes `decode_layers`; 2 to MAX_ROWS decode rows `decode_rows` (the products take
 all rows per pass over the weights). Everything else (prefill, dense weights) takes the
-ordinary per-op path. The embedding rows, final norm and LM head stay in Python.
+ordinary per-op path. The embedding rows stay in Python; so do the final norm and LM head,
+except for one request with a quantized head, whose step ends with them in the same call
+(`logits`: no second parallel region, no per-op norm).
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ class FusedDecode:
                      c.intermediate_size)  # fmt: skip
         self.eps = ctypes.c_float(c.rms_norm_eps)
         self.work = torch.empty(0)
+        head = model.lm_head_t
+        self.head = None  # {final norm, head rowptr, qtype, vocab} for decode_layers
+        if isinstance(head, QuantWeight) and model.norm.dtype == torch.float32 and model.norm.is_contiguous():
+            self.head = torch.tensor([model.norm.data_ptr(), head.rowptr.data_ptr(), head.qtype,
+                                      head.rows], dtype=torch.int64)  # fmt: skip
 
     @staticmethod
     def supported(model: DecoderModel, pool) -> bool:
@@ -83,9 +90,19 @@ class FusedDecode:
         n = batch.input_ids.shape[0]
         return n <= MAX_ROWS and len(batch.extend_lens) == n
 
-    def forward_hidden(self, batch) -> torch.Tensor:
+    def logits(self, batch) -> torch.Tensor:
+        """float32 logits `[L, vocab]` of the `batch.logits_indices` rows (as
+        `model.compute_logits` of `forward_hidden`); writes the new K/V of every row."""
+        if self.head is not None and batch.input_ids.shape[0] == 1 == batch.logits_indices.shape[0]:
+            out = torch.empty(1, self.model.lm_head_t.rows)
+            self.forward_hidden(batch, out)
+            return out
+        return self.model.compute_logits(self.forward_hidden(batch))
+
+    def forward_hidden(self, batch, logits: torch.Tensor | None = None) -> torch.Tensor:
         """The last layer's hidden states of the `batch.logits_indices` rows (pre final
-        norm); writes the new K/V of every row."""
+        norm); writes the new K/V of every row. With `logits` (one row, `self.head`), the
+        step also writes them there."""
         m = self.model
         hidden, n_layers, nh, nkv, hd, inter = self.dims
         if isinstance(m.embed, QuantWeight):
@@ -113,6 +130,7 @@ class FusedDecode:
                 x.data_ptr(), hidden, n_layers, self.table.data_ptr(), self.kv.data_ptr(),
                 self.kv_type, nh, nkv, hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                 slots.numel(), self.work.data_ptr(),
+                0 if logits is None else self.head.data_ptr(), 0 if logits is None else logits.data_ptr(),
             )  # fmt: skip
         if rc != 0:
             raise RuntimeError(f"the fused decode step refused the model's shapes (code {rc})")

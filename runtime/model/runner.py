@@ -133,15 +133,16 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Write the batch's new K/V into the pool and return float32 logits `[L, vocab]`
         for the rows `batch.logits_indices` names (an ordinary tensor: editable in place)."""
-        with torch.inference_mode():
-            if self.fused is not None and self.fused.applies(batch):
-                hidden = self.fused.forward_hidden(batch)
-            else:
+        # Logits outside inference mode, so callers (sampling) may edit them in place.
+        if self.fused is not None and self.fused.applies(batch):
+            with torch.no_grad():
+                logits = self.fused.logits(batch)
+        else:
+            with torch.inference_mode():
                 self.attn.plan(batch)
                 hidden = self.model.forward_hidden(batch, self.attn)
-        # Outside inference mode, so callers (sampling) may edit the logits in place.
-        with torch.no_grad():
-            logits = self.model.compute_logits(hidden)
+            with torch.no_grad():
+                logits = self.model.compute_logits(hidden)
         self._trim(batch.num_tokens)
         return logits
 

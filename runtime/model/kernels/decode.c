@@ -497,10 +497,14 @@ int64_t decode_work_floats(int64_t hidden, int64_t nh, int64_t nkv, int64_t hd, 
            (int64_t)omp_get_max_threads() * private_floats(hidden, nh, nkv, hd, inter);
 }
 
+/* head: {final norm weight, LM head rowptr, its qtype, vocab} as int64s, or NULL; with it,
+ * logits[vocab] = head(rms_norm(x)) in the same parallel region (no second one to start,
+ * and the head's rows stream while the threads are warm). */
 int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *table,
                   const int64_t *kv_ptrs, int kvt, int64_t nh, int64_t nkv, int64_t hd,
                   int64_t inter, float eps, const float *cos, const float *sin,
-                  const int64_t *slots, int64_t L, float *work) {
+                  const int64_t *slots, int64_t L, float *work, const int64_t *head,
+                  float *logits) {
     if (bad_shapes(hidden, nh, nkv, hd, inter, kvt)) return -1;
     const int64_t nqkv = (nh + 2 * nkv) * hd, es = kv_elem_bytes(kvt);
     const float scale = 1.0f / sqrtf((float)hd);
@@ -545,6 +549,12 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
             swiglu(gu, gu + inter, inter, h);
             quantize_act(h, inter, &a);
             par_product(&a, 1, inter, mat_at(t, 3), hidden, x, 0, 1, NULL, &bar, &spin);
+        }
+        if (head) {
+            const qmat w = {(const int64_t *)head[1], (int)head[2], NULL};
+            rms_norm(x, (const float *)head[0], hidden, eps, h);
+            quantize_act(h, hidden, &a);
+            par_product(&a, 1, hidden, w, head[3], logits, 0, 0, NULL, &bar, &spin);
         }
     }
     return 0;

@@ -73,6 +73,12 @@ class AttentionBackend(ABC):
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None: ...
 
+    def release(self) -> None:
+        """Drop what `plan` made for host memory (masks, index tensors) once its forward is
+        done: a long prefill's `[n, L]` mask would otherwise stay until the next plan.
+        Backends whose plans hold nothing large keep theirs."""
+        return None
+
     @abstractmethod
     def forward(
         self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -127,6 +127,9 @@ class TorchAttention(AttentionBackend):
             j = torch.arange(s, device=dev)[None, :]
             self.prefills.append(_Prefill(qs, qe, kv, (j <= i + prefix)[None, None]))
 
+    def release(self) -> None:
+        self.decode, self.prefills = None, []
+
     def _plan_decode(
         self, dec, seq, starts, q_starts, kv_np, all_decode
     ) -> _Decode | _SharedDecode:

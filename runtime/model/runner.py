@@ -141,6 +141,7 @@ class ModelRunner:
             with torch.inference_mode():
                 self.attn.plan(batch)
                 hidden = self.model.forward_hidden(batch, self.attn)
+                self.attn.release()
             with torch.no_grad():
                 logits = self.model.compute_logits(hidden)
         self._trim(batch.num_tokens)

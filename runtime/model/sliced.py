@@ -89,6 +89,7 @@ class SlicedPrefill:
                 if time.perf_counter() - t0 >= budget_s:
                     return None
             hidden = self.x[self.logits_from :]
+            attn.release()
         with torch.no_grad():  # (outside inference mode: sampling edits logits in place)
             logits = model.compute_logits(hidden)
         self.x = hidden = None  # type: ignore[assignment]

@@ -10,8 +10,10 @@ runs reuse the binary. The 1B-shape file is a random-weight GGUF written here
 Workloads (greedy, ignore_eos; token ids built once with the model's tokenizer and sent as
 ids to both servers, so both compute exactly the same tokens):
   decode     128 new tokens at batch 1 after a short chat prompt: median decode tok/s
-             (llama-server: its own `predicted_per_second`; radixlm: streamed tokens after
-             the first / time from the first to the last). Next to it, the limit the memory
+             (both streamed and timed alike at the client: tokens after the first / time
+             from the first to the last, llama-server's SSE chunks as radixlm's deltas; the
+             notes also give llama-server's own `predicted_per_second`, which leaves out
+             its per-token delivery). Next to it, the limit the memory
              bus sets: the read bandwidth of 2 threads (a 1 GiB torch.sum, measured right
              before and after each decode) divided by the bytes a step reads (every
              weight the step multiplies: the GGUF's tensors, less an untied embedding).
@@ -197,6 +199,28 @@ class LlamaServer:
         with urllib.request.urlopen(req, timeout=600) as r:
             out = json.load(r)
         return {"ids": out["tokens"], "prompt_n": out["timings"]["prompt_n"], "t": out["timings"]}
+
+    def stream(self, ids: list[int], n: int) -> tuple[list[float], dict]:
+        """`complete` with `stream`: the arrival time of each token's SSE chunk, and the
+        server's own timings (from the last chunk)."""
+        body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "ignore_eos": True,
+                "cache_prompt": False, "stream": True}  # fmt: skip
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        stamps: list[float] = []
+        timings: dict = {}
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if not line.startswith(b"data: "):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("stop"):
+                    timings = chunk.get("timings", {})
+                    break
+                stamps.append(time.perf_counter())
+        return stamps, timings
 
     def close(self) -> None:
         self.proc.terminate()
@@ -410,8 +434,11 @@ def radix_branches(rx: Radix, w: Workload) -> tuple[float, int]:
     return time.perf_counter() - t0, rx.computed() - before
 
 
-def llama_decode(srv: LlamaServer, w: Workload) -> float:
-    return srv.complete(w.chat, DECODE_TOKENS, cache=False)["t"]["predicted_per_second"]
+def llama_decode(srv: LlamaServer, w: Workload, own: list[float]) -> float:
+    """Streamed tok/s as radix_decode times it; llama-server's own figure into `own`."""
+    stamps, timings = srv.stream(w.chat, DECODE_TOKENS)
+    own.append(timings.get("predicted_per_second", float("nan")))
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
 def radix_decode(rx: Radix, w: Workload) -> float:
@@ -481,7 +508,8 @@ def run_pair(rows: list[str], args, binary: Path, gguf: Path, tok, res: dict, ta
                 for side in sides:
                     bw0 = read_bandwidth() if row == "decode" else 0.0
                     if row == "decode":
-                        v = llama_decode(srv, w) if side == "llama" else radix_decode(rx, w)
+                        v = (llama_decode(srv, w, res[row + tag].setdefault("llama_own", []))
+                             if side == "llama" else radix_decode(rx, w))
                     elif row == "prefill":
                         v = llama_prefill(srv, w) if side == "llama" else radix_prefill(rx, w)
                     elif row in ("agents-seq", "agents-par"):
@@ -653,6 +681,9 @@ def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
         "AMX off), `--parallel 8` (startup and rss: `--parallel 1 -c 8192`; radixlm "
         "`--context-length 8192`)",
         *[f"- limit of {x}" for x in limits],
+        *[f"- {row}: llama-server's own `predicted_per_second` (no per-token delivery), "
+          f"median {statistics.median(r['llama_own']):.1f} ({fmt(r['llama_own'])})"
+          for row, r in res.items() if r.get("llama_own")],
         f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, shared; load average "
         f"{load0[0]:.1f} at the start, {load1[0]:.1f} at the end; {args.rounds} rounds, servers "
         "interleaved with alternating order",

@@ -102,7 +102,10 @@ class RequestTable:
             if old in LIVE_WITH_KV:
                 self._running.remove(r)
             elif old is ReqState.WAITING:
-                (self._compiling if r in self._compiling else self.waiting).remove(r)
+                # `_waiting` itself: the `waiting` view, after an admission, first drops
+                # requests no longer WAITING, this one included now (a waiting request
+                # aborted in the step that admitted another failed INTERNAL, "list.remove").
+                (self._compiling if r in self._compiling else self._waiting).remove(r)
 
     def drop_group(self, g: RequestGroup) -> None:
         """Every branch of `g` is terminal: forget it."""

@@ -3,8 +3,9 @@
  *
  * Two ways through a product, chosen by the number of activation rows M:
  * - streaming (M < TILE_MIN_M, decode): each weight block is read once and multiplied by
- *   the M quantized rows at once; with one row, four weight rows are interleaved (a
- *   576-wide row is only 18 blocks, too short to hide an accumulator's latency alone).
+ *   the M quantized rows at once; with one row, each thread reads its rows as one
+ *   sequential stream with four sums per row (a 576-wide row is only 18 blocks, too short
+ *   to hide an accumulator's latency alone) and a prefetch a fixed distance ahead.
  *   This is what a batch-1 decode step is made of, so it is written to be limited by the
  *   memory bus: a block costs ~13 instructions per activation row.
  * - tiled (M >= TILE_MIN_M, batched decode and prefill): 8 weight rows at a time are

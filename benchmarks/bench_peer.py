@@ -187,16 +187,20 @@ class LlamaServer:
             time.sleep(0.02)
         self.ready_s = time.perf_counter() - t0  # command to /health 200
 
+    def _post(self, body: dict):
+        """The open /completion response to `body` (JSON)."""
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        return urllib.request.urlopen(req, timeout=600)
+
     def complete(self, ids: list[int], n: int, slot: int | None = None, cache: bool = True) -> dict:
         body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "ignore_eos": True,
                 "cache_prompt": cache, "return_tokens": True}  # fmt: skip
         if slot is not None:
             body["id_slot"] = slot
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
-        with urllib.request.urlopen(req, timeout=600) as r:
+        with self._post(body) as r:
             out = json.load(r)
         return {"ids": out["tokens"], "prompt_n": out["timings"]["prompt_n"], "t": out["timings"]}
 
@@ -205,13 +209,9 @@ class LlamaServer:
         server's own timings (from the last chunk)."""
         body = {"prompt": ids, "n_predict": n, "temperature": 0.0, "ignore_eos": True,
                 "cache_prompt": False, "stream": True}  # fmt: skip
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
         stamps: list[float] = []
         timings: dict = {}
-        with urllib.request.urlopen(req, timeout=600) as r:
+        with self._post(body) as r:
             for line in r:
                 if not line.startswith(b"data: "):
                     continue

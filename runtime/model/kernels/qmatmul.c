@@ -208,7 +208,18 @@ static inline __m256i block_dot(const uint8_t *blk, int qtype, __m256i x0, __m25
 #endif
 }
 
-/* y[i][n] for i < M (2 to 4) activation rows and weight row n (M a constant once inlined). */
+/* acc/off += block `blk`'s product with activation block (v, pair). */
+static inline __attribute__((always_inline)) void
+block_step(const uint8_t *blk, const int qtype, const int16_t *v, const float *pair, __m256 *acc,
+          __m128 *off) {
+    const __m128 prod = _mm_mul_ps(block_dm(blk, qtype), _mm_castpd_ps(_mm_load_sd((const double *)pair)));
+    *off = _mm_add_ps(*off, prod);
+    const __m256i p = block_dot(blk, qtype, _mm256_load_si256((const __m256i *)v),
+                                _mm256_load_si256((const __m256i *)(v + 16)));
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), *acc);
+}
+
+/* y[i][n] for i < M (1 to 4) activation rows and weight row n (M a constant once inlined). */
 static inline __attribute__((always_inline)) void
 stream_block(const qact *acts, const int M, int64_t nb, const int64_t *rowptr, const int qtype,
              int64_t n, float *y, int64_t ldy, const float *bias, int accumulate,
@@ -226,16 +237,9 @@ stream_block(const qact *acts, const int M, int64_t nb, const int64_t *rowptr, c
          * KB, too short a stream for the hardware prefetchers to get ahead of. */
         if (pf) _mm_prefetch((const char *)(pf + b * bb), _MM_HINT_T0);
         const uint8_t *blk = row + b * bb;
-        const __m128 dm = block_dm(blk, qtype);
-        for (int i = 0; i < M; i++) {
-            const int16_t *v = acts[i].v + b * QK;
-            const float *pr = (qtype == Q4_0 ? acts[i].pair0 : acts[i].pair1) + 2 * b;
-            const __m128 prod = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double *)pr)));
-            off[i] = _mm_add_ps(off[i], prod);
-            const __m256i p = block_dot(blk, qtype, _mm256_load_si256((const __m256i *)v),
-                                        _mm256_load_si256((const __m256i *)(v + 16)));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), acc[i]);
-        }
+        for (int i = 0; i < M; i++)
+            block_step(blk, qtype, acts[i].v + b * QK,
+                      (qtype == Q4_0 ? acts[i].pair0 : acts[i].pair1) + 2 * b, &acc[i], &off[i]);
     }
     for (int i = 0; i < M; i++) {
         float v = hsum8(acc[i]) + _mm_cvtss_f32(_mm_shuffle_ps(off[i], off[i], 1));
@@ -256,17 +260,6 @@ stream_block(const qact *acts, const int M, int64_t nb, const int64_t *rowptr, c
  * turn). Measured on one core of an EPYC, Q4_1 rows 2048 wide from DRAM: 11 GB/s with
  * four rows interleaved and a prefetch of the next group (short streams of 1,280 bytes,
  * four at a time), 14 GB/s as one stream. */
-/* acc/off += block `blk`'s product with activation block (v, pair). */
-static inline __attribute__((always_inline)) void
-seq_block(const uint8_t *blk, const int qtype, const int16_t *v, const float *pair, __m256 *acc,
-          __m128 *off) {
-    const __m128 prod = _mm_mul_ps(block_dm(blk, qtype), _mm_castpd_ps(_mm_load_sd((const double *)pair)));
-    *off = _mm_add_ps(*off, prod);
-    const __m256i p = block_dot(blk, qtype, _mm256_load_si256((const __m256i *)v),
-                                _mm256_load_si256((const __m256i *)(v + 16)));
-    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(prod), *acc);
-}
-
 static inline __attribute__((always_inline)) void
 seq_rows(const qact *a, int64_t nb, const uint8_t *base, const int qtype, int64_t n0, int64_t n1,
          float *y, const float *bias, int accumulate) {
@@ -286,10 +279,10 @@ seq_rows(const qact *a, int64_t nb, const uint8_t *base, const int qtype, int64_
             _mm_prefetch((const char *)(row + b * bb + SEQ_PF_BYTES), _MM_HINT_T0);
             _mm_prefetch((const char *)(row + b * bb + SEQ_PF_BYTES + 64), _MM_HINT_T0);
             for (int c = 0; c < SEQ_CHAINS; c++)
-                seq_block(row + (b + c) * bb, qtype, a->v + (b + c) * QK, pairs + 2 * (b + c),
+                block_step(row + (b + c) * bb, qtype, a->v + (b + c) * QK, pairs + 2 * (b + c),
                           &acc[c], &off[c]);
         }
-        for (; b < nb; b++) seq_block(row + b * bb, qtype, a->v + b * QK, pairs + 2 * b, &acc[0], &off[0]);
+        for (; b < nb; b++) block_step(row + b * bb, qtype, a->v + b * QK, pairs + 2 * b, &acc[0], &off[0]);
         for (int c = 1; c < SEQ_CHAINS; c++) {
             acc[0] = _mm256_add_ps(acc[0], acc[c]);
             off[0] = _mm_add_ps(off[0], off[c]);

@@ -201,6 +201,37 @@ def test_portable_build_computes_the_same(tmp_path):
             assert (out.double() - fast.double()).abs().le(REL * scale).all(), (name, m)
 
 
+def test_avx2_build_computes_the_same_as_avx512(tmp_path):
+    """On an AVX-512 CPU the one-row product takes two blocks per 512-bit step; the AVX2
+    build (x86-64-v3) of the same sources, one block per step, gives the same products:
+    odd and even block counts, rows that are and are not back to back, every format."""
+    k = qkernel.kernel()
+    if k.simd != 3:
+        pytest.skip("this CPU has no AVX-512: the native build is the AVX2 one")
+    avx2 = qkernel.load(qkernel.build(cflags=("-march=x86-64-v3", *qkernel._BASE), directory=tmp_path))
+    assert avx2.simd == 2
+    g = torch.Generator().manual_seed(9)
+    for name, qtype in QTYPES.items():
+        for cols in (576, 608, 2048):  # 18, 19 and 64 blocks a row
+            w = random_blocks(70, cols, qtype, seed=cols)
+            order = torch.randperm(70, generator=g)
+            for rowptr in (w.rowptr, w.rowptr[order].contiguous()):
+                x = torch.randn(1, cols, generator=g)
+                outs = []
+                for kern in (k, avx2):
+                    out = torch.empty(1, 70)
+                    need = kern.q_matmul_scratch_bytes(1, cols, torch.get_num_threads())
+                    scratch = torch.empty(need, dtype=torch.uint8)
+                    kern.q_matmul(x.data_ptr(), 1, cols, cols, rowptr.data_ptr(), qtype, 70,
+                                  out.data_ptr(), 70, None, 0, scratch.data_ptr())  # fmt: skip
+                    outs.append(out)
+                ref = reference(w)
+                if rowptr is not w.rowptr:
+                    ref = ref[order]
+                scale = x.double().abs() @ ref.abs().t()
+                assert (outs[0].double() - outs[1].double()).abs().le(REL * scale).all(), (name, cols)
+
+
 def test_env_switch_loads_the_portable_build():
     """RADIXLM_KERNEL=portable makes a process load the plain-C build (the path machines
     without AVX2 take), which then computes the same products."""

@@ -7,7 +7,8 @@
  *   sequential stream with four sums per row (a 576-wide row is only 18 blocks, too short
  *   to hide an accumulator's latency alone) and a prefetch a fixed distance ahead.
  *   This is what a batch-1 decode step is made of, so it is written to be limited by the
- *   memory bus: a block costs ~13 instructions per activation row.
+ *   memory bus: a block costs ~13 instructions per activation row (AVX2), ~7 with
+ *   AVX-512's two blocks a step (one row).
  * - tiled (M >= TILE_MIN_M, batched decode and prefill): 8 weight rows at a time are
  *   unpacked once into int16 pairs interleaved across the 8 rows ([block][pair][row][2]),
  *   so that one 16-bit multiply-add gives 8 output rows 2 products each; every activation
@@ -31,7 +32,9 @@
 #endif
 
 int kernel_simd(void) {
-#if defined(QAVX2)
+#if defined(QAVX512)
+    return 3;
+#elif defined(QAVX2)
     return 2;
 #else
     return 0;
@@ -84,9 +87,14 @@ void quantize_act(const float *x, int64_t K, qact *a) {
             tot = _mm256_add_epi32(tot, vi[h]);
         }
         sv = hsum8i(tot);
-        for (int h = 0; h < 2; h++) /* packs interleaves 128-bit lanes; the permute undoes it */
-            _mm256_store_si256((__m256i *)(a->v + b * QK + 16 * h),
-                               _mm256_permute4x64_epi64(_mm256_packs_epi32(vi[2 * h], vi[2 * h + 1]), 0xd8));
+        for (int h = 0; h < 2; h++) { /* packs interleaves 128-bit lanes; the permute undoes it */
+            const __m256i half = _mm256_permute4x64_epi64(_mm256_packs_epi32(vi[2 * h], vi[2 * h + 1]), 0xd8);
+            _mm256_store_si256((__m256i *)(a->v + b * QK + 16 * h), half);
+#if defined(QAVX512)
+            if ((b | 1) < nb) /* a whole pair: an odd last block takes the 256-bit step */
+                _mm256_store_si256((__m256i *)(a->v2 + b / 2 * 64 + 16 * (b & 1) + 32 * h), half);
+#endif
+        }
 #else
         amax = 0.0f;
         sx = 0.0f;
@@ -250,7 +258,10 @@ stream_block(const qact *acts, const int M, int64_t nb, const int64_t *rowptr, c
 }
 
 #ifndef SEQ_PF_BYTES
-#define SEQ_PF_BYTES 1024 /* how far ahead of its reads the one-row product prefetches */
+/* How far ahead of its reads the one-row product prefetches. On an EPYC (Zen, 2 threads,
+ * Q4_1 rows from DRAM, AVX-512 step) 1 KB gave one core 22 GB/s, 4 KB 28 GB/s, 8 KB the
+ * same: a core needs that many lines in flight to cover DRAM's latency. */
+#define SEQ_PF_BYTES 4096
 #endif
 #define SEQ_CHAINS 4 /* independent sums per row */
 
@@ -293,6 +304,96 @@ seq_rows(const qact *a, int64_t nb, const uint8_t *base, const int qtype, int64_
     }
 }
 
+#if defined(QAVX512)
+/* acc/off += blocks b and b + 1 (b even) of a row, `blk` at b, times activation row a:
+ * one 512-bit multiply-add per half of both blocks' codes (Q4) or per block (Q8_0), their
+ * two {d s, offset} pairs from one 128-bit multiply, lanes 1 and 3 of `off` the offsets. */
+static inline __attribute__((always_inline)) void
+block2_step(const uint8_t *blk, const int qtype, const qact *a, int64_t b, __m512 *acc,
+            __m128 *off) {
+    const int64_t bb = qblock_bytes(qtype);
+    const uint8_t *blk1 = blk + bb;
+    __m128i h; /* fp16 {d, m, d1, m1} (Q4_1), {d, d, d1, d1} (Q4_0), {d, 0, d1, 0} (Q8_0) */
+    if (qtype == Q4_1) {
+        h = _mm_insert_epi32(_mm_cvtsi32_si128(*(const i32_alias *)blk), *(const i32_alias *)blk1, 1);
+    } else {
+        const uint32_t d0 = load_u16(blk), d1 = load_u16(blk1), dup = qtype == Q4_0 ? 16 : 0;
+        h = _mm_insert_epi32(_mm_cvtsi32_si128((int)(d0 | (d0 << dup))), (int)(d1 | (d1 << dup)), 1);
+    }
+    const float *pairs = (qtype == Q4_0 ? a->pair0 : a->pair1) + 2 * b;
+    const __m128 prod = _mm_mul_ps(_mm_cvtph_ps(h), _mm_load_ps(pairs));
+    *off = _mm_add_ps(*off, prod);
+    const __m512 wide = _mm512_castps128_ps512(prod);
+    if (qtype == Q8_0) {
+        const __m512i p0 = _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2))),
+                                             _mm512_load_si512(a->v + b * QK));
+        const __m512i p1 = _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk1 + 2))),
+                                             _mm512_load_si512(a->v + (b + 1) * QK));
+        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(_mm512_set1_epi32(0), wide), *acc);
+        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(_mm512_set1_epi32(2), wide), *acc);
+        return;
+    }
+    const int64_t o = qtype == Q4_1 ? 4 : 2;
+    const __m256i c8 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + o))),
+                                               _mm_loadu_si128((const __m128i *)(blk1 + o)), 1);
+    const __m512i c = _mm512_cvtepu8_epi16(c8); /* b's 16 bytes, then b + 1's */
+    const __m512i lo = _mm512_and_si512(c, _mm512_set1_epi16(0xf)), hi = _mm512_srli_epi16(c, 4);
+    const int16_t *v2 = a->v2 + b / 2 * 64;
+#if defined(__AVX512VNNI__)
+    const __m512i p = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, _mm512_load_si512(v2)), hi,
+                                          _mm512_load_si512(v2 + 32));
+#else
+    const __m512i p = _mm512_add_epi32(_mm512_madd_epi16(lo, _mm512_load_si512(v2)),
+                                       _mm512_madd_epi16(hi, _mm512_load_si512(v2 + 32)));
+#endif
+    /* lanes 0-7: block b's sums, 8-15: b + 1's */
+    const __m512i which = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(which, wide), *acc);
+}
+
+/* seq_rows with two blocks a step (the same stream, prefetch and results to within float
+ * rounding): about 7 instructions a block instead of 13, so one core is no longer the
+ * limit before the memory bus is. */
+static inline __attribute__((always_inline)) void
+seq_rows2(const qact *a, int64_t nb, const uint8_t *base, const int qtype, int64_t n0, int64_t n1,
+          float *y, const float *bias, int accumulate) {
+    const int64_t bb = qblock_bytes(qtype), rb = nb * bb;
+    const float *pairs = qtype == Q4_0 ? a->pair0 : a->pair1;
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *row = base + n * rb;
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        __m128 off0 = _mm_setzero_ps(), off1 = _mm_setzero_ps();
+        int64_t b = 0;
+        for (; b + 4 <= nb; b += 4) {
+            const char *pf = (const char *)(row + b * bb + SEQ_PF_BYTES);
+            _mm_prefetch(pf, _MM_HINT_T0);
+            _mm_prefetch(pf + 64, _MM_HINT_T0);
+            if (4 * bb > 128) _mm_prefetch(pf + 128, _MM_HINT_T0); /* Q8_0: 136 bytes */
+            block2_step(row + b * bb, qtype, a, b, &acc0, &off0);
+            block2_step(row + (b + 2) * bb, qtype, a, b + 2, &acc1, &off1);
+        }
+        if (b + 2 <= nb) {
+            block2_step(row + b * bb, qtype, a, b, &acc0, &off0);
+            b += 2;
+        }
+        off0 = _mm_add_ps(off0, off1);
+        float v = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) +
+                  _mm_cvtss_f32(_mm_shuffle_ps(off0, off0, 1)) + _mm_cvtss_f32(_mm_shuffle_ps(off0, off0, 3));
+        if (b < nb) { /* an odd last block */
+            __m256 acc = _mm256_setzero_ps();
+            __m128 off = _mm_setzero_ps();
+            block_step(row + b * bb, qtype, a->v + b * QK, pairs + 2 * b, &acc, &off);
+            v += hsum8(acc) + _mm_cvtss_f32(_mm_shuffle_ps(off, off, 1));
+        }
+        v += bias ? bias[n] : 0.0f;
+        y[n] = accumulate ? y[n] + v : v;
+    }
+}
+#define SEQ_ROWS seq_rows2
+#else
+#define SEQ_ROWS seq_rows
+#endif
+
 static inline __attribute__((always_inline)) void
 stream_rows_q(const qact *acts, int64_t M, int64_t nb, const int64_t *rowptr, const int qtype,
               int64_t n0, int64_t n1, float *y, int64_t ldy, const float *bias, int accumulate) {
@@ -301,7 +402,7 @@ stream_rows_q(const qact *acts, int64_t M, int64_t nb, const int64_t *rowptr, co
         for (int64_t n = n0; n < n1;) {
             int64_t e = n + 1;
             while (e < n1 && rowptr[e] == rowptr[e - 1] + rb) e++;
-            seq_rows(acts, nb, (const uint8_t *)rowptr[n] - n * rb, qtype, n, e, y, bias, accumulate);
+            SEQ_ROWS(acts, nb, (const uint8_t *)rowptr[n] - n * rb, qtype, n, e, y, bias, accumulate);
             n = e;
         }
         return;

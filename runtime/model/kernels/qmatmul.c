@@ -352,8 +352,8 @@ block2_step(const uint8_t *blk, const int qtype, const qact *a, int64_t b, __m51
 }
 
 /* seq_rows with two blocks a step (the same stream, prefetch and results to within float
- * rounding): about 7 instructions a block instead of 13, so one core is no longer the
- * limit before the memory bus is. */
+ * rounding): about 7 instructions a block instead of 13. Measured on one core of the same
+ * EPYC with the 4 KB prefetch: 28-31 GB/s (22 with seq_rows), a 1-thread torch.sum 33-39. */
 static inline __attribute__((always_inline)) void
 seq_rows2(const qact *a, int64_t nb, const uint8_t *base, const int qtype, int64_t n0, int64_t n1,
           float *y, const float *bias, int accumulate) {

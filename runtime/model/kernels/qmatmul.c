@@ -305,6 +305,35 @@ seq_rows(const qact *a, int64_t nb, const uint8_t *base, const int qtype, int64_
 }
 
 #if defined(QAVX512)
+/* Block blk's fp16 {d, m} (Q4_1), {d, d} (Q4_0) or {d, 0} (Q8_0) as one 32-bit lane. */
+static inline __attribute__((always_inline)) int dm_lane(const uint8_t *blk, const int qtype) {
+    if (qtype == Q4_1) return *(const i32_alias *)blk;
+    const uint32_t d = load_u16(blk);
+    return (int)(qtype == Q4_0 ? d | (d << 16) : d);
+}
+
+/* Code-times-v sums of Q4 blocks blk and blk1 (b, b + 1): lanes 0-7 b's, 8-15 b + 1's. */
+static inline __attribute__((always_inline)) __m512i
+q4_pair_sums(const uint8_t *blk, const uint8_t *blk1, const int qtype, const int16_t *v2) {
+    const int64_t o = qtype == Q4_1 ? 4 : 2;
+    const __m256i c8 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + o))),
+                                               _mm_loadu_si128((const __m128i *)(blk1 + o)), 1);
+    const __m512i c = _mm512_cvtepu8_epi16(c8);
+    const __m512i lo = _mm512_and_si512(c, _mm512_set1_epi16(0xf)), hi = _mm512_srli_epi16(c, 4);
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, _mm512_load_si512(v2)), hi, _mm512_load_si512(v2 + 32));
+#else
+    return _mm512_add_epi32(_mm512_madd_epi16(lo, _mm512_load_si512(v2)),
+                            _mm512_madd_epi16(hi, _mm512_load_si512(v2 + 32)));
+#endif
+}
+
+/* Code-times-v sums of Q8_0 block blk (16 lanes). */
+static inline __attribute__((always_inline)) __m512i q8_sums(const uint8_t *blk, const int16_t *v) {
+    return _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2))),
+                             _mm512_load_si512(v));
+}
+
 /* acc/off += blocks b and b + 1 (b even) of a row, `blk` at b, times activation row a:
  * one 512-bit multiply-add per half of both blocks' codes (Q4) or per block (Q8_0), their
  * two {d s, offset} pairs from one 128-bit multiply, lanes 1 and 3 of `off` the offsets. */
@@ -312,48 +341,58 @@ static inline __attribute__((always_inline)) void
 block2_step(const uint8_t *blk, const int qtype, const qact *a, int64_t b, __m512 *acc,
             __m128 *off) {
     const int64_t bb = qblock_bytes(qtype);
-    const uint8_t *blk1 = blk + bb;
-    __m128i h; /* fp16 {d, m, d1, m1} (Q4_1), {d, d, d1, d1} (Q4_0), {d, 0, d1, 0} (Q8_0) */
-    if (qtype == Q4_1) {
-        h = _mm_insert_epi32(_mm_cvtsi32_si128(*(const i32_alias *)blk), *(const i32_alias *)blk1, 1);
-    } else {
-        const uint32_t d0 = load_u16(blk), d1 = load_u16(blk1), dup = qtype == Q4_0 ? 16 : 0;
-        h = _mm_insert_epi32(_mm_cvtsi32_si128((int)(d0 | (d0 << dup))), (int)(d1 | (d1 << dup)), 1);
-    }
+    const __m128i h = _mm_insert_epi32(_mm_cvtsi32_si128(dm_lane(blk, qtype)), dm_lane(blk + bb, qtype), 1);
     const float *pairs = (qtype == Q4_0 ? a->pair0 : a->pair1) + 2 * b;
     const __m128 prod = _mm_mul_ps(_mm_cvtph_ps(h), _mm_load_ps(pairs));
     *off = _mm_add_ps(*off, prod);
     const __m512 wide = _mm512_castps128_ps512(prod);
     if (qtype == Q8_0) {
-        const __m512i p0 = _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk + 2))),
-                                             _mm512_load_si512(a->v + b * QK));
-        const __m512i p1 = _mm512_madd_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(blk1 + 2))),
-                                             _mm512_load_si512(a->v + (b + 1) * QK));
-        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_permutexvar_ps(_mm512_set1_epi32(0), wide), *acc);
-        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_permutexvar_ps(_mm512_set1_epi32(2), wide), *acc);
+        for (int i = 0; i < 2; i++) {
+            const __m512i p = q8_sums(blk + i * bb, a->v + (b + i) * QK);
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(_mm512_set1_epi32(2 * i), wide), *acc);
+        }
         return;
     }
-    const int64_t o = qtype == Q4_1 ? 4 : 2;
-    const __m256i c8 = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(blk + o))),
-                                               _mm_loadu_si128((const __m128i *)(blk1 + o)), 1);
-    const __m512i c = _mm512_cvtepu8_epi16(c8); /* b's 16 bytes, then b + 1's */
-    const __m512i lo = _mm512_and_si512(c, _mm512_set1_epi16(0xf)), hi = _mm512_srli_epi16(c, 4);
-    const int16_t *v2 = a->v2 + b / 2 * 64;
-#if defined(__AVX512VNNI__)
-    const __m512i p = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo, _mm512_load_si512(v2)), hi,
-                                          _mm512_load_si512(v2 + 32));
-#else
-    const __m512i p = _mm512_add_epi32(_mm512_madd_epi16(lo, _mm512_load_si512(v2)),
-                                       _mm512_madd_epi16(hi, _mm512_load_si512(v2 + 32)));
-#endif
-    /* lanes 0-7: block b's sums, 8-15: b + 1's */
+    const __m512i p = q4_pair_sums(blk, blk + bb, qtype, a->v2 + b / 2 * 64);
     const __m512i which = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(which, wide), *acc);
 }
 
-/* seq_rows with two blocks a step (the same stream, prefetch and results to within float
- * rounding): about 7 instructions a block instead of 13. Measured on one core of the same
- * EPYC with the 4 KB prefetch: 28-31 GB/s (22 with seq_rows), a 1-thread torch.sum 33-39. */
+/* Blocks b .. b + 3 (b a multiple of 4): as two block2_steps, with the four blocks'
+ * scales from one 256-bit multiply (lanes 1, 3, 5, 7 of `off` the offsets). */
+static inline __attribute__((always_inline)) void
+block4_step(const uint8_t *blk, const int qtype, const qact *a, int64_t b, __m512 *acc0,
+            __m512 *acc1, __m256 *off) {
+    const int64_t bb = qblock_bytes(qtype);
+    __m128i h = _mm_cvtsi32_si128(dm_lane(blk, qtype));
+    h = _mm_insert_epi32(h, dm_lane(blk + bb, qtype), 1);
+    h = _mm_insert_epi32(h, dm_lane(blk + 2 * bb, qtype), 2);
+    h = _mm_insert_epi32(h, dm_lane(blk + 3 * bb, qtype), 3);
+    const float *pairs = (qtype == Q4_0 ? a->pair0 : a->pair1) + 2 * b;
+    const __m256 prod = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_load_ps(pairs));
+    *off = _mm256_add_ps(*off, prod);
+    const __m512 wide = _mm512_castps256_ps512(prod);
+    if (qtype == Q8_0) {
+        for (int i = 0; i < 4; i++) {
+            const __m512i p = q8_sums(blk + i * bb, a->v + (b + i) * QK);
+            __m512 *acc = i & 1 ? acc1 : acc0;
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(_mm512_set1_epi32(2 * i), wide), *acc);
+        }
+        return;
+    }
+    const __m512i p01 = q4_pair_sums(blk, blk + bb, qtype, a->v2 + b / 2 * 64);
+    const __m512i p23 = q4_pair_sums(blk + 2 * bb, blk + 3 * bb, qtype, a->v2 + (b / 2 + 1) * 64);
+    const __m512i w01 = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+    const __m512i w23 = _mm512_set_epi32(6, 6, 6, 6, 6, 6, 6, 6, 4, 4, 4, 4, 4, 4, 4, 4);
+    *acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p01), _mm512_permutexvar_ps(w01, wide), *acc0);
+    *acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p23), _mm512_permutexvar_ps(w23, wide), *acc1);
+}
+
+/* seq_rows with 512-bit steps (the same stream, prefetch and results to within float
+ * rounding): four blocks a step (scales once for four), then a pair, then an odd block;
+ * about 7 instructions a block instead of 13. Measured on one core of the same EPYC with
+ * the 4 KB prefetch: 28-31 GB/s (22 with seq_rows), a 1-thread torch.sum 33-39; scales
+ * for four instead of two added 2-6%. */
 static inline __attribute__((always_inline)) void
 seq_rows2(const qact *a, int64_t nb, const uint8_t *base, const int qtype, int64_t n0, int64_t n1,
           float *y, const float *bias, int accumulate) {
@@ -362,21 +401,21 @@ seq_rows2(const qact *a, int64_t nb, const uint8_t *base, const int qtype, int64
     for (int64_t n = n0; n < n1; n++) {
         const uint8_t *row = base + n * rb;
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        __m128 off0 = _mm_setzero_ps(), off1 = _mm_setzero_ps();
+        __m128 off0 = _mm_setzero_ps();
+        __m256 off4 = _mm256_setzero_ps();
         int64_t b = 0;
         for (; b + 4 <= nb; b += 4) {
             const char *pf = (const char *)(row + b * bb + SEQ_PF_BYTES);
             _mm_prefetch(pf, _MM_HINT_T0);
             _mm_prefetch(pf + 64, _MM_HINT_T0);
             if (4 * bb > 128) _mm_prefetch(pf + 128, _MM_HINT_T0); /* Q8_0: 136 bytes */
-            block2_step(row + b * bb, qtype, a, b, &acc0, &off0);
-            block2_step(row + (b + 2) * bb, qtype, a, b + 2, &acc1, &off1);
+            block4_step(row + b * bb, qtype, a, b, &acc0, &acc1, &off4);
         }
         if (b + 2 <= nb) {
             block2_step(row + b * bb, qtype, a, b, &acc0, &off0);
             b += 2;
         }
-        off0 = _mm_add_ps(off0, off1);
+        off0 = _mm_add_ps(off0, _mm_add_ps(_mm256_castps256_ps128(off4), _mm256_extractf128_ps(off4, 1)));
         float v = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) +
                   _mm_cvtss_f32(_mm_shuffle_ps(off0, off0, 1)) + _mm_cvtss_f32(_mm_shuffle_ps(off0, off0, 3));
         if (b < nb) { /* an odd last block */

@@ -179,6 +179,16 @@ def test_rows_are_addressed_not_copied():
         QuantWeight(raw[:, 1:].contiguous(), Q8_0, 7, 608)
 
 
+def kernel_product(kern: qkernel.Kernel, x: torch.Tensor, rowptr: torch.Tensor, qtype: int) -> torch.Tensor:
+    """x [M, K] @ W^T through one loaded kernel build's q_matmul (W: the rows at rowptr)."""
+    (m, cols), n = x.shape, rowptr.numel()
+    out = torch.empty(m, n)
+    scratch = torch.empty(kern.q_matmul_scratch_bytes(m, cols, torch.get_num_threads()), dtype=torch.uint8)
+    kern.q_matmul(x.data_ptr(), m, cols, cols, rowptr.data_ptr(), qtype, n, out.data_ptr(), n,
+                  None, 0, scratch.data_ptr())  # fmt: skip
+    return out
+
+
 def test_portable_build_computes_the_same(tmp_path):
     """The kernel compiled without AVX2 (the portable C path) multiplies alike, on both
     integer paths."""
@@ -192,11 +202,7 @@ def test_portable_build_computes_the_same(tmp_path):
         for m in (3, 20):
             x = torch.randn(m, 608, generator=torch.Generator().manual_seed(4))
             fast = w.matmul(x)
-            out = torch.empty(m, 40)
-            need = plain.q_matmul_scratch_bytes(m, 608, torch.get_num_threads())
-            scratch = torch.empty(need, dtype=torch.uint8)
-            plain.q_matmul(x.data_ptr(), m, 608, 608, w.rowptr.data_ptr(), qtype, 40,
-                           out.data_ptr(), 40, None, 0, scratch.data_ptr())  # fmt: skip
+            out = kernel_product(plain, x, w.rowptr, qtype)
             scale = x.double().abs() @ reference(w).abs().t()
             assert (out.double() - fast.double()).abs().le(REL * scale).all(), (name, m)
 
@@ -217,14 +223,7 @@ def test_avx2_build_computes_the_same_as_avx512(tmp_path):
             order = torch.randperm(70, generator=g)
             for rowptr in (w.rowptr, w.rowptr[order].contiguous()):
                 x = torch.randn(1, cols, generator=g)
-                outs = []
-                for kern in (k, avx2):
-                    out = torch.empty(1, 70)
-                    need = kern.q_matmul_scratch_bytes(1, cols, torch.get_num_threads())
-                    scratch = torch.empty(need, dtype=torch.uint8)
-                    kern.q_matmul(x.data_ptr(), 1, cols, cols, rowptr.data_ptr(), qtype, 70,
-                                  out.data_ptr(), 70, None, 0, scratch.data_ptr())  # fmt: skip
-                    outs.append(out)
+                outs = [kernel_product(kern, x, rowptr, qtype) for kern in (k, avx2)]
                 ref = reference(w)
                 if rowptr is not w.rowptr:
                     ref = ref[order]

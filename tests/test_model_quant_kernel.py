@@ -2,15 +2,15 @@
 dequantization of the same GGML blocks, multiplied in float64 by torch.
 
 Blocks are random bytes with sane float16 scales, so every nibble / int8 value occurs.
-Products are checked for 1..70 activation rows (the streaming path below 8 rows, the
-tiled path up to 64, dequantize + float32 GEMM above), with bias, accumulation into a
-residual, and row-strided inputs. The kernel's integer paths multiply activations held as
+Products are checked for 1..70 activation rows (the integer path on tiles of 8 weight rows
+up to 64, up to 4 activation rows a pass; dequantize + float32 GEMM above), with bias,
+accumulation into a residual, and row-strided inputs. The kernel's integer paths multiply activations held as
 one int16 per value per block of 32 (v = round(x / s), s = max|x| / 32767): the reference
 quantizes them the same way in torch and keeps Q4_1's offset term on the exact x
 (`int16_reference`). Float32 sums in another order than float64's: a relative bound of
 1e-5 of the sum of |x|*|w| (the products' magnitude) covers that and nothing more. The
-portable build (plain C, no AVX2) must give the same products, and so must the tiled path
-and the one-row path on the same rows.
+portable build (plain C, no AVX2) must give the same products, and so must several rows
+at once and each row alone.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from radixlm.runtime.model.quant import (
 
 QTYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 REL = 1e-5
-TILE_MIN_M = 8  # kernels/qmatmul.c: rows from which the tiled path runs
+TILE_MB = 4  # kernels/qmatmul.c: activation rows per pass over a tile
 
 
 def random_blocks(rows: int, cols: int, qtype: int, seed: int) -> QuantWeight:
@@ -91,7 +91,7 @@ def test_dequantize_matches_gguf(name):
 
 
 @pytest.mark.parametrize("name", sorted(QTYPES))
-@pytest.mark.parametrize("m", [1, 2, 5, TILE_MIN_M - 1, TILE_MIN_M, 13, DEQUANT_MIN_ROWS - 1,
+@pytest.mark.parametrize("m", [1, 2, 3, TILE_MB, TILE_MB + 1, 7, 8, 13, DEQUANT_MIN_ROWS - 1,
                                DEQUANT_MIN_ROWS])  # fmt: skip
 @pytest.mark.parametrize("cols", [160, 608])  # 5 blocks a row; 19
 def test_matmul_matches_reference(name, m, cols):
@@ -126,18 +126,18 @@ def test_matmul_matches_reference(name, m, cols):
 
 
 @pytest.mark.parametrize("name", sorted(QTYPES))
-def test_tiled_rows_equal_each_row_alone(name):
-    """The tiled product (8+ rows: weights unpacked once per 8 rows) against the one-row
-    streaming product on the same rows, and both against float64 on the dequantized
-    weights (the same function up to float summation order)."""
+def test_many_rows_equal_each_row_alone(name):
+    """40 activation rows at once (each tile swept by 4 rows a pass) against each row
+    alone on the same weights, and both against float64 on the dequantized weights (the
+    same function up to float summation order)."""
     w = random_blocks(70, 576, QTYPES[name], seed=11)
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(11))
-    tiled = w.matmul(x)
+    many = w.matmul(x)
     alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(40)])
     scale = x.double().abs() @ reference(w).abs().t()
-    assert (tiled.double() - alone.double()).abs().le(REL * scale).all()
+    assert (many.double() - alone.double()).abs().le(REL * scale).all()
     exact = x.double() @ reference(w).t()
-    assert (tiled.double() - exact).abs().le(1e-4 * scale).all()
+    assert (many.double() - exact).abs().le(1e-4 * scale).all()
 
 
 @pytest.mark.parametrize("name", sorted(QTYPES))
@@ -154,8 +154,10 @@ def test_quantized_activations_cost_almost_nothing(name):
 
 
 def test_rows_are_addressed_not_copied():
-    """`cat` and `take_rows` build new weights over the same bytes (row addresses only);
-    `blocks` reads back the GGML bytes; a read-only numpy array (a mapped file) serves."""
+    """`cat` and `take_rows` build new weights over the same bytes (row addresses only)
+    until a weight is packed; `blocks` reads back the GGML bytes before and after packing;
+    a read-only numpy array (a mapped file) serves; a packed weight's rows still stack and
+    reorder (copied out of its tiles)."""
     for qtype in QTYPES.values():
         for cols in (32, 160, 576, 608):
             w = random_blocks(7, cols, qtype, seed=cols)
@@ -163,12 +165,15 @@ def test_rows_are_addressed_not_copied():
             assert w.nbytes == raw.numel()
             other = random_blocks(3, cols, qtype, seed=1)
             both = QuantWeight.cat([w, other])
+            assert int(both.rowptr[0]) == int(w.rowptr[0])  # no copy
             assert torch.equal(both.blocks[:7], raw) and both.rows == 10
             assert torch.equal(both.dequantize()[7:], other.dequantize())
-            assert int(both.rowptr[0]) == int(w.rowptr[0])  # no copy
+            assert both.packed and torch.equal(both.blocks[:7], raw)
             order = torch.tensor([6, 0, 3, 3])
             picked = w.take_rows(order)
             assert torch.equal(picked.dequantize(), w.dequantize()[order])
+            assert w.packed and torch.equal(w.take_rows(order).blocks, raw[order])
+            assert torch.equal(QuantWeight.cat([w, other]).blocks, both.blocks)
             ro = raw.numpy().copy()
             ro.flags.writeable = False
             mapped = QuantWeight(ro, qtype, 7, cols)
@@ -179,55 +184,79 @@ def test_rows_are_addressed_not_copied():
         QuantWeight(raw[:, 1:].contiguous(), Q8_0, 7, 608)
 
 
-def kernel_product(kern: qkernel.Kernel, x: torch.Tensor, rowptr: torch.Tensor, qtype: int) -> torch.Tensor:
-    """x [M, K] @ W^T through one loaded kernel build's q_matmul (W: the rows at rowptr)."""
-    (m, cols), n = x.shape, rowptr.numel()
+@pytest.mark.parametrize("name", sorted(QTYPES))
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 131])
+def test_packing_keeps_every_byte_and_lets_the_source_go(name, rows):
+    """Tiles are the same bytes reordered: unpacked, they equal the source blocks exactly,
+    whole tiles or a partial last one; packing once drops the row table and the source
+    (nothing of it kept alive), and packing again changes nothing."""
+    import weakref
+
+    qtype = QTYPES[name]
+    src = random_blocks(rows, 608, qtype, seed=rows)
+    raw = src.blocks.clone()
+    w = QuantWeight(raw.clone(), qtype, rows, 608)
+    gone = weakref.ref(w.owners[0])
+    assert w.pack() is w and w.packed and w.rowptr is None and w.owners == ()
+    assert gone() is None  # the source blocks were freed
+    tiles = w.tiles
+    assert tiles.numel() == qkernel.kernel().q_tiled_bytes(qtype, rows, 608)
+    assert tiles.numel() == -(-rows // 8) * 8 * src.row_bytes  # whole tiles, same bytes a row
+    assert torch.equal(w.blocks, raw)
+    assert w.pack().tiles is tiles
+    assert torch.equal(w.dequantize().double(), reference(src))
+
+
+def kernel_product(kern: qkernel.Kernel, x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x [M, K] @ W^T through one loaded kernel build's q_matmul (W packed by that build)."""
+    (m, cols), n = x.shape, w.rows
+    tiles = torch.empty(kern.q_tiled_bytes(w.qtype, n, cols), dtype=torch.uint8)
+    rows = w.blocks
+    rowptr = rows.data_ptr() + torch.arange(n, dtype=torch.int64) * w.row_bytes
+    kern.q_pack(rowptr.data_ptr(), w.qtype, cols, n, tiles.data_ptr())
     out = torch.empty(m, n)
     scratch = torch.empty(kern.q_matmul_scratch_bytes(m, cols, torch.get_num_threads()), dtype=torch.uint8)
-    kern.q_matmul(x.data_ptr(), m, cols, cols, rowptr.data_ptr(), qtype, n, out.data_ptr(), n,
+    kern.q_matmul(x.data_ptr(), m, cols, cols, tiles.data_ptr(), w.qtype, n, out.data_ptr(), n,
                   None, 0, scratch.data_ptr())  # fmt: skip
     return out
 
 
 def test_portable_build_computes_the_same(tmp_path):
-    """The kernel compiled without AVX2 (the portable C path) multiplies alike, on both
-    integer paths."""
+    """The kernel compiled without AVX2 (the portable C path) packs and multiplies alike:
+    one and several activation rows, a partial last tile."""
     k = qkernel.kernel()
     if k.simd == 0:
         pytest.skip("this CPU runs the portable path already")
     plain = qkernel.load(qkernel.build(cflags=qkernel.PORTABLE_CFLAGS, directory=tmp_path))
     assert plain.simd == 0
     for name, qtype in QTYPES.items():
-        w = random_blocks(40, 608, qtype, seed=4)
-        for m in (3, 20):
+        w = random_blocks(43, 608, qtype, seed=4)
+        for m in (1, 3, 20):
             x = torch.randn(m, 608, generator=torch.Generator().manual_seed(4))
             fast = w.matmul(x)
-            out = kernel_product(plain, x, w.rowptr, qtype)
+            out = kernel_product(plain, x, w)
             scale = x.double().abs() @ reference(w).abs().t()
             assert (out.double() - fast.double()).abs().le(REL * scale).all(), (name, m)
 
 
-def test_avx2_build_computes_the_same_as_avx512(tmp_path):
-    """On an AVX-512 CPU the one-row product takes two blocks per 512-bit step; the AVX2
-    build (x86-64-v3) of the same sources, one block per step, gives the same products:
-    odd and even block counts, rows that are and are not back to back, every format."""
+def test_native_build_computes_the_same_as_avx2(tmp_path):
+    """On a CPU with more than AVX2 (AVX-512, VNNI: the native build may fuse a
+    multiply-add's sum), the AVX2 build (x86-64-v3) of the same sources gives the same
+    products: one and several rows, 18, 19 and 64 blocks a row, every format."""
+    flags = qkernel._cpu_flags().split()
+    if "avx512f" not in flags:
+        pytest.skip("no AVX-512 on this CPU: the native build is the AVX2 one")
     k = qkernel.kernel()
-    if k.simd != 3:
-        pytest.skip("this CPU has no AVX-512: the native build is the AVX2 one")
     avx2 = qkernel.load(qkernel.build(cflags=("-march=x86-64-v3", *qkernel._BASE), directory=tmp_path))
-    assert avx2.simd == 2
+    assert avx2.simd == 2 and k.simd == 2
     g = torch.Generator().manual_seed(9)
     for name, qtype in QTYPES.items():
-        for cols in (576, 608, 2048):  # 18, 19 and 64 blocks a row
+        for cols in (576, 608, 2048):
             w = random_blocks(70, cols, qtype, seed=cols)
-            order = torch.randperm(70, generator=g)
-            for rowptr in (w.rowptr, w.rowptr[order].contiguous()):
-                x = torch.randn(1, cols, generator=g)
-                outs = [kernel_product(kern, x, rowptr, qtype) for kern in (k, avx2)]
-                ref = reference(w)
-                if rowptr is not w.rowptr:
-                    ref = ref[order]
-                scale = x.double().abs() @ ref.abs().t()
+            for m in (1, 5):
+                x = torch.randn(m, cols, generator=g)
+                outs = [kernel_product(kern, x, w) for kern in (k, avx2)]
+                scale = x.double().abs() @ reference(w).abs().t()
                 assert (outs[0].double() - outs[1].double()).abs().le(REL * scale).all(), (name, cols)
 
 

@@ -97,7 +97,7 @@ class DecoderModel:
             if isinstance(t, QuantWeight):
                 if self.device.type != "cpu":
                     raise ValueError("quantized weights run on CPU only")
-                return t
+                return t.pack()  # the kernel's layout, once; the file's pages let go
             return t.to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = put(take("model.embed_tokens.weight"))
@@ -182,7 +182,7 @@ class DecoderModel:
             if t is None:
                 continue
             if isinstance(t, QuantWeight):
-                seen[id(t.rowptr)] = t.nbytes
+                seen[id(t)] = t.nbytes
             else:
                 seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return sum(seen.values())

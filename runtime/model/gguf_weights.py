@@ -1,7 +1,7 @@
-"""A GGUF's tensors as stored: Q4_0/Q4_1/Q8_0 matrices stay packed (`QuantWeight`) and are
-not copied: their rows are addresses in a read-only mapping of the file (`gguf_file`), so
-they cost no private memory and no start-up time (pages are read when first used). The
-rest (norms, F32/F16 matrices, and quant types the kernel lacks, e.g. K-quants) become
+"""A GGUF's tensors as stored: Q4_0/Q4_1/Q8_0 matrices stay packed (`QuantWeight`): their
+rows are addresses in a read-only mapping of the file (`gguf_file`), stacked and reordered
+without a copy, until the decoder packs each once into the kernel's tile layout (the same
+bytes; the mapping then goes with the last reference to it). The rest (norms, F32/F16 matrices, and quant types the kernel lacks, e.g. K-quants) become
 float32 tensors. `dense_state_dict` dequantizes everything to float32 instead, for dense
 weights (`--dtype float32`) straight from the file, no cached float32 copy needed.
 

@@ -100,11 +100,15 @@ class Kernel:
             f.argtypes, f.restype = args, res
             return f
 
+        # products and dequantization read a matrix as tiles of 8 rows (q_pack, once)
         self.q_matmul = fn("q_matmul", [vp, i64, i64, i64, vp, c_int, i64, vp, i64, vp, c_int, vp])
         self.q_matmul_scratch_bytes = fn("q_matmul_scratch_bytes", [i64, i64, i64], i64)
+        self.q_tiled_bytes = fn("q_tiled_bytes", [c_int, i64, i64], i64)
+        self.q_pack = fn("q_pack", [vp, c_int, i64, i64, vp])
+        self.q_unpack_rows = fn("q_unpack_rows", [vp, c_int, i64, i64, vp])
         self.q_dequant_rows = fn("q_dequant_rows", [vp, c_int, i64, vp, i64, vp])
         self.q_gather_rows = fn("q_gather_rows", [vp, c_int, i64, i64, vp])
-        self.simd = int(fn("kernel_simd", [], c_int)())  # 3: AVX-512 one-row step too, 2: AVX2 + FMA + F16C, 0: plain C
+        self.simd = int(fn("kernel_simd", [], c_int)())  # 2: AVX2 + FMA + F16C, 0: plain C
         self.decode_rows_work_floats = fn("decode_rows_work_floats", [i64] * 6 + [vp], i64)
         self.decode_rows = fn("decode_rows", [vp, i64, i64, i64, vp, vp, c_int, i64, i64, i64, i64,
                                               f32, vp, vp, vp, vp, vp], c_int)  # fmt: skip

@@ -1,19 +1,23 @@
 """Weight-only quantized matrices on CPU, in GGML's block formats (Q8_0, Q4_0, Q4_1).
 
-`QuantWeight` is a `[rows, cols]` weight whose rows are GGML blocks exactly as a GGUF file
-stores them (`uint8 [cols/32 * block_bytes]` a row), addressed by a table of row
-addresses (`rowptr`): the rows may lie in a read-only mapping of the GGUF file (nothing
-copied, see `gguf_weights`), in several tensors stacked (one fused QKV or gate+up matrix:
-`cat`) or in another order (llama.cpp's Q/K row permutation undone: `take_rows`), all
-without moving a byte. `owners` keeps whatever holds the bytes alive.
+`QuantWeight` is a `[rows, cols]` weight made of GGML blocks. It starts as the blocks
+exactly as a GGUF file stores them (`uint8 [cols/32 * block_bytes]` a row), addressed by a
+table of row addresses (`rowptr`): the rows may lie in a read-only mapping of the GGUF
+file (nothing copied, see `gguf_weights`), in several tensors stacked (one fused QKV or
+gate+up matrix: `cat`) or in another order (llama.cpp's Q/K row permutation undone:
+`take_rows`), all without moving a byte. `owners` keeps whatever holds the bytes alive.
+
+`pack` then copies the blocks once into the kernel's tile layout (kernels/common.h: 8 rows
+interleaved, the same bytes reordered, in anonymous memory backed by huge pages where the
+OS allows), and lets the source go: a model's matrices are packed when the model is built,
+so the file's pages are read once and not kept. Products and dequantization read the
+tiles (a weight not yet packed is packed by its first one).
 
 Products (`matmul`) run in the C kernel (`qkernel`, kernels/qmatmul.c): activations as one
 int16 per value per block of 32 (within ~1e-5 of float32 products), integer multiply-adds
-on the codes; few rows stream the weights once, more rows (batched decode) take the
-tiled path (8 weight rows unpacked once, swept by every activation row). From
-`DEQUANT_MIN_ROWS` rows on (prefill) the matrix is dequantized once and multiplied by
-torch's float32 GEMM instead: exact float32 products, and as fast as the tiled integer
-path there.
+on the codes, each tile of 8 weight rows streamed once and multiplied by every activation
+row. From `DEQUANT_MIN_ROWS` rows on (prefill) the matrix is dequantized once and
+multiplied by torch's float32 GEMM instead: exact float32 products, and faster there.
 
 `quantize(w, qtype)` packs a float matrix (HF checkpoints quantized at load):
 - Q8_0: per 32 weights, d = max|w| / 127, q = round(w / d);
@@ -23,6 +27,7 @@ Both round as GGML's reference quantizers do, so the errors are the usual ones.
 
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import numpy as np
@@ -37,12 +42,26 @@ TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 # Activation rows from which `matmul` dequantizes and multiplies in float32 (torch's GEMM)
 # instead of the kernel's integer products (which take up to a decode batch's 64 rows).
 DEQUANT_MIN_ROWS = 65
+_HUGE_MIN_BYTES = 4 << 20  # tiles from this size ask for transparent huge pages
+
+
+def _tile_buffer(nbytes: int) -> torch.Tensor:
+    """`nbytes` of fresh anonymous memory as a uint8 tensor; for big matrices advised to
+    use huge pages (fewer TLB misses while a decode step streams every weight once)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                    prot=mmap.PROT_READ | mmap.PROT_WRITE)  # fmt: skip
+    if nbytes >= _HUGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes)
 
 
 class QuantWeight:
-    """A `[rows, cols]` weight as GGML blocks; row n's blocks start at address `rowptr[n]`."""
+    """A `[rows, cols]` weight as GGML blocks: row n's blocks at address `rowptr[n]` until
+    `pack`, then in `tiles` (the kernel's layout; `rowptr` None)."""
 
-    __slots__ = ("cols", "owners", "qtype", "rowptr", "rows", "_scratch")
+    __slots__ = ("cols", "owners", "qtype", "rowptr", "rows", "tiles", "_scratch")
 
     def __init__(self, blocks: torch.Tensor | np.ndarray | None, qtype: int, rows: int,
                  cols: int, *, rowptr: torch.Tensor | None = None, owners: tuple = ()):
@@ -55,6 +74,7 @@ class QuantWeight:
             raise ValueError(f"quantized rows need a multiple of {BLOCK} columns, got {cols}")
         self.qtype, self.rows, self.cols = qtype, rows, cols
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        self.tiles: torch.Tensor | None = None
         if rowptr is not None:
             if rowptr.dtype != torch.int64 or tuple(rowptr.shape) != (rows,):
                 raise ValueError(f"rowptr must be int64 [{rows}]")
@@ -75,13 +95,42 @@ class QuantWeight:
     def row_bytes(self) -> int:
         return self.cols // BLOCK * BLOCK_BYTES[self.qtype]
 
+    def pack(self) -> QuantWeight:
+        """Copy the blocks into the kernel's tile layout (once) and release the source rows
+        (`rowptr` and `owners`: a mapped file's pages are no longer this weight's)."""
+        if self.tiles is None:
+            k = kernel()
+            tiles = _tile_buffer(k.q_tiled_bytes(self.qtype, self.rows, self.cols))
+            k.q_pack(self.rowptr.data_ptr(), self.qtype, self.cols, self.rows, tiles.data_ptr())
+            self.tiles, self.rowptr, self.owners = tiles, None, ()
+        return self
+
+    @property
+    def packed(self) -> bool:
+        return self.tiles is not None
+
+    def tiles_ptr(self) -> int:
+        """Address of the tiles (packing first if needed), for the kernel."""
+        return self.pack().tiles.data_ptr()
+
     @property
     def blocks(self) -> torch.Tensor:
         """The GGML blocks `uint8 [rows, cols/32 * block_bytes]` (GGUF's layout), a copy."""
         out = torch.empty(self.rows, self.row_bytes, dtype=torch.uint8)
-        kernel().q_gather_rows(self.rowptr.data_ptr(), self.qtype, self.cols, self.rows,
-                               out.data_ptr())  # fmt: skip
+        k = kernel()
+        if self.tiles is not None:
+            k.q_unpack_rows(self.tiles.data_ptr(), self.qtype, self.cols, self.rows, out.data_ptr())
+        else:
+            k.q_gather_rows(self.rowptr.data_ptr(), self.qtype, self.cols, self.rows,
+                            out.data_ptr())  # fmt: skip
         return out
+
+    def _row_table(self) -> tuple[torch.Tensor, tuple]:
+        """(rowptr, owners) of the GGML rows: the source's, or of a copy once packed."""
+        if self.tiles is None:
+            return self.rowptr, self.owners
+        blocks = self.blocks
+        return blocks.data_ptr() + torch.arange(self.rows, dtype=torch.int64) * self.row_bytes, (blocks,)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -126,7 +175,7 @@ class QuantWeight:
         if self._scratch.numel() < need:  # per weight: calls on one weight never overlap
             self._scratch = torch.empty(need, dtype=torch.uint8)
         k.q_matmul(
-            x.data_ptr(), m, x.stride(0), self.cols, self.rowptr.data_ptr(), self.qtype,
+            x.data_ptr(), m, x.stride(0), self.cols, self.tiles_ptr(), self.qtype,
             self.rows, out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(),
             int(accumulate), self._scratch.data_ptr(),
         )  # fmt: skip
@@ -134,37 +183,40 @@ class QuantWeight:
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 weights: all rows `[rows, cols]`, or the rows listed in `rows` (int64)."""
-        k = kernel()
+        k, tiles = kernel(), self.tiles_ptr()
         if rows is None:
             out = torch.empty(self.rows, self.cols)
-            k.q_dequant_rows(self.rowptr.data_ptr(), self.qtype, self.cols, None, self.rows,
-                             out.data_ptr())  # fmt: skip
+            k.q_dequant_rows(tiles, self.qtype, self.cols, None, self.rows, out.data_ptr())
             return out
         rows = rows.to(torch.int64).contiguous()
         if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= self.rows):
             raise IndexError(f"row index out of range for {self.rows} rows")
         out = torch.empty(rows.numel(), self.cols)
-        k.q_dequant_rows(self.rowptr.data_ptr(), self.qtype, self.cols, rows.data_ptr(),
-                         rows.numel(), out.data_ptr())  # fmt: skip
+        k.q_dequant_rows(tiles, self.qtype, self.cols, rows.data_ptr(), rows.numel(),
+                         out.data_ptr())  # fmt: skip
         return out
 
     def take_rows(self, order: torch.Tensor | np.ndarray) -> QuantWeight:
-        """The rows `order` (int64) of this weight, as a new weight over the same bytes."""
+        """The rows `order` (int64) of this weight, as a new weight over the same bytes
+        (a packed weight's rows are copied out first)."""
         order = torch.as_tensor(np.asarray(order, dtype=np.int64))
         if order.numel() and (int(order.min()) < 0 or int(order.max()) >= self.rows):
             raise IndexError(f"row index out of range for {self.rows} rows")
-        return QuantWeight(None, self.qtype, order.numel(), self.cols,
-                           rowptr=self.rowptr[order], owners=self.owners)  # fmt: skip
+        rowptr, owners = self._row_table()
+        return QuantWeight(None, self.qtype, order.numel(), self.cols, rowptr=rowptr[order],
+                           owners=owners)  # fmt: skip
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
-        """Rows of several weights stacked (one fused QKV or gate+up matrix), no copy."""
+        """Rows of several weights stacked (one fused QKV or gate+up matrix), no copy of
+        weights not yet packed."""
         qtypes = {p.qtype for p in parts}
         cols = {p.cols for p in parts}
         if len(qtypes) != 1 or len(cols) != 1:
             raise ValueError("can only stack quantized weights of one type and width")
-        rowptr = torch.cat([p.rowptr for p in parts])
-        owners = tuple(o for p in parts for o in p.owners)
+        tables = [p._row_table() for p in parts]
+        rowptr = torch.cat([t[0] for t in tables])
+        owners = tuple(o for t in tables for o in t[1])
         return QuantWeight(None, parts[0].qtype, rowptr.numel(), parts[0].cols, rowptr=rowptr,
                            owners=owners)  # fmt: skip
 

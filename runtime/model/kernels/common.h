@@ -1,12 +1,18 @@
 /* Shared by the kernel's sources (qmatmul.c: products; decode.c: the fused decode steps).
  *
- * Weights are GGML blocks exactly as a GGUF file stores them, addressed by row: `rowptr[n]`
- * is the address of row n's K/32 blocks (so a matrix may be rows of a read-only mapping of
- * the file, rows of several tensors stacked, or rows in another order, without a copy):
+ * Weights are GGML blocks, as a GGUF file stores them, one block per 32 weights of a row:
  *   Q8_0 (34 bytes): fp16 d, int8 q[32]             w = d * q
  *   Q4_0 (18 bytes): fp16 d, 16 bytes of nibbles    w = d * (q - 8)
  *   Q4_1 (20 bytes): fp16 d, fp16 m, 16 bytes       w = d * q + m
  * (nibbles: byte j holds weight j in its low half and weight j + 16 in its high half).
+ *
+ * The products read them repacked into tiles of TILE (8) rows (`q_pack`, once at load):
+ * tile t holds rows 8t .. 8t+7, block after block; a tile block is the same bytes as the 8
+ * rows' GGML blocks, reordered: the 8 scales d (fp16), for Q4_1 the 8 offsets m, then the
+ * code bytes as a table of 16-bit units [unit u][row r] (unit u of a row: its code bytes
+ * 2u and 2u + 1). So one 16-byte load holds one unit of all 8 rows: two codes of each
+ * (Q8_0), or for Q4 two codes in the low nibbles and the two 16 further on in the high
+ * ones. Rows past the matrix's end in its last tile are zeros.
  *
  * Activations are quantized per block of 32 to one int16 each: s = max|x| / 32767,
  * v = round(x / s) (half to even), so x = v s to within s / 2 (1.5e-5 of the block's
@@ -17,9 +23,7 @@
  *                                       - 8 d s sum_j v_j for Q4_0).
  *
  * SIMD: AVX2 + FMA + F16C (x86-64-v3) when the compiler targets it, else the same
- * arithmetic in plain C (the portable path, tested against the AVX2 one); with AVX-512
- * (F, BW, VL) too, the one-row product multiplies two blocks per instruction (tested
- * against the AVX2 build).
+ * arithmetic in plain C (the portable path, tested against the AVX2 one).
  */
 #ifndef RADIXLM_KERNEL_COMMON_H
 #define RADIXLM_KERNEL_COMMON_H
@@ -31,14 +35,12 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define QAVX2 1
 #include <immintrin.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define QAVX512 1 /* the one-row product takes two blocks per 512-bit step */
-#endif
 #endif
 
 enum { Q8_0 = 8, Q4_0 = 2, Q4_1 = 3 };
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* KV pool element types */
 #define QK 32
+#define TILE 8 /* weight rows per tile */
 
 static inline int64_t qblock_bytes(int qtype) {
     return qtype == Q8_0 ? 34 : qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : 0;
@@ -87,14 +89,21 @@ static inline int block_code(const uint8_t *blk, int qtype, int j) {
     return qtype == Q4_0 ? q - 8 : q;
 }
 
-/* One activation row quantized for the products (see the top): v [K] int16, and per block
- * b (arrays padded to a multiple of 8 blocks): pair1 = {s, exact sum of x} (Q8_0, Q4_1),
- * pair0 = {s, -8 s sum v} (Q4_0), so that a block's {d, m} (or {d, d}) times its pair
- * gives {d s, offset term} in one multiply. v2 (AVX-512 builds): v again, by pairs of
- * blocks (b, b + 1 for even b) in the order a 512-bit step of two Q4 blocks multiplies:
- * 16 values each of b's first half, b+1's first half, b's second half, b+1's second. */
+/* Tile layout (see the top): bytes of a tile block, where its code units start, how many
+ * 16-bit units of codes a row has per block, and bytes of a matrix of N rows of width K. */
+static inline int64_t tile_block_bytes(int qtype) { return TILE * qblock_bytes(qtype); }
+static inline int64_t tile_codes_at(int qtype) { return qtype == Q4_1 ? 4 * TILE : 2 * TILE; }
+static inline int tile_units(int qtype) { return qtype == Q8_0 ? 16 : 8; }
+static inline int64_t tiled_bytes_of(int qtype, int64_t N, int64_t K) {
+    return (N + TILE - 1) / TILE * (K / QK) * tile_block_bytes(qtype);
+}
+
+/* One activation row quantized for the products: v [K] int16, and per block b (arrays
+ * padded to a multiple of 8 blocks): pair1 = {s, exact sum of x} (Q8_0, Q4_1), pair0 =
+ * {s, -8 s sum v} (Q4_0): a block's d (and its offset factor) times its pair give the
+ * block's scale d s and its offset term. */
 typedef struct {
-    int16_t *v, *v2;
+    int16_t *v;
     float *pair1, *pair0;
 } qact;
 
@@ -102,28 +111,28 @@ static inline int64_t qact_blocks(int64_t K) { return (K / QK + 7) / 8 * 8; }
 
 /* Bytes of scratch one activation row of width K needs (64-byte aligned pieces). */
 static inline int64_t qact_bytes(int64_t K) {
-    return 2 * ((2 * K + 63) / 64 * 64) + 2 * (int64_t)sizeof(float) * 2 * qact_blocks(K) + 64;
+    return (2 * K + 63) / 64 * 64 + 2 * (int64_t)sizeof(float) * 2 * qact_blocks(K) + 64;
 }
 
 static inline qact qact_at(void *scratch, int64_t K) {
     const uintptr_t p = ((uintptr_t)scratch + 63) & ~(uintptr_t)63, vb = (2 * K + 63) / 64 * 64;
     qact a;
     a.v = (int16_t *)p;
-    a.v2 = (int16_t *)(p + vb);
-    a.pair1 = (float *)(p + 2 * vb);
+    a.pair1 = (float *)(p + vb);
     a.pair0 = a.pair1 + 2 * qact_blocks(K);
     return a;
 }
 
 void quantize_act(const float *x, int64_t K, qact *a);
 
-/* y[m, n] for m < M (M activation rows, row stride ldy) and weight rows [n0, n1) (+ bias;
- * added to y with `accumulate`). `tile`: scratch of at least tile_bytes(K) bytes, used
- * when M is large enough for the tiled product. */
-void rows_product(const qact *acts, int64_t M, int64_t K, const int64_t *rowptr, int qtype,
+/* y[m, n] for m < M (M activation rows, row stride ldy) and weight rows [n0, n1) (n0 a
+ * multiple of TILE) of a tiled matrix (+ bias; added to y with `accumulate`). `scratch`:
+ * at least tile_scratch_bytes(K) bytes of the calling thread's, used from a few rows on
+ * (NULL: never). */
+void rows_product(const qact *acts, int64_t M, int64_t K, const uint8_t *tiles, int qtype,
                   int64_t n0, int64_t n1, float *y, int64_t ldy, const float *bias,
-                  int accumulate, void *tile);
-int64_t tile_bytes(int64_t K);
+                  int accumulate, void *scratch);
+int64_t tile_scratch_bytes(int64_t K);
 #define PRODUCT_CHUNK 16 /* output rows of a split's unit (two tiles) */
 void thread_rows(int64_t N, int64_t *n0, int64_t *n1);
 

@@ -22,7 +22,7 @@ import torch
 from radixlm.cache import KVPool
 from radixlm.runtime import cli
 from radixlm.runtime.engine.engine_main import build_engine
-from radixlm.runtime.model import BatchRequest, ForwardBatch, ModelConfig, ModelRunner
+from radixlm.runtime.model import BatchRequest, ForwardBatch, ModelConfig, ModelRunner, qkernel
 from radixlm.runtime.model.loader import quantize_state
 from radixlm.runtime.model.quant import QuantWeight
 from radixlm.runtime.model.weights import load_state_dict
@@ -223,11 +223,9 @@ def test_fused_step_attention_alone_and_split_matches_the_per_op_path(tmp_path, 
     torch.testing.assert_close(fused, per_op, atol=2e-3, rtol=0)
 
 
-def test_fused_steps_are_identical_for_any_thread_count(tmp_path):
-    """Each output of the fused steps is computed by one thread in a fixed order, so the
-    logits are bit-identical for 1, 2 and 5 threads; 5 on this 2-core machine pre-empts
-    threads at the kernel's spin-then-sleep barriers (`team_wait`), whose sleeping path a
-    race would show up in. One-row (short and split attention) and batched steps, 20 each."""
+def _fused_steps_by_threads(tmp_path, thread_counts) -> dict[int, list[torch.Tensor]]:
+    """Logits of 20 fused steps (alternately one row and three rows) of one int4 tiny
+    llama, for each thread count, from the same prompts."""
     model = make_tiny_checkpoint(tmp_path, "llama", seed=6, max_position_embeddings=1024)
     c = ModelConfig.from_dir(model)
     lens = [30, 300, 90]
@@ -253,14 +251,43 @@ def test_fused_steps_are_identical_for_any_thread_count(tmp_path):
     before = torch.get_num_threads()
     try:
         results = {}
-        for threads in (1, 2, 5):
+        for threads in thread_counts:
             torch.set_num_threads(threads)
             results[threads] = steps()
     finally:
         torch.set_num_threads(before)
+    return results
+
+
+def test_fused_steps_are_identical_for_any_thread_count(tmp_path):
+    """Each output of the fused steps is computed by one thread in a fixed order, so the
+    logits are bit-identical for 1, 2 and 5 threads; 5 on this 2-core machine pre-empts
+    threads at the kernel's spin-then-sleep barriers (`team_wait`), whose sleeping path a
+    race would show up in. One-row (short and split attention) and batched steps, 20 each."""
+    results = _fused_steps_by_threads(tmp_path, (1, 2, 5))
     for threads in (2, 5):
         for a, b in zip(results[1], results[threads], strict=True):
             assert torch.equal(a, b), f"{threads} threads differ from 1"
+
+
+def test_stolen_product_rows_are_computed_once(tmp_path, monkeypatch):
+    """The fused steps share a product's rows out by claims, and a thread done with its
+    own takes the others' (decode.c, `par_product`). A kernel built with one chunk of rows
+    a claim (-DCLAIM_BYTES=1; the default claims cover a tiny model's whole product) steals
+    on every product with 3 and 5 threads on 2 cores: a row computed twice would add the
+    residual products (o, down) twice, one skipped would leave it out. Logits bit-identical
+    to the default kernel's on one thread."""
+    reference = _fused_steps_by_threads(tmp_path / "ref", (1,))[1]
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(qkernel, "CFLAGS", (*qkernel.CFLAGS, "-DCLAIM_BYTES=1"))
+    qkernel.kernel.cache_clear()
+    try:
+        results = _fused_steps_by_threads(tmp_path / "claims", (2, 3, 5))
+    finally:
+        qkernel.kernel.cache_clear()
+    for threads, steps in results.items():
+        for a, b in zip(reference, steps, strict=True):
+            assert torch.equal(a, b), f"{threads} threads with one-chunk claims differ"
 
 
 def test_fused_step_with_the_head_folded_in_gives_compute_logits(tmp_path):

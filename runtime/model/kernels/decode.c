@@ -7,7 +7,9 @@
  * parallel region. The matrix products split their rows across the threads; the small
  * vector work between them (norms, RoPE, SiLU, activation quantization) is repeated by
  * every thread on its own copy for one row (cheaper than making the others wait), shared
- * out by rows for several. Attention is split by KV head and chunk of positions, so each
+ * out by rows for several. A product's rows are claimed, each thread its own share first,
+ * then what is left of the others' (`par_product`), so a thread that lost its core does
+ * not hold the step up by its whole share. Attention is split by KV head and chunk of positions, so each
  * K/V row is read (and converted to float) once for the query heads sharing it. The
  * threads meet at `team_wait` (spin briefly, then sleep on a futex), not OpenMP's
  * barrier, whose cost follows OMP_WAIT_POLICY.
@@ -118,14 +120,78 @@ static qmat mat_at(const int64_t *t, int i) {
     return w;
 }
 
-/* Inside a parallel region: y[B, N] (row stride ldy) from B quantized rows, each thread
- * taking its own range of output rows (`thread_rows`), then `bar`. */
+/* ------------------------------------------------------------------------------------------
+ * A product's rows shared out with stealing. Each thread owns a contiguous range of claims
+ * (the static split, so it streams its own weights in order, prefetching ahead) and takes
+ * them one by one from a counter on its own cache line; a thread done with its range takes
+ * what is left of the others'. On a 2-core machine that also runs the frontend and the
+ * client, one thread often loses its core for a while: with a fixed split the other
+ * finished its half and waited at the barrier; now it does the rest.
+ *
+ * Each product uses one of two sets of counters, alternating (`phase`), and a thread resets
+ * its own counter of the other set during it: that set's last users passed the barrier
+ * that ended the previous product, its next ones start after the barrier that ends this one.
+ * ---------------------------------------------------------------------------------------- */
+#define MAX_TEAM 64 /* threads with counters (more: the plain static split) */
+#ifndef CLAIM_BYTES
+/* Weight bytes a claim covers at least: the counter's cost small against the claim's work
+ * on narrow rows (SmolLM2's 576-wide ones). A build with -DCLAIM_BYTES=1 (one chunk a
+ * claim) makes stealing common in the tests' tiny models. */
+#define CLAIM_BYTES 32768
+#endif
+
+typedef struct {
+    _Alignas(64) atomic_long next;
+} claim_counter;
+
+typedef struct {
+    team_bar bar;
+    claim_counter claim[2][MAX_TEAM];
+} team;
+
+typedef struct { /* one thread's own state inside the parallel region */
+    int64_t spin; /* team_wait's spin budget */
+    int phase;    /* products done: which counter set the next one uses */
+} member;
+
+static void team_init(team *tm) {
+    memset(tm, 0, sizeof(*tm));
+}
+
+/* The rows one claim covers: whole chunks, and at least CLAIM_BYTES of weights. */
+static int64_t claim_rows(int64_t K, int qtype) {
+    const int64_t row_bytes = K / QK * qblock_bytes(qtype);
+    int64_t chunks = (CLAIM_BYTES + PRODUCT_CHUNK * row_bytes - 1) / (PRODUCT_CHUNK * row_bytes);
+    return (chunks < 1 ? 1 : chunks) * PRODUCT_CHUNK;
+}
+
+/* Inside a parallel region: y[B, N] (row stride ldy) from B quantized rows, the rows shared
+ * out by claims (above), then the team's barrier. */
 static void par_product(const qact *acts, int64_t B, int64_t K, qmat w, int64_t N, float *y,
-                        int64_t ldy, int accumulate, void *scratch, team_bar *bar, int64_t *spin) {
-    int64_t n0, n1;
-    thread_rows(N, &n0, &n1);
-    rows_product(acts, B, K, w.tiles, w.qtype, n0, n1, y, ldy, w.bias, accumulate, scratch);
-    team_wait(bar, omp_get_num_threads(), spin);
+                        int64_t ldy, int accumulate, void *scratch, team *tm, member *me) {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    if (nt == 1 || nt > MAX_TEAM) {
+        int64_t n0, n1;
+        thread_rows(N, &n0, &n1);
+        rows_product(acts, B, K, w.tiles, w.qtype, n0, n1, y, ldy, w.bias, accumulate, scratch);
+        team_wait(&tm->bar, nt, &me->spin);
+        return;
+    }
+    const int set = me->phase & 1;
+    me->phase++;
+    atomic_store_explicit(&tm->claim[set ^ 1][t].next, 0, memory_order_relaxed);
+    const int64_t rows = claim_rows(K, w.qtype), claims = (N + rows - 1) / rows;
+    for (int k = 0; k < nt; k++) { /* own range first, then the others' leftovers */
+        const int o = (t + k) % nt;
+        const int64_t c0 = claims * o / nt, n_o = claims * (o + 1) / nt - c0;
+        for (;;) {
+            const int64_t i = atomic_fetch_add_explicit(&tm->claim[set][o].next, 1, memory_order_relaxed);
+            if (i >= n_o) break;
+            const int64_t n0 = (c0 + i) * rows, n1 = n0 + rows < N ? n0 + rows : N;
+            rows_product(acts, B, K, w.tiles, w.qtype, n0, n1, y, ldy, w.bias, accumulate, scratch);
+        }
+    }
+    team_wait(&tm->bar, nt, &me->spin);
 }
 
 /* ----------------------------------------------------------------------- vector helpers */
@@ -512,7 +578,8 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
     const int64_t priv_n = private_floats(hidden, nh, nkv, hd, inter);
     const int64_t wide = wide_of(hidden, inter, nh, hd), new_slot = slots[L - 1];
     const int64_t nchunk = (L + ATT_CHUNK - 1) / ATT_CHUNK;
-    team_bar bar = {0, 0, 0};
+    team tm;
+    team_init(&tm);
 
 #pragma omp parallel
     {
@@ -521,7 +588,8 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
         float *att = qk + (nh + nkv) * hd;                         /* [nh * hd] attention out */
         float *kvbuf = att + nh * hd;
         qact a = qact_at(kvbuf + 2 * ATT_CHUNK * hd, wide);
-        int64_t spin = BAR_SPIN_NS, first, last;
+        member me = {BAR_SPIN_NS, 0};
+        int64_t first, last;
         att_span(nkv * nchunk, &first, &last);
         for (int64_t l = 0; l < n_layers; l++) {
             const int64_t *t = table + l * LAYER_FIELDS;
@@ -530,30 +598,30 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
             quantize_act(h, hidden, &a);
             if (first < last) /* this thread's first attention rows */
                 prefetch_item(kp, vp, kvt, slots, L, nkv, hd, first / nchunk, first % nchunk);
-            par_product(&a, 1, hidden, mat_at(t, 0), nqkv, qkv, 0, 0, NULL, &bar, &spin);
+            par_product(&a, 1, hidden, mat_at(t, 0), nqkv, qkv, 0, 0, NULL, &tm, &me);
             for (int64_t i = 0; i < nh + nkv; i++) rope(qkv + i * hd, cos, sin, hd, qk + i * hd);
             const float *k_new = qk + nh * hd, *v_new = qkv + (nh + nkv) * hd;
             decode_attention(qk, k_new, v_new, kp, vp, kvt, slots, L, nh, nkv, hd, scale, parts,
-                             kvbuf, att, &bar, &spin);
+                             kvbuf, att, &tm.bar, &me.spin);
 #pragma omp single nowait
             { /* nobody reads the new slot from the pool in this step */
                 kv_store(kp + new_slot * nkv * hd * es, kvt, k_new, nkv * hd);
                 kv_store(vp + new_slot * nkv * hd * es, kvt, v_new, nkv * hd);
             }
             quantize_act(att, nh * hd, &a);
-            par_product(&a, 1, nh * hd, mat_at(t, 1), hidden, x, 0, 1, NULL, &bar, &spin);
+            par_product(&a, 1, nh * hd, mat_at(t, 1), hidden, x, 0, 1, NULL, &tm, &me);
             rms_norm(x, (const float *)t[1], hidden, eps, h);
             quantize_act(h, hidden, &a);
-            par_product(&a, 1, hidden, mat_at(t, 2), 2 * inter, gu, 0, 0, NULL, &bar, &spin);
+            par_product(&a, 1, hidden, mat_at(t, 2), 2 * inter, gu, 0, 0, NULL, &tm, &me);
             swiglu(gu, gu + inter, inter, h);
             quantize_act(h, inter, &a);
-            par_product(&a, 1, inter, mat_at(t, 3), hidden, x, 0, 1, NULL, &bar, &spin);
+            par_product(&a, 1, inter, mat_at(t, 3), hidden, x, 0, 1, NULL, &tm, &me);
         }
         if (head) {
             const qmat w = {(const uint8_t *)head[1], (int)head[2], NULL};
             rms_norm(x, (const float *)head[0], hidden, eps, h);
             quantize_act(h, hidden, &a);
-            par_product(&a, 1, hidden, w, head[3], logits, 0, 0, NULL, &bar, &spin);
+            par_product(&a, 1, hidden, w, head[3], logits, 0, 0, NULL, &tm, &me);
         }
     }
     return 0;
@@ -620,11 +688,12 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
             }
     }
 
-    team_bar bar = {0, 0, 0};
+    team tm;
+    team_init(&tm);
 
 #pragma omp parallel
     {
-        int64_t spin = BAR_SPIN_NS;
+        member me = {BAR_SPIN_NS, 0};
         const int nt = omp_get_num_threads();
         float *kvbuf = priv0 + (int64_t)omp_get_thread_num() * rows_private_floats(hd, wide);
         void *tile = kvbuf + 2 * ATT_CHUNK * hd; /* a product's unpacked tile */
@@ -636,13 +705,13 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 rms_norm(x + b * hidden, (const float *)t[0], hidden, eps, h + b * wide);
                 quantize_act(h + b * wide, hidden, &acts[b]);
             }
-            team_wait(&bar, nt, &spin);
-            par_product(acts, B, hidden, mat_at(t, 0), nqkv, qkv, nqkv, 0, tile, &bar, &spin);
+            team_wait(&tm.bar, nt, &me.spin);
+            par_product(acts, B, hidden, mat_at(t, 0), nqkv, qkv, nqkv, 0, tile, &tm, &me);
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < B; b++)
                 for (int64_t i = 0; i < nh + nkv; i++)
                     rope(qkv + b * nqkv + i * hd, cos + b * hd, sin + b * hd, hd, qk + b * nqk + i * hd);
-            team_wait(&bar, nt, &spin);
+            team_wait(&tm.bar, nt, &me.spin);
             /* attention items: (row, KV head, chunk); K/V of the new token from the row's copy */
 #pragma omp for schedule(dynamic, 1) nowait
             for (int64_t it = 0; it < items; it++) {
@@ -659,7 +728,7 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                          L, nh, nkv, hd, scale, item_c[it] / nc, item_c[it] % nc, parts + parts_at[b],
                          kvbuf);
             }
-            team_wait(&bar, nt, &spin);
+            team_wait(&tm.bar, nt, &me.spin);
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < B; b++) { /* per row: combine, new K/V into the pool, quantize */
                 const int64_t slot = kv_indices[kv_indptr[b + 1] - 1];
@@ -668,15 +737,15 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 kv_store(vp + slot * nkv * hd * es, kvt, qkv + b * nqkv + nqk, nkv * hd);
                 quantize_act(att + b * nh * hd, nh * hd, &acts[b]);
             }
-            team_wait(&bar, nt, &spin);
-            par_product(acts, B, nh * hd, mat_at(t, 1), hidden, x, hidden, 1, tile, &bar, &spin);
+            team_wait(&tm.bar, nt, &me.spin);
+            par_product(acts, B, nh * hd, mat_at(t, 1), hidden, x, hidden, 1, tile, &tm, &me);
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < B; b++) {
                 rms_norm(x + b * hidden, (const float *)t[1], hidden, eps, h + b * wide);
                 quantize_act(h + b * wide, hidden, &acts[b]);
             }
-            team_wait(&bar, nt, &spin);
-            par_product(acts, B, hidden, mat_at(t, 2), 2 * inter, gu, 2 * inter, 0, tile, &bar, &spin);
+            team_wait(&tm.bar, nt, &me.spin);
+            par_product(acts, B, hidden, mat_at(t, 2), 2 * inter, gu, 2 * inter, 0, tile, &tm, &me);
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < B; b++) {
                 const float *gb = gu + b * 2 * inter;
@@ -684,8 +753,8 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 swiglu(gb, gb + inter, inter, hb);
                 quantize_act(hb, inter, &acts[b]);
             }
-            team_wait(&bar, nt, &spin);
-            par_product(acts, B, inter, mat_at(t, 3), hidden, x, hidden, 1, tile, &bar, &spin);
+            team_wait(&tm.bar, nt, &me.spin);
+            par_product(acts, B, inter, mat_at(t, 3), hidden, x, hidden, 1, tile, &tm, &me);
         }
     }
     return 0;

@@ -18,8 +18,14 @@
  * with one multiply-add per pair of codes. M is at most a decode batch (64 rows: larger
  * products are dequantized and multiplied by torch's float32 GEMM, quant.py). Work is split by
  * chunks of PRODUCT_CHUNK output rows over the OpenMP threads torch uses
- * (torch.set_num_threads governs both); every output is computed by one thread in a fixed
- * order, so results do not depend on the thread count.
+ * (torch.set_num_threads governs both; the fused decode steps share the chunks out by
+ * claims, decode.c); every output is computed by one thread in a fixed order, so results
+ * do not depend on the thread count.
+ *
+ * One activation row (batch-1 decode) sums each block into four integer accumulators (lo
+ * and hi nibbles, even and odd units), so the 16 multiply-adds of a block form four short
+ * chains instead of two long ones: Q4_1 8192 x 2048 from L3, one thread, 25.5 -> 29.1
+ * GB/s on a 2-core AMD EPYC with AVX-512 VNNI (from DRAM unchanged: the bus is the limit).
  */
 #include "common.h"
 #include <omp.h>
@@ -292,14 +298,15 @@ tile_mb(const qact *acts, const int MB, int64_t nb, const uint8_t *tp, const int
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tb = tp + b * tbb;
         for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + TILE_PF_BYTES + o), _MM_HINT_T0);
-        __m256i iacc[TILE_MB][2];
-        for (int i = 0; i < MB; i++) iacc[i][0] = iacc[i][1] = _mm256_setzero_si256();
+        __m256i iacc[TILE_MB][4];
+        for (int i = 0; i < MB; i++) iacc[i][0] = iacc[i][1] = iacc[i][2] = iacc[i][3] = _mm256_setzero_si256();
         if (qtype == Q8_0) {
             for (int u = 0; u < 16; u++) {
                 const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tb + co + 16 * u)));
                 for (int i = 0; i < MB; i++) {
                     const int32_t *xv = (const int32_t *)(acts[i].v + b * QK);
-                    iacc[i][MB == 1 ? u & 1 : 0] = madd_acc(iacc[i][MB == 1 ? u & 1 : 0], w, _mm256_set1_epi32(xv[u]));
+                    const int c = MB == 1 ? (u & 3) : MB == 2 ? (u & 1) : 0; /* chains */
+                    iacc[i][c] = madd_acc(iacc[i][c], w, _mm256_set1_epi32(xv[u]));
                 }
             }
         } else {
@@ -308,8 +315,10 @@ tile_mb(const qact *acts, const int MB, int64_t nb, const uint8_t *tp, const int
                 const __m256i lo = _mm256_and_si256(c, lo4), hi = _mm256_srli_epi16(c, 4);
                 for (int i = 0; i < MB; i++) {
                     const int32_t *xv = (const int32_t *)(acts[i].v + b * QK);
-                    iacc[i][0] = madd_acc(iacc[i][0], lo, _mm256_set1_epi32(xv[u]));
-                    iacc[i][MB == 1] = madd_acc(iacc[i][MB == 1], hi, _mm256_set1_epi32(xv[8 + u]));
+                    /* chains: MB 1, four (lo / hi, even / odd u); MB 2, two (lo / hi) */
+                    const int cl = MB == 1 ? 2 * (u & 1) : 0, ch = MB == 1 ? cl + 1 : MB == 2;
+                    iacc[i][cl] = madd_acc(iacc[i][cl], lo, _mm256_set1_epi32(xv[u]));
+                    iacc[i][ch] = madd_acc(iacc[i][ch], hi, _mm256_set1_epi32(xv[8 + u]));
                 }
             }
         }
@@ -318,7 +327,9 @@ tile_mb(const qact *acts, const int MB, int64_t nb, const uint8_t *tp, const int
         const __m256 m = qtype == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tb + 2 * TILE))) : d;
         for (int i = 0; i < MB; i++) {
             const float *pair = (qtype == Q4_0 ? acts[i].pair0 : acts[i].pair1) + 2 * b;
-            const __m256i sums = MB == 1 ? _mm256_add_epi32(iacc[i][0], iacc[i][1]) : iacc[i][0];
+            const __m256i sums = MB == 1   ? _mm256_add_epi32(_mm256_add_epi32(iacc[i][0], iacc[i][1]), _mm256_add_epi32(iacc[i][2], iacc[i][3]))
+                                 : MB == 2 ? _mm256_add_epi32(iacc[i][0], iacc[i][1])
+                                           : iacc[i][0];
             facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_broadcast_ss(pair)), facc[i]);
             if (qtype != Q8_0) facc[i] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(pair + 1), facc[i]);
         }

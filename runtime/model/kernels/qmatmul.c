@@ -133,18 +133,53 @@ static inline const uint8_t *tile_unit(const uint8_t *tb, int qtype, int r, int 
     return tb + tile_codes_at(qtype) + 2 * (u * TILE + r);
 }
 
-/* One block (`blk`, GGML layout) of row r into tile block `tb`; blk NULL: a zero row. */
-static void pack_block(const uint8_t *blk, int qtype, int r, uint8_t *tb) {
-    const int units = tile_units(qtype), at = qblock_bytes(qtype) - 2 * units;
-    if (blk == NULL) {
-        memset(tb + 2 * r, 0, 2);
-        if (qtype == Q4_1) memset(tb + 2 * TILE + 2 * r, 0, 2);
-        for (int u = 0; u < units; u++) memset((uint8_t *)tile_unit(tb, qtype, r, u), 0, 2);
-        return;
+#if defined(QAVX2)
+/* x[r] (unit j of row r in 16-bit lane j) -> x[j] (unit j of every row, row r in lane r). */
+static inline void transpose8x8_epi16(__m128i x[8]) {
+    __m128i a[8], b[8];
+    for (int i = 0; i < 4; i++) {
+        a[i] = _mm_unpacklo_epi16(x[2 * i], x[2 * i + 1]);
+        a[4 + i] = _mm_unpackhi_epi16(x[2 * i], x[2 * i + 1]);
     }
-    memcpy(tb + 2 * r, blk, 2);
-    if (qtype == Q4_1) memcpy(tb + 2 * TILE + 2 * r, blk + 2, 2);
-    for (int u = 0; u < units; u++) memcpy((uint8_t *)tile_unit(tb, qtype, r, u), blk + at + 2 * u, 2);
+    for (int i = 0; i < 2; i++)
+        for (int h = 0; h < 2; h++) { /* rows 0-3 (i 0) and 4-7 (i 1); units 0-3 (h 0), 4-7 */
+            b[4 * i + 2 * h] = _mm_unpacklo_epi32(a[4 * h + 2 * i], a[4 * h + 2 * i + 1]);
+            b[4 * i + 2 * h + 1] = _mm_unpackhi_epi32(a[4 * h + 2 * i], a[4 * h + 2 * i + 1]);
+        }
+    for (int j = 0; j < 4; j++) {
+        x[2 * j] = _mm_unpacklo_epi64(b[j], b[4 + j]);
+        x[2 * j + 1] = _mm_unpackhi_epi64(b[j], b[4 + j]);
+    }
+}
+#endif
+
+/* One tile block `tb` from the GGML blocks of its 8 rows (blk[r]; NULL: a zero row). */
+static void pack_tile_block(const uint8_t *const blk[TILE], int qtype, uint8_t *tb) {
+    const int units = tile_units(qtype), at = qblock_bytes(qtype) - 2 * units;
+    for (int r = 0; r < TILE; r++) {
+        if (blk[r]) memcpy(tb + 2 * r, blk[r], 2);
+        else memset(tb + 2 * r, 0, 2);
+        if (qtype == Q4_1) {
+            if (blk[r]) memcpy(tb + 2 * TILE + 2 * r, blk[r] + 2, 2);
+            else memset(tb + 2 * TILE + 2 * r, 0, 2);
+        }
+    }
+#if defined(QAVX2)
+    for (int g = 0; g < units; g += 8) { /* 8 units of 8 rows: one 8 x 8 transpose */
+        __m128i x[8];
+        for (int r = 0; r < TILE; r++)
+            x[r] = blk[r] ? _mm_loadu_si128((const __m128i *)(blk[r] + at + 2 * g)) : _mm_setzero_si128();
+        transpose8x8_epi16(x);
+        for (int u = 0; u < 8; u++) _mm_storeu_si128((__m128i *)tile_unit(tb, qtype, 0, g + u), x[u]);
+    }
+#else
+    for (int r = 0; r < TILE; r++)
+        for (int u = 0; u < units; u++) {
+            uint8_t *dst = (uint8_t *)tile_unit(tb, qtype, r, u);
+            if (blk[r]) memcpy(dst, blk[r] + at + 2 * u, 2);
+            else memset(dst, 0, 2);
+        }
+#endif
 }
 
 /* Row r's block from tile block `tb`, back in GGML's layout. */
@@ -163,11 +198,12 @@ void q_pack(const int64_t *rowptr, int qtype, int64_t K, int64_t N, uint8_t *out
     const int64_t tiles = (N + TILE - 1) / TILE;
 #pragma omp parallel for schedule(static) if (N * K >= 1 << 20)
     for (int64_t t = 0; t < tiles; t++) {
-        for (int r = 0; r < TILE; r++) {
-            const int64_t n = t * TILE + r;
-            const uint8_t *row = n < N ? (const uint8_t *)rowptr[n] : NULL;
-            for (int64_t b = 0; b < nb; b++)
-                pack_block(row ? row + b * bb : NULL, qtype, r, out + (t * nb + b) * tbb);
+        const uint8_t *row[TILE];
+        for (int r = 0; r < TILE; r++) row[r] = t * TILE + r < N ? (const uint8_t *)rowptr[t * TILE + r] : NULL;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk[TILE];
+            for (int r = 0; r < TILE; r++) blk[r] = row[r] ? row[r] + b * bb : NULL;
+            pack_tile_block(blk, qtype, out + (t * nb + b) * tbb);
         }
     }
 }

@@ -215,7 +215,7 @@ def kernel_product(kern: qkernel.Kernel, x: torch.Tensor, w: QuantWeight) -> tor
     rowptr = rows.data_ptr() + torch.arange(n, dtype=torch.int64) * w.row_bytes
     kern.q_pack(rowptr.data_ptr(), w.qtype, cols, n, tiles.data_ptr())
     out = torch.empty(m, n)
-    scratch = torch.empty(kern.q_matmul_scratch_bytes(m, cols, torch.get_num_threads()), dtype=torch.uint8)
+    scratch = torch.empty(kern.q_matmul_scratch_bytes(m, cols), dtype=torch.uint8)
     kern.q_matmul(x.data_ptr(), m, cols, cols, tiles.data_ptr(), w.qtype, n, out.data_ptr(), n,
                   None, 0, scratch.data_ptr())  # fmt: skip
     return out

@@ -102,7 +102,7 @@ class Kernel:
 
         # products and dequantization read a matrix as tiles of 8 rows (q_pack, once)
         self.q_matmul = fn("q_matmul", [vp, i64, i64, i64, vp, c_int, i64, vp, i64, vp, c_int, vp])
-        self.q_matmul_scratch_bytes = fn("q_matmul_scratch_bytes", [i64, i64, i64], i64)
+        self.q_matmul_scratch_bytes = fn("q_matmul_scratch_bytes", [i64, i64], i64)
         self.q_tiled_bytes = fn("q_tiled_bytes", [c_int, i64, i64], i64)
         self.q_pack = fn("q_pack", [vp, c_int, i64, i64, vp])
         self.q_unpack_rows = fn("q_unpack_rows", [vp, c_int, i64, i64, vp])

@@ -171,7 +171,7 @@ class QuantWeight:
         if out is None:
             out = x.new_empty(m, self.rows)
         k = kernel()
-        need = k.q_matmul_scratch_bytes(m, self.cols, torch.get_num_threads())
+        need = k.q_matmul_scratch_bytes(m, self.cols)
         if self._scratch.numel() < need:  # per weight: calls on one weight never overlap
             self._scratch = torch.empty(need, dtype=torch.uint8)
         k.q_matmul(

@@ -126,13 +126,10 @@ static inline qact qact_at(void *scratch, int64_t K) {
 void quantize_act(const float *x, int64_t K, qact *a);
 
 /* y[m, n] for m < M (M activation rows, row stride ldy) and weight rows [n0, n1) (n0 a
- * multiple of TILE) of a tiled matrix (+ bias; added to y with `accumulate`). `scratch`:
- * at least tile_scratch_bytes(K) bytes of the calling thread's, used from a few rows on
- * (NULL: never). */
+ * multiple of TILE) of a tiled matrix (+ bias; added to y with `accumulate`). */
 void rows_product(const qact *acts, int64_t M, int64_t K, const uint8_t *tiles, int qtype,
                   int64_t n0, int64_t n1, float *y, int64_t ldy, const float *bias,
-                  int accumulate, void *scratch);
-int64_t tile_scratch_bytes(int64_t K);
+                  int accumulate);
 #define PRODUCT_CHUNK 16 /* output rows of a split's unit (two tiles) */
 void thread_rows(int64_t N, int64_t *n0, int64_t *n1);
 

@@ -168,12 +168,12 @@ static int64_t claim_rows(int64_t K, int qtype) {
 /* Inside a parallel region: y[B, N] (row stride ldy) from B quantized rows, the rows shared
  * out by claims (above), then the team's barrier. */
 static void par_product(const qact *acts, int64_t B, int64_t K, qmat w, int64_t N, float *y,
-                        int64_t ldy, int accumulate, void *scratch, team *tm, member *me) {
+                        int64_t ldy, int accumulate, team *tm, member *me) {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     if (nt == 1 || nt > MAX_TEAM) {
         int64_t n0, n1;
         thread_rows(N, &n0, &n1);
-        rows_product(acts, B, K, w.tiles, w.qtype, n0, n1, y, ldy, w.bias, accumulate, scratch);
+        rows_product(acts, B, K, w.tiles, w.qtype, n0, n1, y, ldy, w.bias, accumulate);
         team_wait(&tm->bar, nt, &me->spin);
         return;
     }
@@ -188,7 +188,7 @@ static void par_product(const qact *acts, int64_t B, int64_t K, qmat w, int64_t 
             const int64_t i = atomic_fetch_add_explicit(&tm->claim[set][o].next, 1, memory_order_relaxed);
             if (i >= n_o) break;
             const int64_t n0 = (c0 + i) * rows, n1 = n0 + rows < N ? n0 + rows : N;
-            rows_product(acts, B, K, w.tiles, w.qtype, n0, n1, y, ldy, w.bias, accumulate, scratch);
+            rows_product(acts, B, K, w.tiles, w.qtype, n0, n1, y, ldy, w.bias, accumulate);
         }
     }
     team_wait(&tm->bar, nt, &me->spin);
@@ -598,7 +598,7 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
             quantize_act(h, hidden, &a);
             if (first < last) /* this thread's first attention rows */
                 prefetch_item(kp, vp, kvt, slots, L, nkv, hd, first / nchunk, first % nchunk);
-            par_product(&a, 1, hidden, mat_at(t, 0), nqkv, qkv, 0, 0, NULL, &tm, &me);
+            par_product(&a, 1, hidden, mat_at(t, 0), nqkv, qkv, 0, 0, &tm, &me);
             for (int64_t i = 0; i < nh + nkv; i++) rope(qkv + i * hd, cos, sin, hd, qk + i * hd);
             const float *k_new = qk + nh * hd, *v_new = qkv + (nh + nkv) * hd;
             decode_attention(qk, k_new, v_new, kp, vp, kvt, slots, L, nh, nkv, hd, scale, parts,
@@ -609,19 +609,19 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
                 kv_store(vp + new_slot * nkv * hd * es, kvt, v_new, nkv * hd);
             }
             quantize_act(att, nh * hd, &a);
-            par_product(&a, 1, nh * hd, mat_at(t, 1), hidden, x, 0, 1, NULL, &tm, &me);
+            par_product(&a, 1, nh * hd, mat_at(t, 1), hidden, x, 0, 1, &tm, &me);
             rms_norm(x, (const float *)t[1], hidden, eps, h);
             quantize_act(h, hidden, &a);
-            par_product(&a, 1, hidden, mat_at(t, 2), 2 * inter, gu, 0, 0, NULL, &tm, &me);
+            par_product(&a, 1, hidden, mat_at(t, 2), 2 * inter, gu, 0, 0, &tm, &me);
             swiglu(gu, gu + inter, inter, h);
             quantize_act(h, inter, &a);
-            par_product(&a, 1, inter, mat_at(t, 3), hidden, x, 0, 1, NULL, &tm, &me);
+            par_product(&a, 1, inter, mat_at(t, 3), hidden, x, 0, 1, &tm, &me);
         }
         if (head) {
             const qmat w = {(const uint8_t *)head[1], (int)head[2], NULL};
             rms_norm(x, (const float *)head[0], hidden, eps, h);
             quantize_act(h, hidden, &a);
-            par_product(&a, 1, hidden, w, head[3], logits, 0, 0, NULL, &tm, &me);
+            par_product(&a, 1, hidden, w, head[3], logits, 0, 0, &tm, &me);
         }
     }
     return 0;
@@ -630,8 +630,8 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
 /* ------------------------------------------------------------------------------------------
  * decode_rows: B >= 2 requests with one new token each, all layers in one call. As
  * decode_layers, with the rows' small work shared out by rows, the products taking all rows
- * per pass over the weights (the tiled product from a few rows on), and attention split
- * into (row, KV head, chunk of positions) items. x: [B, hidden], updated in place; cos /
+ * per pass over the weights, and attention split into (row, KV head, chunk of positions)
+ * items. x: [B, hidden], updated in place; cos /
  * sin: [B, hd]; the rows' pool slots: kv_indices[kv_indptr[b] : kv_indptr[b + 1]], the
  * new token's last. work: at least decode_rows_work_floats(...) floats.
  * ---------------------------------------------------------------------------------------- */
@@ -642,8 +642,8 @@ static int64_t rows_items(int64_t B, const int64_t *kv_indptr, int64_t nkv) {
     return n;
 }
 
-static int64_t rows_private_floats(int64_t hd, int64_t wide) {
-    return 2 * ATT_CHUNK * hd + tile_scratch_bytes(wide) / (int64_t)sizeof(float) + 32;
+static int64_t rows_private_floats(int64_t hd) {
+    return 2 * ATT_CHUNK * hd + 32;
 }
 
 int64_t decode_rows_work_floats(int64_t B, int64_t hidden, int64_t nh, int64_t nkv, int64_t hd,
@@ -652,7 +652,7 @@ int64_t decode_rows_work_floats(int64_t B, int64_t hidden, int64_t nh, int64_t n
     return B * ((nh + 2 * nkv) * hd + (nh + nkv) * hd + nh * hd + 2 * inter + wide +
                 qact_bytes(wide) / (int64_t)sizeof(float) + 16) +
            items / nkv * nh * (hd + 2) + 2 * items + 2 * B + 64 +
-           (int64_t)omp_get_max_threads() * rows_private_floats(hd, wide);
+           (int64_t)omp_get_max_threads() * rows_private_floats(hd);
 }
 
 int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int64_t *table,
@@ -695,8 +695,7 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
     {
         member me = {BAR_SPIN_NS, 0};
         const int nt = omp_get_num_threads();
-        float *kvbuf = priv0 + (int64_t)omp_get_thread_num() * rows_private_floats(hd, wide);
-        void *tile = kvbuf + 2 * ATT_CHUNK * hd; /* a product's unpacked tile */
+        float *kvbuf = priv0 + (int64_t)omp_get_thread_num() * rows_private_floats(hd);
         for (int64_t l = 0; l < n_layers; l++) {
             const int64_t *t = table + l * LAYER_FIELDS;
             char *kp = (char *)kv_ptrs[2 * l], *vp = (char *)kv_ptrs[2 * l + 1];
@@ -706,7 +705,7 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 quantize_act(h + b * wide, hidden, &acts[b]);
             }
             team_wait(&tm.bar, nt, &me.spin);
-            par_product(acts, B, hidden, mat_at(t, 0), nqkv, qkv, nqkv, 0, tile, &tm, &me);
+            par_product(acts, B, hidden, mat_at(t, 0), nqkv, qkv, nqkv, 0, &tm, &me);
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < B; b++)
                 for (int64_t i = 0; i < nh + nkv; i++)
@@ -738,14 +737,14 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 quantize_act(att + b * nh * hd, nh * hd, &acts[b]);
             }
             team_wait(&tm.bar, nt, &me.spin);
-            par_product(acts, B, nh * hd, mat_at(t, 1), hidden, x, hidden, 1, tile, &tm, &me);
+            par_product(acts, B, nh * hd, mat_at(t, 1), hidden, x, hidden, 1, &tm, &me);
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < B; b++) {
                 rms_norm(x + b * hidden, (const float *)t[1], hidden, eps, h + b * wide);
                 quantize_act(h + b * wide, hidden, &acts[b]);
             }
             team_wait(&tm.bar, nt, &me.spin);
-            par_product(acts, B, hidden, mat_at(t, 2), 2 * inter, gu, 2 * inter, 0, tile, &tm, &me);
+            par_product(acts, B, hidden, mat_at(t, 2), 2 * inter, gu, 2 * inter, 0, &tm, &me);
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < B; b++) {
                 const float *gb = gu + b * 2 * inter;
@@ -754,7 +753,7 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 quantize_act(hb, inter, &acts[b]);
             }
             team_wait(&tm.bar, nt, &me.spin);
-            par_product(acts, B, inter, mat_at(t, 3), hidden, x, hidden, 1, tile, &tm, &me);
+            par_product(acts, B, inter, mat_at(t, 3), hidden, x, hidden, 1, &tm, &me);
         }
     }
     return 0;

@@ -12,10 +12,12 @@
  * a batch-1 decode step: measured on a 2-core EPYC (Zen 3, AVX2), Q4_1 rows 2048 wide from
  * DRAM, 2 threads: 19.4 GB/s in the row layout, 24.5 GB/s tiled (a torch.sum: 24.2).
  *
- * Every product streams the weights once and multiplies each tile by all M activation rows:
- * up to 4 at a time straight from the tile's bytes, or, from SWEEP_MIN_M rows on (batched
- * decode), the tile unpacked once into 16-bit codes in L1/L2 and swept by 6 rows at a time
- * with one multiply-add per pair of codes. M is at most a decode batch (64 rows: larger
+ * Every product streams the weights once and multiplies each tile by all M activation rows,
+ * 4 at a time straight from the tile's bytes (the tile stays in L1/L2 between passes). An
+ * earlier path unpacked each tile to 16-bit codes once and swept it with 6 rows at a time:
+ * on a 2-core EPYC with AVX-512 VNNI the passes were faster at every batch from 8 to 64
+ * (SmolLM2 fused batched decode, batch 8: 467-486 vs 252-305 tok/s; 64: 463-475 vs 334-453),
+ * the unpacked tile (512 bytes a block) spilling out of L1. M is at most a decode batch (64 rows: larger
  * products are dequantized and multiplied by torch's float32 GEMM, quant.py). Work is split by
  * chunks of PRODUCT_CHUNK output rows over the OpenMP threads torch uses
  * (torch.set_num_threads governs both; the fused decode steps share the chunks out by
@@ -33,8 +35,6 @@
 #ifndef TILE_MB
 #define TILE_MB 4 /* activation rows per pass over a streamed tile */
 #endif
-#define SWEEP_MIN_M 8 /* activation rows from which each tile is unpacked once, then swept */
-#define SWEEP_MB 6    /* activation rows per sweep of an unpacked tile (registers: 2 per row) */
 #ifndef TILE_PF_BYTES
 /* How far ahead of its reads a product prefetches, in its own stream of tiles. On a 2-core
  * EPYC (Zen 3, Q4_1 tiles from DRAM) 1 KB gave 2 threads 22.7 GB/s, 2 KB 24.5, 4 KB 22.4:
@@ -385,108 +385,8 @@ tile_mb(const qact *acts, const int MB, int64_t nb, const uint8_t *tp, const int
     }
 }
 
-/* Tile t's codes unpacked once into 16-bit pairs, wt[((b * 16 + p) * 8 + r) * 2 + e] = code
- * 2p + e of row r (Q4_0's minus 8), and its scales dt[b * 8 + r] and offsets mt[b * 8 + r]
- * (Q4_1) as floats: what `sweep_mb` reads for every activation row. */
-static inline __attribute__((always_inline)) void
-tile_unpack(const uint8_t *tp, const int qtype, int64_t nb, int16_t *wt, float *dt, float *mt) {
-    const int64_t tbb = tile_block_bytes(qtype), co = tile_codes_at(qtype);
-    const __m256i lo4 = _mm256_set1_epi16(0xf), z = _mm256_set1_epi16(qtype == Q4_0 ? 8 : 0);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *tb = tp + b * tbb;
-        __m256i *out = (__m256i *)(wt + b * 256);
-        if (qtype == Q8_0) {
-            for (int u = 0; u < 16; u++)
-                _mm256_store_si256(out + u, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tb + co + 16 * u))));
-        } else {
-            for (int u = 0; u < 8; u++) {
-                const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(tb + co + 16 * u)));
-                _mm256_store_si256(out + u, _mm256_sub_epi16(_mm256_and_si256(c, lo4), z));
-                _mm256_store_si256(out + 8 + u, _mm256_sub_epi16(_mm256_srli_epi16(c, 4), z));
-            }
-        }
-        _mm256_store_ps(dt + b * 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tb)));
-        if (qtype == Q4_1) _mm256_store_ps(mt + b * 8, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tb + 2 * TILE))));
-    }
-}
-
-/* y[i][n0 .. n0 + rows) for MB activation rows (MB a constant) from an unpacked tile: one
- * load of 8 rows' code pair and, per activation row, one broadcast and one multiply-add
- * (the tile read from L1/L2; Q4_0's codes signed already, so no offset but Q4_1's). */
-static inline __attribute__((always_inline)) void
-sweep_mb(const qact *acts, const int MB, int64_t nb, int with_m, const int16_t *wt,
-         const float *dt, const float *mt, int64_t n0, int rows, float *y, int64_t ldy,
-         const float *bias, int accumulate) {
-    __m256 facc[SWEEP_MB];
-    for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i iacc[SWEEP_MB];
-        for (int i = 0; i < MB; i++) iacc[i] = _mm256_setzero_si256();
-        const __m256i *w = (const __m256i *)(wt + b * 256);
-        const float *xs[SWEEP_MB];
-        for (int i = 0; i < MB; i++) xs[i] = (const float *)(acts[i].v + b * QK);
-        for (int p = 0; p < 16; p++) {
-            const __m256i wv = _mm256_load_si256(w + p);
-            for (int i = 0; i < MB; i++) {
-                /* vbroadcastss: a load-port broadcast (vpbroadcastd also takes a shuffle) */
-                const __m256i xv = _mm256_castps_si256(_mm256_broadcast_ss(xs[i] + p));
-                iacc[i] = madd_acc(iacc[i], wv, xv);
-                /* keeps the sums a chain: otherwise gcc reassociates them into a tree of
-                 * 16 * MB live products and spills them */
-                __asm__("" : "+x"(iacc[i]));
-            }
-        }
-        const __m256 dv = _mm256_load_ps(dt + b * 8);
-        for (int i = 0; i < MB; i++) {
-            const __m256 sc = _mm256_mul_ps(dv, _mm256_broadcast_ss(acts[i].pair1 + 2 * b));
-            facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[i]), sc, facc[i]);
-        }
-        if (with_m) {
-            const __m256 mv = _mm256_load_ps(mt + b * 8);
-            for (int i = 0; i < MB; i++)
-                facc[i] = _mm256_fmadd_ps(mv, _mm256_broadcast_ss(acts[i].pair1 + 2 * b + 1), facc[i]);
-        }
-    }
-    for (int i = 0; i < MB; i++) {
-        float out[8];
-        _mm256_storeu_ps(out, facc[i]);
-        float *yr = y + i * ldy + n0;
-        for (int r = 0; r < rows; r++) {
-            const float v = out[r] + (bias ? bias[n0 + r] : 0.0f);
-            yr[r] = accumulate ? yr[r] + v : v;
-        }
-    }
-}
-
-/* M >= SWEEP_MIN_M rows: each tile unpacked once into `scratch` (tile_scratch_bytes(K)),
- * then swept by SWEEP_MB activation rows at a time. */
-static inline __attribute__((always_inline)) void
-tiles_swept(const qact *acts, int64_t M, int64_t nb, const uint8_t *tiles, const int qtype,
-            int64_t n0, int64_t n1, float *y, int64_t ldy, const float *bias, int accumulate,
-            void *scratch) {
-    const int64_t tbb = tile_block_bytes(qtype);
-    const uintptr_t base = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
-    int16_t *wt = (int16_t *)base;
-    float *dt = (float *)(base + nb * 512), *mt = dt + nb * 8;
-    const int with_m = qtype == Q4_1;
-    for (int64_t t = n0 / TILE; t * TILE < n1; t++) {
-        const int rows = n1 - t * TILE < TILE ? (int)(n1 - t * TILE) : TILE;
-        tile_unpack(tiles + t * nb * tbb, qtype, nb, wt, dt, mt);
-        int64_t i = 0;
-        for (; i + SWEEP_MB <= M; i += SWEEP_MB)
-            sweep_mb(acts + i, SWEEP_MB, nb, with_m, wt, dt, mt, t * TILE, rows, y + i * ldy, ldy, bias, accumulate);
-        switch (M - i) {
-        case 5: sweep_mb(acts + i, 5, nb, with_m, wt, dt, mt, t * TILE, rows, y + i * ldy, ldy, bias, accumulate); break;
-        case 4: sweep_mb(acts + i, 4, nb, with_m, wt, dt, mt, t * TILE, rows, y + i * ldy, ldy, bias, accumulate); break;
-        case 3: sweep_mb(acts + i, 3, nb, with_m, wt, dt, mt, t * TILE, rows, y + i * ldy, ldy, bias, accumulate); break;
-        case 2: sweep_mb(acts + i, 2, nb, with_m, wt, dt, mt, t * TILE, rows, y + i * ldy, ldy, bias, accumulate); break;
-        case 1: sweep_mb(acts + i, 1, nb, with_m, wt, dt, mt, t * TILE, rows, y + i * ldy, ldy, bias, accumulate); break;
-        default: break;
-        }
-    }
-}
-
-/* M < SWEEP_MIN_M rows: each tile streamed once, TILE_MB activation rows a pass. */
+/* Each tile streamed once, TILE_MB activation rows a pass (the tile stays in L1/L2 between
+ * passes). */
 static inline __attribute__((always_inline)) void
 tiles_q(const qact *acts, int64_t M, int64_t nb, const uint8_t *tiles, const int qtype, int64_t n0,
         int64_t n1, float *y, int64_t ldy, const float *bias, int accumulate) {
@@ -507,29 +407,18 @@ tiles_q(const qact *acts, int64_t M, int64_t nb, const uint8_t *tiles, const int
 }
 #endif
 
-int64_t tile_scratch_bytes(int64_t K) { return K / QK * (512 + 64) + 64; }
-
 /* y[m, n] for m < M, n in [n0, n1) (n0 a multiple of TILE). */
 void rows_product(const qact *acts, int64_t M, int64_t K, const uint8_t *tiles, int qtype,
                   int64_t n0, int64_t n1, float *y, int64_t ldy, const float *bias,
-                  int accumulate, void *scratch) {
+                  int accumulate) {
     const int64_t nb = K / QK;
 #if defined(QAVX2)
-    if (M >= SWEEP_MIN_M && scratch != NULL) {
-        switch (qtype) { /* qtype a constant inside each: the block decoding is branch-free */
-        case Q4_1: tiles_swept(acts, M, nb, tiles, Q4_1, n0, n1, y, ldy, bias, accumulate, scratch); break;
-        case Q4_0: tiles_swept(acts, M, nb, tiles, Q4_0, n0, n1, y, ldy, bias, accumulate, scratch); break;
-        default: tiles_swept(acts, M, nb, tiles, Q8_0, n0, n1, y, ldy, bias, accumulate, scratch); break;
-        }
-        return;
-    }
-    switch (qtype) {
+    switch (qtype) { /* qtype a constant inside each: the block decoding is branch-free */
     case Q4_1: tiles_q(acts, M, nb, tiles, Q4_1, n0, n1, y, ldy, bias, accumulate); break;
     case Q4_0: tiles_q(acts, M, nb, tiles, Q4_0, n0, n1, y, ldy, bias, accumulate); break;
     default: tiles_q(acts, M, nb, tiles, Q8_0, n0, n1, y, ldy, bias, accumulate); break;
     }
 #else
-    (void)scratch;
     tiles_scalar(acts, M, nb, tiles, qtype, n0, n1, y, ldy, bias, accumulate);
 #endif
 }
@@ -548,19 +437,18 @@ void thread_rows(int64_t N, int64_t *n0, int64_t *n1) {
     *n1 = c1 * PRODUCT_CHUNK < N ? c1 * PRODUCT_CHUNK : N;
 }
 
-/* Bytes of `scratch` q_matmul needs for M activation rows of width K on `threads` threads. */
-int64_t q_matmul_scratch_bytes(int64_t M, int64_t K, int64_t threads) {
-    return M * ((int64_t)sizeof(qact) + qact_bytes(K)) + threads * tile_scratch_bytes(K) + 128;
+/* Bytes of `scratch` q_matmul needs for M activation rows of width K. */
+int64_t q_matmul_scratch_bytes(int64_t M, int64_t K) {
+    return M * ((int64_t)sizeof(qact) + qact_bytes(K)) + 128;
 }
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W[N, K]^T (+ bias[N]), W as tiles
  * (q_pack); with accumulate, added to y instead (a residual add folded in). `scratch`: at
- * least q_matmul_scratch_bytes(M, K, threads) bytes. */
+ * least q_matmul_scratch_bytes(M, K) bytes. */
 void q_matmul(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *tiles, int qtype,
               int64_t N, float *y, int64_t ldy, const float *bias, int accumulate, void *scratch) {
     qact *acts = (qact *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     char *bufs = (char *)(acts + M);
-    char *tiles_scratch = bufs + M * qact_bytes(K);
     const int par = N * K * M >= 65536;
 #pragma omp parallel if (par)
     {
@@ -571,7 +459,6 @@ void q_matmul(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *
         }
         int64_t n0, n1;
         thread_rows(N, &n0, &n1);
-        rows_product(acts, M, K, tiles, qtype, n0, n1, y, ldy, bias, accumulate,
-                     tiles_scratch + (int64_t)omp_get_thread_num() * tile_scratch_bytes(K));
+        rows_product(acts, M, K, tiles, qtype, n0, n1, y, ldy, bias, accumulate);
     }
 }

@@ -9,10 +9,10 @@
  * every thread on its own copy for one row (cheaper than making the others wait), shared
  * out by rows for several. A product's rows are claimed, each thread its own share first,
  * then what is left of the others' (`par_product`), so a thread that lost its core does
- * not hold the step up by its whole share. Attention is split by KV head and chunk of positions, so each
- * K/V row is read (and converted to float) once for the query heads sharing it. The
- * threads meet at `team_wait` (spin briefly, then sleep on a futex), not OpenMP's
- * barrier, whose cost follows OMP_WAIT_POLICY.
+ * not hold the step up by its whole share. Attention is split by KV head and chunk of
+ * positions, so each K/V row is read (and converted to float) once for the query heads
+ * sharing it. The threads meet at `team_wait` (spin briefly, then sleep on a futex), not
+ * OpenMP's barrier, whose cost follows OMP_WAIT_POLICY.
  *
  * Per layer, `table` holds LAYER_FIELDS int64 values (pointers as integers, 0 = absent):
  *   in_norm, post_norm, then for each of qkv, o, gate_up, down: tiles (q_pack), qtype, bias

@@ -16,13 +16,13 @@
  * 4 at a time straight from the tile's bytes (the tile stays in L1/L2 between passes). An
  * earlier path unpacked each tile to 16-bit codes once and swept it with 6 rows at a time:
  * on a 2-core EPYC with AVX-512 VNNI the passes were faster at every batch from 8 to 64
- * (SmolLM2 fused batched decode, batch 8: 467-486 vs 252-305 tok/s; 64: 463-475 vs 334-453),
- * the unpacked tile (512 bytes a block) spilling out of L1. M is at most a decode batch (64 rows: larger
- * products are dequantized and multiplied by torch's float32 GEMM, quant.py). Work is split by
- * chunks of PRODUCT_CHUNK output rows over the OpenMP threads torch uses
- * (torch.set_num_threads governs both; the fused decode steps share the chunks out by
- * claims, decode.c); every output is computed by one thread in a fixed order, so results
- * do not depend on the thread count.
+ * (SmolLM2 fused batched decode, batch 8: 467-486 vs 252-305 tok/s; 64: 463-475 vs
+ * 334-453), the unpacked tile (512 bytes a block) spilling out of L1. M is at most a decode
+ * batch (64 rows: larger products are dequantized and multiplied by torch's float32 GEMM,
+ * quant.py). Work is split by chunks of PRODUCT_CHUNK output rows over the OpenMP threads
+ * torch uses (torch.set_num_threads governs both; the fused decode steps share the chunks
+ * out by claims, decode.c); every output is computed by one thread in a fixed order, so
+ * results do not depend on the thread count.
  *
  * One activation row (batch-1 decode) sums each block into four integer accumulators (lo
  * and hi nibbles, even and odd units), so the 16 multiply-adds of a block form four short
@@ -155,30 +155,24 @@ static inline void transpose8x8_epi16(__m128i x[8]) {
 
 /* One tile block `tb` from the GGML blocks of its 8 rows (blk[r]; NULL: a zero row). */
 static void pack_tile_block(const uint8_t *const blk[TILE], int qtype, uint8_t *tb) {
+    static const uint8_t zero[34]; /* a block of zeros, as long as the longest (Q8_0) */
     const int units = tile_units(qtype), at = qblock_bytes(qtype) - 2 * units;
+    const uint8_t *src[TILE];
     for (int r = 0; r < TILE; r++) {
-        if (blk[r]) memcpy(tb + 2 * r, blk[r], 2);
-        else memset(tb + 2 * r, 0, 2);
-        if (qtype == Q4_1) {
-            if (blk[r]) memcpy(tb + 2 * TILE + 2 * r, blk[r] + 2, 2);
-            else memset(tb + 2 * TILE + 2 * r, 0, 2);
-        }
+        src[r] = blk[r] ? blk[r] : zero;
+        memcpy(tb + 2 * r, src[r], 2);
+        if (qtype == Q4_1) memcpy(tb + 2 * TILE + 2 * r, src[r] + 2, 2);
     }
 #if defined(QAVX2)
     for (int g = 0; g < units; g += 8) { /* 8 units of 8 rows: one 8 x 8 transpose */
         __m128i x[8];
-        for (int r = 0; r < TILE; r++)
-            x[r] = blk[r] ? _mm_loadu_si128((const __m128i *)(blk[r] + at + 2 * g)) : _mm_setzero_si128();
+        for (int r = 0; r < TILE; r++) x[r] = _mm_loadu_si128((const __m128i *)(src[r] + at + 2 * g));
         transpose8x8_epi16(x);
         for (int u = 0; u < 8; u++) _mm_storeu_si128((__m128i *)tile_unit(tb, qtype, 0, g + u), x[u]);
     }
 #else
     for (int r = 0; r < TILE; r++)
-        for (int u = 0; u < units; u++) {
-            uint8_t *dst = (uint8_t *)tile_unit(tb, qtype, r, u);
-            if (blk[r]) memcpy(dst, blk[r] + at + 2 * u, 2);
-            else memset(dst, 0, 2);
-        }
+        for (int u = 0; u < units; u++) memcpy((uint8_t *)tile_unit(tb, qtype, r, u), src[r] + at + 2 * u, 2);
 #endif
 }
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,17 @@ from radixlm.runtime.rules import RequestError
 log = logging.getLogger(__name__)
 
 Reply = Callable[[bytes, Struct], None]
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A reply held until its state-directory write is committed: the writer thread
+    posts it into the loop's queue (`SessionController.post`), and the scheduler answers
+    with `make_reply(saved)` on its own thread (saved: the write succeeded)."""
+
+    client: bytes
+    write: Future[None]
+    make_reply: Callable[[bool], Struct]
 
 
 @dataclass(eq=False)
@@ -174,6 +186,9 @@ class SessionController:
     def __init__(self, manager: SessionManager | None, reply: Reply) -> None:
         self.manager = manager
         self._reply = reply
+        # How a committed write reaches the loop (the serving loop's queue); None: wait
+        # for the commit where the reply is made (no loop: tests, tools).
+        self.post: Callable[[object], None] | None = None
         self.held = HeldMessages()
         self.defer = self.held.defer  # (called for every inbound message)
         self.take_ready = self.held.take_ready  # (called after every step and message)
@@ -187,6 +202,26 @@ class SessionController:
     @staticmethod
     def session_of(g: RequestGroup) -> str | None:
         return g.turn.session if g.turn is not None else None
+
+    def reply_when_saved(self, client: bytes, write: Future[None] | None,
+                         make_reply: Callable[[bool], Struct]) -> None:
+        """Answer once `write` is committed (at once without one): a durable reply is
+        sent only after what it acknowledges is on disk."""
+        if write is None:
+            self._reply(client, make_reply(False))
+            return
+        done = Committed(client, write, make_reply)
+        post = self.post
+        if post is None:
+            with contextlib.suppress(Exception):
+                write.result()
+            self.answer_committed(done)
+        else:
+            write.add_done_callback(lambda _: post(done))
+
+    def answer_committed(self, done: Committed) -> None:
+        """(On the loop's thread.) The reply of a write that has settled."""
+        self._reply(done.client, done.make_reply(done.write.exception() is None))
 
     # ------------------------------------------------------------------- intake
     def begin_generate(self, msg: EngineGenerate, appended: np.ndarray) -> Intake:
@@ -220,12 +255,10 @@ class SessionController:
         """Open the session; with input, begin its first turn and return its prompt (the
         caller prefills it), without, answer SessionOpened now and return None."""
         m = self._m()
-        s = m.open(msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids)
+        s = m.open(msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids,
+                   durable=msg.durable, tenant=msg.tenant)
         if not msg.input_ids:
-            self._reply(
-                msg.client,
-                SessionOpened(rid=msg.rid, session=s.id, length=s.length, cached_tokens=s.held_len),
-            )
+            self._reply_opened(msg.client, msg.rid, s.id, s.length, s.held_len)
             return None
         try:
             prompt = m.begin_turn(s.id, msg.client, msg.input_ids)
@@ -257,7 +290,7 @@ class SessionController:
         if not is_session_command(msg):
             return None
         try:
-            reply = answer(self._m(), msg, cmd.client)
+            reply = answer(self._m(), msg, cmd.client, cmd.tenant)
         except RequestError as e:
             return Error(rid=msg.rid, code=e.code, message=e.message)
         return reply
@@ -363,17 +396,34 @@ class SessionController:
                 )
             return
         if g.kind is RequestKind.OPEN_SESSION:
-            self._reply(g.client, SessionOpened(rid=g.rid, session=session, length=g.prompt_len,
-                                                cached_tokens=max(r.cached_tokens, 0)))
+            self._reply_opened(g.client, g.rid, session, g.prompt_len, max(r.cached_tokens, 0))
+
+    def _reply_opened(self, client: bytes, rid: str, session: str, length: int,
+                      cached: int) -> None:
+        """SessionOpened; for a durable session, once its row is committed (if that
+        fails, the session stays, not durable, and the reply says so)."""
+        m = self.manager
+        assert m is not None
+        s = m.records.sessions.get(session)
+        write = m.persist(s) if s is not None and s.durable else None
+
+        def make(saved: bool) -> Struct:
+            if not saved and s is not None:
+                s.durable = False
+            return SessionOpened(rid=rid, session=session, length=length, cached_tokens=cached,
+                                 durable=saved)
+
+        self.reply_when_saved(client, write, make)
 
     def _finish_pin(self, g: RequestGroup, name: str) -> None:
         assert self.manager is not None
         try:
-            self.manager.pin(name, g.prompt, g.namespace)
+            pin = self.manager.pin(name, g.prompt, g.namespace)
         except RequestError as e:
             self._reply(g.client, Error(rid=g.rid, code=e.code, message=e.message))
             return
-        self._reply(g.client, Pinned(rid=g.rid, name=name, length=g.prompt_len))
+        self.reply_when_saved(g.client, self.manager.persist_pin(pin),
+                              lambda saved: Pinned(rid=g.rid, name=name, length=g.prompt_len))
 
     def on_abort(self, r: Request) -> None:
         """A branch was aborted or failed: its turn leaves the history unchanged."""

@@ -26,13 +26,16 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 
 import numpy as np
 from radixlm.cache import KVPool, PrefixCache
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.sessions.backup import HostBackup
+from radixlm.runtime.engine.sessions.durable import DurableLog, PinRow, SessionRow
 from radixlm.runtime.engine.sessions.host_tier import HostTier
 from radixlm.runtime.engine.sessions.records import (
+    DETACHED,
     EMPTY_IDS,
     HARD,
     SOFT,
@@ -54,7 +57,8 @@ class SessionManager:
     """Sessions, pins and their retention over one `PrefixCache`.
 
     `kv_pool` (the device KV pool) is needed only for the host-memory tier
-    (`config.host_kv_tokens > 0`); without it the tier is off.
+    (`config.host_kv_tokens > 0`); without it the tier is off. `durable` (the state
+    directory's rows, durable.py): without it no session is durable.
     """
 
     def __init__(
@@ -63,9 +67,13 @@ class SessionManager:
         config: EngineConfig,
         clock: Callable[[], float] = time.monotonic,
         kv_pool: KVPool | None = None,
+        durable: DurableLog | None = None,
     ) -> None:
         self.cache = cache
         self.clock = clock
+        self.durable = durable
+        # A detached durable session idle this long is closed (its row deleted).
+        self.durable_expiry_s = config.durable_session_expiry_s or None
         self.default_ttl_s = config.default_session_ttl_s or None
         self.records = Records(cache, clock)
         self.retention = Retention(self.records, cache, config.retained_cap or cache.capacity // 2,
@@ -96,12 +104,15 @@ class SessionManager:
         ttl_s: float | None = None,
         pinned: str | None = None,
         input_ids: np.ndarray | Sequence[int] = (),
+        durable: bool = False,
+        tenant: str | None = None,
     ) -> Session:
         """A new idle session with an empty history or the pin's.
 
         `input_ids` is what the opening turn will append (the scheduler then runs it as
         a 0-token generation: `begin_turn` … `end_turn`); it is checked against the
-        retention cap here, before anything is prefilled.
+        retention cap here, before anything is prefilled. `durable` is granted only with
+        a state directory (then the caller saves it with `persist` before it answers).
         """
         if retention not in (HARD, SOFT):
             raise RequestError(
@@ -138,6 +149,8 @@ class SessionManager:
             kv_len=held_len,
             last_used=self.clock(),
             reserved=reserved,
+            durable=durable and self.durable is not None,
+            tenant=tenant,
         )
         self.records.sessions[s.id] = s
         log.debug("session %s opened (%s, %d tokens)", s.id[:8], retention, s.length)
@@ -228,6 +241,7 @@ class SessionManager:
         s.reserved = None
         s.last_used = self.clock()
         self._advance_lock(s)
+        self.persist(s)
         return s
 
     def abort_turn(self, session_id: str) -> None:
@@ -254,6 +268,7 @@ class SessionManager:
         if assistant_open is not None:
             s.assistant_open = assistant_open
         self._advance_lock(s)
+        self.persist(s)
         return s.id
 
     def seed_offset(self, session_id: str) -> int:
@@ -283,6 +298,7 @@ class SessionManager:
             f.kv_len, f.priority_raised = s.kv_len, s.priority_raised
             if f.node is not None:
                 self.records.lock_node(f.node)
+            self.persist(f)
             ids.append(f.id)
         s.last_used = self.clock()
         return ids
@@ -302,6 +318,7 @@ class SessionManager:
         self.retention.lower_priority(s, old)
         s.last_used = self.clock()
         self._prune_host()
+        self.persist(s)
         return s
 
     # ---------------------------------------------------------------- close
@@ -311,19 +328,67 @@ class SessionManager:
 
     def client_gone(self, client: bytes) -> int:
         """Close every session of `client`, busy or not (the caller aborts its requests;
-        a later end_turn/abort_turn for them is a no-op). Pins are global and stay.
-        Returns the number closed."""
+        a later end_turn/abort_turn for them is a no-op), except durable ones, which are
+        detached: kept, under their TTL and retention, for a client of their tenant to
+        `resume`. Pins are global and stay. Returns the number closed."""
         gone = [s for s in self.records.sessions.values() if s.client == client]
+        closed = 0
         for s in gone:
-            self._release(s)
-        return len(gone)
+            if s.durable:
+                s.client = DETACHED
+                s.last_used = self.clock()
+                log.debug("session %s detached (durable)", s.id[:8])
+            else:
+                self._release(s)
+                closed += 1
+        return closed
+
+    def resume(self, session_id: str, client: bytes, tenant: str | None) -> Session:
+        """Make durable session `session_id` the connection `client`'s own (its previous
+        connection loses it). NOT_FOUND unless it is durable and of `tenant`, exactly as
+        for an unknown id; BUSY while a turn runs."""
+        s = self.records.sessions.get(session_id)
+        if s is None or not s.durable or s.tenant != tenant:
+            raise RequestError(ErrorCode.NOT_FOUND, f"no session {session_id!r}")
+        if s.busy:
+            raise RequestError(ErrorCode.BUSY, f"session {session_id!r} has a request in flight")
+        s.client = client
+        s.last_used = self.clock()
+        log.debug("session %s resumed", s.id[:8])
+        return s
 
     def _release(self, s: Session) -> None:
         self.records.unlock(s)
         del self.records.sessions[s.id]
         self.retention.lower_priority(s, s.wanted)
         self._prune_host()
+        if s.durable and self.durable is not None:
+            self.durable.delete_session(s.id)
         log.debug("session %s closed", s.id[:8])
+
+    # --------------------------------------------------------------- durable
+    def persist(self, s: Session) -> Future[None] | None:
+        """Save a durable session's row (None: not durable); the future resolves once it
+        is committed."""
+        if not s.durable or self.durable is None:
+            return None
+        row = SessionRow(s.id, s.tenant, s.namespace, s.retention, s.ttl_s, s.history,
+                         s.assistant_open, s.lineage)
+        return self.durable.save_session(row, time.time())
+
+    def load_state(self, sessions: list[SessionRow]) -> int:
+        """Durable sessions read back at start (durable.py): detached and demoted, their
+        whole history what their next turn should find (on disk, or recomputed); idle
+        since their last write. Returns how many were loaded."""
+        now, wall = self.clock(), time.time()
+        for row in sessions:
+            self.records.sessions[row.id] = Session(
+                id=row.id, client=DETACHED, namespace=row.namespace, retention=row.retention,
+                ttl_s=row.ttl_s, history=row.history, residency=Residency.DEMOTED, node=None,
+                held_len=0, kv_len=len(row.history),
+                last_used=now - max(0.0, wall - row.updated), lineage=row.lineage,
+                assistant_open=row.assistant_open, durable=True, tenant=row.tenant)
+        return len(sessions)
 
     def _prune_host(self) -> None:
         if self._backup is not None:
@@ -355,6 +420,12 @@ class SessionManager:
         log.info("pinned %r (%d tokens, %d cached)", name, len(ids), m.length)
         return pin
 
+    def persist_pin(self, pin: PinnedPrefix) -> Future[None] | None:
+        """Save a pin (every pin is kept across restarts when there is a state directory)."""
+        if self.durable is None:
+            return None
+        return self.durable.save_pin(PinRow(pin.name, pin.namespace, pin.ids))
+
     def unpin(self, name: str) -> None:
         """Release a pin (its KV stays as evictable cache; sessions opened from it keep
         their own locks)."""
@@ -363,12 +434,21 @@ class SessionManager:
             raise RequestError(ErrorCode.NOT_FOUND, f"no pinned prefix named {name!r}")
         if pin.node is not None:
             self.records.unlock_node(pin.node)
+        if self.durable is not None:
+            self.durable.delete_pin(name)
         log.info("unpinned %r", name)
 
     # ------------------------------------------------------------- retention
     def tick(self, now: float | None = None) -> list[str]:
-        """Demote idle sessions past their TTL; returns their ids."""
-        return self.retention.tick(self.clock() if now is None else now)
+        """Demote idle sessions past their TTL (returns their ids), and close detached
+        durable sessions idle past the durable expiry."""
+        now = self.clock() if now is None else now
+        if self.durable_expiry_s is not None:
+            for s in [s for s in self.records.sessions.values()
+                      if s.client == DETACHED and now - s.last_used > self.durable_expiry_s]:
+                log.info("session %s: detached for %.0fs, closed", s.id[:8], now - s.last_used)
+                self._release(s)
+        return self.retention.tick(now)
 
     def make_room(self, n_tokens: int) -> int:
         """Demote idle soft sessions (LRU) until `n_tokens` more are evictable; returns
@@ -409,6 +489,8 @@ class SessionManager:
     def pins(self) -> Iterator[PinnedPrefix]:
         return iter(self.records.pins.values())
 
-    def list(self, client: bytes, everyone: bool = False) -> list[SessionInfo]:
-        """`client`'s sessions (every client's with `everyone`, their ids cut short)."""
-        return self.records.list(client, everyone)
+    def list(self, client: bytes, everyone: bool = False,
+             tenant: str | None = None) -> list[SessionInfo]:
+        """`client`'s sessions and its `tenant`'s detached durable ones (every client's
+        with `everyone`, others' ids cut short)."""
+        return self.records.list(client, everyone, tenant)

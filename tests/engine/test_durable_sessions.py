@@ -150,10 +150,10 @@ def test_another_tenant_cannot_resume_list_or_hit_after_a_restart(
     secret = "The vault code is 4417 and the guard changes at nine."
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
-    with serve(tmp_path / "one", tiny_model_dir, *flags) as (endpoint, _):
-        with client((endpoint, auth), "alice") as alice:
-            session = open_durable(alice)
-            alice.generate(Input(text=secret), session=session, max_tokens=1, temperature=0.0)
+    with serve(tmp_path / "one", tiny_model_dir, *flags) as (endpoint, _), \
+            client((endpoint, auth), "alice") as alice:
+        session = open_durable(alice)
+        alice.generate(Input(text=secret), session=session, max_tokens=1, temperature=0.0)
     with serve(tmp_path / "two", tiny_model_dir, *flags) as (endpoint, _):
         shared = (endpoint, auth)
         with client(shared, "bob") as bob:

@@ -11,9 +11,13 @@ read. A folder it cannot use is said in one line and the engine serves without s
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from radixlm.cache import KVPool
+from radixlm.cache.disk_kv import DiskKV
+from radixlm.runtime.engine.sessions.disk_backup import layout_of
 from radixlm.runtime.engine.sessions.durable import DurableLog
 from radixlm.runtime.model.gguf_weights import source_gguf
 from radixlm.runtime.state.fingerprint import fingerprint, model_files
@@ -23,6 +27,9 @@ log = logging.getLogger("radixlm.engine")
 
 ENGINE_DB = "engine.sqlite"
 MODELS = "models"
+KV_FOLDER = "kv"
+DISK_SHARE = 0.1  # default bound of the disk tier: this share of the free space ...
+DISK_MAX = 20 * 2**30  # ... at most
 
 
 @dataclass
@@ -32,9 +39,33 @@ class EngineState:
     fingerprint: str
     folder: Path
     log: DurableLog
+    disk: DiskKV | None = None  # the disk KV tier (`open_disk_tier`)
 
     def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
         self.log.close()
+
+
+def open_disk_tier(state: EngineState, pool: KVPool, capacity_bytes: int,
+                   tensor_parallel: int = 1) -> DiskKV | None:
+    """The disk KV tier in the state folder (`capacity_bytes` 0: a tenth of the free
+    space, at most 20 GiB), or None (said once) where it cannot be."""
+    if tensor_parallel > 1:  # each rank holds a shard of the heads: not one block's KV
+        log.info("disk KV tier: off with tensor parallelism (sessions are kept, their KV "
+                 "recomputed after a restart)")
+        return None
+    folder = state.folder / KV_FOLDER
+    try:
+        if capacity_bytes <= 0:
+            capacity_bytes = min(DISK_MAX, int(shutil.disk_usage(state.folder).free * DISK_SHARE))
+        state.disk = DiskKV(folder, layout_of(pool), capacity_bytes)
+    except (OSError, ValueError) as e:
+        log.error("disk KV tier: %s: %s; serving without it", folder, e)
+        return None
+    log.info("disk KV tier: %s, %d block(s) (%.1f of %.1f MiB)", folder, state.disk.num_blocks,
+             state.disk.used_bytes / 2**20, capacity_bytes / 2**20)
+    return state.disk
 
 
 def model_fingerprint(model_dir: Path, settings: dict[str, object]) -> str:

@@ -24,7 +24,7 @@ import torch
 import zmq
 from radixlm.cache import KVPool, PrefixCache
 from radixlm.runtime.config import Endpoints, EngineConfig, context_length_for
-from radixlm.runtime.engine.durable_state import EngineState, open_engine_state
+from radixlm.runtime.engine.durable_state import EngineState, open_disk_tier, open_engine_state
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.pool_size import kv_capacity
 from radixlm.runtime.engine.sampling import Sampler
@@ -117,8 +117,10 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         "kv_layout": (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim),
         "tensor_parallel": config.tensor_parallel_size,
     })  # fmt: skip
+    disk = None if state is None else open_disk_tier(state, pool, config.disk_kv_bytes,
+                                                     config.tensor_parallel_size)
     sessions = SessionManager(cache, config, kv_pool=pool,
-                              durable=state.log if state is not None else None)
+                              durable=state.log if state is not None else None, disk=disk)
     restored_pins = _load_state(state, sessions)
     eos = set(mcfg.eos_token_ids)
     grammars = tokenizer = None

@@ -195,7 +195,7 @@ class Scheduler:
         touched: list[Request] = []
         slicer = self.slicer
         try:
-            release_compiled(self.table, self.endings)
+            release_compiled(self.table, self.endings, self.sessions.loading)
             self.prefill.share_slots()
             slicer.check()
             if slicer.due():

@@ -15,8 +15,10 @@ from typing import Any
 
 import pytest
 import transformers
+from radixlm.runtime.engine.sessions.disk_backup import BLOCK_TOKENS as BLOCK
 from radixlm.runtime.protocol import (
     CloseSession,
+    Done,
     Error,
     ErrorCode,
     Input,
@@ -32,7 +34,9 @@ from radixlm.runtime.transport.raw_client import RawClient
 from tests.conftest import assert_pool_clean, start_test_server
 from tests.engine.test_turn_endings import expected_prompt
 
-FIRST = [Message(role="system", content="You are terse."),
+SYSTEM = ("You are a terse assistant for a team that maintains a radix tree of cached "
+          "attention keys and values. " * 2)  # two disk blocks of history (64 tokens each)
+FIRST = [Message(role="system", content=SYSTEM),
          Message(role="user", content="Name a colour.")]
 SECOND = Message(role="user", content="And another one?")
 SAMPLING: dict[str, Any] = dict(temperature=0.0, ignore_eos=True, max_tokens=12)
@@ -56,19 +60,19 @@ def resume(c: RawClient, session: str) -> SessionOpened:
 
 
 def check_second_turn(c: RawClient, hf_tok: Any, session: str, first_reply: list[int],
-                      history_len: int) -> int:
-    """The next turn's prompt is exactly the conversation so far plus SECOND; returns how
-    many of its tokens were cached."""
-    nxt = c.generate(Input(messages=[SECOND]), session=session, max_tokens=1, temperature=0.0,
-                     ignore_eos=True)
+                      history_len: int, max_tokens: int = 1) -> Done:
+    """The next turn's prompt is exactly the conversation so far plus SECOND; returns its
+    `done`."""
+    nxt = c.generate(Input(messages=[SECOND]), session=session, max_tokens=max_tokens,
+                     temperature=0.0, ignore_eos=True)
     expected = expected_prompt(hf_tok, FIRST, first_reply, SECOND)
     assert nxt.usage.prompt_tokens == len(expected)
     probe = c.generate(Input(input_ids=[*expected, 5]), max_tokens=1, temperature=0.0,
                        ignore_eos=True)
     assert probe.usage.cached_tokens == len(expected)  # only that prompt put it there
-    assert nxt.session_length == len(expected) + 1
+    assert nxt.session_length == len(expected) + max_tokens
     assert history_len <= len(expected)
-    return nxt.usage.cached_tokens
+    return nxt
 
 
 def test_a_durable_session_outlives_its_connection(tmp_path: Path, tiny_model_dir: Path,
@@ -89,8 +93,8 @@ def test_a_durable_session_outlives_its_connection(tmp_path: Path, tiny_model_di
             assert isinstance(gone, Error) and gone.code == ErrorCode.NOT_FOUND
             back = resume(b, session)
             assert back.length == done.session_length and back.durable
-            cached = check_second_turn(b, hf_tok, session, done.token_ids, back.length)
-            assert cached == done.session_length  # still held: nothing recomputed
+            nxt = check_second_turn(b, hf_tok, session, done.token_ids, back.length)
+            assert nxt.usage.cached_tokens == done.session_length  # still held: no recompute
             b.call(CloseSession(rid="c", session=session))
             assert session not in {s.session for s in b.list_sessions()}
             assert_pool_clean(b)
@@ -118,7 +122,14 @@ def test_durable_sessions_and_pins_outlive_the_server(tmp_path: Path, tiny_model
         assert session in listed and not listed[session].attached
         back = resume(c, session)
         assert back.length == done.session_length
-        check_second_turn(c, hf_tok, session, done.token_ids, back.length)
+        nxt = check_second_turn(c, hf_tok, session, done.token_ids, back.length)
+        # Its KV came back from the disk tier: only the tail past the last whole block
+        # and the new message are computed.
+        on_disk = back.length // BLOCK * BLOCK
+        assert on_disk >= 2 * BLOCK
+        assert nxt.usage.cached_tokens >= on_disk, nxt.usage
+        assert nxt.usage.restored_tokens >= on_disk - BLOCK, nxt.usage
+        assert nxt.usage.recomputed_tokens == back.length - nxt.usage.cached_tokens
         from_pin = c.call(OpenSession(rid="fp", pinned="tools"))
         assert isinstance(from_pin, SessionOpened) and from_pin.length == len(pin_ids)
         assert from_pin.cached_tokens == len(pin_ids)  # the pin holds its prefix again
@@ -167,3 +178,43 @@ def test_another_tenant_cannot_resume_list_or_hit_after_a_restart(
             back = resume(alice, session)
             assert back.length > 0
             alice.call(CloseSession(rid="c", session=session))
+
+
+def test_a_corrupt_block_is_recomputed_and_the_output_is_unchanged(
+        tmp_path: Path, tiny_model_dir: Path, hf_tok: Any) -> None:
+    """A flipped byte in one block on disk: the block fails its checksum, is recomputed,
+    and the next turn's output is the same as on a server that never restarted."""
+    with start_test_server(tmp_path / "ref", tiny_model_dir, "--page-size", "1") as server, \
+            server.client() as c:  # the server that never restarts
+        opened = c.call(OpenSession(rid="o"))
+        assert isinstance(opened, SessionOpened)
+        done = c.generate(Input(messages=FIRST), session=opened.session, **SAMPLING)
+        reference = check_second_turn(c, hf_tok, opened.session, done.token_ids,
+                                      done.session_length, max_tokens=16)
+    state = tmp_path / "state"
+    with start_test_server(tmp_path / "one", tiny_model_dir, "--state-dir", str(state),
+                           "--page-size", "1") as server, server.client() as c:
+        session = open_durable(c)
+        first = c.generate(Input(messages=FIRST), session=session, **SAMPLING)
+        assert first.token_ids == done.token_ids
+        time.sleep(0.5)  # the blocks are written in the background
+    blocks = sorted(state.glob("models/*/kv/*/*.kv"))
+    assert len(blocks) >= 2, blocks
+    victim = blocks[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    with start_test_server(tmp_path / "two", tiny_model_dir, "--state-dir", str(state),
+                           "--page-size", "1") as server, server.client() as c:
+        resume(c, session)
+        again = check_second_turn(c, hf_tok, session, first.token_ids, first.session_length,
+                                  max_tokens=16)
+        assert again.token_ids == reference.token_ids
+        assert again.usage.recomputed_tokens > 0, again.usage  # the damaged block and after it
+        assert again.usage.restored_tokens < len(blocks) * BLOCK, again.usage
+        time.sleep(0.5)  # the recomputed block was written again, whole this time
+        assert victim.read_bytes() != bytes(data)
+        c.call(CloseSession(rid="c", session=session))
+        assert_pool_clean(c)
+    log = (tmp_path / "two" / "server.log").read_text()
+    assert log.count("failed its checks") == 1  # said, once

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
 from radixlm.runtime.engine.sessions.commands import answer, is_session_command
+from radixlm.runtime.engine.sessions.disk_backup import DiskLoad
 from radixlm.runtime.engine.sessions.manager import SessionManager
 from radixlm.runtime.engine.wire import (
     EngineAbort,
@@ -97,6 +98,9 @@ class Turn:
     open: bool = False  # begin_turn done, end_turn/abort_turn still owed
     assistant_open: bool | None = None  # the frontend's flag for the appended input
     ended_in: dict[int, str] = field(default_factory=dict)  # branch -> session it ended in
+    # History read back from the disk tier: the request waits for it (held back, holding
+    # no KV) and its admission copies it in after the device match.
+    kv_load: DiskLoad | None = None
 
 
 @dataclass(frozen=True)
@@ -238,7 +242,8 @@ class SessionController:
                 raise RequestError(ErrorCode.INVALID_PARAMS, str(e)) from None
             appended = np.asarray(ids, dtype=np.int64)
         prompt = m.begin_turn(msg.session, msg.client, appended, msg.namespace)
-        turn = Turn(session=msg.session, open=True, assistant_open=msg.assistant_open)
+        turn = Turn(session=msg.session, open=True, assistant_open=msg.assistant_open,
+                    kv_load=m.plan_load(msg.session))
         return Intake(np.asarray(prompt, dtype=np.int64), appended, s.namespace, turn)
 
     def abort_intake(self, intake: Intake, client: bytes, opened: bool = False) -> None:
@@ -265,14 +270,17 @@ class SessionController:
         except RequestError:
             m.close(s.id, msg.client)
             raise
-        turn = Turn(session=s.id, open=True, assistant_open=msg.assistant_open)
+        turn = Turn(session=s.id, open=True, assistant_open=msg.assistant_open,
+                    kv_load=m.plan_prefix_load(np.asarray(prompt, dtype=np.int64),
+                                               s.namespace))
         return Intake(np.asarray(prompt, dtype=np.int64),
                       np.asarray(msg.input_ids, dtype=np.int64), s.namespace, turn)
 
     def begin_pin(self, msg: EnginePin, prompt: np.ndarray) -> Turn:
         """Refuse a pin before it is prefilled: name taken, or beyond the retention cap."""
-        self._m().check_pin(msg.name, prompt, msg.namespace)
-        return Turn(pin_name=msg.name)
+        m = self._m()
+        m.check_pin(msg.name, prompt, msg.namespace)
+        return Turn(pin_name=msg.name, kv_load=m.plan_prefix_load(prompt, msg.namespace))
 
     def unreclaimable_tokens(self) -> int:
         """Tokens pins and hard sessions hold (soft ones can be demoted on demand)."""
@@ -317,12 +325,21 @@ class SessionController:
 
     # ---------------------------------------------------------------- admission
     def restore(self, r: Request, cached_len: int) -> np.ndarray | None:
-        """Device slots holding the K/V of the session history after `cached_len`,
-        copied back from the host tier (None: nothing to restore)."""
-        session = self.session_of(r.group)
-        if self.manager is None or session is None:
+        """Device slots holding the K/V of the session history (or pin prefix) after
+        `cached_len`, copied back from the host and disk tiers (None: nothing to
+        restore)."""
+        turn, m = r.group.turn, self.manager
+        if m is None or turn is None:
             return None
-        return self.manager.restore_from_host(session, cached_len)
+        load, turn.kv_load = turn.kv_load, None  # (once: a retracted request recomputes)
+        if turn.session is None:
+            return m.restore_prefix(cached_len, load)
+        return m.restore_from_host(turn.session, cached_len, load)
+
+    @staticmethod
+    def loading(g: RequestGroup) -> bool:
+        """Whether `g` waits for KV from the disk tier."""
+        return g.turn is not None and g.turn.kv_load is not None and not g.turn.kv_load.done()
 
     def on_admit(self, r: Request, matched: int, restored: int) -> None:
         """First admission of branch 0: usage figures of the reused history."""

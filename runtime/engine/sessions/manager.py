@@ -30,8 +30,10 @@ from concurrent.futures import Future
 
 import numpy as np
 from radixlm.cache import KVPool, PrefixCache
+from radixlm.cache.disk_kv import DiskKV
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.sessions.backup import HostBackup
+from radixlm.runtime.engine.sessions.disk_backup import DiskBackup, DiskLoad
 from radixlm.runtime.engine.sessions.durable import DurableLog, PinRow, SessionRow
 from radixlm.runtime.engine.sessions.host_tier import HostTier
 from radixlm.runtime.engine.sessions.records import (
@@ -68,6 +70,7 @@ class SessionManager:
         clock: Callable[[], float] = time.monotonic,
         kv_pool: KVPool | None = None,
         durable: DurableLog | None = None,
+        disk: DiskKV | None = None,
     ) -> None:
         self.cache = cache
         self.clock = clock
@@ -87,12 +90,19 @@ class SessionManager:
             else:
                 self.host = HostTier(kv_pool, config.host_kv_tokens)
                 self._backup = HostBackup(self.records, cache, self.host)
+        # The disk tier (the state directory's KV): under the host tier, when both are on.
+        self.disk: DiskBackup | None = None
+        if disk is not None and kv_pool is not None:
+            self.disk = DiskBackup(self.records, cache, kv_pool, disk, self.host)
+            if self.host is not None:
+                self.host.on_evict = self.disk.on_host_evict
         log.info(
-            "sessions: retained cap %d of %d tokens, default ttl %s, host tier %s",
+            "sessions: retained cap %d of %d tokens, default ttl %s, host tier %s, disk tier %s",
             self.retained_cap,
             cache.capacity,
             f"{self.default_ttl_s}s" if self.default_ttl_s else "off",
             f"{self.host.capacity} tokens" if self.host else "off",
+            f"{disk.capacity / 2**20:.0f} MiB at {disk.dir}" if self.disk and disk else "off",
         )
 
     # ------------------------------------------------------------------ open
@@ -189,19 +199,55 @@ class SessionManager:
         s.last_used = self.clock()
         return prompt
 
-    def restore_from_host(self, session_id: str, cached_len: int) -> np.ndarray | None:
+    def restore_from_host(self, session_id: str, cached_len: int,
+                          load: DiskLoad | None = None) -> np.ndarray | None:
         """Device slots now holding the K/V of the history the host tier kept after
-        `cached_len` (the prompt's device match, already locked by the caller), or None.
+        `cached_len` (the prompt's device match, already locked by the caller), and after
+        that of what `load` read from the disk tier, or None.
 
         The slots are the caller's, like freshly allocated ones: it treats those tokens as
         cached (no compute), inserts them with the prompt, and frees them if the request
-        dies before that. None when the tier is off, has nothing, or the pool cannot
+        dies before that. None when the tiers are off, have nothing, or the pool cannot
         hold the restore (the tokens are then recomputed).
         """
         s = self.records.sessions.get(session_id)
-        if self._backup is None or s is None:
+        if s is None:
             return None
-        return self._backup.restore(s, cached_len)
+        host = self._backup.restore(s, cached_len) if self._backup is not None else None
+        return self._then_disk(host, cached_len, load)
+
+    def restore_prefix(self, cached_len: int, load: DiskLoad | None) -> np.ndarray | None:
+        """A pin's prefix: the slots `load` fills after `cached_len`, or None."""
+        return self._then_disk(None, cached_len, load)
+
+    def _then_disk(self, host: np.ndarray | None, cached_len: int,
+                   load: DiskLoad | None) -> np.ndarray | None:
+        if self.disk is None or load is None:
+            return host
+        pos = cached_len + (len(host) if host is not None else 0)
+        disk = self.disk.restore(load, pos)
+        if disk is None:
+            return host
+        return disk if host is None else np.concatenate([host, disk])
+
+    def plan_load(self, session_id: str) -> DiskLoad | None:
+        """Start reading from the disk tier what a turn of `session_id` will not find in
+        the device cache or the host tier (the turn waits for it: `DiskLoad.done`);
+        None when all is there or the disk has none of it."""
+        s = self.records.sessions.get(session_id)
+        if self.disk is None or s is None or s.kv_len <= s.held_len:
+            return None
+        wanted = s.wanted
+        pos = self.cache.match(wanted, s.namespace).length
+        if self.host is not None:
+            pos += sum(r.n_tokens for r in self.host.find(s.namespace, wanted, pos))
+        return self.disk.plan(s.namespace, wanted, pos)
+
+    def plan_prefix_load(self, ids: np.ndarray, namespace: str | None) -> DiskLoad | None:
+        """As `plan_load`, for a pin's prefix."""
+        if self.disk is None:
+            return None
+        return self.disk.plan(namespace, ids, self.cache.match(ids, namespace).length)
 
     def recomputed_tokens(self, session_id: str, reused_len: int) -> int:
         """History tokens the running turn recomputes because they were evicted since the
@@ -374,6 +420,8 @@ class SessionManager:
             return None
         row = SessionRow(s.id, s.tenant, s.namespace, s.retention, s.ttl_s, s.history,
                          s.assistant_open, s.lineage)
+        if self.disk is not None:
+            self.disk.save(s)  # its KV, in the background
         return self.durable.save_session(row, time.time())
 
     def load_state(self, sessions: list[SessionRow]) -> int:
@@ -424,6 +472,8 @@ class SessionManager:
         """Save a pin (every pin is kept across restarts when there is a state directory)."""
         if self.durable is None:
             return None
+        if self.disk is not None:
+            self.disk.save_prefix(pin.namespace, pin.ids)
         return self.durable.save_pin(PinRow(pin.name, pin.namespace, pin.ids))
 
     def unpin(self, name: str) -> None:
@@ -448,6 +498,8 @@ class SessionManager:
                       if s.client == DETACHED and now - s.last_used > self.durable_expiry_s]:
                 log.info("session %s: detached for %.0fs, closed", s.id[:8], now - s.last_used)
                 self._release(s)
+        if self.disk is not None:
+            self.disk.tick()
         return self.retention.tick(now)
 
     def make_room(self, n_tokens: int) -> int:

@@ -245,7 +245,7 @@ def _open_state(config: EngineConfig) -> tuple[EngineConfig, StateDir | None]:
         log.error("%s: serving without state (sessions and stored responses end with the "
                   "server)", e)
         return msgspec.structs.replace(config, state_dir=""), None
-    log.info("state directory %s", state.path)
+    log.debug("state directory %s", state.path)  # (the engine says what it found there)
     return msgspec.structs.replace(config, state_dir=str(state.path)), state
 
 

@@ -23,9 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from .moe_config import EXPERT_NAMES, MoeConfig
-from .quant import QuantWeight
+from .quant import DEQUANT_MIN_ROWS, QuantWeight
 
 Weight = torch.Tensor | QuantWeight  # as decoder.Weight: an `[in, out]` operand or packed blocks
+# Rows per call of the kernel's integer products. A packed expert multiplies more rows in
+# blocks of these, never dequantized: that pays only for a whole prompt's rows on a dense
+# matrix, and an expert gets a few dozen (a 1,024-token prefill over 128 experts, 8 per
+# token: 64 on average). AVX-512 EPYC, 2 threads, a Q4_0 [1536, 2048] expert by 64 rows:
+# kernel 1.1 ms; dequantize 0.6 ms + float32 GEMM 1.3-4 ms.
+_KERNEL_ROWS = DEQUANT_MIN_ROWS - 1
 
 
 def route(logits: torch.Tensor, top_k: int, routing: str, normalize: bool
@@ -48,9 +54,14 @@ def route(logits: torch.Tensor, top_k: int, routing: str, normalize: bool
 
 def _product(x: torch.Tensor, w: Weight, out: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w` (into `out` if given)."""
-    if isinstance(w, QuantWeight):
+    if not isinstance(w, QuantWeight):
+        return torch.mm(x, w) if out is None else torch.mm(x, w, out=out)
+    if x.shape[0] <= _KERNEL_ROWS:
         return w.matmul(x, out=out)
-    return torch.mm(x, w) if out is None else torch.mm(x, w, out=out)
+    out = x.new_empty(x.shape[0], w.rows) if out is None else out
+    for a in range(0, x.shape[0], _KERNEL_ROWS):
+        w.matmul(x[a : a + _KERNEL_ROWS], out=out[a : a + _KERNEL_ROWS])
+    return out
 
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, w: Weight) -> None:

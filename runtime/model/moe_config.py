@@ -32,6 +32,11 @@ class MoeConfig:
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP
     shared_intermediate_size: int = 0  # Qwen2-MoE's shared expert (0: none)
 
+    def layer_params(self, hidden: int) -> int:
+        """Parameters of one sparse layer's MLP: router, experts, shared expert and its gate."""
+        shared = 3 * hidden * self.shared_intermediate_size + hidden if self.shared_intermediate_size else 0
+        return self.num_experts * (hidden + 3 * hidden * self.intermediate_size) + shared
+
 
 def moe_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int) -> MoeConfig | None:
     """The MoE settings of an HF config dict (None for dense families); raises ValueError

@@ -302,3 +302,29 @@ def test_the_dense_weight_estimate_counts_every_expert(variant):
                  if "norm" not in n and not n.endswith("bias"))  # (the estimate has no biases)
     norms = 2 * c.num_layers * c.hidden_size  # the estimate's norms: input and post-attention
     assert weight_bytes(c, torch.float32) == 4 * (params + norms)
+
+
+def test_the_scheduler_runs_prefills_beside_decodes(variant):
+    """Engine level, in process (the scheduler over the cache, invariants checked every
+    step): a request decoding while two more arrive, their prompts in chunks of 16 tokens
+    beside its decode rows; then one that hits a cached prompt. Greedy tokens as HF's."""
+    from test_scheduler_harness import Harness, hf_greedy
+
+    model_dir, _, hf = variant
+    h = Harness(model_dir, page_size=4, chunked_prefill=16, capacity=1024)
+    first = _ids(20, 30)
+    a = h.generate(first, max_tokens=12)
+    for _ in range(4):
+        h.step()
+    assert h.tokens[(a, 0)] and (a, 0) not in h.final  # decoding now
+    later = [_ids(37, 31), _ids(9, 32)]
+    keys = [h.generate(p, max_tokens=6) for p in later]
+    h.run()
+    assert h.output(a) == hf_greedy(hf, first, 12)
+    for p, k in zip(later, keys, strict=True):
+        assert h.output(k) == hf_greedy(hf, p, 6)
+    again = h.generate(later[0] + [5, 6], max_tokens=4)
+    h.run()
+    assert h.final[(again, 0)].usage.cached_tokens >= len(later[0]) - 4
+    assert h.output(again) == hf_greedy(hf, later[0] + [5, 6], 4)
+    h.check_quiescent()

@@ -249,6 +249,48 @@ class PageSlots:
         return slots
 
 
+class ModelEnv:
+    """A `ModelRunner` on the torch backend over its own CPU pool of `capacity` slots,
+    with `PageSlots` for slot lists; `run(requests)` gives each request's logits rows.
+    `dtype` ("float32", "bfloat16") or `quantize` ("int8", ...) choose the weights."""
+
+    def __init__(self, model_dir, page_size: int, *, capacity: int = 1024,
+                 dtype: str = "float32", quantize: str | None = None):  # fmt: skip
+        import torch
+        from radixlm.cache import KVPool
+        from radixlm.runtime.model import ModelConfig, ModelRunner
+
+        self.cfg = c = ModelConfig.from_dir(model_dir)
+        kv = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, capacity, page_size, kv, "cpu")
+        self.runner = ModelRunner(model_dir, "cpu", dtype, self.pool, attention="torch",
+                                  quantize=quantize)  # fmt: skip
+        self.pages = PageSlots(capacity, page_size)
+
+    def run(self, requests) -> list:
+        from radixlm.runtime.model import ForwardBatch
+
+        batch = ForwardBatch.build(requests)
+        logits = self.runner.forward(batch)
+        ind = batch.logits_indptr
+        return [logits[ind[i] : ind[i + 1]] for i in range(len(requests))]
+
+
+def runner_greedy(runner, prompt, n: int) -> list[int]:
+    """`n` greedy tokens after `prompt` through a `ModelRunner` (a prefill on slots
+    0.., then one decode step a token)."""
+    from radixlm.runtime.model import ForwardBatch
+
+    ids, out = [int(t) for t in prompt], []
+    batch = ForwardBatch.build([(ids, 0, range(len(ids)))])
+    for _ in range(n):
+        tok = int(runner.forward(batch)[-1].argmax())
+        out.append(tok)
+        ids.append(tok)
+        batch = ForwardBatch.build([([tok], len(ids) - 1, range(len(ids)))])
+    return out
+
+
 def load_hf_model(model_dir: str | Path):
     """The transformers reference model for a checkpoint (float32, eager attention, eval)."""
     import torch

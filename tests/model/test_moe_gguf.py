@@ -27,8 +27,14 @@ from radixlm.runtime.model.gguf_convert import ensure_dense_weights
 from radixlm.runtime.model.gguf_file import GGUFFile
 from radixlm.runtime.model.gguf_weights import gguf_state_dict
 from radixlm.runtime.model.quant import QuantWeight
-from test_tensor_parallel import hf_greedy
-from tiny_models import MOE_VARIANTS, load_hf_model, make_tiny_checkpoint, make_tiny_gguf
+from scheduler_harness import hf_greedy
+from tiny_models import (
+    MOE_VARIANTS,
+    load_hf_model,
+    make_tiny_checkpoint,
+    make_tiny_gguf,
+    runner_greedy,
+)
 
 ATOL = 1e-4
 DECODE_ATOL = 5e-3  # the kernel's int16 activations (as test_model_quant_tiny.py)
@@ -58,18 +64,6 @@ def _prefill_and_decode(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tens
     dec = torch.cat([runner.forward(ForwardBatch.build([([t], i, list(range(100, 101 + i)))]))
                      for i, t in enumerate(ids)])  # fmt: skip
     return pre, dec
-
-
-def runner_greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
-    """`n` greedy tokens after `prompt` through `runner` (prefill, then decode steps)."""
-    ids, out = list(prompt), []
-    batch = ForwardBatch.build([(ids, 0, range(len(ids)))])
-    for _ in range(n):
-        tok = int(runner.forward(batch)[-1].argmax())
-        out.append(tok)
-        ids.append(tok)
-        batch = ForwardBatch.build([([tok], len(ids) - 1, range(len(ids)))])
-    return out
 
 
 def test_f32_gguf_matches_the_hf_checkpoint(checkpoint, tmp_path):

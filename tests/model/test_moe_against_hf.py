@@ -18,16 +18,14 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from radixlm.cache import KVPool
-from radixlm.runtime.model import BatchRequest, ModelConfig, ModelRunner
+from radixlm.runtime.model import BatchRequest, ModelConfig
 from radixlm.runtime.model.config import UnsupportedModelError
 from radixlm.runtime.model.loader import quantize_state
 from radixlm.runtime.model.moe import route
 from radixlm.runtime.model.quant import QuantWeight
 from radixlm.runtime.model.weights import load_state_dict
 from safetensors.torch import save_file
-from test_model_tiny import Env as TinyEnv
-from tiny_models import MOE_VARIANTS, PageSlots, load_hf_model, make_tiny_checkpoint
+from tiny_models import MOE_VARIANTS, ModelEnv, load_hf_model, make_tiny_checkpoint
 
 ATOL = 1e-4
 DECODE_ATOL = 5e-3  # the kernel's int16 activations (as test_model_quant_tiny.py)
@@ -38,17 +36,8 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-class Env(TinyEnv):
-    """test_model_tiny's runner over a pool, in `dtype` or with `quantize`d weights."""
-
-    def __init__(self, model_dir, page_size: int = 16, dtype: str = "float32",
-                 quantize: str | None = None):  # fmt: skip
-        c = ModelConfig.from_dir(model_dir)
-        kv = torch.float32 if dtype == "float32" else torch.bfloat16
-        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, CAPACITY, page_size, kv, "cpu")
-        self.runner = ModelRunner(model_dir, "cpu", dtype, self.pool, attention="torch",
-                                  quantize=quantize)  # fmt: skip
-        self.pages = PageSlots(CAPACITY, page_size)
+def Env(model_dir, page_size: int = 16, **kw) -> ModelEnv:  # noqa: N802 - makes a ModelEnv
+    return ModelEnv(model_dir, page_size, capacity=CAPACITY, **kw)
 
 
 @pytest.fixture(scope="module", params=sorted(MOE_VARIANTS))
@@ -308,7 +297,7 @@ def test_the_scheduler_runs_prefills_beside_decodes(variant):
     """Engine level, in process (the scheduler over the cache, invariants checked every
     step): a request decoding while two more arrive, their prompts in chunks of 16 tokens
     beside its decode rows; then one that hits a cached prompt. Greedy tokens as HF's."""
-    from test_scheduler_harness import Harness, hf_greedy
+    from scheduler_harness import Harness, hf_greedy
 
     model_dir, _, hf = variant
     h = Harness(model_dir, page_size=4, chunked_prefill=16, capacity=1024)

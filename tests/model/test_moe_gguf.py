@@ -3,7 +3,7 @@ llama.cpp's converter lays them out (experts stacked 3-D, routers F32), on tiny 
 checkpoints.
 
 - F32 GGUF: the converted config and logits equal the HF checkpoint's (transformers).
-- Q8_0 / Q4_0 experts stay packed, one `QuantWeight` per expert over the file's rows;
+- Q8_0 / Q4_0 / Q4_1 experts stay packed, one `QuantWeight` per expert over the file's rows;
   their products (the CPU kernel) match the same model dequantized to float32 within the
   kernel's tolerance, and greedy tokens are identical to transformers run on those
   dequantized weights (`ensure_dense_weights`: HF's per-expert names).
@@ -77,7 +77,7 @@ def test_f32_gguf_matches_the_hf_checkpoint(checkpoint, tmp_path):
     assert (dec - ref).abs().max().item() < ATOL
 
 
-@pytest.mark.parametrize("quant", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_0", "Q4_1"])
 def test_quantized_experts_match_the_dequantized_model(checkpoint, tmp_path, quant):
     out = resolve_model(make_tiny_gguf(checkpoint, tmp_path / f"{quant}.gguf", quant=quant),
                         progress=False)  # fmt: skip

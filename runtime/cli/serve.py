@@ -134,7 +134,8 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         if http is not None:
             http = dataclasses.replace(
                 http, engine_endpoint=connect_address(server.endpoint),
-                gateway_token_file=str(server.runtime_dir / GATEWAY_TOKEN))
+                gateway_token_file=str(server.runtime_dir / GATEWAY_TOKEN),
+                state_dir=server.config.state_dir or None)
             if args.auth_dir:  # the gateway's own CurveZMQ key, authorized by the frontend
                 http = dataclasses.replace(
                     http, server_key=os.path.join(args.auth_dir, "server.key"),

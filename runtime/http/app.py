@@ -23,8 +23,10 @@ from radixlm.runtime.http import (
 from radixlm.runtime.http.config import HttpConfig
 from radixlm.runtime.http.context import HttpContext, TokenTexts, now
 from radixlm.runtime.http.engine_link import EngineLink
+from radixlm.runtime.http.engine_sessions import EngineSessions
 from radixlm.runtime.http.errors import ApiError, from_engine
 from radixlm.runtime.http.metrics import Metrics
+from radixlm.runtime.http.state import HttpState, open_http_state
 from radixlm.runtime.http.store import ConversationStore
 from radixlm.runtime.http.tenants import Tenant, Tenants, tenant_name
 from radixlm.runtime.transport.curve import load_curve_keys
@@ -157,6 +159,7 @@ async def _delete_session(ctx: HttpContext, request: Request) -> Response:
     entry = ctx.store.get(sid)
     if entry is None or entry.body is not None or entry.busy or not ctx.store.delete(sid):
         raise turns.unknown("session", sid)
+    await ctx.store.flush()
     return _json_response({"id": sid, "object": "session", "deleted": True})
 
 
@@ -176,7 +179,9 @@ def build_app(config: HttpConfig) -> Starlette:
         link = EngineLink(config.engine_endpoint, tenant=None if key is None else name,
                           gateway_token=token, curve=curve,
                           heartbeat_timeout=config.link_timeout_s)
-        return Tenant(name, link, ConversationStore(config.response_ttl_s, link.close_sessions))
+        sessions = EngineSessions(link)
+        store = ConversationStore(config.response_ttl_s, sessions.close, sessions=sessions)
+        return Tenant(name, link, store)
 
     tenants = Tenants(config.api_keys, make_tenant)
     ctx = HttpContext(config, tenants, Metrics(), TokenTexts(config.tokenizer_dir))
@@ -222,9 +227,14 @@ def build_app(config: HttpConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state: HttpState | None = None
         async with anyio.create_task_group() as tg:
             for tenant in tenants:
                 await tenant.link.open(tg, config.connect_timeout_s)
+            state = open_http_state(config.state_dir, ctx.welcome.state)
+            if state is not None:
+                for tenant in tenants:
+                    tenant.store.attach(state.rows(tenant.name))
             tg.start_soon(_sweep, [t.store for t in tenants])
             log.info("HTTP frontend for %s on http://%s:%d/v1 (%d tenant%s)", ctx.model_name,
                      config.host, config.port, len(list(tenants)),
@@ -235,6 +245,8 @@ def build_app(config: HttpConfig) -> Starlette:
                 tg.cancel_scope.cancel()
         for tenant in tenants:
             tenant.link.close()
+        if state is not None:
+            state.close()  # (what is queued is committed first)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

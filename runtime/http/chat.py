@@ -67,7 +67,9 @@ async def chat_completions(ctx: HttpContext, request: Request) -> Response:
     spec = req.session
     turn = turns.Turn(None, keep=False)
     if spec is not None:
-        turn = await turns.begin(ctx, spec.id, fork=spec.fork, keep=True, kind="session")
+        turn = await turns.begin(ctx, spec.id, fork=spec.fork, keep=True, kind="session",
+                                 messages=messages)
+        messages = [*turn.replay, *messages]  # (the stored ones again: the engine lost them)
     msg = Generate(rid=ctx.link.rid(), input=Input(messages=messages), sampling=sampling,
                    stream=bool(req.stream), session=turn.session, n=n, tools=tools,
                    tool_choice=tool_choice, parallel_tool_calls=parallel)
@@ -87,6 +89,8 @@ async def chat_completions(ctx: HttpContext, request: Request) -> Response:
         done = dones[0]
     finally:
         entry = turns.finish(ctx, turn, done, new_id("sess"))
+    if spec is not None:
+        await ctx.store.flush()  # the session's turn is on disk before the reply says so
     body = {
         "id": cid, "object": "chat.completion", "created": now(), "model": ctx.model_name,
         "choices": [_choice(ctx, d, bool(req.logprobs)) for d in dones],
@@ -174,6 +178,8 @@ async def _stream(ctx: HttpContext, cid: str, first: Chunk | Done, rest: AsyncIt
                 dones.append(reply)
                 if len(dones) == n:
                     entry = turns.finish(ctx, turn, reply, new_id("sess"))
+                    if turn.session:
+                        await ctx.store.flush()
                 calls = parser.calls(reply.index)
                 reason = "tool_calls" if calls else (
                     "length" if reply.finish_reason == "length" else "stop")

@@ -51,6 +51,7 @@ class HttpConfig:
     max_parts: int = DEFAULT_MAX_PARTS
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests may finish for this long
     link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S  # the frontend silent this long: 503
+    state_dir: str | None = None  # the server's state directory: stored objects outlive it
 
     @property
     def metrics_public(self) -> bool:

@@ -71,6 +71,7 @@ async def create(ctx: HttpContext, request: Request) -> Response:
     req = await request_body(ctx, request, ConversationCreate, empty=b"{}")
     items = _items(ctx, req.items, None)
     conv = ctx.store.new_conversation(_metadata(req.metadata), items)
+    await ctx.store.flush()  # on disk before its id is given out
     return _ok(conv.body())
 
 
@@ -81,13 +82,15 @@ async def get(ctx: HttpContext, request: Request) -> Response:
 async def update(ctx: HttpContext, request: Request) -> Response:
     conv = _conversation(ctx, request)
     req = await request_body(ctx, request, ConversationUpdate)
-    conv.metadata = _metadata(req.metadata)
+    ctx.store.set_metadata(conv, _metadata(req.metadata))
+    await ctx.store.flush()
     return _ok(conv.body())
 
 
 async def delete(ctx: HttpContext, request: Request) -> Response:
     conv = _conversation(ctx, request)
     ctx.store.delete_conversation(conv.id)
+    await ctx.store.flush()
     return _ok({"id": conv.id, "object": "conversation.deleted", "deleted": True})
 
 
@@ -95,8 +98,8 @@ async def add_items(ctx: HttpContext, request: Request) -> Response:
     conv = _conversation(ctx, request)
     req = await request_body(ctx, request, ItemsCreate)
     added = _items(ctx, req.items, conv)
-    conv.items += added
-    ctx.store.adopt(conv)
+    ctx.store.add_items(conv, added)
+    await ctx.store.flush()
     return _ok(_list(added, has_more=False))
 
 
@@ -112,8 +115,8 @@ async def get_item(ctx: HttpContext, request: Request) -> Response:
 
 async def delete_item(ctx: HttpContext, request: Request) -> Response:
     conv = _conversation(ctx, request)
-    del conv.items[_find(conv, request.path_params["item_id"])]
-    ctx.store.adopt(conv)
+    ctx.store.delete_item(conv, _find(conv, request.path_params["item_id"]))
+    await ctx.store.flush()
     return _ok(conv.body())
 
 

@@ -51,6 +51,8 @@ def child_command(config: HttpConfig, parent_pid: int, log_level: str,
         command += ["--served-model-name", config.served_model_name]
     if config.tokenizer_dir:
         command += ["--tokenizer", config.tokenizer_dir]
+    if config.state_dir:
+        command += ["--state-dir", config.state_dir]
     return command
 
 

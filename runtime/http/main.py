@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import socket
@@ -203,12 +204,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gateway-token-file", default=None, metavar="PATH",
                         help="the server's gateway credential (its runtime directory's "
                              "gateway.token): each API key becomes its own tenant")
+    parser.add_argument("--state-dir", default=None, metavar="DIR",
+                        help="the server's state directory (locked by radixlm serve): stored "
+                             "responses and conversations are kept there, under the model's "
+                             "fingerprint")
     add_http_arguments(parser)
     args = parser.parse_args(argv)
     if args.http is None:
         parser.error("--http HOST:PORT is required")
     try:
-        config = http_config(args, args.engine)
+        config = dataclasses.replace(http_config(args, args.engine), state_dir=args.state_dir)
         if len(config.api_keys) > 1 and config.gateway_token_file is None:
             raise HttpConfigError(
                 "several API keys are several tenants, which needs the server's gateway "

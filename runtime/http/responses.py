@@ -153,6 +153,8 @@ async def create(ctx: HttpContext, request: Request) -> Response:
         body = turn_info.final(done, output_items(done, msg_id))
     finally:
         _settle(turn_info, turn, done, messages, own_items, body)
+    if keep or conversation is not None:
+        await ctx.store.flush()  # stored (and in its conversation) before the reply says so
     return Response(_json.encode(body), media_type="application/json")
 
 
@@ -192,12 +194,11 @@ def _settle(info: _Turn, turn: turns.Turn, done: Done | None, messages: list[Mes
                       chain_keys(MESSAGES_ONLY, history)[-1])
     if conv is not None:
         taken = {item["id"] for item in conv.items}
+        added = []
         for item in [*own_items, *output]:
-            conv.items.append(stored_item(item, taken))
-            taken.add(conv.items[-1]["id"])
-        if held is not None:
-            ctx.store.index.release(conv.held)
-            conv.held = ctx.store.index.ref(held)
+            added.append(stored_item(item, taken))
+            taken.add(added[-1]["id"])
+        ctx.store.add_items(conv, added, held)
     if held is not None:
         ctx.store.put_response(info.rid, held, history, body,
                                [stored_item(i) for i in own_items])
@@ -306,6 +307,8 @@ async def _stream(info: _Turn, msg_id: str, first: Chunk | Done, rest: AsyncIter
             yield data
         body = info.final(done, output)
         _settle(info, turn, done, messages, own_items, body)
+        if turn.keep or info.conversation is not None:
+            await info.ctx.store.flush()
         kind = "response.completed" if body["status"] == "completed" else "response.incomplete"
         yield emit(kind, response=body)
     finally:
@@ -322,6 +325,7 @@ async def get(ctx: HttpContext, request: Request) -> Response:
 async def delete(ctx: HttpContext, request: Request) -> Response:
     entry = _stored(ctx, request)
     ctx.store.delete(entry.id)
+    await ctx.store.flush()
     return Response(_json.encode({"id": entry.id, "object": "response", "deleted": True}),
                     media_type="application/json")
 

@@ -8,18 +8,21 @@ stored after it.
 - Chat sessions (`begin`): a new one opens a session; continuing one appends to it in
   place, or to a fork of it.
 The engine renders only the appended messages, and the held history is a prefix-cache hit.
+A session made before a restart is resumed first (engine_sessions.py); one the engine has
+lost is never an error: a response's turn renders its whole conversation afresh, a chat
+session's turn sends its stored messages again (`Turn.replay`) into a new session.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixlm.runtime.http.context import HttpContext
+from radixlm.runtime.http.engine_sessions import EngineSessions
 from radixlm.runtime.http.errors import ApiError
 from radixlm.runtime.http.history import Held
 from radixlm.runtime.http.store import Stored
-from radixlm.runtime.protocol import Done
-from radixlm.runtime.transport.errors import NotFoundError
+from radixlm.runtime.protocol import Done, Message
 
 
 @dataclass
@@ -28,6 +31,18 @@ class Turn:
     in_place: Stored | None = None  # the stored entry this turn advances (chat, no fork)
     fresh: bool = False  # the session was opened or forked for this turn
     keep: bool = True  # store the result
+    # Chat sessions: the messages before this turn's (stored), then this turn's own.
+    before: list[Message] = field(default_factory=list)
+    added: list[Message] = field(default_factory=list)
+    # Messages to send before this turn's own: the stored ones, when the engine lost the
+    # session they were in (a new one is computed from them).
+    replay: list[Message] = field(default_factory=list)
+
+
+def _sessions(ctx: HttpContext) -> EngineSessions:
+    sessions = ctx.store.sessions
+    assert sessions is not None
+    return sessions
 
 
 def unknown(kind: str, id: str) -> ApiError:
@@ -36,22 +51,37 @@ def unknown(kind: str, id: str) -> ApiError:
 
 
 async def begin(ctx: HttpContext, previous: str | None, *, fork: bool, keep: bool,
-                kind: str) -> Turn:
-    """The engine session for a turn continuing `previous` (None: a new conversation)."""
+                kind: str, messages: list[Message] | None = None) -> Turn:
+    """The engine session for a turn continuing `previous` (None: a new conversation)
+    with `messages`."""
+    added = list(messages or [])
+    sessions = _sessions(ctx)
     if previous is None:
         if not keep:
             return Turn(None, keep=False)
-        return Turn(await ctx.link.open_session(), fresh=True)
+        return Turn(await sessions.open(), fresh=True, added=added)
     entry = ctx.store.get(previous)
     if entry is None:
         raise unknown(kind, previous)
+    before = list(entry.history)
     if not fork:
         if entry.busy:
             raise ApiError(409, f"{kind} '{previous}' already has a turn running (fork it, "
                                 "or wait)", type="conflict_error", code="busy")
         entry.busy = True
-        return Turn(entry.session, in_place=entry)
-    return Turn(await ctx.link.fork_session(entry.session), fresh=True, keep=keep)
+        try:
+            if await sessions.take(entry.session, entry.length):
+                return Turn(entry.session, in_place=entry, before=before, added=added)
+            return Turn(await sessions.open(), in_place=entry, before=before, added=added,
+                        replay=before)
+        except BaseException:
+            entry.busy = False
+            raise
+    forked = await sessions.fork(entry.session, entry.length)
+    if forked is not None:
+        return Turn(forked, fresh=True, keep=keep, before=before, added=added)
+    return Turn(await sessions.open(), fresh=True, keep=keep, before=before, added=added,
+                replay=before)
 
 
 def _succeeded(done: Done | None) -> bool:
@@ -64,7 +94,7 @@ def _kept(ctx: HttpContext, turn: Turn, done: Done | None) -> int | None:
     if turn.session is None or not turn.fresh:
         return None
     if not _succeeded(done) or not turn.keep:
-        ctx.link.close_sessions([turn.session])
+        _sessions(ctx).close([turn.session])
         return None
     assert done is not None
     return done.session_length or 0
@@ -73,30 +103,43 @@ def _kept(ctx: HttpContext, turn: Turn, done: Done | None) -> int | None:
 def finish(ctx: HttpContext, turn: Turn, done: Done | None, new_id: str) -> Stored | None:
     """Store the turn's result under `new_id` (or under the entry it advanced); on failure
     (`done` None, or aborted) close what was opened for it."""
-    if turn.in_place is not None:
-        turn.in_place.busy = False
+    entry = turn.in_place
+    if entry is not None:
+        entry.busy = False
         if _succeeded(done):
             assert done is not None and done.session_length is not None
-            turn.in_place.length = done.session_length
-        return turn.in_place
+            ctx.store.advance(entry, turn.session or "", done.session_length, _history(turn, done))
+        elif turn.replay and turn.session is not None:  # the new session holds nothing kept
+            _sessions(ctx).close([turn.session])
+        return entry
     length = _kept(ctx, turn, done)
-    return None if length is None else ctx.store.put(new_id, turn.session or "", length)
+    if length is None:
+        return None
+    assert done is not None
+    return ctx.store.put(new_id, turn.session or "", length, _history(turn, done))
+
+
+def _history(turn: Turn, done: Done) -> list[Message]:
+    """A chat session's messages after `turn`: those before, its own, the reply."""
+    calls = done.tool_calls or None  # (its text is then the calls' raw markup)
+    reply = Message(role="assistant", content=None if calls else done.text, tool_calls=calls)
+    return [*turn.before, *turn.added, reply]
 
 
 async def continue_held(ctx: HttpContext, keys: list[bytes], n_messages: int, *,
                         keep: bool) -> tuple[Turn, int]:
     """The session for a turn over `n_messages` messages whose chain keys are `keys`,
     and how many of those messages it already holds (append the rest)."""
-    found = ctx.store.index.find(keys, n_messages)
-    if found is not None:
+    sessions = _sessions(ctx)
+    while (found := ctx.store.index.find(keys, n_messages)) is not None:
         k, held = found
-        try:
-            return Turn(await ctx.link.fork_session(held.session), fresh=True, keep=keep), k
-        except NotFoundError:  # closed meanwhile (expired): compute it afresh
-            pass
+        forked = await sessions.fork(held.session, held.length)
+        if forked is not None:
+            return Turn(forked, fresh=True, keep=keep), k
+        ctx.store.index.lose(held)  # closed meanwhile, or lost by the engine: a shorter one?
     if not keep:
         return Turn(None, keep=False), 0
-    return Turn(await ctx.link.open_session(), fresh=True), 0
+    return Turn(await sessions.open(), fresh=True), 0
 
 
 def hold(ctx: HttpContext, turn: Turn, done: Done | None, key: bytes, chain: bytes) -> Held | None:

@@ -27,6 +27,8 @@ from radixlm.runtime.frontend.tenants import GATEWAY_TOKEN
 from radixlm.runtime.router.config import ReplicaSpec, RouterConfig, parse_replica
 from radixlm.runtime.router.main import run_router
 from radixlm.runtime.router.policy import Balance
+from radixlm.runtime.router.session_db import replicas_name, router_folder
+from radixlm.runtime.state.location import default_state_dir
 from radixlm.runtime.transport.channel import EndpointError, make_runtime_dir, parse_client_endpoint
 from radixlm.runtime.transport.curve_keys import AuthDirError, check_auth_dir
 
@@ -80,6 +82,13 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"),
                    help="how much the router logs (default: info)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--state-dir", default=None, metavar="DIR",
+                       help="keep the durable sessions' logs and homes, and the pins, in "
+                            "DIR/router/<hash of the replicas>/router.sqlite, so a restarted "
+                            f"router keeps them (default: {default_state_dir()})")
+    where.add_argument("--no-state", action="store_true",
+                       help="keep nothing: the router's sessions end with it")
     add_balance_arguments(p)
 
 
@@ -145,11 +154,14 @@ def cmd_router(args: argparse.Namespace) -> int:
     except (ValueError, EndpointError, AuthDirError) as e:
         say("router", str(e))
         return 2
+    state = "" if args.no_state else router_folder(
+        args.state_dir or str(default_state_dir()),
+        replicas_name([spec.endpoint for spec in replicas]))
     config = RouterConfig(replicas=replicas, endpoint=args.endpoint, auth_dir=args.auth_dir,
                           insecure=args.insecure, balance=_balance(args),
                           hot_pin_uses=args.hot_pin_uses,
                           replica_timeout_s=args.replica_timeout,
-                          start_timeout_s=args.start_timeout)
+                          start_timeout_s=args.start_timeout, state_dir=state)
     return _serve_router(config, args.endpoint_file)
 
 
@@ -188,7 +200,9 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
         router = RouterConfig(replicas=replicas, endpoint=config.endpoint,
                               auth_dir=config.auth_dir or None, insecure=config.insecure,
                               balance=_balance(args), hot_pin_uses=args.hot_pin_uses,
-                              max_message_bytes=config.max_message_bytes)
+                              max_message_bytes=config.max_message_bytes,
+                              state_dir=config.state_dir and router_folder(config.state_dir,
+                                                                           "serve"))
         listen = None if args.auth_dir and not _http_asked(args) else http_listen(args)
 
         def start_http_api(endpoint: str, runtime_dir: Path) -> None:
@@ -197,7 +211,8 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
             if args.tokenizer is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
                 args.tokenizer = args.model
             http = http_config(args, engine_endpoint=endpoint, listen=listen)
-            http = dataclasses.replace(http, gateway_token_file=str(runtime_dir / GATEWAY_TOKEN))
+            http = dataclasses.replace(http, gateway_token_file=str(runtime_dir / GATEWAY_TOKEN),
+                                       state_dir=router.state_dir or None)
             if config.auth_dir:
                 http = dataclasses.replace(
                     http, server_key=os.path.join(config.auth_dir, "server.key"),
@@ -221,7 +236,11 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def replica_config(engine: EngineConfig, index: int) -> EngineConfig:
     """Replica `index`'s engine: ``--device cuda`` means GPUs of its own, from
-    ``cuda:(index * tensor_parallel_size)`` on (its ranks take the next ones)."""
+    ``cuda:(index * tensor_parallel_size)`` on (its ranks take the next ones); a state
+    directory of its own, ``replica-<index>`` in the server's (one server per directory)."""
+    if engine.state_dir:
+        engine = msgspec.structs.replace(
+            engine, state_dir=os.path.join(engine.state_dir, f"replica-{index}"))
     if engine.device == "cuda":
         base = index * max(1, engine.tensor_parallel_size)
         return msgspec.structs.replace(engine, device=f"cuda:{base}")

@@ -37,6 +37,7 @@ class RouterConfig:
     rejoin_interval_s: float = 1.0  # a down replica is dialled afresh at most this often
     start_timeout_s: float = 120.0  # waiting for the first replica at start
     max_message_bytes: int = 4 << 20
+    state_dir: str = ""  # the router's own folder in a state directory ("": none; cli.py)
 
 
 def parse_replica(text: str) -> ReplicaSpec:

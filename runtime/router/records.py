@@ -6,6 +6,10 @@ A session's **log** is how its history was made, in protocol terms: how it was o
 they were the first time: same history, same flags, same template), the tokens the model
 produced (`Produced`), and cuts (`Cut`). Replaying the log on another replica rebuilds the
 same token history (replay.py), which is how a dead replica's sessions are re-homed.
+
+A *durable* session's record outlives its client's connection (`DETACHED` then, until a
+client of its tenant resumes it) and, with a state directory, the router (durable.py):
+its log is written entry by entry (`encode_entry`), so a log only ever grows on disk.
 """
 
 from __future__ import annotations
@@ -13,12 +17,17 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple, Union
+from typing import Any, NamedTuple, Union
 
+import msgspec
 from radixlm.runtime.protocol import Error, Generate, Input, OpenSession, Tool
 
-__all__ = ["Appended", "Cut", "LogEntry", "Opened", "Pending", "PinRecord", "Placement", "Produced",
-           "SessionRecord"]
+__all__ = ["DETACHED", "Appended", "Cut", "LogEntry", "Opened", "Pending", "PinRecord",
+           "Placement", "Produced", "SessionRecord", "decode_entry", "encode_entry"]
+
+# The owner of a durable session whose client is gone: nobody, until a client of its
+# tenant resumes it (client identities are never empty).
+DETACHED = b""
 
 
 class Opened(NamedTuple):
@@ -40,6 +49,28 @@ class Cut(NamedTuple):
 
 LogEntry = Union[Opened, Appended, Produced, Cut]
 
+_KINDS: dict[type[Any], str] = {Opened: "o", Appended: "a", Produced: "p", Cut: "c"}
+
+
+def encode_entry(entry: LogEntry) -> bytes:
+    """One log entry as msgpack: its kind's letter and its fields."""
+    return msgspec.msgpack.encode([_KINDS[type(entry)], *entry])
+
+
+def decode_entry(data: bytes) -> LogEntry:
+    """The entry `encode_entry` made (`msgspec.ValidationError` / `DecodeError` if not one)."""
+    kind, *fields = msgspec.msgpack.decode(data)
+    if kind == "o":
+        return Opened(msgspec.convert(fields[0], OpenSession))
+    if kind == "a":
+        return Appended(msgspec.convert(fields[0], Input),
+                        msgspec.convert(fields[1], Union[list[Tool], None]))
+    if kind == "p":
+        return Produced(msgspec.convert(fields[0], list[int]))
+    if kind == "c":
+        return Cut(msgspec.convert(fields[0], int))
+    raise msgspec.ValidationError(f"unknown log entry kind {kind!r}")
+
 
 @dataclass(eq=False)
 class SessionRecord:
@@ -57,6 +88,9 @@ class SessionRecord:
     # Messages that arrived while it was being re-homed: dispatched once it is home.
     waiting: deque[bytes] = field(default_factory=deque)
     recomputed: int = 0  # tokens recomputed to re-home it, reported by its next turn
+    durable: bool = False  # kept when its client goes (its replica said so when it opened)
+    saved: int = 0  # entries of `log` written to the state directory
+    detached_at: float = 0.0  # time.time() when its client went (DETACHED owner)
 
 
 @dataclass(eq=False)

@@ -36,9 +36,11 @@ from radixlm.runtime import protocol as wire
 from radixlm.runtime.frontend.frames import FrameError, decode_frame
 from radixlm.runtime.frontend.tenants import GatewayRefused, gateway_names, names_for
 from radixlm.runtime.router.config import RouterConfig
+from radixlm.runtime.router.durable import DurableSessions
 from radixlm.runtime.router.keys import estimate_tokens, input_key
 from radixlm.runtime.router.merge import merge_replies
 from radixlm.runtime.router.records import (
+    DETACHED,
     Appended,
     Cut,
     Opened,
@@ -123,6 +125,7 @@ class Router:
         self.welcome: wire.Welcome | None = None
         self.stopping = False
         self._live: list[int] | None = None
+        self.durable = DurableSessions(self, config.state_dir)  # (reads back its sessions)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -405,8 +408,7 @@ class Router:
         for r_index in {p.replica for p in client.pending.values()}:
             self.routing.unload(r_index, sum(
                 p.load for p in client.pending.values() if p.replica == r_index))
-        for vid in [v for v, s in self.sessions.items() if s.owner == ident]:
-            self._forget(vid)
+        self.durable.client_gone(ident)  # its durable sessions detached, the others forgotten
         for rid, job in list(self.internal.items()):
             if ((isinstance(job, Gather) and job.client is client)
                     or (isinstance(job, Rehome) and job.record.owner == ident)):
@@ -492,6 +494,8 @@ class Router:
             self._open(client, msg, data, live)
         elif isinstance(msg, wire.Pin):
             self._pin(client, msg, data, live)
+        elif isinstance(msg, wire.ResumeSession):
+            self.durable.resume(client, msg, data, live)
         elif isinstance(msg, wire.CloseSession):
             self._close(client, msg, live)
         elif isinstance(msg, wire.Abort):
@@ -510,6 +514,7 @@ class Router:
                 return
             assert pin is not None
             del self.pins[(client.tenant, msg.name)]
+            self.durable.unpinned(client.tenant, msg.name)
             self._fan_out(client, msg, holders)
         else:  # tokenize, detokenize: any replica
             replica = min(live, key=lambda i: self.routing.loads[i])
@@ -710,6 +715,12 @@ class Router:
         if isinstance(msg, wire.Ok) and p.kind == "generate":
             self._reply(client, data)  # the reply to an abort of this generation
             return
+        if p.kind == "resume":
+            del client.pending[rid]
+            answer = self.durable.resumed(client, replica, p, msg)
+            if answer is not None:
+                self._reply(client, answer)
+            return
         finished = True
         if isinstance(msg, wire.Done):
             p.dones += 1
@@ -730,6 +741,7 @@ class Router:
         if finished:
             del client.pending[rid]
             self.routing.unload(replica, p.load)
+        self.durable.after_reply(p, msg)
         self._reply(client, msg)
 
     def _done(self, client: Client, replica: int, p: Pending, done: wire.Done) -> wire.Done:
@@ -822,12 +834,14 @@ class Router:
             self.pins[(client.tenant, msg.name)] = pin
         pin.holders.add(replica)
         self.routing.tree.insert(key, replica)
+        self.durable.pinned(pin)
 
     def _forget(self, vid: str) -> None:
         record = self.sessions.pop(vid, None)
         if record is not None:
             self.inner_to_vid.pop((record.home, record.inner), None)
             self.homed[record.home] -= 1
+            self.durable.forgotten(record)
 
     # -- fan-outs -----------------------------------------------------------------------------------
 
@@ -873,6 +887,8 @@ class Router:
     # -- failover: re-homing ------------------------------------------------------------------------
 
     def _start_rehome(self, record: SessionRecord) -> None:
+        if record.owner == DETACHED:
+            return  # rebuilt when a client resumes it
         live = self.live()
         client = self.clients.get(record.owner)
         if not live or client is None:
@@ -945,6 +961,7 @@ class Router:
         record.rehoming = False
         self.inner_to_vid[(job.target, job.inner)] = record.vid
         self.routing.tree.insert(record.key, job.target)
+        self.durable.save(record)
         log.info("session %s re-homed on replica %d: %d tokens recomputed", record.vid[:8],
                  job.target, job.recomputed)
         while record.waiting and not record.rehoming and record.vid in self.sessions:
@@ -960,6 +977,7 @@ class Router:
                 self._error(client, msg.rid, _UNAVAILABLE, f"session {record.vid!r} {why}")
 
     def close(self) -> None:
+        self.durable.close()
         for client in list(self.clients.values()):
             for sock in client.links.values():
                 self._close_link(sock)

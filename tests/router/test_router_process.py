@@ -47,8 +47,10 @@ START_S = 120.0
 def start_router(workdir: Path, replicas: list[str], *flags: str) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
     workdir.mkdir(parents=True, exist_ok=True)
     endpoint_file, log_path = workdir / "endpoint", workdir / "router.log"
+    # No state unless a test asks for it: test routers never touch the user's directory.
+    no_state = [] if "--state-dir" in flags else ["--no-state"]
     command = [sys.executable, "-m", "radixlm.runtime.cli", "router", "--endpoint-file",
-               str(endpoint_file), "--replica-timeout", "3", *flags]
+               str(endpoint_file), "--replica-timeout", "3", *no_state, *flags]
     for r in replicas:
         command += ["--replica", r]
     with log_path.open("wb") as log:
@@ -71,16 +73,18 @@ def start_router(workdir: Path, replicas: list[str], *flags: str) -> Iterator[tu
                 proc.wait()
 
 
-def _replica(tmp: Path, name: str, model: Path) -> contextlib.AbstractContextManager[ServerHandle]:
-    return start_test_server(tmp / name, model, "--endpoint", f"ipc://{tmp}/{name}.sock")
+def _replica(tmp: Path, name: str, model: Path,
+             state: bool = False) -> contextlib.AbstractContextManager[ServerHandle]:
+    flags = ("--state-dir", str(tmp / f"{name}-state")) if state else ()
+    return start_test_server(tmp / name, model, "--endpoint", f"ipc://{tmp}/{name}.sock", *flags)
 
 
 @contextlib.contextmanager
-def _replicas(tmp: Path, model: Path, *names: str) -> Iterator[list[ServerHandle]]:
+def _replicas(tmp: Path, model: Path, *names: str, state: bool = False) -> Iterator[list[ServerHandle]]:
     """Replicas started at once (each start is mostly imports: in parallel they take
-    about one's time), all stopped on exit."""
+    about one's time), all stopped on exit; `state`: each with a state directory."""
     with contextlib.ExitStack() as stack, ThreadPoolExecutor(len(names)) as pool:
-        managers = [_replica(tmp, name, model) for name in names]
+        managers = [_replica(tmp, name, model, state) for name in names]
         futures = [pool.submit(m.__enter__) for m in managers]
         for m, f in zip(managers, futures, strict=True):
             with contextlib.suppress(BaseException):  # a failed one is raised below

@@ -131,3 +131,58 @@ def test_a_restarted_router_keeps_its_durable_sessions(tmp_path: Path, tiny_mode
                     _turn(ref, again.session, CONTENTS[0])
                     assert _turn(ref, again.session, "Now a fruit.").token_ids == \
                         fork_turn.token_ids
+
+
+def test_rows_round_trip_entry_by_entry_and_find_their_replicas(tmp_path: Path) -> None:
+    """session_db.py alone: what is saved is read back as it was (a log written entry by
+    entry), each session's replica found by endpoint, else by index, else left out; one
+    router at a time per folder."""
+    from radixlm.runtime.protocol import Message, Tool
+    from radixlm.runtime.router.records import (
+        Appended,
+        Cut,
+        Opened,
+        PinRecord,
+        Produced,
+        SessionRecord,
+    )
+    from radixlm.runtime.router.session_db import open_router_db
+
+    folder = str(tmp_path / "router")
+    db = open_router_db(folder)
+    assert db is not None
+    assert open_router_db(folder) is None  # locked by the first
+    log = [Opened(OpenSession(rid="o", durable=True, pinned="sys")),
+           Appended(Input(messages=[Message(role="user", content="hi")]), [Tool(name="f")]),
+           Produced([5, 6, 7])]
+    record = SessionRecord("v1", b"client", "alice", 1, "inner1", 40, "key", list(log),
+                           durable=True)
+    db.save(record, "ipc://b")
+    assert record.saved == 3
+    record.log += [Cut(20), Produced([8])]
+    record.length = 21
+    db.save(record, "ipc://b")
+    db.save_pin(PinRecord("sys", "alice", Input(text="system"), None, "pkey", 12))
+    db.save_pin(PinRecord("gone", None, Input(text="x"), None, "k", 1))
+    db.delete_pin(None, "gone")
+    db.close()
+    db = open_router_db(folder)
+    assert db is not None
+    for endpoints, home in ((["ipc://a", "ipc://b"], 1), (["ipc://b", "ipc://a"], 0),
+                            (["ipc://x", "ipc://y"], 1), (["ipc://x"], None)):
+        loaded = db.load(endpoints)
+        if home is None:
+            assert loaded.sessions == []
+            continue
+        (back,) = loaded.sessions
+        assert (back.vid, back.tenant, back.home, back.inner, back.length) == (
+            "v1", "alice", home, "inner1", 21)
+        assert back.log == record.log and back.durable and back.owner == b""
+        (pin,) = loaded.pins
+        assert (pin.name, pin.tenant, pin.msg_input, pin.length) == (
+            "sys", "alice", Input(text="system"), 12)
+    db.delete("v1")
+    db.close()
+    db = open_router_db(folder)
+    assert db is not None and db.load(["ipc://b"]).sessions == []
+    db.close()

@@ -10,7 +10,7 @@ import logging
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.request import RequestGroup
 from radixlm.runtime.engine.table import RequestTable
-from radixlm.runtime.grammar.compiler import GrammarError, Pending
+from radixlm.runtime.grammar.compiler import CompilingGrammar, GrammarError
 from radixlm.runtime.protocol import ErrorCode
 from radixlm.runtime.rules import RequestError
 
@@ -27,7 +27,7 @@ def release_compiled(table: RequestTable, endings: Endings) -> None:
         groups.setdefault(id(r.group), r.group)
     for g in groups.values():
         pending = g.grammar
-        assert isinstance(pending, Pending)
+        assert isinstance(pending, CompilingGrammar)
         if not pending.done():
             continue
         try:

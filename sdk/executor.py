@@ -116,7 +116,7 @@ class StateExecutor:
             ops.close()
             for op in ops.take_all():
                 self.reject(op)
-            self.session.close_all()
+            self.session.close(self.session.owned)
             self.finished = True
             for callback in self._on_finish:
                 callback()
@@ -221,7 +221,7 @@ class StateExecutor:
         if failed is not None:
             raise ProgramError(f"a forked state failed: {failed.error}") from failed.error
         if mode == "gather_variable":
-            self.data.gather(tuple(c.data for c in children))
+            self.data.gather([c.data for c in children])
         elif mode == "concate_and_append":
             self.data.add_text("".join(c.data.fork_text() for c in children))
         else:

@@ -61,7 +61,7 @@ async def run_gen(state: StateExecutor, op: Gen) -> None:
                                   n=n, stream=stream, prompt_logprobs_start=plp_start,
                                   logprob_texts=bool(texts))
     name = op.name
-    text_start = data.text_length()
+    text_start = data.buffer.length
     start = time.perf_counter()
     if n > 1:
         req = client.request(msg)
@@ -106,7 +106,7 @@ async def run_gen(state: StateExecutor, op: Gen) -> None:
         data.variables[name] = done.text
         data.meta[name] = _gen_meta(done, time.perf_counter() - start, logprob_start)
         data.add_generated(done.text)
-    data.outputs[name] = GenOutput(text_start, data.text_length(), done.usage.prompt_tokens)
+    data.outputs[name] = GenOutput(text_start, data.buffer.length, done.usage.prompt_tokens)
     data.var_done.add(name)
 
 
@@ -156,9 +156,9 @@ async def run_select(state: StateExecutor, op: Select) -> None:
         "e2e_latency": latency,
     }
     data.var_done.add(op.name)
-    text_start = data.text_length()
+    text_start = data.buffer.length
     data.add_generated(choice)
-    data.outputs[op.name] = GenOutput(text_start, data.text_length(), history)
+    data.outputs[op.name] = GenOutput(text_start, data.buffer.length, history)
 
 
 async def _unconditional(client: AsyncClient, namespace: str | None, choices: tuple[str, ...],

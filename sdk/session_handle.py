@@ -201,6 +201,3 @@ class SessionHandle:
             self.owned.discard(sid)
             if client.alive:
                 client.close_session_unawaited(sid)
-
-    def close_all(self) -> None:
-        self.close(self.owned)

@@ -220,7 +220,7 @@ class ProgramState(RoleScopes):
     def __repr__(self) -> str:
         executor = self._executor
         state = "finished" if executor.finished else "running"
-        return (f"<ProgramState {state}, {self._data.text_length()} chars, "
+        return (f"<ProgramState {state}, {self._data.buffer.length} chars, "
                 f"session={executor.session.id}>")
 
 

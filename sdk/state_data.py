@@ -44,13 +44,13 @@ class GenOutput(NamedTuple):
 class StateData:
     """A state's text, messages, variables and meta info, and its open role/scopes."""
 
-    __slots__ = ("_text", "fork_text_pos", "messages", "meta", "outputs", "role", "role_content",
+    __slots__ = ("buffer", "fork_text_pos", "messages", "meta", "outputs", "role", "role_content",
                  "role_open", "role_start", "scopes", "session", "streams", "var_done",
                  "variables")
 
     def __init__(self, session: SessionHandle) -> None:
         self.session = session  # where the text and messages to send go
-        self._text = TextBuffer()
+        self.buffer = TextBuffer()  # the text (its `length` read without joining it)
         self.fork_text_pos = 0  # where a fork's own text starts (what a join appends)
         self.messages: list[dict[str, str]] = []
         self.variables: dict[Any, Any] = {}
@@ -66,10 +66,7 @@ class StateData:
 
     @property
     def text(self) -> str:
-        return str(self._text)
-
-    def text_length(self) -> int:
-        return len(self._text)
+        return str(self.buffer)
 
     # -- variables ------------------------------------------------------------------------------
 
@@ -78,20 +75,20 @@ class StateData:
         self.var_done.add(name)
 
     def scope_begin(self, name: str) -> None:
-        self.scopes[name] = len(self._text)
+        self.scopes[name] = self.buffer.length
 
     def scope_end(self, name: str) -> None:
         """``with s.var_scope(name)`` ended: the text appended inside is the variable."""
         start = self.scopes.pop(name, None)
         if start is None:  # pragma: no cover - var_scope() always submits both
             raise ProgramError(f"var_scope({name!r}) ended without beginning")
-        self.set_var(name, self._text.since(start))
+        self.set_var(name, self.buffer.since(start))
 
     # -- text and roles -------------------------------------------------------------------------
 
     def add_text(self, value: str) -> None:
         """Text the program appended: sent with the next request."""
-        self._text.append(value)
+        self.buffer.append(value)
         if self.role is not None:
             self.role_content.append(value)
         if self.role is None or self.role_open:
@@ -99,7 +96,7 @@ class StateData:
 
     def add_generated(self, value: str) -> None:
         """Text the engine produced: already in the session's history."""
-        self._text.append(value)
+        self.buffer.append(value)
         if self.role is not None:
             self.role_content.append(value)
 
@@ -107,7 +104,7 @@ class StateData:
         if self.role is not None:
             raise ProgramError(f"rl.{role}() inside rl.{self.role}(): roles cannot nest")
         self.role, self.role_open, self.role_content = role, False, []
-        self.role_start = len(self._text)
+        self.role_start = self.buffer.length
 
     def role_end(self, role: str) -> None:
         if self.role != role:
@@ -134,18 +131,18 @@ class StateData:
     def replace_output(self, out: GenOutput, answer: str) -> None:
         """Put `answer` where a gen's output was in the text (the session is the
         handle's to cut back)."""
-        after = str(self._text)[out.text_end:]
-        self._text.truncate(out.text_start)
-        self._text.append(answer + after)
+        after = str(self.buffer)[out.text_end:]
+        self.buffer.truncate(out.text_start)
+        self.buffer.append(answer + after)
         if self.role is not None:
-            self.role_content = [self._text.since(self.role_start)]
+            self.role_content = [self.buffer.since(self.role_start)]
 
     # -- forks -----------------------------------------------------------------------------------
 
     def copy_from(self, parent: StateData) -> None:
         """Start as a fork of `parent`: the same text, messages, variables and scopes."""
-        self._text = parent._text.copy()
-        self.fork_text_pos = len(parent._text)
+        self.buffer = parent.buffer.copy()
+        self.fork_text_pos = parent.buffer.length
         self.messages = list(parent.messages)
         self.variables = dict(parent.variables)
         self.meta = dict(parent.meta)
@@ -156,7 +153,7 @@ class StateData:
         self.scopes = dict(parent.scopes)
         self.outputs = dict(parent.outputs)
 
-    def gather(self, children: tuple[StateData, ...]) -> None:
+    def gather(self, children: list[StateData]) -> None:
         """``join("gather_variable")``: each variable the forks made, as a list here."""
         before = set(self.variables)
         for child in children:
@@ -169,7 +166,7 @@ class StateData:
 
     def fork_text(self) -> str:
         """The text this fork added after it was forked."""
-        return self._text.since(self.fork_text_pos)
+        return self.buffer.since(self.fork_text_pos)
 
 
 # Ops that never talk to the engine, applied without a coroutine: (data, op) -> None.

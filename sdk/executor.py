@@ -164,8 +164,9 @@ class StateExecutor:
             # A state that will not talk to the engine again hands its own session to its
             # last fork: one session fewer to fork now and to close later.
             hand_over = not self._engine_needed_later()
-            ids = await session.fork(len(children) - hand_over) \
-                if len(children) > hand_over else []
+            ids: list[str] = []
+            if len(children) > hand_over:
+                ids = await session.fork(len(children) - hand_over)
         except BaseException as e:
             for child in children:
                 child.fail(ProgramError(f"fork failed: {e}"))

@@ -63,6 +63,15 @@ def _split(options: dict[str, Any], params: frozenset[str] = frozenset()
     return sampling, {k: v for k, v in options.items() if not sampling_option(k)}
 
 
+def _batch_sampling(where: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A batch's keyword arguments, which are all sampling defaults (the programs'
+    arguments are the batch items): an unknown one is an error naming `where`."""
+    sampling, extra = _split(options)
+    if extra:
+        raise unknown_keyword(f"{where}()", sorted(extra)[0], SAMPLING_FIELDS | GEN_FIELDS)
+    return sampling
+
+
 def _wait(fut: Future[Any], run_cancel: Callable[[], None]) -> None:
     """Wait for a supervisor future; on Ctrl-C cancel it (aborting requests, closing
     sessions) and wait for that cleanup before re-raising."""
@@ -269,9 +278,7 @@ class Program:
                                "use `await program.arun_batch(...)`")
         if max_concurrency is None and isinstance(num_threads, int):
             max_concurrency = num_threads
-        defaults, extra = _split(sampling)
-        if extra:
-            raise unknown_keyword("run_batch()", sorted(extra)[0], SAMPLING_FIELDS | GEN_FIELDS)
+        defaults = _batch_sampling("run_batch", sampling)
         states = self._batch(client, list(batch_kwargs), defaults, max_concurrency,
                              progress_bar, pin, namespace)
         return states if generator_style else list(states)
@@ -411,9 +418,7 @@ class Program:
                 self.arun_batch, batch_kwargs, backend=client.aclient,
                 max_concurrency=max_concurrency, pin=pin, namespace=namespace,
                 _portal=client.portal, _on_done=_on_done, **sampling)))
-        defaults, extra = _split(sampling)
-        if extra:
-            raise unknown_keyword("arun_batch()", sorted(extra)[0], SAMPLING_FIELDS)
+        defaults = _batch_sampling("arun_batch", sampling)
         limiter = anyio.CapacityLimiter(max_concurrency) if max_concurrency else None
         runs = [self._new_run(client, defaults, stream=False, pin=pin, namespace=namespace,
                               loop_thread=threading.get_ident(), token=current_token(),

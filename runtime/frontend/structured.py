@@ -14,24 +14,18 @@ xgrammar: a grammar that does not compile is reported by the engine, which compi
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass
 
+from radixlm.runtime.frontend.tool_calls import CallReader
 from radixlm.runtime.grammar.spec import GrammarSpec, grammar_fields_given
-from radixlm.runtime.protocol import ErrorCode, Generate, NamedToolChoice, Tool, ToolCall
+from radixlm.runtime.protocol import ErrorCode, Generate, NamedToolChoice, Tool
 from radixlm.runtime.rules import RequestError
-from radixlm.tokenizer.tools import (
-    ToolFormat,
-    call_frame,
-    call_schema,
-    check_tools,
-    parse_tool_calls,
-)
+from radixlm.tokenizer.tools import ToolFormat, call_frame, call_schema
 
 __all__ = ["StructuredPlan", "plan_structured"]
 
 
-# Between parallel calls (every format's parser also reads calls split by newlines).
+# Between parallel calls (the call parser also reads calls split by spaces or ';').
 CALL_SEPARATOR = "\n"
 
 
@@ -40,19 +34,14 @@ class StructuredPlan:
     grammar: GrammarSpec | None
     tools: list[Tool] | None  # rendered with the prompt (messages input)
     fmt: ToolFormat
-    parse_calls: bool  # read tool calls out of the output into Done.tool_calls
+    parse_calls: bool  # read tool calls out of the output (chunks' and Done's tool_calls)
     parallel: bool = True  # several calls may be answered at once
 
-    def tool_calls(self, text: str) -> list[ToolCall] | None:
+    def reader(self) -> CallReader | None:
+        """A branch's call reader (None: its calls are not read)."""
         if not self.parse_calls or not self.tools:
             return None
-        parsed = parse_tool_calls(text, self.fmt, self.tools)
-        if parsed is None:
-            return None
-        if not self.parallel:
-            parsed = parsed[:1]
-        return [ToolCall(id=f"call_{secrets.token_hex(12)}", name=c.name, arguments=c.arguments)
-                for c in parsed]
+        return CallReader(self.fmt, self.tools, self.parallel)
 
 
 NO_PLAN = StructuredPlan(grammar=None, tools=None, fmt="generic", parse_calls=False)
@@ -67,8 +56,8 @@ def call_grammar(tools: list[Tool], fmt: ToolFormat, *, several: bool,
 
 
 def plan_structured(msg: Generate, fmt: ToolFormat) -> StructuredPlan:
-    """Check the request's grammar fields, tools and tool_choice; raise `RequestError`
-    (invalid_params) naming the first problem."""
+    """Check the request's grammar fields and tool_choice (its tools have passed
+    `rules.check_tools`); raise `RequestError` (invalid_params) naming the first problem."""
     sampling, tools, choice = msg.sampling, msg.tools, msg.tool_choice
     given = grammar_fields_given(sampling)
     if len(given) > 1:
@@ -76,11 +65,6 @@ def plan_structured(msg: Generate, fmt: ToolFormat) -> StructuredPlan:
     grammar = GrammarSpec(kind=given[0], text=getattr(sampling, given[0])) if given else None
     if tools is None and choice == "auto" and grammar is None:
         return NO_PLAN
-    if tools is not None:
-        if not tools:
-            raise _invalid("tools is empty: omit it, or give at least one tool")
-        if problem := check_tools(tools):
-            raise _invalid(problem)
     forced = _forced_tools(tools, choice)
     parallel = msg.parallel_tool_calls
     if forced is not None:  # a call; the request's own grammar would shape content

@@ -39,8 +39,8 @@ from radixlm.runtime.rules import (
     resolve_max_tokens,
 )
 from radixlm.tokenizer import Tokenizer, TokenStopMatcher
-from radixlm.tokenizer.call_formats import framed_format
 from radixlm.tokenizer.call_parser import CallParser
+from radixlm.tokenizer.tools import framed_format
 
 log = logging.getLogger(__name__)
 

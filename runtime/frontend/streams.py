@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from radixlm.runtime.engine.wire import TokenOutput
-from radixlm.runtime.frontend.tool_calls import CallReader
+from radixlm.runtime.frontend.structured import CallReader
 from radixlm.runtime.protocol import (
     Chunk,
     Done,

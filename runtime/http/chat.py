@@ -12,7 +12,6 @@ from radixlm.runtime.http import convert, generation, sse, turns
 from radixlm.runtime.http.context import HttpContext, now, request_body
 from radixlm.runtime.http.errors import invalid
 from radixlm.runtime.http.logprobs import chat_content
-from radixlm.runtime.http.reply_parts import parts
 from radixlm.runtime.http.schemas import ChatCompletionRequest
 from radixlm.runtime.http.store import Stored, new_id
 from radixlm.runtime.protocol import Chunk, Done, Generate, Input
@@ -113,7 +112,7 @@ async def _stream(ctx: HttpContext, cid: str, first: Chunk | Done, rest: AsyncIt
                   n: int, include_usage: bool, turn: turns.Turn) -> AsyncIterator[bytes]:
     """OpenAI chunks: a role delta per choice, content deltas, a finish chunk per choice,
     then (include_usage) a usage chunk, then [DONE]. With tools, content and calls come as
-    the frontend read them (`reply_parts`): the text outside calls, and each call as
+    the frontend read them (`generation.parts`): the text outside calls, and each call as
     ``delta.tool_calls`` -- its index, id and name first, then fragments of its arguments."""
     head = {"id": cid, "object": "chat.completion.chunk", "created": now(),
             "model": ctx.model_name}
@@ -134,7 +133,7 @@ async def _stream(ctx: HttpContext, cid: str, first: Chunk | Done, rest: AsyncIt
         """The reply's parts as deltas; its logprobs ride with the first."""
         index = reply.index
         out = []
-        for part in parts(reply):
+        for part in generation.parts(reply):
             if type(part) is str:
                 out.append(delta(index, {"content": part}, logprobs))
                 logprobs = None

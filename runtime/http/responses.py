@@ -29,7 +29,6 @@ from radixlm.runtime.http.conversations import page
 from radixlm.runtime.http.errors import invalid
 from radixlm.runtime.http.history import MESSAGES_ONLY, chain_keys, root_key
 from radixlm.runtime.http.items import items_of, stored_item, to_messages
-from radixlm.runtime.http.reply_parts import Part, parts
 from radixlm.runtime.http.schemas import InputItem, ResponsesRequest
 from radixlm.runtime.http.store import Conversation, Stored
 from radixlm.runtime.protocol import Chunk, Done, Generate, Input, Message, Tool
@@ -207,7 +206,7 @@ async def _stream(info: _Turn, msg_id: str, first: Chunk | Done, rest: AsyncIter
                   own_items: list[InputItem]) -> AsyncIterator[bytes]:
     """The Responses API's streaming events, from response.created to response.completed:
     a message item whose text streams as it comes, and for each call the frontend read
-    (`reply_parts`) a function_call item whose arguments stream in fragments."""
+    (`generation.parts`) a function_call item whose arguments stream in fragments."""
     seq = 0
 
     def emit(kind: str, **fields: Any) -> bytes:
@@ -258,10 +257,10 @@ async def _stream(info: _Turn, msg_id: str, first: Chunk | Done, rest: AsyncIter
                 emit("response.output_item.done", output_index=len(output) - 1,
                      item=done_item)]
 
-    def events(reply_parts: Iterator[Part]) -> list[bytes]:
+    def events(chunk_parts: Iterator[generation.Part]) -> list[bytes]:
         nonlocal call_item
         out: list[bytes] = []
-        for part in reply_parts:
+        for part in chunk_parts:
             if type(part) is str:
                 out += close_call()
                 if open_msg is None:
@@ -301,7 +300,7 @@ async def _stream(info: _Turn, msg_id: str, first: Chunk | Done, rest: AsyncIter
         reply = first
         while True:
             if type(reply) is Chunk:
-                for data in events(parts(reply)):
+                for data in events(generation.parts(reply)):
                     yield data
             else:
                 done = reply

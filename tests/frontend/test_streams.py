@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from radixlm.runtime.engine.wire import TokenOutput
 from radixlm.runtime.frontend.streams import RequestStream
-from radixlm.runtime.frontend.tool_calls import CallReader
+from radixlm.runtime.frontend.structured import CallReader
 from radixlm.runtime.protocol import Chunk, Done, SamplingParams, Tool, Usage
 from radixlm.tokenizer import Tokenizer
 

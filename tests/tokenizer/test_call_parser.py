@@ -18,8 +18,8 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from radixlm.tokenizer.call_formats import FORMATS, framed_format, tool_format
 from radixlm.tokenizer.call_parser import ArgsDelta, CallBegin, CallEnd, CallParser, TextDelta
+from radixlm.tokenizer.tools import FORMATS, framed_format, tool_format
 
 NAMES = ["get_weather", "add", "search.web"]
 SETTINGS = settings(max_examples=150, deadline=None, database=None,

@@ -9,8 +9,8 @@ import json
 import random
 
 import pytest
-from radixlm.tokenizer.call_formats import FORMATS, framed_format
 from radixlm.tokenizer.call_parser import CallEnd, CallParser
+from radixlm.tokenizer.tools import FORMATS, framed_format
 
 _NASTY = ['a}b', 'say "hi"', "back\\slash", "{[", "]}", "line\nbreak", "ünï", "", "</tool_call>"]
 

@@ -17,9 +17,8 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from radixlm.tokenizer import TokenStopMatcher
-from radixlm.tokenizer.call_formats import framed_format
 from radixlm.tokenizer.call_parser import CallParser
-from radixlm.tokenizer.tools import call_frame
+from radixlm.tokenizer.tools import call_frame, framed_format
 
 SETTINGS = settings(max_examples=300, deadline=None, database=None,
                     suppress_health_check=list(HealthCheck))

@@ -1,6 +1,6 @@
 """Tool calls on the frontend side: formats, rendering, call schemas, the checks on tools
 (`rules.check_tools`) and tool_choice, and calls read into chunks and Dones with their ids
-(tokenizer/tools.py, runtime/rules.py, runtime/frontend/structured.py, tool_calls.py).
+(tokenizer/tools.py, runtime/rules.py, runtime/frontend/structured.py).
 
 References: transformers' own `apply_chat_template` for rendering, `jsonschema` for the
 call schemas, `json` for read arguments, calls written here for what is read.

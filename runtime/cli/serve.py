@@ -67,8 +67,6 @@ def _checked_http(args: argparse.Namespace) -> HttpConfig | None:
         # A server of CurveZMQ tenants serves HTTP only when asked: on by default, a
         # loopback API without a key would let any local user in beside the keys.
         return None  # (said once the other checks have passed)
-    if args.tokenizer is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
-        args.tokenizer = args.model
     if args.served_model_name is None and args.model == "default":
         args.served_model_name = "SmolLM2-135M-Instruct"  # "default" is accepted too
     return http_config(args, engine_endpoint="", listen=listen)

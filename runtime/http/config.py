@@ -38,7 +38,6 @@ class HttpConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS
     served_model_name: str | None = None  # None: the engine's model name
-    tokenizer_dir: str | None = None  # token strings for logprobs ("token_id:N" without)
     connect_timeout_s: float = 60.0
     health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S  # /health: 503 if the engine is slower
     gateway_token_file: str | None = None  # the frontend's gateway credential (tenants)

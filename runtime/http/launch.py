@@ -49,8 +49,6 @@ def child_command(config: HttpConfig, parent_pid: int, log_level: str,
         command += ["--server-key", config.server_key, "--client-key", config.client_key]
     if config.served_model_name:
         command += ["--served-model-name", config.served_model_name]
-    if config.tokenizer_dir:
-        command += ["--tokenizer", config.tokenizer_dir]
     if config.state_dir:
         command += ["--state-dir", config.state_dir]
     return command

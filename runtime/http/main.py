@@ -102,9 +102,6 @@ def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True,
                         "the context after the prompt)")
     g.add_argument("--served-model-name", default=None,
                    help="the model id of /v1/models and of requests (default: the engine's)")
-    g.add_argument("--tokenizer", default=None, metavar="DIR",
-                   help="a model directory whose tokenizer names tokens in logprobs and echoes "
-                        "token-id prompts (without it: 'token_id:N')")
 
 
 def http_listen(args: argparse.Namespace) -> tuple[str, int] | None:
@@ -160,7 +157,7 @@ def http_config(args: argparse.Namespace, engine_endpoint: str,
                       max_parts=args.max_parts,
                       drain_timeout_s=getattr(args, "drain_timeout", HttpConfig.drain_timeout_s),
                       link_timeout_s=args.link_timeout,
-                      served_model_name=args.served_model_name, tokenizer_dir=args.tokenizer)
+                      served_model_name=args.served_model_name)
 
 
 def serve(config: HttpConfig, log_level: str = "warning", fd: int | None = None) -> None:

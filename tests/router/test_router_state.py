@@ -186,3 +186,35 @@ def test_rows_round_trip_entry_by_entry_and_find_their_replicas(tmp_path: Path) 
     db = open_router_db(folder)
     assert db is not None and db.load(["ipc://b"]).sessions == []
     db.close()
+
+
+def test_serve_replicas_keeps_the_http_apis_objects_across_a_restart(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """``serve --replicas 2`` with a state directory: each replica's own, the router's and
+    its HTTP API's; a stored response continues after a restart of the whole server,
+    its session resumed through the router (at its home: its history cached)."""
+    from http_helpers import free_port
+
+    from tests.conftest import start_test_server
+
+    state = tmp_path / "state"
+    port = free_port()
+    flags = ("--replicas", "2", "--http", f"127.0.0.1:{port}", "--state-dir", str(state))
+    import openai
+
+    def api() -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                             max_retries=0)
+
+    kw = dict(model=tiny_model_dir.name, max_output_tokens=6, temperature=0)
+    with start_test_server(tmp_path / "one", tiny_model_dir, *flags):
+        r1 = api().responses.create(input="Name a colour.", instructions="Be brief. " * 20,
+                                    **kw)
+    assert sorted(p.name for p in state.iterdir()) == ["replica-0", "replica-1", "router"]
+    assert list(state.glob("router/serve/router.sqlite"))
+    assert list(state.glob("router/serve/models/*/http.sqlite"))
+    with start_test_server(tmp_path / "two", tiny_model_dir, *flags):
+        r2 = api().responses.create(input="Why?", instructions="Be brief. " * 20,
+                                    previous_response_id=r1.id, **kw)
+        assert r2.usage.input_tokens_details.cached_tokens >= \
+            (r1.usage.input_tokens + r1.usage.output_tokens) // 64 * 64, r2.usage

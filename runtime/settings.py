@@ -30,8 +30,8 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
-__all__ = ["LOG_LEVELS", "Declaration", "PROCESSES", "LogLevel", "Setting", "SettingError", "Settings",
-           "add_settings", "config_from_args", "number", "setting", "settings_of"]
+__all__ = ["LOG_LEVELS", "PROCESSES", "Declaration", "LogLevel", "Setting", "SettingError",
+           "Settings", "add_settings", "config_from_args", "number", "setting", "settings_of"]
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 LOG_LEVELS: tuple[str, ...] = typing.get_args(LogLevel)
@@ -115,31 +115,33 @@ class Setting:
         """How messages name it: its flag, else its field."""
         return self.flag or self.name
 
-    def problem(self, value: Any) -> str | None:
-        """Why `value` is refused ("must be >= 1, got 0"), None if it is taken."""
+    def problem(self, value: Any, shown: str | None = None) -> str | None:
+        """Why `value` is refused ("must be >= 1, got 0"; `shown`: how to quote it), None
+        if it is taken."""
+        got = f"got {repr(value) if shown is None else shown}"
         if value is None:
-            return None if self.optional else "must be given"
-        numeric = self.kind in (int, float)
+            return None if self.optional else f"must be given, {got}"
         if isinstance(value, bool) != (self.kind is bool) or not isinstance(
                 value, (int, float) if self.kind is float else self.kind):
-            return f"must be {'a number' if numeric else 'a ' + self.kind.__name__}, got {value!r}"
+            return f"must be {_KIND_WORDS[self.kind]}, {got}"
         if self.choices is not None and value not in self.choices:
-            return f"must be one of {', '.join(map(str, self.choices))}, got {value!r}"
-        if numeric and (math.isnan(value) or not all(
+            return f"must be one of {', '.join(map(str, self.choices))}, {got}"
+        if self.kind in (int, float) and (math.isnan(value) or not all(
                 _HOLDS[op](value, b) for op, b in self.declared.bounds)):
-            return f"must be {self.range_text()}, got {value!r}"
+            return f"must be {self._range()}, {got}"
         if self.declared.rule is not None and not self.declared.rule(value):
-            return f"must be {self.declared.rule_text}, got {value!r}"
+            return f"must be {self.declared.rule_text}, {got}"
         return None
 
-    def range_text(self) -> str:
-        bounds = dict(self.declared.bounds)
-        low = [(op, b) for op, b in bounds.items() if op in (">=", ">")]
-        high = [(op, b) for op, b in bounds.items() if op in ("<=", "<")]
-        if low and high:  # an interval: (0, 1]
+    def _range(self) -> str:
+        """The bounds in words: ">= 1", "in (0, 1]"."""
+        bounds = self.declared.bounds
+        low = [(op, b) for op, b in bounds if op in (">=", ">")]
+        high = [(op, b) for op, b in bounds if op in ("<=", "<")]
+        if low and high:
             (lo_op, lo), (hi_op, hi) = low[0], high[0]
             return f"in {'[' if lo_op == '>=' else '('}{lo:g}, {hi:g}{']' if hi_op == '<=' else ')'}"
-        return " and ".join(f"{op} {b:g}" for op, b in bounds.items())
+        return " and ".join(f"{op} {b:g}" for op, b in bounds)
 
     def parse(self, text: str) -> Any:
         """A command line's text as this setting's value; `argparse.ArgumentTypeError`
@@ -151,10 +153,13 @@ class Setting:
                 f"invalid {self.kind.__name__} value: {text!r}") from None
         if self.choices is not None:
             return value  # argparse says "invalid choice" itself, listing them
-        problem = self.problem(value)
+        problem = self.problem(value, shown=text)
         if problem is not None:
-            raise argparse.ArgumentTypeError(problem.replace(repr(value), text))
+            raise argparse.ArgumentTypeError(problem)
         return value
+
+
+_KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
 
 
 def _scalar(annotation: Any) -> tuple[type, bool, tuple[Any, ...] | None]:
@@ -226,6 +231,12 @@ def _help(s: Setting, default: Any) -> str:
     return f"{text} (default: {str(shown).replace('%', '%%')})"
 
 
+def _metavar(s: Setting) -> str | None:
+    """argparse's own: the choices ({a,b}), else the flag's name (--page-size: PAGE_SIZE),
+    which need not be the field's."""
+    return None if s.choices or s.flag is None else s.flag.lstrip("-").replace("-", "_").upper()
+
+
 def add_settings(parser: argparse.ArgumentParser, config_type: type, *,
                  only: Collection[str] | None = None, skip: Collection[str] = (),
                  defaults: Mapping[str, Any] | None = None) -> list[str]:
@@ -243,8 +254,7 @@ def add_settings(parser: argparse.ArgumentParser, config_type: type, *,
             options["action"] = "store_true"
         else:
             options.update(default=default, type=s.parse, choices=s.choices,
-                           metavar=s.declared.metavar or (None if s.choices else
-                                                         s.flag.lstrip("-").replace("-", "_").upper()))
+                           metavar=s.declared.metavar or _metavar(s))
         _group(parser, s.declared.group).add_argument(
             *s.declared.flags, help=_help(s, default), **options)
         added.append(s.name)

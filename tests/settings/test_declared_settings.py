@@ -270,3 +270,41 @@ def test_shared_values_are_one_value() -> None:
     assert convert.MAX_N is protocol.MAX_N
     schedule = next(s for s in settings_of(EngineConfig) if s.name == "schedule_policy")
     assert schedule.choices == policy.POLICIES
+
+
+# -- what a user reads ------------------------------------------------------------------------
+
+
+def test_serve_s_help_shows_every_setting_its_help_and_default(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "10000")  # no wrapping (argparse breaks at hyphens)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    serve_has = set(vars(serve_args()))  # (a setting of two configs: the first's flag)
+    for config in CONFIGS:
+        for s in settings_of(config):
+            if not s.flag or s.name not in serve_has:
+                continue
+            serve_has.remove(s.name)
+            assert all(f in shown for f in s.declared.flags), s.name
+            assert " ".join(s.declared.help.split()) in shown, s.name
+            if s.kind is not bool and s.default not in ("", None) and s.name not in ("host", "port"):
+                assert f"{s.declared.help.split()[-1]} (default: {s.default})" in shown, s.name
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--max-running", "0"], "argument --max-running: must be >= 1, got 0"),
+    (["--kv-memory-fraction", "2"], "argument --kv-memory-fraction: must be in (0, 1], got 2"),
+    (["--fair-step-factor", "0.5"], "must be 0 (off) or >= 1, got 0.5"),
+    (["--threads", "x"], "argument -t/--threads: invalid int value: 'x'"),
+    (["--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
+    (["--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),
+])
+def test_a_refusal_says_which_flag_and_why(argv: list[str], says: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        serve_args(*argv)
+    assert says in capsys.readouterr().err
+    with pytest.raises(SettingError, match=r"--max-running must be an integer, got 2\.5"):
+        EngineConfig(max_running=2.5)  # type: ignore[arg-type]

@@ -37,7 +37,7 @@ from radixlm.runtime.http.config import HttpConfig
 from radixlm.runtime.server.children import child_exit, stop_child
 from radixlm.runtime.server.exits import how_it_ended
 from radixlm.runtime.server.progress import Spinner, starting_label
-from radixlm.runtime.settings import Setting, settings_of
+from radixlm.runtime.settings import settings_of
 from radixlm.sdk.errors import EngineDeadError, EngineStartError
 from radixlm.sdk.server_args import ServerArgs, engine_options
 from radixlm.sdk.sync import Client
@@ -54,19 +54,19 @@ _ARGUMENT = re.compile(r"argument --([a-z][a-z0-9-]*)(?:/[-\w]+)*: ")  # argpars
 
 
 @functools.cache
-def _declared() -> tuple[dict[str, Setting], dict[str, str]]:
-    """The settings `radixlm serve` declares (`radixlm.runtime.settings`), by every
-    keyword `rl.Engine` takes for them, and the keyword that names each of their flags."""
-    by_keyword: dict[str, Setting] = {}
+def _declared() -> tuple[dict[str, str], dict[str, str]]:
+    """The settings `radixlm serve` declares (`radixlm.runtime.settings`): the flag of
+    every keyword `rl.Engine` takes for one, and the keyword that names each flag."""
+    flag_of: dict[str, str] = {}
     keyword_of: dict[str, str] = {}
     for s in (*settings_of(EngineConfig), *settings_of(HttpConfig)):
         if s.flag is None:
             continue
         for keyword in s.keywords:
-            by_keyword.setdefault(keyword, s)
+            flag_of.setdefault(keyword, s.flag)
         for flag in s.declared.flags:
             keyword_of.setdefault(flag.lstrip("-"), s.keyword)
-    return by_keyword, keyword_of
+    return flag_of, keyword_of
 
 
 def keyword_words(text: str, options: dict[str, Any] | None = None) -> str:
@@ -98,13 +98,12 @@ def engine_flags(options: dict[str, Any]) -> list[str]:
     other name is passed on as a flag of that spelling (``http=...`` -> ``--http ...``),
     for `serve` to take or refuse. ``True`` gives a bare flag, ``False``/``None``
     nothing."""
-    declared = _declared()[0]
+    flag_of = _declared()[0]
     argv: list[str] = []
     for key, value in options.items():
         if value is None or value is False:
             continue
-        s = declared.get(key)
-        argv.append(s.flag if s is not None and s.flag else "--" + key.replace("_", "-"))
+        argv.append(flag_of.get(key) or "--" + key.replace("_", "-"))
         if value is not True:
             argv.append(str(value))
     return argv

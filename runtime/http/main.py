@@ -31,6 +31,11 @@ SPEC_FLAG = "--spec-stdin"  # radixlm serve's own HTTP child: an `HttpSpec` on s
 _DEFAULT = HttpConfig(engine_endpoint="")
 
 
+# Settings whose flags only this module's own command line has: radixlm serve gives its
+# child the gateway's credentials itself, and its --drain-timeout is the server's.
+_ATTACHING = ("server_key", "client_key", "gateway_token_file", "drain_timeout_s")
+
+
 def add_http_arguments(p: argparse.ArgumentParser, *, serve: bool = False,
                        skip: Collection[str] = ()) -> None:
     """The HTTP flags (generated from `HttpConfig`'s declarations, less `skip`: those the
@@ -44,22 +49,20 @@ def add_http_arguments(p: argparse.ArgumentParser, *, serve: bool = False,
                        help="no HTTP API: serve the ZeroMQ protocol only")
         g.add_argument("--http", default=None, metavar="[HOST:]PORT",
                        help="the HTTP API's address in one flag (8000 = 127.0.0.1:8000)")
-        skip = {*skip, "server_key", "client_key", "gateway_token_file", "drain_timeout_s"}
     else:
-        add_settings(p, HttpConfig, only=("server_key", "client_key", "gateway_token_file"))
+        add_settings(p, HttpConfig, only=_ATTACHING[:3])
         g.add_argument("--http", default=None, metavar="[HOST:]PORT",
                        help="serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000)")
         g.add_argument("--fd", type=int, default=None, metavar="FD",
                        help="serve this listening socket (bound by the parent) at --http")
-        add_settings(p, HttpConfig, only=("drain_timeout_s",))
+        add_settings(p, HttpConfig, only=_ATTACHING[3:])
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every HTTP route but /health; "
                         "repeat it for several keys, each its own tenant (also read, one a "
                         f"line, from ${API_KEY_ENV})")
     g.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read API keys from this file, one a line ('#' comments)")
-    add_settings(p, HttpConfig, skip={*skip, "host", "port", "server_key", "client_key",
-                                      "gateway_token_file", "drain_timeout_s"})
+    add_settings(p, HttpConfig, skip={*skip, "host", "port", *_ATTACHING})
 
 
 def http_listen(args: argparse.Namespace) -> tuple[str, int] | None:

@@ -14,6 +14,7 @@ from radixlm.runtime.settings import LogLevel, Settings, setting
 
 MODEL, KV, SCHEDULING, TRUST = ("model and engine", "KV cache", "scheduling and sessions",
                                 "clients and trust")
+STATE = "state (what outlives disconnects, crashes and restarts)"
 SchedulePolicy = Literal["fcfs", "lpm", "dfs-weight", "shortest-prefill-first"]
 START_TIMEOUT_S = 600.0  # loading a model (the first start of the default one converts its GGUF)
 DRAIN_TIMEOUT_S = 30.0  # SIGTERM: the server's and its HTTP API's running requests finish
@@ -114,6 +115,21 @@ class EngineConfig(Settings, frozen=True, kw_only=True):
         "idle time after which a session is demoted to ordinary cache; 0 = only when the "
         "session asks for a TTL", "--session-ttl", ge=0, metavar="SECONDS", group=SCHEDULING,
         keywords=("session_ttl_s",))] = 0.0
+
+    # The state directory (runtime/state/): "" = none (nothing outlives the processes).
+    # `radixlm serve` keeps one by default (cli/state_flags.py), opens and locks it and
+    # passes the path on.
+    state_dir: Annotated[str, setting(
+        "keep durable sessions, pins, the HTTP API's stored responses and conversations, and "
+        "a disk tier of KV here (made 0700; one server at a time; by default from "
+        "$RADIXLM_STATE_DIR or $XDG_STATE_HOME)", "--state-dir", metavar="DIR", group=STATE,
+        read_by=("serve", "engine"))] = ""
+    disk_kv_bytes: Annotated[int, setting(
+        "bound of the disk KV tier; 0 = a tenth of the free space, at most 20 GiB",
+        "--disk-kv-bytes", ge=0, metavar="BYTES", group=STATE)] = 0
+    durable_session_expiry_s: Annotated[float, setting(
+        "a durable session nobody has resumed for this long (30 days) is closed",
+        "--durable-session-expiry", gt=0, metavar="SECONDS", group=STATE)] = 30 * 86400.0
 
     log_level: Annotated[LogLevel, setting(
         "log level of the server processes", "--log-level",

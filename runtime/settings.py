@@ -239,11 +239,12 @@ def _metavar(s: Setting) -> str | None:
 
 def add_settings(parser: argparse.ArgumentParser, config_type: type, *,
                  only: Collection[str] | None = None, skip: Collection[str] = (),
-                 defaults: Mapping[str, Any] | None = None) -> list[str]:
+                 defaults: Mapping[str, Any] | None = None, into: Any = None) -> list[str]:
     """Add the flags of `config_type`'s settings (those named in `only`, less `skip`) to
-    `parser`, each in its declared group, its value stored under the field's name;
-    `defaults` replaces a default (None: "not given", which `config_from_args` reads as
-    the declared default). Returns the names added."""
+    `parser`, each in its declared group (or all `into` one, such as a mutually exclusive
+    group), its value stored under the field's name; `defaults` replaces a default (None:
+    "not given", which `config_from_args` reads as the declared default). Returns the
+    names added."""
     added = []
     for s in settings_of(config_type):
         if not s.flag or s.name in skip or (only is not None and s.name not in only):
@@ -255,7 +256,7 @@ def add_settings(parser: argparse.ArgumentParser, config_type: type, *,
         else:
             options.update(default=default, type=s.parse, choices=s.choices,
                            metavar=s.declared.metavar or _metavar(s))
-        _group(parser, s.declared.group).add_argument(
+        (into or _group(parser, s.declared.group)).add_argument(
             *s.declared.flags, help=_help(s, default), **options)
         added.append(s.name)
     return added

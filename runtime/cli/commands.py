@@ -34,6 +34,7 @@ from radixlm.runtime.cli.engine_flags import (
     add_engine_arguments,
     config_from_args,
 )
+from radixlm.runtime.cli.state_flags import with_state
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.settings import add_settings, number
 from radixlm.runtime.transport.curve import add_key_arguments
@@ -138,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="use the chat template (the default; a model without one gets the "
                           "plain text)")
-    add_engine_arguments(gen, trust=False, log_level="warning", model_default=None)
+    add_engine_arguments(gen, serve=False, log_level="warning", model_default=None)
     gen.set_defaults(run=cmd_generate)
 
     sessions = command(
@@ -194,10 +195,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas != 1:
         from radixlm.runtime.router.cli import serve_replicas
 
-        return serve_replicas(args, config_from_args(args))
+        return serve_replicas(args, with_state(config_from_args(args), args))
     from radixlm.runtime.cli.serve import run_serve
 
-    return run_serve(args, config_from_args(args))
+    return run_serve(args, with_state(config_from_args(args), args))
 
 
 def cmd_router(args: argparse.Namespace) -> int:

@@ -99,14 +99,34 @@ def test_each_flag_spells_one_setting() -> None:
         assert len(flags) == len(set(flags)), config
 
 
+# serve's own defaults: host and port None ("not given", which tells the default address
+# from an asked one); the state directory the user's, unless --no-state.
+SERVE_S_OWN = ("host", "port", "state_dir")
+
+
 def test_the_parser_s_defaults_are_the_declared_ones() -> None:
     args = serve_args()
     for s in FLAGGED + [s for s in settings_of(HttpConfig) if s.flag]:
-        if s.name in ("host", "port"):
-            continue  # None: "not given", which tells the default address from an asked one
-        if hasattr(args, s.name):
+        if hasattr(args, s.name) and s.name not in SERVE_S_OWN:
             assert getattr(args, s.name) == s.default, s.name
-    assert cli.config_from_args(args) == EngineConfig()
+    assert cli.config_from_args(args, state_dir="") == EngineConfig()
+
+
+def test_serve_keeps_the_user_s_state_directory_unless_told_otherwise(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from radixlm.runtime.cli.state_flags import with_state
+    from radixlm.runtime.state.location import default_state_dir
+
+    def state_dir(*argv: str) -> str:
+        args = serve_args(*argv)
+        return with_state(cli.config_from_args(args), args).state_dir
+
+    assert state_dir() == str(default_state_dir())
+    assert state_dir("--state-dir", "/tmp/s") == "/tmp/s"
+    assert state_dir("--no-state") == ""
+    with pytest.raises(SystemExit):
+        serve_args("--state-dir", "/tmp/s", "--no-state")
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 # -- a value given reaches the process that reads it ----------------------------------------
@@ -119,8 +139,9 @@ def test_a_flag_given_to_serve_arrives_in_the_engine_s_config(s: Setting, tmp_pa
         config = cli.config_from_args(serve_args(*argv_for(s, value, flag)))
         assert getattr(config, s.name) == value, flag
         assert getattr(child_config(config, tmp_path), s.name) == value
+        untouched = cli.config_from_args(serve_args())
         others = {n for n in EngineConfig.__struct_fields__ if n != s.name}
-        assert all(getattr(config, n) == getattr(EngineConfig(), n) for n in others)
+        assert all(getattr(config, n) == getattr(untouched, n) for n in others)
 
 
 @pytest.mark.parametrize("s", FLAGGED, ids=_ids)
@@ -289,7 +310,7 @@ def test_serve_s_help_shows_every_setting_its_help_and_default(
             serve_has.remove(s.name)
             assert all(f in shown for f in s.declared.flags), s.name
             assert " ".join(s.declared.help.split()) in shown, s.name
-            if s.kind is not bool and s.default not in ("", None) and s.name not in ("host", "port"):
+            if s.kind is not bool and s.default not in ("", None) and s.name not in SERVE_S_OWN:
                 assert f"{s.declared.help.split()[-1]} (default: {s.default})" in shown, s.name
 
 

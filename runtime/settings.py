@@ -223,9 +223,9 @@ def _group(parser: argparse.ArgumentParser, title: str) -> Any:
     return parser.add_argument_group(title)
 
 
-def _help(s: Setting, default: Any) -> str:
+def _help(s: Setting, default: Any, shown: str | None = None) -> str:
     text = s.declared.help.replace("%", "%%")
-    shown = s.declared.default_text or (s.default if default is None else default)
+    shown = shown or s.declared.default_text or (s.default if default is None else default)
     if s.kind is bool or shown in ("", None):  # a flag; a path that is none by default
         return text
     return f"{text} (default: {str(shown).replace('%', '%%')})"
@@ -239,12 +239,13 @@ def _metavar(s: Setting) -> str | None:
 
 def add_settings(parser: argparse.ArgumentParser, config_type: type, *,
                  only: Collection[str] | None = None, skip: Collection[str] = (),
-                 defaults: Mapping[str, Any] | None = None, into: Any = None) -> list[str]:
+                 defaults: Mapping[str, Any] | None = None, shown: Mapping[str, str] | None = None,
+                 into: Any = None) -> list[str]:
     """Add the flags of `config_type`'s settings (those named in `only`, less `skip`) to
     `parser`, each in its declared group (or all `into` one, such as a mutually exclusive
     group), its value stored under the field's name; `defaults` replaces a default (None:
-    "not given", which `config_from_args` reads as the declared default). Returns the
-    names added."""
+    "not given", which `config_from_args` reads as the declared default) and `shown` what
+    --help says of it (a default the command decides). Returns the names added."""
     added = []
     for s in settings_of(config_type):
         if not s.flag or s.name in skip or (only is not None and s.name not in only):
@@ -257,7 +258,7 @@ def add_settings(parser: argparse.ArgumentParser, config_type: type, *,
             options.update(default=default, type=s.parse, choices=s.choices,
                            metavar=s.declared.metavar or _metavar(s))
         (into or _group(parser, s.declared.group)).add_argument(
-            *s.declared.flags, help=_help(s, default), **options)
+            *s.declared.flags, help=_help(s, default, (shown or {}).get(s.name)), **options)
         added.append(s.name)
     return added
 

@@ -17,7 +17,7 @@ def add_state_arguments(p: argparse.ArgumentParser) -> list[str]:
     """The state group's flags; returns the names of the settings added."""
     where = p.add_argument_group(STATE).add_mutually_exclusive_group()
     added = add_settings(p, EngineConfig, only=("state_dir",), into=where,
-                         defaults={"state_dir": str(default_state_dir())})
+                         shown={"state_dir": str(default_state_dir())})
     where.add_argument("--no-state", action="store_true",
                        help="keep nothing: every session and stored response ends with the "
                             "server (an ephemeral server)")
@@ -26,8 +26,8 @@ def add_state_arguments(p: argparse.ArgumentParser) -> list[str]:
 
 
 def with_state(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
-    """`config` without a state directory when the flags say none (--no-state; a command
-    without state flags)."""
+    """`config` with the state directory the flags of `args` say: none for --no-state (or
+    a command without state flags), else --state-dir's, else the user's."""
     if getattr(args, "no_state", True):
         return msgspec.structs.replace(config, state_dir="")
-    return config
+    return msgspec.structs.replace(config, state_dir=config.state_dir or str(default_state_dir()))

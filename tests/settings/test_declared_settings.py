@@ -100,7 +100,7 @@ def test_each_flag_spells_one_setting() -> None:
 
 
 # serve's own defaults: host and port None ("not given", which tells the default address
-# from an asked one); the state directory the user's, unless --no-state.
+# from an asked one); the state directory the user's, unless --no-state (with_state).
 SERVE_S_OWN = ("host", "port", "state_dir")
 
 
@@ -109,7 +109,7 @@ def test_the_parser_s_defaults_are_the_declared_ones() -> None:
     for s in FLAGGED + [s for s in settings_of(HttpConfig) if s.flag]:
         if hasattr(args, s.name) and s.name not in SERVE_S_OWN:
             assert getattr(args, s.name) == s.default, s.name
-    assert cli.config_from_args(args, state_dir="") == EngineConfig()
+    assert cli.config_from_args(args) == EngineConfig()
 
 
 def test_serve_keeps_the_user_s_state_directory_unless_told_otherwise(

@@ -67,8 +67,6 @@ def _checked_http(args: argparse.Namespace, config: EngineConfig) -> HttpConfig 
         # loopback API without a key would let any local user in beside the keys.
         return None  # (said once the other checks have passed)
     fixed: dict[str, str] = {}
-    if args.tokenizer_dir is None and os.path.isfile(os.path.join(config.model, "tokenizer.json")):
-        fixed["tokenizer_dir"] = config.model
     if args.served_model_name is None and config.model == "default":
         fixed["served_model_name"] = "SmolLM2-135M-Instruct"  # "default" is accepted too
     return http_config(args, engine_endpoint="", listen=listen, **fixed)

@@ -39,7 +39,8 @@ from radixlm.runtime.rules import (
     resolve_max_tokens,
 )
 from radixlm.tokenizer import Tokenizer, TokenStopMatcher
-from radixlm.tokenizer.call_frames import FramedCalls
+from radixlm.tokenizer.call_parser import CallParser
+from radixlm.tokenizer.tools import framed_format
 
 log = logging.getLogger(__name__)
 
@@ -230,8 +231,8 @@ class MessageHandler:
             if (g.sampling.stop or g.sampling.stop_regex or parallel is not None) \
                     and stop_context is not None:
                 watch = None
-                if calls is not None and parallel is not None:
-                    watch = FramedCalls(calls.begin, calls.end, parallel)
+                if calls is not None and parallel is not None:  # the grammar checked names
+                    watch = CallParser(framed_format(calls.begin, calls.end), None)
                 r.stops = TokenStopMatcher(self.tokenizer, g.sampling.stop, stop_context,
                                            g.sampling.stop_regex, watch)
             g.branches.append(r)

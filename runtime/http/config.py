@@ -73,10 +73,6 @@ class HttpConfig(Settings, frozen=True):
     served_model_name: Annotated[str | None, _http(
         "the model id of /v1/models and of requests", "--served-model-name",
         default_text="the engine's")] = None
-    tokenizer_dir: Annotated[str | None, _http(
-        "a model directory whose tokenizer names tokens in logprobs and echoes token-id "
-        "prompts (without it: 'token_id:N')", "--tokenizer", metavar="DIR",
-        keywords=("tokenizer",))] = None
     drain_timeout_s: Annotated[float, _http(
         "on SIGTERM, how long in-flight requests may finish (a second signal stops at once)",
         "--drain-timeout", ge=0, metavar="SECONDS")] = DRAIN_TIMEOUT_S

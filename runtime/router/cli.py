@@ -162,9 +162,6 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
             if config.auth_dir:
                 keys = {"server_key": os.path.join(config.auth_dir, "server.key"),
                         "client_key": str(runtime_dir / "gateway.key_secret")}
-            if args.tokenizer_dir is None and os.path.isfile(
-                    os.path.join(config.model, "tokenizer.json")):
-                keys["tokenizer_dir"] = config.model
             http = http_config(args, engine_endpoint=endpoint, listen=listen,
                                gateway_token_file=str(runtime_dir / GATEWAY_TOKEN), **keys)
             try:

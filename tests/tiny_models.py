@@ -1,4 +1,5 @@
-"""Tiny random HF checkpoints for tests: Llama, Mistral, Qwen2 and Qwen3 families.
+"""Tiny random HF checkpoints for tests: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text)
+and Phi-3 families.
 
     from tiny_models import make_tiny_checkpoint
     model_dir = make_tiny_checkpoint(tmp_path, arch="qwen3", tie_word_embeddings=True)
@@ -75,6 +76,28 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "qwen3-tied": dict(arch="qwen3", tie_word_embeddings=True, num_key_value_heads=4),
 }
 
+# Gemma 2/3 and Phi-3 with the variations that matter made to bite on short prompts: windows
+# of a few tokens, soft-caps small enough for tanh to bend, a query_pre_attn_scalar other
+# than head_dim, Gemma 3's two RoPE bases (and linear scaling on its global layers), Phi-3's
+# longrope from position 24 on and Phi-4-mini's partial rotary.
+FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
+    "gemma2": dict(arch="gemma2", num_hidden_layers=3, sliding_window=6,
+                   attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
+                   query_pre_attn_scalar=24),
+    "gemma3": dict(arch="gemma3", num_hidden_layers=4, sliding_window=7,
+                   sliding_window_pattern=2, rope_local_base_freq=500.0,
+                   rope_scaling=dict(rope_type="linear", factor=2.0)),
+    "phi3-longrope": dict(arch="phi3", original_max_position_embeddings=24,
+                          rope_scaling=dict(type="longrope",
+                                            long_factor=[1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 9.0, 11.0],
+                                            short_factor=[1.0, 1.1, 1.2, 1.4, 1.6, 1.9, 2.2, 2.5])),
+    "phi4-partial-rotary": dict(arch="phi3", partial_rotary_factor=0.75, sliding_window=9,
+                                original_max_position_embeddings=24,
+                                rope_scaling=dict(type="longrope",
+                                                  long_factor=[1.0, 2.0, 3.0, 4.0, 6.0, 8.0],
+                                                  short_factor=[1.0, 1.0, 1.5, 1.5, 2.0, 2.0])),
+}  # fmt: skip
+
 
 @lru_cache(maxsize=1)
 def _tokenizer_json() -> str:
@@ -135,14 +158,19 @@ def tiny_hf_config(arch: str = "llama", **overrides: Any):
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3": transformers.Gemma3TextConfig,
+        "phi3": transformers.Phi3Config,
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(classes)}")
     kwargs: dict[str, Any] = dict(_BASE)
     kwargs.update(vocab_size=448, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=0)
     kwargs.setdefault("tie_word_embeddings", False)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma2", "gemma3"):
         kwargs["head_dim"] = 16
+    if arch in ("gemma2", "gemma3"):
+        kwargs["query_pre_attn_scalar"] = 16
     kwargs.update(overrides)
     return classes[arch](**kwargs)
 

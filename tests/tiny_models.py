@@ -300,11 +300,13 @@ def make_tiny_gguf(
     *,
     quant: str | None = None,
 ) -> Path:
-    """Write the HF checkpoint `model_dir` (from `make_tiny_checkpoint`, arch llama, qwen2 or
-    qwen3, with its tokenizer) as a GGUF file the way llama.cpp's converter lays it out:
-    llama Q/K rows permuted, tokenizer as gpt2-style metadata (tokens, types, merges, special
-    ids, chat template). `quant="Q8_0"` quantizes the 2-D weights (others stay F32).
-    Returns the GGUF path (default: `<model_dir>.gguf`)."""
+    """Write the HF checkpoint `model_dir` (from `make_tiny_checkpoint`, arch llama, qwen2,
+    qwen3, gemma2, gemma3 or phi3, with its tokenizer) as a GGUF file the way llama.cpp's
+    converter lays it out: llama Q/K rows permuted, Gemma's norms with the 1 of (1 + w)
+    added and its metadata (sliding window and pattern, soft-caps, local RoPE base), Phi-3's
+    fused projections, rotary dims and longrope factor tensors; tokenizer as gpt2-style
+    metadata (tokens, types, merges, special ids, chat template). `quant="Q8_0"` quantizes
+    the 2-D weights (others stay F32). Returns the GGUF path (default: `<model_dir>.gguf`)."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -312,8 +314,8 @@ def make_tiny_gguf(
     model_dir = Path(model_dir)
     out = Path(out_path) if out_path else model_dir.with_suffix(".gguf")
     cfg = json.loads((model_dir / "config.json").read_text())
-    arch = cfg["model_type"]
-    if arch not in ("llama", "qwen2", "qwen3"):
+    arch = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
+    if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"):
         raise ValueError(f"no GGUF layout for {arch!r} here")
     rope = cfg.get("rope_parameters") or {}
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -329,8 +331,8 @@ def make_tiny_gguf(
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    _add_family_metadata(w, arch, cfg, rope)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
 
@@ -364,6 +366,8 @@ def make_tiny_gguf(
     qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
     for name, t in state.items():
         t = np.ascontiguousarray(t.astype(np.float32))
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            t = t + np.float32(1.0)  # llama.cpp stores Gemma's (1 + w)
         if name == "model.embed_tokens.weight":
             gname = "token_embd.weight"
         elif name == "model.norm.weight":
@@ -374,7 +378,7 @@ def make_tiny_gguf(
             gname = "output.weight"
         else:
             _, _, layer, rest = name.split(".", 3)
-            gname = f"blk.{layer}.{_GGUF_LAYER[rest]}"
+            gname = f"blk.{layer}.{_GGUF_FAMILY_LAYER.get(arch, {}).get(rest) or _GGUF_LAYER[rest]}"
         if arch == "llama" and gname.endswith("attn_q.weight"):
             t = _llama_cpp_permute(t, heads)
         elif arch == "llama" and gname.endswith("attn_k.weight"):
@@ -383,8 +387,52 @@ def make_tiny_gguf(
             w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, t)
+    if rope.get("rope_type") == "longrope":
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+_GGUF_GEMMA_LAYER = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+_GGUF_FAMILY_LAYER = {
+    "gemma2": _GGUF_GEMMA_LAYER,
+    "gemma3": _GGUF_GEMMA_LAYER,
+    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+}
+
+
+def _add_family_metadata(w, arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
+    """RoPE, window and soft-cap metadata under llama.cpp's keys."""
+    import math
+
+    import gguf
+
+    full = rope.get("full_attention", rope)
+    w.add_rope_freq_base(float(full.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    if arch.startswith("gemma"):
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "gemma3":
+        w.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(float(full["factor"]))
+    if arch == "phi3":
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+        orig = cfg["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(orig)
+        if rope.get("rope_type") == "longrope":
+            scale = cfg["max_position_embeddings"] / orig
+            w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))

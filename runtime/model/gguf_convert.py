@@ -13,8 +13,10 @@ The cache key carries `CONVERTER_VERSION`, so directories written by an older co
 (which held a float32 copy of every weight) are neither read nor overwritten.
 
 Architectures: llama (Llama/Mistral/SmolLM2; llama.cpp's Q/K row permutation is undone),
-qwen2, qwen3. Tokenizer: gpt2-style byte-level BPE, rebuilt from the GGUF's tokens, merges,
-token types and special ids the same way transformers' own GGUF loader does.
+qwen2, qwen3, and gemma2, gemma3, phi3 (their names and metadata: gguf_families.py).
+Tokenizer: gpt2-style byte-level BPE, rebuilt from the GGUF's tokens, merges, token types
+and special ids the same way transformers' own GGUF loader does, or a SentencePiece
+vocabulary (`llama`: Gemma, Phi-3) as llama.cpp tokenizes it (gguf_spm.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from . import gguf_families
 from .config import UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ _ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    **gguf_families.ARCHS,
 }
 
 _LAYER_NAMES = {
@@ -89,7 +93,10 @@ _PRE_SPLITS = {
 # ---------------------------------------------------------------------------- metadata
 
 
-def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str],
+                        rope_factors=lambda name: None) -> dict[str, Any]:  # fmt: skip
+    """The HF config of a GGUF's metadata; `rope_factors(name)` reads a factor tensor's
+    values (Phi-3's longrope factors are tensors, not metadata)."""
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise UnsupportedModelError(
@@ -138,9 +145,10 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
         orig = get("rope.scaling.original_context_length")
         if orig:
             rs["original_max_position_embeddings"] = int(orig)
-        if scaling not in ("linear", "yarn"):
+        if scaling not in ("linear", "yarn", "longrope"):
             raise UnsupportedModelError(f"GGUF rope scaling {scaling!r} is not supported")
-        cfg["rope_scaling"] = rs
+        if scaling != "longrope":  # longrope's factors are tensors (gguf_families)
+            cfg["rope_scaling"] = rs
     if "rope_freqs.weight" in tensor_names:
         log.warning(
             "GGUF carries rope_freqs (llama3-style RoPE scaling) whose parameters it does not "
@@ -150,6 +158,8 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
                       ("padding_token_id", "pad_token_id")):  # fmt: skip
         if f"tokenizer.ggml.{key}" in meta:
             cfg[name] = int(meta[f"tokenizer.ggml.{key}"])
+    if arch in gguf_families.ARCHS:
+        cfg = gguf_families.family_config(arch, get, cfg, rope_factors)
     return cfg
 
 
@@ -170,21 +180,18 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def build_tokenizer(meta: dict[str, Any]):
-    """A `tokenizers.Tokenizer` from GGUF tokenizer metadata (gpt2-style BPE only)."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
+    """A `tokenizers.Tokenizer` from GGUF tokenizer metadata (gpt2-style BPE or SentencePiece)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        from .gguf_spm import spm_tokenizer
+
+        return _with_bos(spm_tokenizer(meta), meta)
     if kind != "gpt2":
         raise UnsupportedModelError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')"
+            f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', "
+            "SentencePiece 'llama')"
         )
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
@@ -225,9 +232,22 @@ def build_tokenizer(meta: dict[str, Any]):
         tok.add_special_tokens(control)
     if user:
         tok.add_tokens(user)
+    return _with_bos(tok, meta)
+
+
+def _adds_bos(meta: dict[str, Any]) -> bool:
+    """`tokenizer.ggml.add_bos_token`; llama.cpp adds one to SentencePiece vocabularies
+    that do not say."""
+    return bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"))
+
+
+def _with_bos(tok, meta: dict[str, Any]):
+    """`tok` with a post-processor that puts the BOS token first, if the file asks."""
+    from tokenizers import processors
+
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
-        bos = tokens[int(bos_id)]
+    if _adds_bos(meta) and bos_id is not None:
+        bos = meta["tokenizer.ggml.tokens"][int(bos_id)]
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
         )
@@ -247,7 +267,7 @@ def tokenizer_config_from_gguf(meta: dict[str, Any]) -> dict[str, Any]:
         "eos_token": tok("eos_token_id"),
         "unk_token": tok("unknown_token_id"),
         "pad_token": tok("padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": _adds_bos(meta),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(meta.get(f"{meta['general.architecture']}.context_length", 2048)),
@@ -282,14 +302,19 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def hf_tensor_name(name: str) -> str | None:
-    if name in _SKIP:
+def hf_tensor_name(name: str, arch: str = "llama") -> str | None:
+    """The HF name of GGUF tensor `name` in a file of architecture `arch` (None: not a
+    weight of the decoder's)."""
+    if name in _SKIP or name in gguf_families.SKIP.get(arch, ()):
         return None
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    layer_names = gguf_families.LAYER_NAMES.get(arch, {})
+    if len(parts) == 3 and parts[0] == "blk":
+        hf = layer_names.get(parts[2]) or _LAYER_NAMES.get(parts[2])
+        if hf is not None:
+            return f"model.layers.{parts[1]}.{hf}"
     raise UnsupportedModelError(f"GGUF tensor {name!r} has no place in the decoder")
 
 
@@ -303,7 +328,14 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     f = GGUFFile(gguf_path)
     meta = f.metadata()
     names = {t.name for t in f.tensors}
-    config = hf_config_from_gguf(meta, names)
+    infos = {t.name: t for t in f.tensors}
+
+    def rope_factors(name: str) -> list[float] | None:
+        return f.floats(infos[name]).reshape(-1).tolist() if name in infos else None
+
+    config = hf_config_from_gguf(meta, names, rope_factors)
+    if "token_embd.weight" in infos:  # the rows the model has (Gemma 3's files drop unused ones)
+        config["vocab_size"] = int(infos["token_embd.weight"].shape[0])
     n_params = sum(math.prod(t.shape) for t in f.tensors)
     config["torch_dtype"] = "float32" if n_params <= F32_MAX_PARAMS else "bfloat16"
     build_tokenizer(meta).save(str(out_dir / "tokenizer.json"))

@@ -31,6 +31,37 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# `chat="gemma"`: Gemma's special tokens (the same ids' roles: pad 0, bos 1, end of turn 2)
+# and Gemma 3's chat template (system folded into the first user turn, roles alternating,
+# "model" for the assistant, contents trimmed, BOS written by the template).
+GEMMA_SPECIAL_TOKENS = ("<pad>", "<bos>", "<end_of_turn>", "<start_of_turn>", "<eos>")
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {{- message['content'] | trim -}}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+_CHATS = {"chatml": (SPECIAL_TOKENS, CHAT_TEMPLATE), "gemma": (GEMMA_SPECIAL_TOKENS, GEMMA3_CHAT_TEMPLATE)}
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A radix tree keeps every prompt prefix.
@@ -99,8 +130,8 @@ FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-@lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
+@lru_cache(maxsize=2)
+def _tokenizer_json(specials: tuple[str, ...] = SPECIAL_TOKENS) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -109,7 +140,7 @@ def _tokenizer_json() -> str:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -117,30 +148,32 @@ def _tokenizer_json() -> str:
     return tok.to_str()
 
 
-def make_tiny_tokenizer(model_dir: str | Path) -> int:
-    """Write tokenizer.json + tokenizer_config.json (ChatML template) into `model_dir`.
+def make_tiny_tokenizer(model_dir: str | Path, chat: str = "chatml") -> int:
+    """Write tokenizer.json + tokenizer_config.json into `model_dir`: ChatML special tokens
+    and template, or (`chat="gemma"`) Gemma's and Gemma 3's template.
 
     Returns the tokenizer's vocabulary size (the model's vocab must be at least that).
     """
     from tokenizers import Tokenizer
 
+    specials, template = _CHATS[chat]
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    text = _tokenizer_json()
+    text = _tokenizer_json(specials)
     (model_dir / "tokenizer.json").write_text(text, encoding="utf-8")
     tok = Tokenizer.from_str(text)
-    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2]
+    assert [tok.token_to_id(t) for t in specials] == list(range(len(specials)))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": SPECIAL_TOKENS[1],
-        "eos_token": SPECIAL_TOKENS[2],
-        "pad_token": SPECIAL_TOKENS[0],
+        "bos_token": specials[1],
+        "eos_token": specials[2],
+        "pad_token": specials[0],
         "unk_token": None,
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": _BASE["max_position_embeddings"],
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
     }
     with open(model_dir / "tokenizer_config.json", "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
@@ -184,6 +217,7 @@ def make_tiny_checkpoint(
     with_tokenizer: bool = True,
     max_shard_size: str | int | None = None,
     init_scale: float = 5.0,
+    chat: str = "chatml",
     **overrides: Any,
 ) -> Path:
     """Write a tiny random `arch` checkpoint into `tmp_path / name` and return that path.
@@ -193,7 +227,8 @@ def make_tiny_checkpoint(
     - `max_shard_size`: e.g. "40KB" to get a sharded checkpoint with an index json.
     - `init_scale`: multiplies HF's random init (std 0.02) so the model is not near-uniform;
       norm weights become `1 + 0.2 * N(0, 1)`.
-    - `with_tokenizer`: also write the byte-level BPE tokenizer (vocab <= 448).
+    - `with_tokenizer`: also write the byte-level BPE tokenizer (vocab <= 448), with the
+      special tokens and chat template of `chat` ("chatml" or "gemma").
     Deterministic for a given `(arch, seed, overrides)`.
     """
     import torch
@@ -219,7 +254,7 @@ def make_tiny_checkpoint(
     model.save_pretrained(out, **kwargs)
     model.generation_config.save_pretrained(out)
     if with_tokenizer:
-        vocab = make_tiny_tokenizer(out)
+        vocab = make_tiny_tokenizer(out, chat)
         assert vocab <= config.vocab_size, (vocab, config.vocab_size)
     return out
 

@@ -190,6 +190,24 @@ def test_batched_decode_across_the_window(family, page_size, shared_prompt):
             _close(out, ref.logits(seq)[-1:])
 
 
+def test_sliced_prefill_gives_the_same_logits(family):
+    """The engine's preemptible prefill (a chunk in pieces of a few rows, layer by layer:
+    sliced.py) attends within the windows and rotates with each layer's RoPE too."""
+    model_dir, ref = family
+    env = Env(model_dir, 16)
+    ids = _ids(FIRST, 13)
+    tokens = np.asarray(ids, dtype=np.int64)
+    for kv_len in (0, 7):
+        slots = np.asarray(env.pages.extend([], FIRST), dtype=np.int64)
+        if kv_len:
+            env.run([(ids[:kv_len], 0, slots[:kv_len].tolist())])
+        task = env.runner.start_sliced(tokens, slots, kv_len, FIRST - kv_len, 0, 5)
+        got = None
+        while got is None:
+            got = task.advance(0.0)
+        _close(got, ref.logits(ids)[kv_len:])
+
+
 def _greedy(env: Env, prompts: list[list[int]], n: int) -> list[list[int]]:
     """Greedy continuations of `prompts`, all in one ragged batch per step (the prompts
     prefilled together, then decoded together)."""

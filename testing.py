@@ -2,7 +2,7 @@
 
 `StubServer` is a stand-in engine speaking the radixlm protocol (no model, no torch), for
 tests of programs and clients and for measuring the SDK's own overhead. It behaves as the
-engine does wherever a client can tell: tests/test_conformance.py runs one suite against
+engine does wherever a client can tell: tests/protocol/test_stub_conformance.py runs one suite against
 both.
 
 It binds a ROUTER socket and answers every client message the way the engine does, over

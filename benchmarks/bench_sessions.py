@@ -40,8 +40,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-from radixlm.runtime import engine_wire as engine_msg
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.engine import wire as engine_msg
 from radixlm.runtime.engine.engine_main import build_engine
 from radixlm.runtime.model.resolve import resolve_model
 from radixlm.runtime.protocol import (

@@ -35,7 +35,7 @@ from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.engine_main import build_engine
 from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.state import ReqState
-from radixlm.runtime.engine_wire import EngineGenerate, StepOutputs
+from radixlm.runtime.engine.wire import EngineGenerate, StepOutputs
 from radixlm.runtime.frontend.prepare import TextModel, input_ids
 from radixlm.runtime.frontend.structured import plan_structured
 from radixlm.runtime.grammar.spec import GrammarSpec

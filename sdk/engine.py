@@ -31,9 +31,9 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from radixlm.runtime.transport.children import child_exit, stop_child
-from radixlm.runtime.transport.exits import how_it_ended
-from radixlm.runtime.transport.progress import Spinner, starting_label
+from radixlm.runtime.server.children import child_exit, stop_child
+from radixlm.runtime.server.exits import how_it_ended
+from radixlm.runtime.server.progress import Spinner, starting_label
 from radixlm.sdk.errors import EngineDeadError, EngineStartError
 from radixlm.sdk.server_args import ServerArgs, engine_options
 from radixlm.sdk.sync import Client
@@ -160,7 +160,7 @@ class EngineProcess:
     def stop(self, grace_s: float = _STOP_GRACE_S) -> None:
         """SIGTERM (the server stops its children), SIGKILL after `grace_s`; remove the dir."""
         # Not Popen.wait: a Ctrl-C landing inside it can leave Popen's lock held for good
-        # (runtime/transport/children.py), and then a later wait never returns.
+        # (runtime/server/children.py), and then a later wait never returns.
         stop_child(self.proc, "server", grace_s)
         shutil.rmtree(self.dir, ignore_errors=True)
 

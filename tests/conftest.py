@@ -56,9 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from radixlm.runtime.launcher import keep_triton_out
 from radixlm.runtime.protocol import StatsReply, Welcome
-from radixlm.runtime.raw_client import RawClient
+from radixlm.runtime.server.environment import keep_triton_out
+from radixlm.runtime.transport.raw_client import RawClient
 
 keep_triton_out()
 

@@ -18,7 +18,7 @@ sees to its left besides its own position: W - 1 for a window of W tokens),
 window, so each distinct window of the model's layers has its own pair of wrappers over
 the one workspace (they run one after another on one stream). GPU-unverified: written
 from FlashInfer's API documentation and checked on CPU against a stand-in that follows it
-(tests/test_model_flashinfer_contract.py), never yet run on the real kernels.
+(tests/model/test_flashinfer_contract.py), never yet run on the real kernels.
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """The spawned process's entry point."""
-    from radixlm.runtime.launcher import die_with_parent
+    from radixlm.runtime.server.child import die_with_parent
 
     die_with_parent(spec.parent_pid)
     logging.basicConfig(

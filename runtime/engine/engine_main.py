@@ -23,15 +23,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 import zmq
 from radixlm.cache import KVPool, PrefixCache
-from radixlm.runtime.channel import open_socket
 from radixlm.runtime.config import Endpoints, EngineConfig, context_length_for
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.pool_size import kv_capacity
+from radixlm.runtime.engine.sampling import Sampler
 from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.serve_loop import EngineLoop, StopFlag
 from radixlm.runtime.engine.sessions import SessionManager
-from radixlm.runtime.engine_wire import EngineReady, encode
+from radixlm.runtime.engine.wire import EngineReady, encode
 from radixlm.runtime.grammar.runtime import Grammars
+from radixlm.runtime.memory import release_free_memory
 from radixlm.runtime.model import (
     ModelConfig,
     ModelRunner,
@@ -42,8 +43,7 @@ from radixlm.runtime.model import (
 )
 from radixlm.runtime.model import resolve_model as _resolve_model
 from radixlm.runtime.model.loader import engine_weight_format
-from radixlm.runtime.sampling import Sampler
-from radixlm.runtime.transport.memory import release_free_memory
+from radixlm.runtime.transport.channel import open_socket
 from radixlm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
         engine.tp.on_failure(lambda: setattr(stop, "set", True))
     try:
         outbox.send(encode(engine.ready))
-        release_free_memory()  # what loading freed (runtime/transport/memory.py)
+        release_free_memory()  # what loading freed (runtime/memory.py)
         log.info("engine ready")
         loop = EngineLoop(sched, inbox, outbox, stop)
         loop.on_step = _ThroughputLog(sched, loop).maybe_log

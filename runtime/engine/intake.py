@@ -15,10 +15,11 @@ from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
+from radixlm.runtime.engine.sampling import make_generator
 from radixlm.runtime.engine.sessions.controller import Intake, SessionController, Turn
 from radixlm.runtime.engine.state import TERMINAL, ReqState
 from radixlm.runtime.engine.table import RequestTable
-from radixlm.runtime.engine_wire import (
+from radixlm.runtime.engine.wire import (
     ClientGone,
     EngineAbort,
     EngineCommand,
@@ -37,7 +38,6 @@ from radixlm.runtime.rules import (
     check_prompt_logprobs_start,
     resolve_max_tokens,
 )
-from radixlm.runtime.sampling import make_generator
 from radixlm.tokenizer import Tokenizer, TokenStopMatcher
 from radixlm.tokenizer.call_frames import FramedCalls
 

@@ -3,7 +3,7 @@ outputs of each step (one `StepOutputs` per `take`, after the replies)."""
 
 from __future__ import annotations
 
-from radixlm.runtime.engine_wire import StepOutputs, ToClient, ToFrontend, TokenOutput
+from radixlm.runtime.engine.wire import StepOutputs, ToClient, ToFrontend, TokenOutput
 from radixlm.runtime.protocol import Struct, encode
 
 

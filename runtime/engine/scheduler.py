@@ -46,6 +46,7 @@ from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.outputs import OutputProcessor
 from radixlm.runtime.engine.prefill import PrefillManager
 from radixlm.runtime.engine.request import Request
+from radixlm.runtime.engine.sampling import Sampler
 from radixlm.runtime.engine.sessions import SessionManager
 from radixlm.runtime.engine.sessions.controller import SessionController
 from radixlm.runtime.engine.slicing import Slicer
@@ -54,11 +55,10 @@ from radixlm.runtime.engine.stats import stats_reply
 from radixlm.runtime.engine.step_budget import StepBudget
 from radixlm.runtime.engine.table import Counters, RequestTable
 from radixlm.runtime.engine.timings import Latencies
-from radixlm.runtime.engine_wire import EngineAbort, EngineCommand, ToFrontend
+from radixlm.runtime.engine.wire import EngineAbort, EngineCommand, ToFrontend
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model.batch import ForwardBatch
 from radixlm.runtime.protocol import Error, ErrorCode, FlushCache, GetStats, Ok, Struct
-from radixlm.runtime.sampling import Sampler
 from radixlm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

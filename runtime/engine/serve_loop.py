@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 import msgspec
 import zmq
-from radixlm.runtime.engine_wire import (
+from radixlm.runtime.engine.wire import (
     EngineAbort,
     EngineCommand,
     Shutdown,

@@ -26,11 +26,11 @@ from typing import Any
 
 import msgspec
 import zmq
-from radixlm.runtime import channel
 from radixlm.runtime import protocol as wire
-from radixlm.runtime.engine_wire import EngineCommand, EngineOpenSession, EnginePin, ToEngine
+from radixlm.runtime.engine.wire import EngineCommand, EngineOpenSession, EnginePin, ToEngine
 from radixlm.runtime.frontend.streams import RequestStream
 from radixlm.runtime.frontend.tenants import EngineNames
+from radixlm.runtime.transport import channel
 
 log = logging.getLogger("radixlm.frontend")
 

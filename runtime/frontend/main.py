@@ -26,21 +26,21 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from radixlm.runtime import channel
-from radixlm.runtime.channel import ipc_path, open_socket
 from radixlm.runtime.config import Endpoints, EngineConfig
-from radixlm.runtime.curve_keys import (
-    make_gateway_keys,
-    server_socket_options,
-    start_authenticator,
-)
-from radixlm.runtime.engine_wire import EngineReady, to_frontend_decoder
+from radixlm.runtime.engine.wire import EngineReady, to_frontend_decoder
 from radixlm.runtime.frontend.identities import unpredictable_routing_ids
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.server import Frontend, welcome_from
 from radixlm.runtime.frontend.tenants import write_gateway_token
-from radixlm.runtime.rundir import write_ready
-from radixlm.runtime.transport.memory import release_free_memory
+from radixlm.runtime.memory import release_free_memory
+from radixlm.runtime.server.rundir import write_ready
+from radixlm.runtime.transport import channel
+from radixlm.runtime.transport.channel import ipc_path, open_socket
+from radixlm.runtime.transport.curve_keys import (
+    make_gateway_keys,
+    server_socket_options,
+    start_authenticator,
+)
 from radixlm.tokenizer import Tokenizer
 from zmq.auth.thread import ThreadAuthenticator
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from radixlm.runtime import protocol as wire
-from radixlm.runtime.engine_wire import (
+from radixlm.runtime.engine.wire import (
     AppendVariants,
     EngineAbort,
     EngineCommand,

@@ -45,9 +45,8 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 import zmq
-from radixlm.runtime import channel
 from radixlm.runtime import protocol as wire
-from radixlm.runtime.engine_wire import (
+from radixlm.runtime.engine.wire import (
     ClientGone,
     EngineAbort,
     EngineCommand,
@@ -64,6 +63,7 @@ from radixlm.runtime.frontend.requests import ClientRequests
 from radixlm.runtime.frontend.tenants import GatewayRefused, gateway_names, names_for
 from radixlm.runtime.protocol import PROTOCOL_VERSION
 from radixlm.runtime.rules import RequestError
+from radixlm.runtime.transport import channel
 from zmq.utils.monitor import parse_monitor_message
 
 log = logging.getLogger("radixlm.frontend")

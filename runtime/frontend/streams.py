@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from radixlm.runtime.engine_wire import TokenOutput
+from radixlm.runtime.engine.wire import TokenOutput
 from radixlm.runtime.protocol import (
     Chunk,
     Done,

@@ -12,8 +12,8 @@ import sys
 import time
 
 from radixlm.runtime.http.config import API_KEY_ENV, HttpConfig
-from radixlm.runtime.listeners import Listener
-from radixlm.runtime.transport.children import child_exit, stop_child
+from radixlm.runtime.server.children import child_exit, stop_child
+from radixlm.runtime.server.listeners import Listener
 
 _PROBE_INTERVAL_S = 0.1
 

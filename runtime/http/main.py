@@ -220,7 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s radixlm-http %(levelname)s %(name)s: %(message)s")
     if args.parent_pid is not None:
-        from radixlm.runtime.launcher import stop_when_gone
+        from radixlm.runtime.server.child import stop_when_gone
 
         stop_when_gone(args.parent_pid)
     serve(config, args.log_level, args.fd)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from radixlm.runtime.attention import KVPoolLike, create_backend
-from radixlm.runtime.transport.memory import trim_heap
+from radixlm.runtime.memory import trim_heap
 
 from .batch import ForwardBatch
 from .config import ModelConfig

@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from radixlm.runtime.channel import EndpointError, make_runtime_dir, parse_client_endpoint
-from radixlm.runtime.cli_common import StopRequested, say, setup_logging, stop_on_sigterm
+from radixlm.runtime.cli.common import StopRequested, say, setup_logging, stop_on_sigterm
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.curve_keys import AuthDirError, check_auth_dir
 from radixlm.runtime.frontend.tenants import GATEWAY_TOKEN
 from radixlm.runtime.router.config import ReplicaSpec, RouterConfig, parse_replica
 from radixlm.runtime.router.main import run_router
 from radixlm.runtime.router.policy import Balance
+from radixlm.runtime.transport.channel import EndpointError, make_runtime_dir, parse_client_endpoint
+from radixlm.runtime.transport.curve_keys import AuthDirError, check_auth_dir
 
 __all__ = ["add_router_arguments", "add_replicas_argument", "cmd_router", "serve_replicas"]
 
@@ -157,8 +157,8 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
     """``radixlm serve --replicas N``: N local engines and the router in front of them."""
     from radixlm.runtime.http.launch import HttpStartError, start_http
     from radixlm.runtime.http.main import http_config, http_listen
-    from radixlm.runtime.launcher import RunningServer, ServerStartError, start_server
-    from radixlm.runtime.transport.children import stop_child
+    from radixlm.runtime.server.children import stop_child
+    from radixlm.runtime.server.launcher import RunningServer, ServerStartError, start_server
 
     setup_logging(args.log_level)
     signal.signal(signal.SIGTERM, stop_on_sigterm)
@@ -175,7 +175,7 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
     http_proc: list[Any] = []
     try:
         # One after another, from this thread: each engine dies with the thread that
-        # started it (PR_SET_PDEATHSIG, launcher.die_with_parent), so no worker threads.
+        # started it (PR_SET_PDEATHSIG, child.die_with_parent), so no worker threads.
         for i in range(args.replicas):
             try:
                 servers.append(start_server(replica_config(engine, i),

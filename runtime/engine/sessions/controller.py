@@ -51,7 +51,7 @@ import numpy as np
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
 from radixlm.runtime.engine.sessions.commands import answer, is_session_command
 from radixlm.runtime.engine.sessions.manager import SessionManager
-from radixlm.runtime.engine_wire import (
+from radixlm.runtime.engine.wire import (
     EngineAbort,
     EngineCommand,
     EngineGenerate,

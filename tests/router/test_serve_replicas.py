@@ -1,0 +1,64 @@
+"""``radixlm serve --replicas 2 --auth-dir`` end to end: CurveZMQ tenants at the router
+stay themselves on every replica (a hot pin is on both, and still only its tenant's)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from radixlm.runtime.protocol import (
+    Error,
+    Generate,
+    Input,
+    ListSessions,
+    OpenSession,
+    Pin,
+    Pinned,
+    SessionList,
+    SessionOpened,
+    StatsReply,
+)
+
+from tests.frontend.test_tenant_isolation import cached, client
+from tests.transport.test_curve_auth import make_keys, serve
+
+SECRET = "The vault code is 7731 and the backup code is 4410. " * 3
+
+
+@pytest.fixture(scope="module")
+def routed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[tuple[str, Path]]:
+    tmp = tmp_path_factory.mktemp("replicas")
+    auth = tmp / "auth"
+    make_keys(auth, "alice", "bob")
+    with serve(tmp, tiny_model_dir, "--replicas", "2", "--auth-dir", str(auth), "--endpoint",
+               "tcp://127.0.0.1:0", "--no-http", "--hot-pin-uses", "2") as (endpoint, _):
+        yield endpoint, auth
+
+
+def test_tenants_are_the_same_on_every_replica(routed: tuple[str, Path]) -> None:
+    with client(routed, "alice") as alice, client(routed, "bob") as bob:
+        stats = alice.stats()
+        assert isinstance(stats, StatsReply) and stats.capacity == 2 * 1024  # both replicas
+        assert isinstance(alice.call(Pin(rid="p", name="vault", input=Input(text=SECRET))), Pinned)
+        sessions = []
+        for i in range(3):  # from the 2nd use on, the pin is hot: on both replicas
+            opened = alice.call(OpenSession(rid=f"o{i}", pinned="vault"))
+            assert isinstance(opened, SessionOpened)
+            sessions.append(opened.session)
+        # alice finds her prompt cached whichever replica a request goes to...
+        assert all(cached(alice, SECRET + f" question {i}") > 0 for i in range(4))
+        # ...bob never does, on either (each probe in a namespace of its own, so his own
+        # probes cannot hit each other), and sees none of her sessions or pins
+        assert all(cached(bob, SECRET + f" question {i}", f"probe{i}") == 0 for i in range(4))
+        listing = bob.call(ListSessions(rid="l"))
+        assert isinstance(listing, SessionList) and listing.sessions == []
+        reply = bob.request(OpenSession(rid="o", pinned="vault"))
+        assert isinstance(reply, Error) and reply.code == "not_found"
+        reply = bob.request(Generate(rid="t", session=sessions[0], input=Input(text="hi")))
+        assert isinstance(reply, Error) and reply.code == "not_found"
+        # bob's own pin of the same name is his, beside hers
+        assert isinstance(bob.call(Pin(rid="p", name="vault", input=Input(text="bob's"))), Pinned)
+        mine = alice.call(ListSessions(rid="l"))
+        assert isinstance(mine, SessionList)
+        assert sorted(s.session for s in mine.sessions) == sorted(sessions)

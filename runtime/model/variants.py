@@ -58,6 +58,9 @@ def hidden_act(cfg: dict[str, Any]) -> str:
 def variations_from_hf(cfg: dict[str, Any], model_type: str, num_layers: int,
                        sliding_window: int | None) -> Variations:  # fmt: skip
     """The variations of `cfg` (an HF text config dict, defaults filled in)."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (EmbeddingGemma, an encoder) is not "
+                         "supported: radixlm runs causal decoders")  # fmt: skip
     sliding = _sliding_layers(cfg, model_type, num_layers) if sliding_window else ()
     if model_type not in GEMMA_TYPES:
         return Variations(mlp_act=hidden_act(cfg), sliding_layers=sliding)

@@ -264,6 +264,8 @@ def test_unsupported_architectures_keep_a_one_line_refusal():
     assert all(name in msg for name in ("llama", "gemma2", "gemma3_text", "phi3"))
     with pytest.raises(UnsupportedModelError, match="hidden_act"):
         ModelConfig.from_hf({"model_type": "gemma2", "hidden_activation": "relu"})
+    with pytest.raises(UnsupportedModelError, match="bidirectional"):
+        ModelConfig.from_hf({"model_type": "gemma3_text", "use_bidirectional_attention": True})
 
 
 def test_gemma3_configs_of_either_transformers_spelling_agree():

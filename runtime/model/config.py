@@ -8,6 +8,7 @@ Supported families (one decoder, no file per family):
 | `mistral`    | as llama (dense); every layer on its `sliding_window`           |
 | `qwen2`      | bias on q/k/v (not o)                                           |
 | `qwen3`      | RMSNorm over each q/k head before RoPE; explicit `head_dim`      |
+| `qwen3_moe`, `qwen2_moe`, `mixtral` | attention as qwen3 / qwen2 / mistral; mixture-of-experts MLPs (`moe`, moe_config.py) |
 | `gemma2`     | `Variations` (variants.py): GeGLU, (1 + w) norms, sandwich norms, soft-caps, alternating sliding layers |
 | `gemma3_text`| as gemma2 without the attention soft-cap, with q/k norms and a local RoPE base for sliding layers (`local_rope`); `gemma3` (multimodal) checkpoints run as their text decoder |
 | `phi3`       | fused qkv/gate_up in the checkpoint; longrope ("su") scaling; partial rotary (Phi-4-mini) |
@@ -23,10 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .moe_config import MOE_MODEL_TYPES, MoeConfig, moe_from_hf
 from .variants import Variations, hidden_act, sliding_window_of, text_config, variations_from_hf
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gemma3",
-                         "phi3")  # fmt: skip
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES,
+                         "gemma2", "gemma3_text", "gemma3", "phi3")  # fmt: skip
+# Mixture-of-experts families: their attention is that of a dense family's.
+_ATTENTION_OF = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "mistral"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "su")
 
 
@@ -77,6 +81,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    moe: MoeConfig | None = None  # mixture-of-experts MLPs (moe_config.py); None: dense
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = ""
@@ -118,10 +123,11 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; radixlm runs "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (dense) checkpoints"
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
             )
         cfg = text_config(cfg)
         model_type = cfg["model_type"]
+        family = _ATTENTION_OF.get(model_type, model_type)
         try:
             hidden_act(cfg)
         except ValueError as e:
@@ -136,16 +142,16 @@ class ModelConfig:
             )
         max_pos = int(cfg.get("max_position_embeddings", 2048))
 
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
+        if family == "qwen2":
+            qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
         else:
             bias = bool(cfg.get("attention_bias", False))
             qkv_bias, o_bias = bias, bias
 
-        sliding = sliding_window_of(cfg, model_type)
+        sliding = sliding_window_of(cfg, family)
         num_layers = int(cfg["num_hidden_layers"])
         try:
-            variations = variations_from_hf(cfg, model_type, num_layers, sliding)
+            variations = variations_from_hf(cfg, family, num_layers, sliding)
         except ValueError as e:
             raise UnsupportedModelError(str(e)) from None
         rope, local_rope = _ropes_from_hf(cfg, max_pos, int(head_dim), model_type)
@@ -159,6 +165,10 @@ class ModelConfig:
 
         archs = cfg.get("architectures") or []
         tie = cfg.get("tie_word_embeddings", False)  # Gemma's default (True) is in text_config
+        try:
+            moe = moe_from_hf(cfg, model_type, num_layers)
+        except (KeyError, TypeError, ValueError) as e:
+            raise UnsupportedModelError(f"{model_type} experts: {e}") from e
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -175,8 +185,9 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            qk_norm=family in ("qwen3", "gemma3_text"),
             sliding_window=sliding,
+            moe=moe,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=archs[0] if archs else "",

@@ -29,7 +29,12 @@ from typing import TYPE_CHECKING
 import msgspec
 from radixlm.runtime import protocol as wire
 from radixlm.runtime.router.records import DETACHED, Pending, PinRecord, SessionRecord
-from radixlm.runtime.router.session_db import RouterDB, open_router_db
+from radixlm.runtime.router.session_db import (
+    RouterDB,
+    open_router_db,
+    replicas_name,
+    router_folder,
+)
 
 if TYPE_CHECKING:
     from radixlm.runtime.router.server import Client, Router
@@ -42,8 +47,12 @@ DETACHED_EXPIRY_S = 30 * 86400.0  # as the engine's --durable-session-expiry def
 
 
 class DurableSessions:
-    def __init__(self, router: Router, folder: str) -> None:
+    def __init__(self, router: Router, state_dir: str, name: str = "") -> None:
+        """`state_dir`: the state directory ("": none), whose ``router/<name>`` folder is
+        this router's (`name` "": the hash of its replicas' endpoints)."""
         self.router = router
+        endpoints = [replica.spec.endpoint for replica in router.replicas]
+        folder = state_dir and router_folder(state_dir, name or replicas_name(endpoints))
         self.db: RouterDB | None = open_router_db(folder) if folder else None
         if self.db is not None:
             self._restore(self.db)

@@ -125,7 +125,8 @@ class Router:
         self.welcome: wire.Welcome | None = None
         self.stopping = False
         self._live: list[int] | None = None
-        self.durable = DurableSessions(self, config.state_dir)  # (reads back its sessions)
+        # (reads back its sessions)
+        self.durable = DurableSessions(self, config.state_dir, config.state_name)
 
     # -- the loop ---------------------------------------------------------------------------
 

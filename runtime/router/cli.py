@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,7 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
     engine = msgspec.structs.replace(config, endpoint="", auth_dir="", insecure=False)
     servers: list[RunningServer] = []
     http_proc: list[Any] = []
+    listen: tuple[str, int] | None = None
     try:
         # One after another, from this thread: each engine dies with the thread that
         # started it (PR_SET_PDEATHSIG, child.die_with_parent), so no worker threads.
@@ -177,17 +179,28 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
             http = http_config(args, engine_endpoint=endpoint, listen=listen,
                                gateway_token_file=str(runtime_dir / GATEWAY_TOKEN),
                                state_dir=folder or None, **keys)
-            try:
-                http_proc.append(start_http(http, log_level=config.log_level))
-            except HttpStartError as e:
-                say("serve", str(e))
-                raise StopRequested from e
-            say("serve", f"HTTP API at http://{http.host}:{http.port}/v1")
 
-        return _serve_router(router, args.endpoint_file, start_http_api)
+            def start() -> None:
+                try:
+                    http_proc.append(start_http(http, log_level=config.log_level))
+                except HttpStartError as e:
+                    say("serve", str(e))
+                    os.kill(os.getpid(), signal.SIGTERM)  # the router stops: serve exits
+                    return
+                say("serve", f"HTTP API at http://{http.host}:{http.port}/v1")
+                if args.endpoint_file:  # ready once the HTTP API answers too
+                    _write_atomic(args.endpoint_file, endpoint)
+
+            # Beside the router's loop: the HTTP API's readiness needs the router to answer.
+            threading.Thread(target=start, name="start-http", daemon=True).start()
+
+        return _serve_router(router, None if listen else args.endpoint_file, start_http_api)
     except (KeyboardInterrupt, StopRequested):
         return 0
     finally:
+        if listen is not None and args.endpoint_file:
+            with contextlib.suppress(OSError):
+                os.unlink(args.endpoint_file)
         for proc in http_proc:
             stop_child(proc, "http", 10.0)  # bounded, signal-safe (transport/children.py)
         for server in servers:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -163,8 +164,9 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     ready = EngineReady(
         model=config.model or "default", context_length=context, page_size=config.page_size,
         kv_capacity=capacity, model_dir=str(model_dir), vocab_size=mcfg.vocab_size,
-        state=state.fingerprint if state is not None else "",
+        state=state.fingerprint if state is not None else "", boot=secrets.token_hex(8),
     )  # fmt: skip
+    sched.ready = ready
     return Engine(sched, runner, ready, tp, state)
 
 

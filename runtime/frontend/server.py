@@ -110,8 +110,9 @@ class Frontend:
                  to_engine: zmq.Socket[Any], executor: Executor,
                  engine_timeout_s: float = 60.0, multi_tenant: bool = False,
                  max_inflight: int = 0, max_priority: int | None = None,
-                 gateway_token: str | None = None) -> None:
+                 gateway_token: str | None = None, engine_boot: str = "") -> None:
         self.model = model
+        self._engine_boot = engine_boot  # the engine process serving now (EngineReady.boot)
         self._gateway_token = gateway_token  # trusted gateways declare tenants with it
         self._multi_tenant = multi_tenant  # clients authenticate: each key is a tenant
         self._watch = EngineWatch(engine_timeout_s, time.monotonic())
@@ -207,7 +208,20 @@ class Frontend:
         if self._watch.on_message(time.monotonic()) is Change.UP:
             log.warning("the engine answers again")
         for msg in channel.drain(self._from_engine, to_frontend_decoder, BATCH, log):
-            self.replies.on_message(msg)
+            if isinstance(msg, EngineReady):
+                self._engine_ready(msg)
+            else:
+                self.replies.on_message(msg)
+
+    def _engine_ready(self, ready: EngineReady) -> None:
+        """The engine's EngineReady again: ours answered (the same engine), or a new engine
+        process after a restart, which lost what the old one was running."""
+        if ready.boot == self._engine_boot:
+            return
+        self._engine_boot = ready.boot
+        failed = self._fail_all("the engine restarted: the requests it was running are lost "
+                                "(durable sessions are kept: resume them)")
+        log.warning("the engine restarted (%s): %d request(s) failed", ready.boot, failed)
 
     def _drain_clients(self) -> None:
         for _ in range(BATCH):

@@ -244,7 +244,15 @@ class EngineReady(_Internal, tag="ready"):
     boot: str = ""
 
 
-ToFrontend = Union[StepOutputs, ToClient, EngineReady]
+class EngineBoot(_Internal, tag="boot"):
+    """Sent by an engine process as it starts, before it loads anything: a frontend that
+    sees a boot id other than its engine's knows that engine died, and fails what it was
+    running at once (what is sent from then on waits for the new engine)."""
+
+    boot: str
+
+
+ToFrontend = Union[StepOutputs, ToClient, EngineReady, EngineBoot]
 
 _encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)

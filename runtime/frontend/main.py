@@ -28,7 +28,12 @@ from typing import Any
 
 import zmq
 from radixlm.runtime.config import Endpoints, EngineConfig
-from radixlm.runtime.engine.wire import EngineReady, FrontendHello, to_frontend_decoder
+from radixlm.runtime.engine.wire import (
+    EngineBoot,
+    EngineReady,
+    FrontendHello,
+    to_frontend_decoder,
+)
 from radixlm.runtime.frontend.identities import unpredictable_routing_ids
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.server import Frontend, welcome_from
@@ -62,7 +67,8 @@ def wait_for_engine(sock: zmq.Socket[Any]) -> EngineReady:
         msg = channel.recv(sock, to_frontend_decoder)
         if isinstance(msg, EngineReady):
             return msg
-        log.warning("ignoring %s before EngineReady", type(msg).__name__)
+        if not isinstance(msg, EngineBoot):  # (the engine announcing itself: expected)
+            log.warning("ignoring %s before EngineReady", type(msg).__name__)
 
 
 def load_text_model(config: EngineConfig, ready: EngineReady) -> TextModel:

@@ -49,6 +49,7 @@ from radixlm.runtime import protocol as wire
 from radixlm.runtime.engine.wire import (
     ClientGone,
     EngineAbort,
+    EngineBoot,
     EngineCommand,
     EngineReady,
     to_frontend_decoder,
@@ -208,20 +209,22 @@ class Frontend:
         if self._watch.on_message(time.monotonic()) is Change.UP:
             log.warning("the engine answers again")
         for msg in channel.drain(self._from_engine, to_frontend_decoder, BATCH, log):
-            if isinstance(msg, EngineReady):
-                self._engine_ready(msg)
+            if isinstance(msg, (EngineReady, EngineBoot)):
+                self._engine_boot_seen(msg.boot)
             else:
                 self.replies.on_message(msg)
 
-    def _engine_ready(self, ready: EngineReady) -> None:
-        """The engine's EngineReady again: ours answered (the same engine), or a new engine
-        process after a restart, which lost what the old one was running."""
-        if ready.boot == self._engine_boot:
+    def _engine_boot_seen(self, boot: str) -> None:
+        """An engine process's boot id: ours (its EngineReady again, answering our hello),
+        or a new engine's (it announces itself as it starts, before loading): the old one
+        died, and what it was running is lost. What is sent from now on waits for the
+        new one."""
+        if boot == self._engine_boot:
             return
-        self._engine_boot = ready.boot
+        self._engine_boot = boot
         failed = self._fail_all("the engine restarted: the requests it was running are lost "
                                 "(durable sessions are kept: resume them)")
-        log.warning("the engine restarted (%s): %d request(s) failed", ready.boot, failed)
+        log.warning("the engine restarted (%s): %d request(s) failed", boot, failed)
 
     def _drain_clients(self) -> None:
         for _ in range(BATCH):

@@ -210,7 +210,7 @@ def test_serve_replicas_keeps_the_http_apis_objects_across_a_restart(
     with start_test_server(tmp_path / "one", tiny_model_dir, *flags):
         r1 = api().responses.create(input="Name a colour.", instructions="Be brief. " * 20,
                                     **kw)
-    assert sorted(p.name for p in state.iterdir()) == ["replica-0", "replica-1", "router"]
+    assert sorted(p.name for p in state.iterdir()) == ["replicas", "router"]
     assert list(state.glob("router/serve/router.sqlite"))
     assert list(state.glob("router/serve/models/*/http.sqlite"))
     with start_test_server(tmp_path / "two", tiny_model_dir, *flags):

@@ -17,8 +17,6 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -236,55 +234,32 @@ def test_a_full_state_database_is_said_once_and_the_api_serves_on(
     assert len(said) == 1 and "http.sqlite" in said[0] and "disk full" in said[0], log
 
 
-@contextlib.contextmanager
-def http_process(endpoint: str, state: Path, log: Path,
-                 model: str) -> Iterator[tuple[HttpServer, Any]]:
-    """The HTTP frontend alone (``python -m radixlm.runtime.http``), on a running server."""
-    from radixlm.runtime.http.launch import wait_ready
-
-    port = free_port()
-    with log.open("ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "radixlm.runtime.http", "--engine", endpoint, "--http",
-             f"127.0.0.1:{port}", "--state-dir", str(state), "--log-level", "info"],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
-    try:
-        wait_ready("127.0.0.1", port, proc, 60)
-        url = f"http://127.0.0.1:{port}"
-        yield HttpServer(None, url, model, Path(), api_key=""), proc  # type: ignore[arg-type]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
-def test_a_restarted_http_process_resumes_the_engine_sessions(tmp_path: Path,
-                                                             http_model_dir: Path) -> None:
-    """The engine runs on; the HTTP process is SIGKILLed and started again: its stored
-    objects' sessions, detached by the engine, are resumed with their whole history
-    cached (nothing recomputed)."""
+def test_a_killed_http_process_resumes_its_objects_sessions(tmp_path: Path,
+                                                            http_model_dir: Path) -> None:
+    """The engine runs on; the HTTP process is SIGKILLed and `radixlm serve` starts it
+    again: its stored objects' sessions, detached by the engine, are resumed with their
+    whole history cached (nothing recomputed)."""
     state = tmp_path / "state"
-    with start_test_server(tmp_path / "server", http_model_dir, "--no-http", "--state-dir",
-                           str(state)) as handle:
-        log, model = tmp_path / "http.log", http_model_dir.name
-        with http_process(handle.endpoint, state, log, model) as (server, proc):
-            api = server.openai(api_key="unused")
-            r1 = api.responses.create(model=model, input="Name a colour.", instructions=LONG,
-                                      **KW)
-            chat = api.chat.completions.create(
-                messages=[{"role": "user", "content": "Hi."}], max_tokens=6, temperature=0,
-                model=model, extra_body={"session": {}})
-            session = chat.model_extra["session"]
-            api.close()
-            proc.kill()
-        with http_process(handle.endpoint, state, log, model) as (server, _):
-            api = server.openai(api_key="unused")
-            r2 = api.responses.create(model=model, input="Another?", instructions=LONG,
-                                      previous_response_id=r1.id, **KW)
-            assert r2.usage.input_tokens_details.cached_tokens == _history(r1)
-            nxt = _chat_turn(api, server, session["id"], "Again.")
-            assert nxt.usage.prompt_tokens_details.cached_tokens == session["length"]
-            api.close()
-        with handle.client() as c:  # what it held is durable: detached, not closed
-            listed = c.list_sessions()
-            assert len(listed) >= 3 and all(s.durable and not s.attached for s in listed)
+    with serve(tmp_path / "one", http_model_dir, state) as server:
+        api = server.openai()
+        r1 = api.responses.create(model=server.model, input="Name a colour.", instructions=LONG,
+                                  **KW)
+        chat = api.chat.completions.create(
+            messages=[{"role": "user", "content": "Hi."}], max_tokens=6, temperature=0,
+            model=server.model, extra_body={"session": {}})
+        session = chat.model_extra["session"]
+        api.close()
+        old = next(p for p in server.server.child_pids
+                   if b"radixlm.runtime.http" in Path(f"/proc/{p}/cmdline").read_bytes())
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while server.request("GET", "/health")[0] != 200:
+            assert time.monotonic() < deadline, server.server.log()
+            time.sleep(0.2)
+        api = server.openai()
+        r2 = api.responses.create(model=server.model, input="Another?", instructions=LONG,
+                                  previous_response_id=r1.id, **KW)
+        assert r2.usage.input_tokens_details.cached_tokens == _history(r1)
+        nxt = _chat_turn(api, server, session["id"], "Again.")
+        assert nxt.usage.prompt_tokens_details.cached_tokens == session["length"]
+        api.close()

@@ -186,6 +186,15 @@ class HistoryIndex:
         if self._by_chain.get(held.chain) is held:
             del self._by_chain[held.chain]
 
+    def let_go_orphans(self, sessions: list[str]) -> None:
+        """Held sessions no stored object names (a crash between two writes left their
+        rows), unless memory holds them: their rows deleted, their sessions closed."""
+        assert self.rows is not None
+        for session in sessions:
+            if session not in self._by_session:
+                self.rows.delete_held(session)
+                self._close([session])
+
     def release(self, held: Held | None) -> None:
         if held is None:
             return

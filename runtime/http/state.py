@@ -374,3 +374,14 @@ class TenantRows:
                                    "expires_at < ? LIMIT ?", (self.tenant, before, limit))
             found.append([r[0] for r in rows if not self._going(r[0])])
         return found[0], found[1]
+
+    def orphans(self, limit: int) -> list[str]:
+        """Held sessions no row names any more (a crash between two writes left them)."""
+        if not self.cold:
+            return []
+        rows = self.state.read(
+            "SELECT session FROM held h WHERE tenant = ?1 AND NOT EXISTS (SELECT 1 FROM "
+            "stored s WHERE s.tenant = ?1 AND s.session = h.session AND s.shared) AND NOT "
+            "EXISTS (SELECT 1 FROM conversations c WHERE c.tenant = ?1 AND c.held = h.session) "
+            "LIMIT ?2", (self.tenant, limit))
+        return [r[0] for r in rows if not self._going(r[0])]

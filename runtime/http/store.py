@@ -301,4 +301,5 @@ class ConversationStore:
         more = [self.delete(i) for i in stored if i not in self._entries]
         more += [self.delete_conversation(i) for i in conversations
                  if i not in self._conversations]
+        self.index.let_go_orphans(self.rows.orphans(SWEEP_ROWS))
         return len(dead) + len(gone) + sum(more)

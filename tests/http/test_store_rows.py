@@ -147,3 +147,19 @@ def test_conversation_items_keep_their_order_through_changes(world: World) -> No
     world.restart()
     back = world.store().conversation(conv.id)
     assert back is not None and [i["id"] for i in back.items] == ["b", "c", "d", "e", "f"]
+
+
+def test_a_held_row_nothing_names_is_let_go_by_the_sweep(world: World) -> None:
+    """A crash between a held session's row and its response's leaves the first alone."""
+    store = world.store()
+    _respond(store, "resp_1", "s1", HISTORY)
+    assert world.state is not None
+    world.state.rows("a").save_held("s7", 5, b"k" * 32, b"c" * 32)  # named by nothing
+    world.restart()
+    store = world.store()
+    store.sweep()
+    assert world.closed == ["s7"]  # s1 is resp_1's
+    world.restart()
+    store = world.store()
+    store.sweep()
+    assert world.closed == ["s7"] and store.get("resp_1") is not None

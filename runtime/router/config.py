@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from radixlm.runtime.router.policy import Balance
+from radixlm.runtime.transport.endpoints import EndpointError, parse_endpoint
 
 __all__ = ["ReplicaSpec", "RouterConfig", "parse_replica"]
 
@@ -43,7 +44,11 @@ def parse_replica(text: str) -> ReplicaSpec:
     """``ENDPOINT[,server_key=PATH][,client_key=PATH][,gateway_token=PATH]``; raises
     ValueError saying what is wrong."""
     endpoint, *options = text.split(",")
-    if not endpoint.startswith(("ipc://", "tcp://")):
+    try:
+        scheme = parse_endpoint(endpoint).scheme
+    except EndpointError as e:
+        raise ValueError(f"replica {text!r}: {e}") from None
+    if scheme not in ("ipc", "tcp"):
         raise ValueError(f"replica {text!r}: the endpoint must be ipc://PATH or tcp://HOST:PORT")
     values: dict[str, str] = {}
     for option in options:

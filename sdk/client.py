@@ -17,9 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
@@ -199,6 +198,13 @@ class EngineFacts:
         raise NotImplementedError
 
 
+def _wrong_loop() -> ProgramError:
+    return ProgramError(
+        "this AsyncClient belongs to another event loop (or is not open): use it from "
+        "the loop that opened it, or use the synchronous handle's methods"
+    )
+
+
 class AsyncClient(EngineFacts):
     """An async client of one radixlm engine (one DEALER socket, one reader task).
 
@@ -234,11 +240,11 @@ class AsyncClient(EngineFacts):
         self._core = ProtocolClient(endpoint, client_name=name,
                                     heartbeat_timeout=heartbeat_timeout, liveness=liveness,
                                     curve=load_curve_keys(server_key, client_key),
-                                    guard=self._check_loop)
+                                    wrong_loop=_wrong_loop)
         self._conn = self._core.conn
+        self._new_rid = self._core.rids.new
         self._connect_timeout = connect_timeout
         self._stack: AsyncExitStack | None = None
-        self._thread: int | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None  # the client's loop, if asyncio
         self._token: EventLoopToken | None = None
 
@@ -253,7 +259,6 @@ class AsyncClient(EngineFacts):
             stack.callback(self._core.close)
             tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(tg.cancel_scope.cancel)
-            self._thread = threading.get_ident()
             self._token = current_token()
             try:
                 self._aloop = asyncio.get_running_loop()
@@ -326,14 +331,7 @@ class AsyncClient(EngineFacts):
 
     def new_rid(self) -> str:
         """A request id unused by this client (hex counter)."""
-        return self._core.new_rid()
-
-    def _check_loop(self) -> None:
-        if self._thread != threading.get_ident():
-            raise ProgramError(
-                "this AsyncClient belongs to another event loop (or is not open): use it from "
-                "the loop that opened it, or use the synchronous handle's methods"
-            )
+        return self._new_rid()
 
     def request(self, msg: Struct) -> Request:
         """Send one protocol request (a message with a ``rid``, e.g. from
@@ -349,13 +347,18 @@ class AsyncClient(EngineFacts):
         cover the usual cases."""
         return self._core.request(msg)
 
-    async def call(self, msg: Struct, expect: type[R]) -> R:
-        """Send a request that has exactly one answer and return it (typed errors raise)."""
-        return await self._core.call(msg, expect)
+    # `call` and `run_generate` hand back the core's coroutine itself (awaited by the
+    # caller): one coroutine per request on the programs' hot path, not two.
 
-    async def run_generate(self, msg: Generate) -> list[Done]:
-        """Send a Generate and collect one Done per branch (sorted by branch index)."""
-        return await self._core.run_generate(msg)
+    def call(self, msg: Struct, expect: type[R]) -> Coroutine[Any, Any, R]:
+        """Send a request that has exactly one answer and return it (typed errors raise;
+        await it)."""
+        return self._core.call(msg, expect)
+
+    def run_generate(self, msg: Generate) -> Coroutine[Any, Any, list[Done]]:
+        """Send a Generate and collect one Done per branch (sorted by branch index; await
+        it)."""
+        return self._core.run_generate(msg)
 
     def generate_message(
         self, inp: Input, sampling: Mapping[str, Any] | SamplingParams, **fields: Any

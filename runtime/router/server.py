@@ -118,7 +118,7 @@ class Router:
         return self.replicas.live()
 
     def internal_rid(self) -> str:
-        return self._rids()
+        return self._rids.new()
 
     def _replica_up(self, r: ReplicaState) -> None:
         if self.welcome is None:

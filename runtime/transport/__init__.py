@@ -10,7 +10,7 @@ replicas, the CLI), so that none depends on another.
   by rid, heartbeat, deferred session closes); `request`: `Request`, one in-flight
   request's replies.
 - `exchange`: a request and its replies with no I/O (`Rids`, `hello`, `Replies`,
-  `expected`): the rules the async core, the blocking `raw_client.RawClient` (the CLI's,
+  `unexpected`): the rules the async core, the blocking `raw_client.RawClient` (the CLI's,
   scripts' and tests') and the router's replica links share.
 - `endpoints`: `parse_endpoint`, the one reader of endpoint syntax (ipc://, tcp://,
   inproc://) for every client, the probe, the server's bind rules and the router.

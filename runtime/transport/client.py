@@ -14,12 +14,14 @@ process: a tenant's gateway credential). It does, once:
 - the protocol's one-answer requests (sessions, pins, stats, tokenizing), each a method
   that takes and returns protocol types.
 
-Must be used from the event loop that opened it.
+Must be used from the event loop (and so the thread) that opened it: a request from
+another thread is refused (`wrong_loop` makes the error).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from threading import get_ident
 from typing import TypeVar
 
 from anyio.abc import TaskGroup
@@ -54,7 +56,7 @@ from radixlm.runtime.protocol import (
 )
 from radixlm.runtime.transport.connection import Connection, Liveness
 from radixlm.runtime.transport.curve import CurveKeys
-from radixlm.runtime.transport.exchange import Rids, expected
+from radixlm.runtime.transport.exchange import Rids, unexpected
 from radixlm.runtime.transport.request import Request
 
 __all__ = ["ProtocolClient"]
@@ -65,9 +67,9 @@ R = TypeVar("R")
 class ProtocolClient:
     """The protocol's calls over one engine connection (see the module doc).
 
-    `rid_prefix` starts every request id; `guard`, when given, is called before each
-    request is sent (the SDK refuses there a request from another thread). The other
-    arguments are the `Connection`'s.
+    `rid_prefix` starts every request id; `wrong_loop` makes the error for a request
+    from a thread other than the one that opened the client. The other arguments are the
+    `Connection`'s.
     """
 
     def __init__(
@@ -80,18 +82,21 @@ class ProtocolClient:
         liveness: Liveness | None = None,
         curve: CurveKeys | None = None,
         gateway: Gateway | None = None,
-        guard: Callable[[], None] | None = None,
+        wrong_loop: Callable[[], Exception] = lambda: RuntimeError(
+            "this client belongs to another event loop (or is not open)"),
     ) -> None:
         self.conn = Connection(endpoint, client_name=client_name,
                                heartbeat_timeout=heartbeat_timeout, liveness=liveness,
                                curve=curve, gateway=gateway)
-        self._rids = Rids(rid_prefix)
-        self._guard = guard
+        self.rids = Rids(rid_prefix)
+        self._wrong_loop = wrong_loop
+        self._thread: int | None = None  # the one that opened it
 
     # -- lifecycle ------------------------------------------------------------------------
 
     async def open(self, tg: TaskGroup, connect_timeout: float) -> Welcome:
         """Connect and shake hands (`Connection.open`); the link's tasks run in `tg`."""
+        self._thread = get_ident()
         return await self.conn.open(tg, connect_timeout)
 
     def close(self) -> None:
@@ -112,14 +117,14 @@ class ProtocolClient:
 
     def new_rid(self) -> str:
         """A request id unused by this client."""
-        return self._rids()
+        return self.rids.new()
 
     def request(self, msg: Struct) -> Request:
         """Send `msg` (a message with a ``rid``) and return its in-flight `Request`: use
         it as an async context manager (or ``await req.aclose()``), so a generation left
         before its end is aborted in the engine."""
-        if self._guard is not None:
-            self._guard()
+        if self._thread != get_ident():
+            raise self._wrong_loop()
         if type(msg) is Generate:
             return self.conn.request(msg, branches=msg.n, generate=True)
         return self.conn.request(msg)
@@ -131,7 +136,9 @@ class ProtocolClient:
             reply = await req.receive()
         finally:
             req.close()
-        return expected(reply, expect, msg)
+        if not isinstance(reply, expect):
+            raise unexpected(reply, msg)
+        return reply
 
     async def run_generate(self, msg: Generate) -> list[Done]:
         """Send a Generate and collect one Done per branch (sorted by branch index)."""

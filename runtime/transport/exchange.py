@@ -7,7 +7,7 @@ router's links to its replicas).
 - `Replies`: when a request is finished -- after its ``Error``, its single answer, or the
   ``Done`` of each of a ``Generate``'s ``n`` branches -- with an ``Error`` raised as its
   typed `EngineError`.
-- `expected`: a one-answer request's reply, checked against the type it must have.
+- `unexpected`: the error for a one-answer request's reply of another type than expected.
 
 Only the protocol module and the typed errors: no anyio, no zmq.
 """
@@ -15,7 +15,8 @@ Only the protocol module and the typed errors: no anyio, no zmq.
 from __future__ import annotations
 
 import itertools
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 from radixlm.runtime.protocol import (
     PROTOCOL_VERSION,
@@ -29,23 +30,23 @@ from radixlm.runtime.protocol import (
 )
 from radixlm.runtime.transport.errors import InternalError, error_from_reply
 
-__all__ = ["Replies", "Rids", "expected", "hello"]
-
-R = TypeVar("R")
-
+__all__ = ["Replies", "Rids", "hello", "unexpected"]
 
 class Rids:
-    """Request ids unused by one client: `prefix` and a hex counter."""
+    """Request ids unused by one client: `prefix` and a hex counter. `new` makes the
+    next one in C (a client makes one for every request); `with_prefix` one that says
+    what it is."""
 
-    __slots__ = ("_count", "prefix")
+    __slots__ = ("_count", "new", "prefix")
 
     def __init__(self, prefix: str = "", start: int = 0) -> None:
         self.prefix = prefix
         self._count = itertools.count(start)
+        literal = prefix.replace("{", "{{").replace("}", "}}")
+        self.new: Callable[[], str] = map(f"{literal}{{:x}}".format, self._count).__next__
 
-    def __call__(self, prefix: str | None = None) -> str:
-        """The next id (with another `prefix`, for ids that say what they are)."""
-        return f"{self.prefix if prefix is None else prefix}{next(self._count):x}"
+    def with_prefix(self, prefix: str) -> str:
+        return f"{prefix}{next(self._count):x}"
 
 
 def hello(client_name: str, gateway: Gateway | None = None, *,
@@ -55,14 +56,11 @@ def hello(client_name: str, gateway: Gateway | None = None, *,
     return Hello(protocol_version=protocol_version, client_name=client_name, gateway=gateway)
 
 
-def expected(reply: Any, expect: type[R], msg: Struct) -> R:
-    """`reply`, the one answer to `msg`, if it is an `expect`; else `InternalError`."""
-    if not isinstance(reply, expect):
-        raise InternalError(
-            f"unexpected {type(reply).__name__} in answer to {type(msg).__name__}",
-            rid=getattr(msg, "rid", None),
-        )
-    return reply
+def unexpected(reply: Any, msg: Struct) -> InternalError:
+    """The error for an answer to `msg` of another type than expected (callers check the
+    type inline: it is on every call's path)."""
+    return InternalError(f"unexpected {type(reply).__name__} in answer to {type(msg).__name__}",
+                         rid=getattr(msg, "rid", None))
 
 
 class Replies:

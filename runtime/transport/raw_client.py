@@ -45,7 +45,7 @@ from radixlm.runtime.protocol import (
 )
 from radixlm.runtime.transport.channel import open_socket
 from radixlm.runtime.transport.endpoints import checked_endpoint
-from radixlm.runtime.transport.exchange import Replies, Rids, expected, hello
+from radixlm.runtime.transport.exchange import Replies, Rids, hello, unexpected
 
 __all__ = ["RawClient"]
 
@@ -90,7 +90,7 @@ class RawClient:
 
     def new_rid(self, prefix: str = "r") -> str:
         """A request id unused by this client, starting with `prefix`."""
-        return self._rids(prefix)
+        return self._rids.with_prefix(prefix)
 
     def send(self, msg: Struct) -> None:
         self._sock.send(encode(msg))
@@ -148,7 +148,9 @@ class RawClient:
         """A request with one answer: an `Error` raises its typed `EngineError`; with
         `expect`, an answer of another type raises `InternalError`."""
         reply = Replies(getattr(msg, "rid", "")).take(self.request(msg, timeout_s))
-        return reply if expect is None else expected(reply, expect, msg)
+        if expect is not None and not isinstance(reply, expect):
+            raise unexpected(reply, msg)
+        return reply
 
     # -- protocol --------------------------------------------------------------------------
 
@@ -157,8 +159,10 @@ class RawClient:
         msg = hello(self.name, protocol_version=protocol_version)
         self.send(msg)
         reply = Replies("").take(self.recv_for(None, timeout_s))
-        self.welcome = expected(reply, Welcome, msg)
-        return self.welcome
+        if not isinstance(reply, Welcome):
+            raise unexpected(reply, msg)
+        self.welcome = reply
+        return reply
 
     def generate(self, prompt: str | Input, **options: Any) -> Done:
         """Run one request (``n == 1``) to its end and return its `Done`; `options` are

@@ -48,7 +48,7 @@ class Request(Replies):
     __slots__ = ("_box", "_conn", "_generate", "on_close", "started_at")
 
     def __init__(self, conn: _Owner, rid: str, *, branches: int, generate: bool) -> None:
-        super().__init__(rid, branches)
+        Replies.__init__(self, rid, branches)
         self._conn = conn
         self._box: Mailbox[Any] = Mailbox(conn.new_waiter)
         self._generate = generate

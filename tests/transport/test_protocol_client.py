@@ -133,9 +133,10 @@ def test_one_answer_ends_any_other_request() -> None:
 
 
 def test_request_ids_are_unused() -> None:
-    rids = Rids("h")
-    made = {rids() for _ in range(1000)} | {rids("x") for _ in range(1000)}
-    assert len(made) == 2000 and all(r[0] in "hx" for r in made)
+    rids = Rids("h{")  # a prefix is taken as it is, braces too
+    made = [rids.new() for _ in range(1000)] + [rids.with_prefix("x") for _ in range(1000)]
+    assert len(set(made)) == 2000
+    assert made[0] == "h{0" and made[17] == "h{11" and made[1000] == "x3e8"
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +224,19 @@ def test_an_endpoint_file_is_not_a_directory(tmp_path: Path) -> None:
     the path with the same parser)."""
     with pytest.raises(rl.NoServerError, match="does not exist"):
         probe_endpoint(f"ipc://{tmp_path}/none.sock")
+
+
+def test_a_request_from_another_thread_is_refused(stub: StubServer) -> None:
+    """A connection belongs to the loop that opened it: the SDK says so as a
+    `ProgramError`, the core as a RuntimeError."""
+    async def main() -> None:
+        async with rl.AsyncClient(stub.endpoint) as client:
+            with pytest.raises(rl.ProgramError, match="another event loop"):
+                await anyio.to_thread.run_sync(
+                    lambda: client.request(Tokenize(rid="x", input=Input(text="a"))))
+            assert await client.tokenize("a") == chars("a")  # the client goes on
+        core = ProtocolClient(stub.endpoint, client_name="test")
+        with pytest.raises(RuntimeError, match="not open"):
+            core.request(Tokenize(rid="y", input=Input(text="a")))
+
+    anyio.run(main)

@@ -28,6 +28,10 @@ ids to both servers, so both compute exactly the same tokens):
   branches   one 330-token prefix, 8 branches of 64 tokens (llama-server: 8 concurrent
              requests; radixlm: one request with n=8).
   decode-1b, prefill-1b   decode and prefill on the 1B-shape file.
+  decode-moe, prefill-moe   decode and prefill on the Qwen3-MoE-shape file (`random_gguf.py
+             --moe`: Qwen3-30B-A3B's layers, 128 experts of which 8 run per token, cut to
+             8 layers, Q4_0, ~3.0 GB); a step reads only the chosen experts, so its bytes
+             (the limit's denominator) count 8/128 of the expert tensors.
   startup    command to ready, median of --starts starts per server and file (llama-server:
              until /health answers 200; radixlm: `radixlm serve` until it has written its
              endpoint file: after its HTTP API's /health answered, and, beside it, with
@@ -70,7 +74,7 @@ BRANCHES, BRANCH_PREFIX, BRANCH_TOKENS = 8, 330, 64
 DECODE_TOKENS, PREFILL_TOKENS = 128, 1024
 RSS_CONTEXT, RSS_PROMPT, RSS_NEW = 8192, 8000, 64
 PAIR_ROWS = ("decode", "prefill", "agents-seq", "agents-par", "branches")
-ALL_ROWS = (*PAIR_ROWS, "decode-1b", "prefill-1b", "startup", "rss")
+ALL_ROWS = (*PAIR_ROWS, "decode-1b", "prefill-1b", "decode-moe", "prefill-moe", "startup", "rss")
 WORD_TEXT = (
     "cache prefix token session branch agent tool result reply model layer weight engine "
     "request batch decode prefill radix tree node slot page memory thread kernel block "
@@ -333,9 +337,23 @@ def step_bytes(gguf: Path) -> int:
     when the head is a tensor of its own (then only the token's embedding row is read)."""
     from radixlm.runtime.model.gguf_file import GGUFFile
 
-    tensors = {t.name: t.nbytes for t in GGUFFile(gguf).tensors}
+    f = GGUFFile(gguf)
+    tensors = {t.name: t.nbytes for t in f.tensors}
     untied = "output.weight" in tensors
-    return sum(tensors.values()) - (tensors["token_embd.weight"] if untied else 0)
+    total = sum(tensors.values()) - (tensors["token_embd.weight"] if untied else 0)
+    return total - moe_unread_bytes(f)
+
+
+def moe_unread_bytes(f) -> int:
+    """Bytes of a mixture-of-experts file's expert tensors a decode step does not read:
+    all but `expert_used_count` of every `expert_count` experts (0 for dense files)."""
+    experts = sum(t.nbytes for t in f.tensors if t.name.endswith("_exps.weight"))
+    if not experts:
+        return 0
+    meta = f.metadata()
+    arch = meta["general.architecture"]
+    used, count = meta[f"{arch}.expert_used_count"], meta[f"{arch}.expert_count"]
+    return experts - experts * used // count
 
 
 def _sampling(n: int) -> dict:
@@ -574,6 +592,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     from radixlm.runtime.model import default_gguf_path, resolve_model
+    from random_gguf import MoeShape
     from random_gguf import ensure as random_1b  # (benchmarks/ is the script's own directory)
     from transformers import AutoTokenizer
 
@@ -587,6 +606,7 @@ def main(argv=None) -> int:
     if unknown:
         sys.exit(f"unknown rows {sorted(unknown)}; rows are {','.join(ALL_ROWS)}")
     big = random_1b() if {"decode-1b", "prefill-1b", "startup"} & set(rows) else None
+    moe = random_1b(MoeShape()) if {"decode-moe", "prefill-moe"} & set(rows) else None
     res: dict[str, dict[str, list]] = {r: {"llama": [], "radix": []} for r in rows}
     if "startup" in rows:
         res["startup-1b"] = {"llama": [], "radix": []}
@@ -598,13 +618,16 @@ def main(argv=None) -> int:
     if pair_1b:
         assert big is not None
         run_pair(pair_1b, args, binary, big, tok, res, "-1b")
+    pair_moe = [r.removesuffix("-moe") for r in rows if r.endswith("-moe")]
+    if pair_moe:
+        run_pair(pair_moe, args, binary, moe, tok, res, "-moe")
     if "startup" in rows:
         assert big is not None
         run_startup(args, binary, {"": gguf, "-1b": big}, res)
     if "rss" in rows:
         run_rss(args, binary, gguf, res)
     load1 = os.getloadavg()
-    files = {"": gguf, "-1b": big}
+    files = {"": gguf, "-1b": big, "-moe": moe}
     text = table(res, args, files, load0, load1)
     print(text)
     if not args.no_write:
@@ -621,6 +644,7 @@ def _decode_cell(vals: list[float], limit: float) -> str:
 def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
     lines = ["| work | llama-server | radixlm | radixlm ÷ llama | target |", "|---|---:|---:|---:|---|"]
     small, big = files[""].name, files["-1b"].name if files["-1b"] else "-"
+    moe = files["-moe"].name if files.get("-moe") else "-"
     names = {
         "decode": (f"decode {DECODE_TOKENS} tokens, batch 1, {small} (median tok/s)", ">= 1.5x"),
         "prefill": (f"prefill {PREFILL_TOKENS} tokens, {small} (median tok/s)", ">= 1.0x"),
@@ -629,6 +653,8 @@ def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
         "branches": (f"one {BRANCH_PREFIX}-token prefix, {BRANCHES} branches of {BRANCH_TOKENS} (best wall)", ">= 3x faster"),
         "decode-1b": (f"decode {DECODE_TOKENS} tokens, batch 1, 1B shape (median tok/s)", ">= 75% of the limit"),
         "prefill-1b": (f"prefill {PREFILL_TOKENS} tokens, 1B shape (median tok/s)", ">= 1.0x"),
+        "decode-moe": (f"decode {DECODE_TOKENS} tokens, batch 1, Qwen3-MoE shape (median tok/s)", ">= 1.0x"),
+        "prefill-moe": (f"prefill {PREFILL_TOKENS} tokens, Qwen3-MoE shape (median tok/s)", ">= 1.0x"),
         "startup": (f"start to ready (/health), {small} (median of {args.starts})", "radixlm <= 3 s"),
         "startup-1b": (f"start to ready, 1B shape (median of {args.starts})", "-"),
         "rss": (f"memory serving an {RSS_CONTEXT:,}-token context, {small}: RSS (PSS) after "
@@ -640,7 +666,7 @@ def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
             continue
         name, target = names[row]
         if row.startswith("decode"):
-            nbytes = step_bytes(files["-1b" if row.endswith("-1b") else ""])
+            nbytes = step_bytes(files[next((t for t in ("-1b", "-moe") if row.endswith(t)), "")])
             bw = statistics.median(r["bw"])
             limit = bw / nbytes
             a, b = statistics.median(r["llama"]), statistics.median(r["radix"])
@@ -673,7 +699,7 @@ def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
             )
     cmd = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
     info = [
-        f"- files: `{small}` and the random-weight 1B shape `{big}` (both servers on the "
+        f"- files: `{small}`, the random-weight 1B shape `{big}` and Qwen3-MoE shape `{moe}` (both servers on the "
         f"same file), {args.threads} threads each; radixlm `--dtype {args.dtype}`; "
         f"OMP_WAIT_POLICY radixlm {args.omp_wait_policy}, llama-server "
         f"{args.llama_omp_wait_policy} (each its fastest); llama-server from `{SDIST}` "

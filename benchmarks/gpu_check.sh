@@ -9,7 +9,8 @@
 #      pyzmq, gguf; .whl/alt/*.whl is a fallback flashinfer if the first will not import)
 #      into /tmp/site, and make the repo importable as `radixlm` (the repo root *is* the
 #      package) through a symlink in /tmp/radixlm_pkg
-#   3. GPU tests: tests/model/test_gpu_flashinfer.py (+ the CPU contract test of the backend)
+#   3. GPU tests: tests/model/test_gpu_flashinfer.py (+ the CPU contract test of the backend),
+#      tests/model/test_gpu_moe.py (mixture-of-experts layers on CUDA)
 #   4. throughput: benchmarks/bench_gpu_throughput.py (random-weight Qwen3-0.6B shape,
 #      256 requests, in/out lengths U[100, 1024], flashinfer backend, continuous batching)
 # Everything lands in $OUT (gpu_check.log, junit_gpu.xml, gpu_throughput.{md,json}).
@@ -98,6 +99,7 @@ EOF
 PYTEST_CACHE=/tmp/radixlm_pytest_cache
 step gpu-tests 300 "$PY" -m pytest -q -rs -o cache_dir="$PYTEST_CACHE" \
     tests/model/test_gpu_flashinfer.py tests/model/test_flashinfer_contract.py \
+    tests/model/test_gpu_moe.py \
     --junitxml="$OUT/junit_gpu.xml" -o timeout=280
 if [ "$LAST_RC" != 0 ] && [ "$LAST_RC" != 125 ]; then
     # A FlashInfer kernel variant (FA3 is FlashInfer's pick on Hopper) may be at fault:

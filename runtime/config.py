@@ -32,6 +32,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     grammar_timeout_s: float = 60.0  # a request's wait for its grammar to compile
     default_session_ttl_s: float = 0.0  # 0 = no idle TTL unless a session asks for one
     host_kv_tokens: int = 0  # host-memory KV tier capacity (tokens); 0 = off
+    # The state directory (runtime/state/): "" = none (nothing outlives the processes).
+    # `radixlm serve` opens and locks it and passes the path on.
+    state_dir: str = ""
+    disk_kv_bytes: int = 0  # the disk KV tier's bound; 0 = a tenth of the free space, <= 20 GiB
+    durable_session_expiry_s: float = 30 * 86400.0  # a detached durable session idle this long is closed
     threads: int = 0  # torch intra-op threads on CPU; 0 = torch default
     tensor_parallel_size: int = 1  # ranks one model is split over (runtime/distributed/); 1 = off
     omp_wait_policy: str = "passive"  # the engine's OMP_WAIT_POLICY ("passive" | "active" | "" = OpenMP's default); the environment's wins

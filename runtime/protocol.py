@@ -195,6 +195,18 @@ class OpenSession(Struct, tag="open_session"):
     retention: Retention = "hard"
     ttl_s: Union[float, None] = None  # idle time after which it is demoted
     namespace: Union[str, None] = None
+    # Keep it when this connection goes, and across crashes and restarts (a server with a
+    # state directory; `SessionOpened.durable` says whether it is): any connection of
+    # the same tenant takes it back with `ResumeSession`.
+    durable: bool = False
+
+
+class ResumeSession(Struct, tag="resume_session"):
+    """Take a durable session as this connection's own (after a disconnect or a server
+    restart); answered with `SessionOpened`. Another tenant's id is not_found."""
+
+    rid: str
+    session: str
 
 
 class ForkSession(Struct, tag="fork_session"):
@@ -272,6 +284,7 @@ ClientMessage = Union[
     ListSessions,
     Tokenize,
     Detokenize,
+    ResumeSession,
 ]
 
 
@@ -289,6 +302,9 @@ class Welcome(Struct, tag="welcome"):
     max_message_bytes: int = 0
     # How the model writes tool calls: "hermes", "llama3" or "generic" (docs/protocol.md).
     tool_format: str = "generic"
+    # The server's state directory key (its model fingerprint), "" when it keeps no state:
+    # then no session is durable, and nothing outlives a restart.
+    state: str = ""
 
 
 class TopLogprob(Struct, array_like=True):
@@ -425,6 +441,7 @@ class SessionOpened(Struct, tag="session_opened"):
     session: str
     length: int
     cached_tokens: int = 0
+    durable: bool = False  # saved in the state directory before this reply was sent
 
 
 class SessionsForked(Struct, tag="sessions_forked"):
@@ -446,6 +463,8 @@ class SessionInfo(Struct):
     retention: str  # "hard", "soft", or "demoted"
     busy: bool
     namespace: Union[str, None] = None
+    durable: bool = False
+    attached: bool = True  # False: a durable session nobody holds (resume it to use it)
 
 
 class SessionList(Struct, tag="session_list"):

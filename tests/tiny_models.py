@@ -12,12 +12,14 @@ with non-trivial norm weights) so that attention patterns and norms actually mat
 comparisons. Special tokens: `<|endoftext|>`=0, `<|im_start|>`=1 (bos), `<|im_end|>`=2 (eos).
 
 `TINY_VARIANTS` names configurations the model tests sweep (GQA, biases, q/k norms, tied and
-untied embeddings, llama3 and linear RoPE scaling).
+untied embeddings, llama3 and linear RoPE scaling); `MOE_VARIANTS` the mixture-of-experts
+ones (8 experts, top-2: Qwen3-MoE with a dense layer, Mixtral, Qwen2-MoE's shared expert).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,18 @@ TINY_VARIANTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(arch="qwen3", head_dim=32),  # explicit head_dim != hidden / heads
     "qwen3-tied": dict(arch="qwen3", tie_word_embeddings=True, num_key_value_heads=4),
 }
+
+# Mixture of experts: 8 experts of width 32 (Mixtral: 96), 2 per token; 3 layers.
+MOE_VARIANTS: dict[str, dict[str, Any]] = {
+    # layer 1 dense (mlp_only_layers), top-k probabilities renormalised
+    "qwen3_moe": dict(arch="qwen3_moe", num_hidden_layers=3, mlp_only_layers=[1],
+                      norm_topk_prob=True),
+    "qwen3_moe-sparse-step": dict(arch="qwen3_moe", num_hidden_layers=3, decoder_sparse_step=2,
+                                  norm_topk_prob=False, tie_word_embeddings=True),
+    "mixtral": dict(arch="mixtral", num_hidden_layers=3),
+    "qwen2_moe": dict(arch="qwen2_moe", num_hidden_layers=3, shared_expert_intermediate_size=64),
+}
+_MOE_BASE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
 @lru_cache(maxsize=1)
@@ -135,14 +149,21 @@ def tiny_hf_config(arch: str = "llama", **overrides: Any):
         "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3": transformers.Qwen3Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen2_moe": transformers.Qwen2MoeConfig,
+        "mixtral": transformers.MixtralConfig,
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(classes)}")
     kwargs: dict[str, Any] = dict(_BASE)
     kwargs.update(vocab_size=448, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=0)
     kwargs.setdefault("tie_word_embeddings", False)
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = 16
+    if arch in ("qwen3_moe", "qwen2_moe"):
+        kwargs.update(_MOE_BASE)
+    if arch == "mixtral":
+        kwargs.update(num_local_experts=8, num_experts_per_tok=2)
     kwargs.update(overrides)
     return classes[arch](**kwargs)
 
@@ -228,6 +249,48 @@ class PageSlots:
         return slots
 
 
+class ModelEnv:
+    """A `ModelRunner` on the torch backend over its own CPU pool of `capacity` slots,
+    with `PageSlots` for slot lists; `run(requests)` gives each request's logits rows.
+    `dtype` ("float32", "bfloat16") or `quantize` ("int8", ...) choose the weights."""
+
+    def __init__(self, model_dir, page_size: int, *, capacity: int = 1024,
+                 dtype: str = "float32", quantize: str | None = None):  # fmt: skip
+        import torch
+        from radixlm.cache import KVPool
+        from radixlm.runtime.model import ModelConfig, ModelRunner
+
+        self.cfg = c = ModelConfig.from_dir(model_dir)
+        kv = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, capacity, page_size, kv, "cpu")
+        self.runner = ModelRunner(model_dir, "cpu", dtype, self.pool, attention="torch",
+                                  quantize=quantize)  # fmt: skip
+        self.pages = PageSlots(capacity, page_size)
+
+    def run(self, requests) -> list:
+        from radixlm.runtime.model import ForwardBatch
+
+        batch = ForwardBatch.build(requests)
+        logits = self.runner.forward(batch)
+        ind = batch.logits_indptr
+        return [logits[ind[i] : ind[i + 1]] for i in range(len(requests))]
+
+
+def runner_greedy(runner, prompt, n: int) -> list[int]:
+    """`n` greedy tokens after `prompt` through a `ModelRunner` (a prefill on slots
+    0.., then one decode step a token)."""
+    from radixlm.runtime.model import ForwardBatch
+
+    ids, out = [int(t) for t in prompt], []
+    batch = ForwardBatch.build([(ids, 0, range(len(ids)))])
+    for _ in range(n):
+        tok = int(runner.forward(batch)[-1].argmax())
+        out.append(tok)
+        ids.append(tok)
+        batch = ForwardBatch.build([([tok], len(ids) - 1, range(len(ids)))])
+    return out
+
+
 def load_hf_model(model_dir: str | Path):
     """The transformers reference model for a checkpoint (float32, eager attention, eval)."""
     import torch
@@ -263,7 +326,50 @@ _GGUF_LAYER = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # mixture of experts: routers and Qwen2-MoE's shared expert (experts: `_stack_experts`)
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+    "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
 }
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+_GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
+_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+
+
+def _stack_experts(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` with HF's per-expert matrices stacked as llama.cpp's converter stacks them:
+    `blk.N.ffn_{gate,up,down}_exps.weight`, `[experts, rows, cols]`."""
+    import numpy as np
+
+    stacks: dict[str, dict[int, Any]] = {}
+    out = {}
+    for name, t in state.items():
+        m = _EXPERT_NAME.fullmatch(name)
+        if m is None:
+            out[name] = t
+        else:
+            stacks.setdefault(f"blk.{m[1]}.{_GGUF_EXPERTS[m[3]]}.weight", {})[int(m[2])] = t
+    for name, experts in stacks.items():
+        out[name] = np.stack([experts[e] for e in range(len(experts))])
+    return out
+
+
+def _add_moe_metadata(w, cfg: dict[str, Any]) -> None:
+    """The expert keys llama.cpp's converter writes (Qwen: plus whether top-k is renormalised)."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if not experts:
+        return
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if "moe_intermediate_size" in cfg:
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_weights_norm(bool(cfg.get("norm_topk_prob")))
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
 
 
 def make_tiny_gguf(
@@ -272,10 +378,11 @@ def make_tiny_gguf(
     *,
     quant: str | None = None,
 ) -> Path:
-    """Write the HF checkpoint `model_dir` (from `make_tiny_checkpoint`, arch llama, qwen2 or
-    qwen3, with its tokenizer) as a GGUF file the way llama.cpp's converter lays it out:
+    """Write the HF checkpoint `model_dir` (from `make_tiny_checkpoint`, arch llama, qwen2,
+    qwen3 or a mixture-of-experts one, with its tokenizer) as a GGUF file the way llama.cpp's converter lays it out:
     llama Q/K rows permuted, tokenizer as gpt2-style metadata (tokens, types, merges, special
-    ids, chat template). `quant="Q8_0"` quantizes the 2-D weights (others stay F32).
+    ids, chat template). `quant="Q8_0"` (or "Q4_0", ...) quantizes the matrices, experts
+    stacked 3-D as llama.cpp stores them (routers stay F32, as llama.cpp keeps them).
     Returns the GGUF path (default: `<model_dir>.gguf`)."""
     import gguf
     import numpy as np
@@ -284,8 +391,8 @@ def make_tiny_gguf(
     model_dir = Path(model_dir)
     out = Path(out_path) if out_path else model_dir.with_suffix(".gguf")
     cfg = json.loads((model_dir / "config.json").read_text())
-    arch = cfg["model_type"]
-    if arch not in ("llama", "qwen2", "qwen3"):
+    arch = _GGUF_ARCH.get(cfg["model_type"], cfg["model_type"])
+    if arch not in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe"):
         raise ValueError(f"no GGUF layout for {arch!r} here")
     rope = cfg.get("rope_parameters") or {}
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -305,6 +412,7 @@ def make_tiny_gguf(
     w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
+    _add_moe_metadata(w, cfg)
 
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     vocab: dict[str, int] = tok["model"]["vocab"]
@@ -334,9 +442,11 @@ def make_tiny_gguf(
     for f in sorted(model_dir.glob("*.safetensors")):
         state.update(load_file(str(f)))
     qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
-    for name, t in state.items():
+    for name, t in _stack_experts(state).items():
         t = np.ascontiguousarray(t.astype(np.float32))
-        if name == "model.embed_tokens.weight":
+        if name.startswith("blk."):  # stacked experts
+            gname = name
+        elif name == "model.embed_tokens.weight":
             gname = "token_embd.weight"
         elif name == "model.norm.weight":
             gname = "output_norm.weight"
@@ -351,7 +461,7 @@ def make_tiny_gguf(
             t = _llama_cpp_permute(t, heads)
         elif arch == "llama" and gname.endswith("attn_k.weight"):
             t = _llama_cpp_permute(t, kv_heads)
-        if qtype is not None and t.ndim == 2:
+        if qtype is not None and t.ndim >= 2 and "ffn_gate_inp" not in gname:  # routers F32
             w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, t)

@@ -39,6 +39,7 @@ from radixlm.runtime.cli.engine_flags import (
     positive_float,
     positive_int,
 )
+from radixlm.runtime.cli.state_flags import add_state_arguments, with_state
 from radixlm.runtime.transport.curve import add_key_arguments
 
 REPL_MODULE = "radixlm.sdk.repl"
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop (as on SIGTERM) once process PID has exited; the SDK passes "
                             "its own pid, so an engine it started never outlives it")
     add_engine_arguments(serve)
+    add_state_arguments(serve)
     add_trust_arguments(serve)
     from radixlm.runtime.http.main import add_http_arguments
 
@@ -202,10 +204,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas != 1:
         from radixlm.runtime.router.cli import serve_replicas
 
-        return serve_replicas(args, config_from_args(args, endpoint=args.endpoint))
+        return serve_replicas(args, with_state(config_from_args(args, endpoint=args.endpoint),
+                                               args))
     from radixlm.runtime.cli.serve import run_serve
 
-    return run_serve(args, config_from_args(args, endpoint=args.endpoint))
+    return run_serve(args, with_state(config_from_args(args, endpoint=args.endpoint), args))
 
 
 def cmd_router(args: argparse.Namespace) -> int:

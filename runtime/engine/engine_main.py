@@ -24,13 +24,14 @@ import torch
 import zmq
 from radixlm.cache import KVPool, PrefixCache
 from radixlm.runtime.config import Endpoints, EngineConfig, context_length_for
+from radixlm.runtime.engine.durable_state import EngineState, open_disk_tier, open_engine_state
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.pool_size import kv_capacity
 from radixlm.runtime.engine.sampling import Sampler
 from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.serve_loop import EngineLoop, StopFlag
 from radixlm.runtime.engine.sessions import SessionManager
-from radixlm.runtime.engine.wire import EngineReady, encode
+from radixlm.runtime.engine.wire import EnginePin, EngineReady, encode
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.memory import release_free_memory
 from radixlm.runtime.model import (
@@ -62,6 +63,13 @@ class Engine:
     runner: ModelRunner | TensorParallelRunner
     ready: EngineReady
     tp: TensorParallel | None = None  # the other ranks, with --tensor-parallel-size > 1
+    state: EngineState | None = None  # with a state directory
+
+    def close(self) -> None:
+        if self.tp is not None:
+            self.tp.close()
+        if self.state is not None:
+            self.state.close()
 
 
 def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> Engine:
@@ -104,7 +112,16 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
                  t_load)  # fmt: skip
     # "priority": demoted session histories are evicted after plain cache (sessions.py).
     cache = PrefixCache(capacity, config.page_size, policy="priority")
-    sessions = SessionManager(cache, config, kv_pool=pool)
+    state = open_engine_state(config.state_dir, model_dir, {
+        "weights": fmt or str(dtype), "kv_dtype": str(kv_dtype), "page_size": config.page_size,
+        "kv_layout": (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim),
+        "tensor_parallel": config.tensor_parallel_size,
+    })  # fmt: skip
+    disk = None if state is None else open_disk_tier(state, pool, config.disk_kv_bytes,
+                                                     config.tensor_parallel_size)
+    sessions = SessionManager(cache, config, kv_pool=pool,
+                              durable=state.log if state is not None else None, disk=disk)
+    restored_pins = _load_state(state, sessions)
     eos = set(mcfg.eos_token_ids)
     grammars = tokenizer = None
     try:
@@ -141,11 +158,26 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         capacity, str(kv_dtype).removeprefix("torch."), config.page_size, pool.nbytes / 2**20,
         context, options.policy, options.max_running, options.chunked_prefill, sorted(eos),
     )  # fmt: skip
+    for pin in restored_pins:  # re-pinned through the ordinary path (no client waits)
+        sched.handle(pin)
     ready = EngineReady(
         model=config.model or "default", context_length=context, page_size=config.page_size,
         kv_capacity=capacity, model_dir=str(model_dir), vocab_size=mcfg.vocab_size,
+        state=state.fingerprint if state is not None else "",
     )  # fmt: skip
-    return Engine(sched, runner, ready, tp)
+    return Engine(sched, runner, ready, tp, state)
+
+
+def _load_state(state: EngineState | None, sessions: SessionManager) -> list[EnginePin]:
+    """Durable sessions back (detached, demoted) and the pins to make again."""
+    if state is None:
+        return []
+    rows, pins = state.log.load()
+    sessions.load_state(rows)
+    log.info("state: %s: %d durable session(s) and %d pin(s) read back", state.folder,
+             len(rows), len(pins))
+    return [EnginePin(client=b"", rid=f"restore-{i}", name=p.name, input_ids=p.ids.tolist(),
+                      namespace=p.namespace) for i, p in enumerate(pins)]
 
 
 def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
@@ -170,13 +202,13 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
         release_free_memory()  # what loading freed (runtime/memory.py)
         log.info("engine ready")
         loop = EngineLoop(sched, inbox, outbox, stop)
+        sched.sessions.post = loop.intake.put  # committed durable writes answer on the loop
         loop.on_step = _ThroughputLog(sched, loop).maybe_log
         loop.run()
         if engine.tp is not None:
             engine.tp.raise_if_failed()
     finally:
-        if engine.tp is not None:
-            engine.tp.close()
+        engine.close()
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
         inbox.close(linger=0)

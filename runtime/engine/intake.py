@@ -235,7 +235,7 @@ class MessageHandler:
                 r.stops = TokenStopMatcher(self.tokenizer, g.sampling.stop, stop_context,
                                            g.sampling.stop_regex, watch)
             g.branches.append(r)
-        self.table.add(g)
+        self.table.add(g, held=self.sessions.loading(g))
 
     # ---------------------------------------------------------------- endings
     def _on_client_gone(self, client: bytes) -> None:

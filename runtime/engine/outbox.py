@@ -13,6 +13,8 @@ class Outbox:
         self._replies: list[ToFrontend] = []
 
     def reply(self, client: bytes, msg: Struct, ends: int | None = None) -> None:
+        if not client:  # the engine's own requests (pins restored at start): nobody waits
+            return
         self._replies.append(ToClient(client=client, data=encode(msg), ends=ends))
 
     def take(self) -> list[ToFrontend]:

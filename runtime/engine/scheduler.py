@@ -48,7 +48,7 @@ from radixlm.runtime.engine.prefill import PrefillManager
 from radixlm.runtime.engine.request import Request
 from radixlm.runtime.engine.sampling import Sampler
 from radixlm.runtime.engine.sessions import SessionManager
-from radixlm.runtime.engine.sessions.controller import SessionController
+from radixlm.runtime.engine.sessions.controller import Committed, SessionController
 from radixlm.runtime.engine.slicing import Slicer
 from radixlm.runtime.engine.state import ReqState
 from radixlm.runtime.engine.stats import stats_reply
@@ -134,6 +134,9 @@ class Scheduler:
     def handle(self, msg: object) -> None:
         """One message from the frontend (Shutdown is the loop's business). Messages for
         a session whose turn is finishing its tail wait for it (sessions/controller.py, HeldMessages)."""
+        if isinstance(msg, Committed):  # a durable write settled: its reply goes now
+            self.sessions.answer_committed(msg)
+            return
         if self.sessions.defer(msg):
             return
         self.intake.handle(msg)
@@ -192,7 +195,7 @@ class Scheduler:
         touched: list[Request] = []
         slicer = self.slicer
         try:
-            release_compiled(self.table, self.endings)
+            release_compiled(self.table, self.endings, self.sessions.loading)
             self.prefill.share_slots()
             slicer.check()
             if slicer.due():

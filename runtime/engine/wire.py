@@ -26,6 +26,7 @@ from radixlm.runtime.protocol import (
     ForkSession,
     GetStats,
     ListSessions,
+    ResumeSession,
     SamplingParams,
     TopLogprob,
     TruncateSession,
@@ -129,6 +130,8 @@ class EngineOpenSession(_Internal, tag="open"):
     ttl_s: Union[float, None] = None
     namespace: Union[str, None] = None
     assistant_open: bool = False  # as on EngineGenerate
+    durable: bool = False
+    tenant: Union[str, None] = None  # the client's tenant tag (who may resume it)
 
 
 class EnginePin(_Internal, tag="pin"):
@@ -144,16 +147,19 @@ class EngineCommand(_Internal, tag="cmd"):
 
     client: bytes
     msg: Union[
-        ForkSession, TruncateSession, CloseSession, Unpin, ListSessions, GetStats, FlushCache
+        ForkSession, TruncateSession, CloseSession, Unpin, ListSessions, GetStats, FlushCache,
+        ResumeSession,
     ]
     # The client's tenant on a server with several (tenants.py): its engine-side
     # namespaces are this name and names starting with it and "/". A flush is held to
-    # them. None: the server's one tenant (everything is its own).
+    # them; a durable session is resumed and listed by its tenant's clients only. None:
+    # the server's one tenant (everything is its own).
     tenant: Union[str, None] = None
 
 
 class ClientGone(_Internal, tag="gone"):
-    """The client disconnected: abort its requests; its sessions are closed."""
+    """The client disconnected: abort its requests; its sessions are closed (durable ones
+    are detached: kept for its tenant to resume)."""
 
     client: bytes
 
@@ -223,6 +229,7 @@ class EngineReady(_Internal, tag="ready"):
     # must be below it). Empty/0: the frontend resolves `config.model` itself.
     model_dir: str = ""
     vocab_size: int = 0
+    state: str = ""  # the state folder's fingerprint ("" without state): Welcome.state
 
 
 ToFrontend = Union[StepOutputs, ToClient, EngineReady]

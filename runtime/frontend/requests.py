@@ -88,6 +88,7 @@ class ClientRequests:
             wire.CloseSession: self.close_session,
             wire.Unpin: self.unpin,
             wire.ListSessions: self.command,
+            wire.ResumeSession: self.command,  # the engine checks the tenant
             wire.GetStats: self.command,
             wire.FlushCache: self.flush_cache,
         }
@@ -190,6 +191,7 @@ class ClientRequests:
                 pinned=client.names.pin(msg.pinned), retention=msg.retention, ttl_s=msg.ttl_s,
                 namespace=client.names.namespace(msg.namespace),
                 assistant_open=bool(assistant_flag(msg.input)),
+                durable=msg.durable, tenant=client.names.tenant,
             ))
 
         model = self.model
@@ -225,4 +227,7 @@ class ClientRequests:
                                            tenant=client.names.tenant))
 
     def command(self, client: ClientState, msg: Any) -> None:
-        self.forward(client, EngineCommand(client=client.identity, msg=msg))
+        # The tenant: resumes and listings of durable sessions are the tenant's, not the
+        # connection's (a session outlives the connection that opened it).
+        self.forward(client, EngineCommand(client=client.identity, msg=msg,
+                                           tenant=client.names.tenant))

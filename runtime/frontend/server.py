@@ -80,7 +80,7 @@ def welcome_from(ready: EngineReady, server_version: str, max_message_bytes: int
         protocol_version=PROTOCOL_VERSION, server_version=server_version, model=ready.model,
         context_length=ready.context_length, page_size=ready.page_size,
         kv_capacity=ready.kv_capacity, max_message_bytes=max_message_bytes,
-        tool_format=tool_format,
+        tool_format=tool_format, state=ready.state,
     )
 
 

@@ -8,6 +8,7 @@ Supported families (one decoder, no file per family):
 | `mistral`    | as llama (dense); `sliding_window` is recorded, not applied      |
 | `qwen2`      | bias on q/k/v (not o)                                           |
 | `qwen3`      | RMSNorm over each q/k head before RoPE; explicit `head_dim`      |
+| `qwen3_moe`, `qwen2_moe`, `mixtral` | attention as qwen3 / qwen2 / mistral; mixture-of-experts MLPs (`moe`, moe_config.py) |
 
 RoPE parameters are read from either spelling transformers has used: `rope_theta` +
 `rope_scaling` (4.x) or `rope_parameters` (5.x).
@@ -20,7 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from .moe_config import MOE_MODEL_TYPES, MoeConfig, moe_from_hf
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+# Mixture-of-experts families: their attention is that of a dense family's.
+_ATTENTION_OF = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "mistral"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -67,6 +72,7 @@ class ModelConfig:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    moe: MoeConfig | None = None  # mixture-of-experts MLPs (moe_config.py); None: dense
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = ""
@@ -94,8 +100,9 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"model_type {model_type!r} is not supported; radixlm runs "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (dense) checkpoints"
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
             )
+        family = _ATTENTION_OF.get(model_type, model_type)
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
@@ -109,15 +116,15 @@ class ModelConfig:
             )
         max_pos = int(cfg.get("max_position_embeddings", 2048))
 
-        if model_type == "qwen2":
-            qkv_bias, o_bias = True, False
+        if family == "qwen2":
+            qkv_bias, o_bias = bool(cfg.get("qkv_bias", True)), False
         else:
             bias = bool(cfg.get("attention_bias", False))
             qkv_bias, o_bias = bias, bias
 
         sliding = None
-        if model_type == "mistral" or (
-            model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window")
+        if family == "mistral" or (
+            family in ("qwen2", "qwen3") and cfg.get("use_sliding_window")
         ):
             sliding = cfg.get("sliding_window")
 
@@ -130,12 +137,17 @@ class ModelConfig:
 
         archs = cfg.get("architectures") or []
         tie = cfg.get("tie_word_embeddings", False)  # every supported family defaults to untied
+        num_layers = int(cfg["num_hidden_layers"])
+        try:
+            moe = moe_from_hf(cfg, model_type, num_layers)
+        except (KeyError, TypeError, ValueError) as e:
+            raise UnsupportedModelError(f"{model_type} experts: {e}") from e
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=int(head_dim),
@@ -146,8 +158,9 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=family == "qwen3",
             sliding_window=int(sliding) if sliding else None,
+            moe=moe,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=archs[0] if archs else "",

@@ -5,7 +5,8 @@ gate+up matmul, residual adds folded into `addmm`, and RoPE applied to all q and
 in one go. Matrices may instead be weight-only quantized (`QuantWeight`, CPU): they are
 fused the same way (rows stacked) and multiply through the quantized kernel, residual adds
 accumulated in place. The per-layer path has no per-request Python loops (those live in the attention
-backend's `plan`, once per forward).
+backend's `plan`, once per forward). A mixture-of-experts layer (`config.moe`) holds an
+`ExpertMlp` (moe.py) in place of the dense MLP's matrices.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .moe import ExpertMlp, load_experts, weight_nbytes
 from .quant import QuantWeight
 from .rope import Rotary
 
@@ -25,10 +27,10 @@ Weight = torch.Tensor | QuantWeight  # a dense (transposed) matrix or packed blo
 class DecoderLayer:
     __slots__ = (
         "in_norm", "w_qkv_t", "b_qkv", "qk_norm", "w_o_t", "b_o",
-        "post_norm", "w_gu_t", "b_gu", "w_down_t", "b_down",
+        "post_norm", "w_gu_t", "b_gu", "w_down_t", "b_down", "moe",
     )  # fmt: skip
 
-    def __init__(self, **tensors: torch.Tensor | None):
+    def __init__(self, **tensors: torch.Tensor | ExpertMlp | None):
         for name in self.__slots__:
             setattr(self, name, tensors.get(name))
 
@@ -36,7 +38,8 @@ class DecoderLayer:
 def dense_layer(layer: DecoderLayer) -> DecoderLayer:
     """`layer` with its quantized matrices dequantized once (float32, `[in, out]` views):
     what `QuantWeight.matmul` multiplies by for a prefill's rows anyway, kept for the
-    several pieces of one layer that sliced.py runs (instead of once per piece)."""
+    several pieces of one layer that sliced.py runs (instead of once per piece). Experts
+    stay as they are: a piece reads only the experts its rows chose."""
     def dense(w):
         return w.dequantize().t() if isinstance(w, QuantWeight) else w
 
@@ -130,13 +133,17 @@ class DecoderModel:
                 qn = take(a + "q_norm.weight").reshape(1, c.head_dim)
                 kn = take(a + "k_norm.weight").reshape(1, c.head_dim)
                 qk_norm = torch.cat([qn.expand(c.num_heads, -1), kn.expand(c.num_kv_heads, -1)], 0)
-            w_gu = _cat_rows([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
-            b_gu = b_down = None
-            if c.mlp_bias:
-                b_gu = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")], 0)
-                b_down = take(m + "down_proj.bias")
+            moe = w_gu = w_down = b_gu = b_down = None
+            if c.moe is not None and c.moe.sparse_layers[i]:  # mixture of experts (moe.py)
+                moe = load_experts(c.moe, c.model_type, i, take,
+                                   lambda w: transposed(put(w), self.device), _cat_rows)  # fmt: skip
+            else:
+                w_gu = _cat_rows([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+                if c.mlp_bias:
+                    b_gu = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")], 0)
+                    b_down = take(m + "down_proj.bias")
+                w_down = put(take(m + "down_proj.weight"))
             w_o = put(take(a + "o_proj.weight"))
-            w_down = put(take(m + "down_proj.weight"))
             self.layers.append(
                 DecoderLayer(
                     in_norm=put(take(p + "input_layernorm.weight")),
@@ -146,10 +153,11 @@ class DecoderModel:
                     w_o_t=transposed(w_o, self.device),
                     b_o=put(take(a + "o_proj.bias")) if c.o_bias else None,
                     post_norm=put(take(p + "post_attention_layernorm.weight")),
-                    w_gu_t=transposed(put(w_gu), self.device),
+                    w_gu_t=transposed(put(w_gu), self.device) if w_gu is not None else None,
                     b_gu=put(b_gu),
-                    w_down_t=transposed(w_down, self.device),
+                    w_down_t=transposed(w_down, self.device) if w_down is not None else None,
                     b_down=put(b_down),
+                    moe=moe,
                 )
             )
         unused = sorted(
@@ -161,24 +169,24 @@ class DecoderModel:
         # `x + a @ w_t` of o_proj and down_proj; tensor parallelism puts in its place one
         # that sums the ranks' partial products (radixlm.runtime.distributed.linear).
         self.add_out_proj: Callable[[torch.Tensor, torch.Tensor, Weight], torch.Tensor] = _add_mm
+        # `x + moe(h)` of a sparse layer; under tensor parallelism, summed over the ranks.
+        self.add_experts: Callable[[torch.Tensor, torch.Tensor, ExpertMlp], torch.Tensor] = _add_experts
 
     def weight_bytes(self) -> int:
         """Bytes of weights read by one decode step (embedding row reads not counted)."""
         tensors = [self.lm_head_t, self.norm]
         for layer in self.layers:
-            tensors += [getattr(layer, name) for name in DecoderLayer.__slots__]
-        return sum(
-            t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
-            for t in tensors
-            if t is not None
-        )
+            tensors += [getattr(layer, name) for name in _TENSOR_SLOTS]
+        experts = sum(layer.moe.step_bytes() for layer in self.layers if layer.moe is not None)
+        return experts + sum(weight_nbytes(t) for t in tensors if t is not None)
 
     def resident_bytes(self) -> int:
         """Bytes of every weight the model holds, each once (the embedding included; a
         tied head counted once; quantized blocks at their packed size)."""
         seen: dict[int, int] = {}
         for t in [self.embed, self.lm_head_t, self.norm, self.lm_head_rows] + [
-                getattr(layer, name) for layer in self.layers for name in DecoderLayer.__slots__]:  # fmt: skip
+                getattr(layer, name) for layer in self.layers for name in _TENSOR_SLOTS] + [
+                w for layer in self.layers if layer.moe is not None for w in layer.moe.weights()]:  # fmt: skip
             if t is None:
                 continue
             if isinstance(t, QuantWeight):
@@ -191,6 +199,7 @@ class DecoderModel:
     def weight_format(self) -> str:
         """'float32' etc. for dense weights, else the block types in use (e.g. 'Q4_1+Q8_0')."""
         mats = [self.lm_head_t] + [w for lyr in self.layers for w in (lyr.w_qkv_t, lyr.w_gu_t)]
+        mats += [lyr.moe.gu[0] for lyr in self.layers if lyr.moe is not None and lyr.moe.gu]
         names = sorted({w.type_name for w in mats if isinstance(w, QuantWeight)})
         return "+".join(names) if names else str(self.dtype).removeprefix("torch.")
 
@@ -245,6 +254,8 @@ class DecoderModel:
         if layer.b_o is not None:
             x = x + layer.b_o
         h = F.rms_norm(x, hidden, layer.post_norm, eps)
+        if layer.moe is not None:
+            return self.add_experts(x, h, layer.moe)
         gu = _mm(h, layer.w_gu_t, layer.b_gu)
         act = F.silu(gu[:, :inter]) * gu[:, inter:]
         x = self.add_out_proj(x, act, layer.w_down_t)
@@ -281,6 +292,14 @@ def _add_mm(x: torch.Tensor, a: torch.Tensor, w_t: Weight) -> torch.Tensor:
     if isinstance(w_t, QuantWeight):
         return w_t.matmul(a, out=x, accumulate=True)
     return torch.addmm(x, a, w_t)
+
+
+def _add_experts(x: torch.Tensor, h: torch.Tensor, moe: ExpertMlp) -> torch.Tensor:
+    """`x + moe(h)`, added into `x` in place (the decoder owns `x`)."""
+    return moe(h, x)
+
+
+_TENSOR_SLOTS = tuple(name for name in DecoderLayer.__slots__ if name != "moe")
 
 
 def _cat_rows(parts: list[Weight]) -> Weight:

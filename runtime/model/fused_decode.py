@@ -74,6 +74,8 @@ class FusedDecode:
         if model.device.type != "cpu" or model.dtype != torch.float32:
             return False
         for layer in model.layers:
+            if layer.moe is not None:  # experts run per op (moe.py), not in the fused step
+                return False
             mats = (layer.w_qkv_t, layer.w_o_t, layer.w_gu_t, layer.w_down_t)
             if not all(isinstance(w, QuantWeight) for w in mats) or layer.qk_norm is not None:
                 return False

@@ -12,8 +12,10 @@ two processes starting together convert once and never see a half-written direct
 The cache key carries `CONVERTER_VERSION`, so directories written by an older converter
 (which held a float32 copy of every weight) are neither read nor overwritten.
 
-Architectures: llama (Llama/Mistral/SmolLM2; llama.cpp's Q/K row permutation is undone),
-qwen2, qwen3. Tokenizer: gpt2-style byte-level BPE, rebuilt from the GGUF's tokens, merges,
+Architectures: llama (Llama/Mistral/SmolLM2; llama.cpp's Q/K row permutation is undone;
+with experts, Mixtral), qwen2, qwen3, and the mixture-of-experts qwen2moe and qwen3moe:
+the experts' 3-D tensors (`ffn_{gate,up,down}_exps`, one `[rows, cols]` slab per expert)
+become HF's per-expert names (`moe_tensors`). Tokenizer: gpt2-style byte-level BPE, rebuilt from the GGUF's tokens, merges,
 token types and special ids the same way transformers' own GGUF loader does.
 """
 
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from .config import UnsupportedModelError
+from .moe_config import EXPERT_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,11 @@ _ARCHS = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
 }
+# HF model types whose GGUF (arch "llama") stores Q/K rows in llama.cpp's permuted order.
+QK_PERMUTED = ("llama", "mixtral")
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -100,6 +107,9 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
 
+    if arch == "llama" and get("expert_count"):
+        hf_arch, model_type = "MixtralForCausalLM", "mixtral"
+
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
     kv_heads = get("attention.head_count_kv", heads)
@@ -112,7 +122,7 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
         "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length") or get("expert_feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
@@ -127,8 +137,11 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
         "mlp_bias": False,
         "torch_dtype": "float32",
     }
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if model_type == "qwen2_moe":
+        cfg["qkv_bias"] = "blk.0.attn_q.bias" in tensor_names
+    cfg.update(_moe_config(model_type, get, int(get("block_count")), tensor_names))
     if model_type == "llama" and "blk.0.attn_q.bias" in tensor_names:
         raise UnsupportedModelError("llama GGUFs with attention biases are not supported")
     scaling = get("rope.scaling.type")
@@ -151,6 +164,26 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
         if f"tokenizer.ggml.{key}" in meta:
             cfg[name] = int(meta[f"tokenizer.ggml.{key}"])
     return cfg
+
+
+def _moe_config(model_type: str, get, layers: int, tensor_names: set[str]) -> dict[str, Any]:
+    """The HF config keys of a mixture-of-experts GGUF (none for dense ones). Layers
+    without a router (`ffn_gate_inp`) are dense (Qwen's `mlp_only_layers`)."""
+    if model_type not in EXPERT_NAMES:
+        return {}
+    dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    out: dict[str, Any] = {"num_experts_per_tok": int(get("expert_used_count"))}
+    if model_type == "mixtral":
+        if dense:
+            raise UnsupportedModelError(f"llama GGUF with experts: layers {dense} have none")
+        return {**out, "num_local_experts": int(get("expert_count"))}
+    out.update(num_experts=int(get("expert_count")), decoder_sparse_step=1, mlp_only_layers=dense,
+               moe_intermediate_size=int(get("expert_feed_forward_length")),
+               # llama.cpp renormalises qwen3moe's top-k weights, never qwen2moe's
+               norm_topk_prob=bool(get("expert_weights_norm", model_type == "qwen3_moe")))  # fmt: skip
+    if model_type == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length"))
+    return out
 
 
 # ---------------------------------------------------------------------------- tokenizer
@@ -282,7 +315,9 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def hf_tensor_name(name: str) -> str | None:
+def hf_tensor_name(name: str, model_type: str = "") -> str | None:
+    """The HF name of GGUF tensor `name` (None: not used); `model_type` names a
+    mixture-of-experts family's router and shared expert."""
     if name in _SKIP:
         return None
     if name in _TOP_NAMES:
@@ -290,7 +325,33 @@ def hf_tensor_name(name: str) -> str | None:
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and model_type in EXPERT_NAMES:
+        block = EXPERT_NAMES[model_type][0]
+        if parts[2] in _MOE_NAMES:
+            return f"model.layers.{parts[1]}.{block}.{_MOE_NAMES[parts[2]]}"
     raise UnsupportedModelError(f"GGUF tensor {name!r} has no place in the decoder")
+
+
+# A sparse block's 2-D tensors (after the block's prefix, see moe_config.EXPERT_NAMES).
+_MOE_NAMES = {
+    "ffn_gate_inp.weight": "gate.weight",
+    "ffn_gate_inp_shexp.weight": "shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "shared_expert.down_proj.weight",
+}
+_EXPERT_PROJ = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
+
+
+def hf_expert_names(name: str, num_experts: int, model_type: str) -> list[str]:
+    """HF names of expert 0..num_experts-1's slab of the 3-D GGUF tensor `name`
+    (`blk.N.ffn_{gate,up,down}_exps.weight`, experts outermost)."""
+    parts = name.split(".", 2)
+    if model_type not in EXPERT_NAMES or len(parts) != 3 or parts[2] not in _EXPERT_PROJ:
+        raise UnsupportedModelError(f"GGUF tensor {name!r} has no place in the decoder")
+    block, projs = EXPERT_NAMES[model_type]
+    proj = projs[_EXPERT_PROJ[parts[2]]]
+    return [f"model.layers.{parts[1]}.{block}.experts.{e}.{proj}.weight" for e in range(num_experts)]
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = True) -> Path:
@@ -325,9 +386,9 @@ def write_dense_weights(gguf_path: str | Path, out_dir: str | Path, config: dict
 
     out_dir = Path(out_dir)
     dtype = getattr(torch, config.get("torch_dtype", "float32"))
-    permute = config["model_type"] == "llama"
+    permute = config["model_type"] in QK_PERMUTED
     state = dense_state_dict(gguf_path, config["num_attention_heads"],
-                             config["num_key_value_heads"], permute)  # fmt: skip
+                             config["num_key_value_heads"], permute, config["model_type"])  # fmt: skip
     weight_map: dict[str, str] = {}
     shard: dict[str, torch.Tensor] = {}
     shard_bytes, shard_files = 0, []

@@ -7,7 +7,9 @@ weights (`--dtype float32`) straight from the file, no cached float32 copy neede
 
 Names and the Llama Q/K row order are mapped exactly as `gguf_convert` maps them:
 llama.cpp's Q/K row permutation moves whole rows, so for packed weights it is undone by
-reordering the row addresses (`QuantWeight.take_rows`), never by moving data.
+reordering the row addresses (`QuantWeight.take_rows`), never by moving data. A
+mixture-of-experts model's 3-D expert tensors become one weight per expert, over that
+expert's slab of rows (`_expert_weights`): packed where the kernel has the type, no copy.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .gguf_convert import hf_tensor_name, unpermute_qk
+from .gguf_convert import hf_expert_names, hf_tensor_name, unpermute_qk
 from .gguf_file import GGUFFile, TensorInfo
 from .quant import BLOCK_BYTES, QuantWeight
 
@@ -53,15 +55,32 @@ def _floats(f: GGUFFile, info: TensorInfo) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(info.shape)
 
 
+def _expert_weights(f: GGUFFile, info: TensorInfo, model_type: str
+                    ) -> dict[str, torch.Tensor | QuantWeight]:  # fmt: skip
+    """A 3-D expert tensor `[experts, rows, cols]` as one HF-named weight per expert."""
+    experts, rows, cols = info.shape
+    names = hf_expert_names(info.name, experts, model_type)
+    if info.ggml_type in BLOCK_BYTES:
+        slabs = f.data(info).reshape(experts, rows, -1)
+        return {n: QuantWeight(slabs[e], info.ggml_type, rows, cols) for e, n in enumerate(names)}
+    data = torch.from_numpy(np.ascontiguousarray(_floats(f, info)))
+    return dict(zip(names, data.unbind(0), strict=True))
+
+
 def gguf_state_dict(
-    gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool
+    gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool,
+    model_type: str = "",
 ) -> dict[str, torch.Tensor | QuantWeight]:
     """HF-named tensors of `gguf_path`: `QuantWeight`s over the mapped file where the kernel
-    supports the stored type, float32 tensors otherwise."""
+    supports the stored type, float32 tensors otherwise (`model_type`: the HF family,
+    which names a mixture-of-experts model's expert tensors)."""
     f = GGUFFile(gguf_path)
     state: dict[str, torch.Tensor | QuantWeight] = {}
     for info in f.tensors:
-        name = hf_tensor_name(info.name)
+        if len(info.shape) == 3:
+            state.update(_expert_weights(f, info, model_type))
+            continue
+        name = hf_tensor_name(info.name, model_type)
         if name is None:
             continue
         heads = _qk_heads(info, num_heads, num_kv_heads, permute_qk)
@@ -80,8 +99,9 @@ def gguf_state_dict(
 
 
 def dense_state_dict(
-    gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool
+    gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool,
+    model_type: str = "",
 ) -> dict[str, torch.Tensor]:
     """Every tensor of `gguf_path` dequantized to float32 (HF names, HF Q/K row order)."""
-    state = gguf_state_dict(gguf_path, num_heads, num_kv_heads, permute_qk)
+    state = gguf_state_dict(gguf_path, num_heads, num_kv_heads, permute_qk, model_type)
     return {k: v.dequantize() if isinstance(v, QuantWeight) else v for k, v in state.items()}

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from radixlm.runtime.config import Endpoints, EngineConfig
 from radixlm.runtime.protocol import Welcome
 from radixlm.runtime.server.children import (
@@ -49,6 +50,7 @@ from radixlm.runtime.server.environment import engine_environment
 from radixlm.runtime.server.listeners import Listener, listen_zmq
 from radixlm.runtime.server.rundir import read_ready, remove_stale, write_owner
 from radixlm.runtime.server.spec import ROLES, encode_spec
+from radixlm.runtime.state.location import StateDir, StateDirError, open_state_dir
 from radixlm.runtime.transport.channel import (
     ipc_endpoint,
     ipc_path,
@@ -87,6 +89,7 @@ class RunningServer:
     welcome: Welcome
     processes: dict[str, subprocess.Popen[bytes]]
     runtime_dir: Path
+    state: StateDir | None = None  # the state directory, locked for the server's life
 
     @property
     def endpoint(self) -> str:
@@ -123,9 +126,12 @@ class RunningServer:
         self.stop()
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Stop every child (SIGTERM, then SIGKILL after `grace_s`) and remove the sockets."""
+        """Stop every child (SIGTERM, then SIGKILL after `grace_s`), remove the sockets and
+        let the state directory go."""
         _stop_processes(self.processes, grace_s)
         _remove_runtime_files(self.runtime_dir, self.endpoints.client)
+        if self.state is not None:
+            self.state.close()
 
     def __enter__(self) -> RunningServer:
         return self
@@ -182,6 +188,7 @@ def start_server(
     """
     if preflight:
         check_config(config)
+    config, state = _open_state(config)
     takeover_path = ipc_path(config.endpoint) if takeover else None
     if takeover_path is not None:
         with contextlib.suppress(FileNotFoundError):
@@ -218,11 +225,28 @@ def start_server(
         if listener is not None:
             listener.close(unlink=True)  # bound here: ours to remove
         _remove_runtime_files(runtime_dir, "")
+        if state is not None:
+            state.close()
         raise
     log.info("serving %s at %s (context %d tokens, KV pool %d tokens, page size %d)",
              welcome.model, endpoints.client, welcome.context_length, welcome.kv_capacity,
              welcome.page_size)
-    return RunningServer(config, endpoints, welcome, processes, runtime_dir)
+    return RunningServer(config, endpoints, welcome, processes, runtime_dir, state)
+
+
+def _open_state(config: EngineConfig) -> tuple[EngineConfig, StateDir | None]:
+    """Open and lock `config.state_dir` for this server; one that cannot be used is said
+    in one line and the server starts without state."""
+    if not config.state_dir:
+        return config, None
+    try:
+        state = open_state_dir(config.state_dir)
+    except StateDirError as e:
+        log.error("%s: serving without state (sessions and stored responses end with the "
+                  "server)", e)
+        return msgspec.structs.replace(config, state_dir=""), None
+    log.debug("state directory %s", state.path)  # (the engine says what it found there)
+    return msgspec.structs.replace(config, state_dir=str(state.path)), state
 
 
 # Devices `--device` may name (the index of cuda:N is checked by the engine).

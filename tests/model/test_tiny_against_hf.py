@@ -13,29 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from radixlm.cache import KVPool
-from radixlm.runtime.model import BatchRequest, ForwardBatch, ModelConfig, ModelRunner
-from tiny_models import TINY_VARIANTS, PageSlots, load_hf_model, make_tiny_checkpoint
+from radixlm.runtime.model import BatchRequest, ModelConfig, ModelRunner
+from tiny_models import TINY_VARIANTS, load_hf_model, make_tiny_checkpoint
+from tiny_models import ModelEnv as Env
 
 ATOL = 1e-4
 PAGE_SIZES = [1, 16]
-CAPACITY = 1024
-
-
-class Env:
-    def __init__(self, model_dir, page_size: int):
-        self.cfg = ModelConfig.from_dir(model_dir)
-        c = self.cfg
-        self.pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, CAPACITY, page_size,
-                           torch.float32, "cpu")  # fmt: skip
-        self.runner = ModelRunner(model_dir, "cpu", "float32", self.pool, attention="torch")
-        self.pages = PageSlots(CAPACITY, page_size)
-
-    def run(self, requests) -> list[torch.Tensor]:
-        batch = ForwardBatch.build(requests)
-        logits = self.runner.forward(batch)
-        ind = batch.logits_indptr
-        return [logits[ind[i] : ind[i + 1]] for i in range(len(requests))]
+CAPACITY = 1024  # ModelEnv's pool
 
 
 @pytest.fixture(scope="module", params=sorted(TINY_VARIANTS))

@@ -200,6 +200,8 @@ VALID_CLIENT = [
     {"type": "open_session", "rid": "r"},
     {"type": "open_session", "rid": "r", "input": {"text": "sys"}, "retention": "soft", "ttl_s": 1.5},
     {"type": "open_session", "rid": "r", "pinned": "tools", "namespace": None},
+    {"type": "open_session", "rid": "r", "durable": True},
+    {"type": "resume_session", "rid": "r", "session": "s"},
     {"type": "fork_session", "rid": "r", "session": "s", "n": 3},
     {"type": "truncate_session", "rid": "r", "session": "s", "length": 4},
     {"type": "close_session", "rid": "r", "session": "s"},
@@ -236,10 +238,13 @@ VALID_SERVER = [
      "finish_reasons": {"stop": 2}, "latency": {"e2e_request_latency": {
          "bounds": [0.5, 1.0], "counts": [1, 1, 0], "sum": 1.2, "count": 2}}},
     {"type": "session_opened", "rid": "r", "session": "s", "length": 0},
+    {"type": "session_opened", "rid": "r", "session": "s", "length": 9, "durable": True},
     {"type": "sessions_forked", "rid": "r", "sessions": ["a", "b"]},
     {"type": "pinned", "rid": "r", "name": "tools", "length": 12},
     {"type": "session_list", "rid": "r", "sessions": [
-        {"session": "s", "length": 3, "idle_s": 0.5, "retention": "demoted", "busy": False}]},
+        {"session": "s", "length": 3, "idle_s": 0.5, "retention": "demoted", "busy": False},
+        {"session": "t", "length": 3, "idle_s": 9.0, "retention": "soft", "busy": False,
+         "durable": True, "attached": False}]},
     {"type": "tokens", "rid": "r", "input_ids": [1, 2]},
     {"type": "detokenized", "rid": "r", "text": "hi"},
 ]  # fmt: skip

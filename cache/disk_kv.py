@@ -53,6 +53,7 @@ FORMAT = 1
 DIGEST = 16  # bytes of the blake2b checksum at the end of a file
 _HEAD = struct.Struct("<4sBI")  # magic, format, header length
 SUFFIX = ".kv"
+QUIET_S = 600.0  # a write failure is logged at most this often
 
 log = logging.getLogger("radixlm.cache.disk")
 
@@ -137,6 +138,8 @@ class DiskKV:
         self.tenant_share = tenant_share  # the least share of the capacity a tenant keeps
         self.max_pending = max_pending_bytes
         self.failing: str | None = None
+        self._said_at = -QUIET_S  # when a write failure was last logged (monotonic)
+        self._said = False
         self.counters = {"written": 0, "write_dropped": 0, "write_failed": 0, "read": 0,
                          "missed": 0, "corrupt": 0, "evicted": 0}
         self._header = json.dumps({"layout": asdict(layout)}, sort_keys=True)
@@ -252,9 +255,12 @@ class DiskKV:
                 self._pending -= size
                 self._pending_keys.discard(key)
                 self.counters["write_failed"] += 1
-                first = self.failing is None
+                now = time.monotonic()
+                say = self.failing is None and now - self._said_at >= QUIET_S
+                if say:
+                    self._said_at, self._said = now, True
                 self.failing = _why(e)
-            if first:
+            if say:
                 log.error("disk KV tier: cannot write to %s (%s): KV is not saved to disk "
                           "until it can; the server keeps serving", self.dir, self.failing)
             return
@@ -262,8 +268,9 @@ class DiskKV:
             self._pending -= size
             self._pending_keys.discard(key)
             if self.failing is not None:
-                log.warning("disk KV tier: writes to %s work again", self.dir)
-                self.failing = None
+                if self._said:
+                    log.warning("disk KV tier: writes to %s work again", self.dir)
+                self.failing, self._said = None, False
             self._index[key] = _Entry(_tenant_dir(tenant), written, time.time())
             t = _tenant_dir(tenant)
             self._tenant_bytes[t] = self._tenant_bytes.get(t, 0) + written

@@ -4,8 +4,9 @@ refusal type.
 A rule is checked where its facts are first known, and only there:
 
 - at the frontend, as a message arrives (nothing queued yet, no tokenizer needed): the
-  input's form and size, sampling, `n`, fork counts, close lists, pin names (before a
-  tenant's prefix makes an empty name look taken);
+  input's form and size, sampling, `n`, tools (their names and parameter schemas), fork
+  counts, close lists, pin names (before a tenant's prefix makes an empty name look
+  taken);
 - at the engine, which alone knows a session's history, the pool and what is retained:
   the prompt's length (empty, context, pool, retention; an unset ``max_tokens`` is what
   is left of them), `prompt_logprobs_start` against the input it counts in, truncate
@@ -19,6 +20,7 @@ into an `Error` reply for the request's rid.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Protocol
 
 import msgspec
@@ -222,11 +224,78 @@ def check_generate(msg: Generate, vocab_size: int) -> None:
 
 
 def check_tools(tools: list[Tool] | None, context_length: int) -> None:
-    """Each tool definition renders to a token at least: more than the context holds are
-    refused before they are rendered."""
-    if tools and len(tools) > context_length:
+    """A request's tools: at least one when given; no more than the context holds (each
+    definition renders to a token at least: refused before anything is rendered); names
+    of 1-64 letters, digits, '_', '.' or '-', none given twice; ``parameters`` a JSON
+    Schema object schema -- a map whose ``type`` (if given) is "object", whose
+    ``properties`` map names to schemas and whose ``required`` names only strings, every
+    nested schema a map (or a boolean) with known ``type``s."""
+    if tools is None:
+        return
+    if not tools:
+        raise _invalid("tools is empty: omit it, or give at least one tool")
+    if len(tools) > context_length:
         raise RequestError(ErrorCode.TOO_LONG, f"{len(tools)} tool definitions exceed the "
                                                f"context length ({context_length})")
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        name = tool.name
+        if not _TOOL_NAME.match(name):
+            raise _invalid(f"tools[{i}].name {name!r} must be 1-64 letters, digits, '_', '.' "
+                           "or '-'")
+        if name in seen:
+            raise _invalid(f"tools[{i}].name {name!r} is given twice")
+        seen.add(name)
+        params = tool.parameters
+        if params.get("type", "object") != "object":
+            raise _invalid(f"tools[{i}] ({name}).parameters must be an object schema, got "
+                           f"type {params['type']!r}")
+        if problem := _schema_problem(params, f"tools[{i}] ({name}).parameters"):
+            raise _invalid(problem)
+
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def _schema_problem(schema: Any, where: str) -> str | None:
+    """The first problem with a JSON Schema `schema` (found at `where`), or None."""
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, dict):
+        return f"{where} must be a JSON Schema (a map), got {type(schema).__name__}"
+    kind = schema.get("type")
+    for k in kind if isinstance(kind, list) else [kind] if kind is not None else []:
+        if k not in _JSON_TYPES:
+            return f"{where}.type {k!r} is not a JSON Schema type ({', '.join(sorted(_JSON_TYPES))})"
+    props = schema.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            return f"{where}.properties must be a map of schemas"
+        for key, sub in props.items():
+            if problem := _schema_problem(sub, f"{where}.properties.{key}"):
+                return problem
+    required = schema.get("required")
+    if required is not None and (
+        not isinstance(required, list) or not all(isinstance(r, str) for r in required)
+    ):
+        return f"{where}.required must be a list of property names"
+    for key in ("items", "additionalProperties", "not"):
+        sub = schema.get(key)
+        if sub is not None and (problem := _schema_problem(sub, f"{where}.{key}")):
+            return problem
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        subs = schema.get(key)
+        if subs is None:
+            continue
+        if not isinstance(subs, list):
+            return f"{where}.{key} must be a list of schemas"
+        for j, sub in enumerate(subs):
+            if problem := _schema_problem(sub, f"{where}.{key}[{j}]"):
+                return problem
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        return f"{where}.enum must be a list"
+    return None
 
 
 def check_fork(n: int) -> None:

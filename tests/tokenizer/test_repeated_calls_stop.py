@@ -1,5 +1,5 @@
-"""Parallel tool calls end at the first repeat: `TokenStopMatcher` with `FramedCalls`
-against a reference built from the calls themselves.
+"""Parallel tool calls end at the first repeat: `TokenStopMatcher` with a `CallParser`
+over the call grammar's frame (as the engine builds it) against a reference built from the calls themselves.
 
 Each example writes a list of calls (from a small set, so repeats happen) joined by the
 separator, cuts the text into random tokens (so tokens straddle calls and separators,
@@ -17,8 +17,8 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from radixlm.tokenizer import TokenStopMatcher
-from radixlm.tokenizer.call_frames import FramedCalls
-from radixlm.tokenizer.tools import call_frame
+from radixlm.tokenizer.call_parser import CallParser
+from radixlm.tokenizer.tools import call_frame, framed_format
 
 SETTINGS = settings(max_examples=300, deadline=None, database=None,
                     suppress_health_check=list(HealthCheck))
@@ -54,7 +54,7 @@ def test_the_branch_ends_before_the_first_repeated_call(picks: list[int], cuts: 
     pieces = _tokens(text, cuts)
     ends = [sum(len(p) for p in pieces[: i + 1]) for i in range(len(pieces))]
     repeat = next((j for j in range(len(calls)) if calls[j] in calls[:j]), None)
-    m = TokenStopMatcher(PieceTokenizer(pieces), [], (), calls=FramedCalls(begin, end, "\n"))
+    m = TokenStopMatcher(PieceTokenizer(pieces), [], (), calls=CallParser(framed_format(begin, end), None))
     if repeat is None:
         assert not any(m.feed([i]) for i in range(len(pieces)))
         assert not m.finish()
@@ -75,7 +75,7 @@ def test_the_branch_ends_before_the_first_repeated_call(picks: list[int], cuts: 
 def test_stop_strings_still_match_beside_the_watch() -> None:
     text = CALLS[0] + "\n" + CALLS[2] + "\nEND"
     pieces = list(text)
-    m = TokenStopMatcher(PieceTokenizer(pieces), ["Oslo"], (), calls=FramedCalls("", "", "\n"))
+    m = TokenStopMatcher(PieceTokenizer(pieces), ["Oslo"], (), calls=CallParser(framed_format("", ""), None))
     assert any(m.feed([i]) for i in range(len(pieces)))
     assert (m.repeated, m.matched, m.hit) == (False, "Oslo", "Oslo")
     assert "".join(pieces[: m.kept]) == text[: text.index("Oslo")]

@@ -1,8 +1,9 @@
-"""Tool calls on the frontend side: formats, rendering, call schemas, parsing, and the
-checks on tools / tool_choice (tokenizer/tools.py, runtime/frontend/structured.py).
+"""Tool calls on the frontend side: formats, rendering, call schemas, the checks on tools
+(`rules.check_tools`) and tool_choice, and calls read into chunks and Dones with their ids
+(tokenizer/tools.py, runtime/rules.py, runtime/frontend/structured.py).
 
 References: transformers' own `apply_chat_template` for rendering, `jsonschema` for the
-call schemas, `json` for parsed arguments.
+call schemas, `json` for read arguments, calls written here for what is read.
 """
 
 from __future__ import annotations
@@ -23,13 +24,11 @@ from radixlm.runtime.protocol import (
     Tool,
     ToolCall,
 )
-from radixlm.runtime.rules import RequestError
+from radixlm.runtime.rules import RequestError, check_tools
 from radixlm.tokenizer import ChatTemplate, Tokenizer
 from radixlm.tokenizer.tools import (
     call_frame,
     call_schema,
-    check_tools,
-    parse_tool_calls,
     template_messages,
     tool_dicts,
     tool_format,
@@ -125,34 +124,79 @@ def test_call_schema_accepts_valid_calls_only(fmt: str) -> None:
         jsonschema.validate(ok[0], named)
 
 
-def test_parse_hermes_llama3_and_generic() -> None:
+def _read(text: str, fmt: str, parallel: bool = True, cuts: tuple[int, ...] = ()) -> tuple:
+    """`text` through a branch's call reader (cut at `cuts`): (content, pieces, calls)."""
+    reader = plan_structured(gen(tools=TOOLS, parallel_tool_calls=parallel), fmt).reader()  # type: ignore[arg-type]
+    assert reader is not None
+    content, pieces, pos = "", [], 0
+    for cut in [*cuts, len(text)]:
+        c, p = reader.read(text[pos:cut], final=cut == len(text))
+        for piece in p or []:
+            pieces.append((len(content) + piece.at, piece))
+        content += c
+        pos = cut
+    return content, pieces, reader.calls
+
+
+def test_calls_are_read_in_each_format() -> None:
     text = ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n'
             '</tool_call>\n<tool_call>\n{"name": "calc", "arguments": {"expr": "2*3"}}\n</tool_call>')
-    calls = parse_tool_calls(text, "hermes", TOOLS)
-    assert calls is not None
+    content, _, calls = _read(text, "hermes")
+    assert content == "Sure.\n" and calls is not None
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Lima"}), ("calc", {"expr": "2*3"})]
-    llama = '<|python_tag|>{"name": "calc", "parameters": {"expr": "1+2"}}'
-    calls = parse_tool_calls(llama, "llama3", TOOLS)
+    _, _, calls = _read('<|python_tag|>{"name": "calc", "parameters": {"expr": "1+2"}}', "llama3")
     assert calls is not None and json.loads(calls[0].arguments) == {"expr": "1+2"}
     generic = ' {"name": "calc", "arguments": {"expr": "7"}}; {"name": "calc", "arguments": {"expr": "8"}}'
-    calls = parse_tool_calls(generic, "generic", TOOLS)
+    _, _, calls = _read(generic, "generic")
     assert calls is not None and [json.loads(c.arguments)["expr"] for c in calls] == ["7", "8"]
     # Arguments given as a JSON string (some models do) are read as the object they hold.
-    calls = parse_tool_calls('{"name": "calc", "arguments": "{\\"expr\\": \\"9\\"}"}', "generic", TOOLS)
+    _, _, calls = _read('{"name": "calc", "arguments": "{\\"expr\\": \\"9\\"}"}', "generic")
     assert calls is not None and json.loads(calls[0].arguments) == {"expr": "9"}
 
 
 @pytest.mark.parametrize("text", [
     "The weather is fine.",
     '{"name": "unknown_tool", "arguments": {}}',
-    '{"name": "calc", "arguments": {"expr": ',
     '{"name": "calc", "arguments": [1]}',
-    '{"name": "calc", "arguments": {}} and then some prose',
 ])  # fmt: skip
-def test_parse_refuses_non_calls(text: str) -> None:
-    assert parse_tool_calls(text, "generic", TOOLS) is None
-    assert parse_tool_calls(f"<tool_call>{text}</tool_call>", "hermes", TOOLS) is None
+def test_what_is_no_call_stays_content(text: str) -> None:
+    assert _read(text, "generic") == (text, [], None)
+    hermes = f"<tool_call>{text}</tool_call>"
+    assert _read(hermes, "hermes") == (hermes, [], None)
+
+
+def test_a_call_the_output_ended_inside_streams_but_is_not_listed() -> None:
+    content, pieces, calls = _read('{"name": "calc", "arguments": {"expr": ', "generic")
+    assert content == "" and calls is None
+    assert [(p.name, p.arguments, p.done) for _, p in pieces] == [("calc", '{"expr": ', False)]
+
+
+@pytest.mark.parametrize("cuts", [(), (1,), (9, 40), (25, 26, 27, 60, 61, 100)])
+def test_pieces_carry_one_id_per_call_and_match_the_done(cuts: tuple[int, ...]) -> None:
+    text = ('Let me see. <tool_call>{"name": "calc", "arguments": {"expr": "1"}}</tool_call> and '
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    content, pieces, calls = _read(text, "hermes", cuts=cuts)
+    assert content == "Let me see. and "
+    assert calls is not None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("calc", {"expr": "1"}), ("get_weather", {"city": "Oslo"})]
+    ids = {p.index: p.id for _, p in pieces if p.id is not None}
+    assert [ids[0], ids[1]] == [c.id for c in calls] and ids[0] != ids[1]
+    assert all(i.startswith("call_") for i in ids.values())
+    for call_index, call in enumerate(calls):
+        mine = [(at, p) for at, p in pieces if p.index == call_index]
+        assert mine[0][1].name == call.name  # named by the first piece
+        assert "".join(p.arguments for _, p in mine) == call.arguments
+        assert [p.done for _, p in mine][-1] and sum(p.done for _, p in mine) == 1
+    # each call sits where it was written in the content: after "Let me see. ", "and "
+    assert [at for at, p in pieces if p.name] == [len("Let me see. "), len("Let me see. and ")]
+
+
+def test_parallel_false_keeps_the_first_call() -> None:
+    text = '{"name": "calc", "arguments": {"expr": "1"}}\n{"name": "get_weather", "arguments": {"city": "x"}}'
+    assert len(_read(text, "generic")[2] or []) == 2
+    calls = _read(text, "generic", parallel=False)[2]
+    assert calls is not None and [c.name for c in calls] == ["calc"]
 
 
 def test_call_frame() -> None:
@@ -160,19 +204,27 @@ def test_call_frame() -> None:
     assert call_frame("generic") == call_frame("llama3") == ("", "")
 
 
-@pytest.mark.parametrize(("tools", "needle"), [
-    ([Tool(name="bad name!")], "bad name!"),
-    ([CALC, CALC], "given twice"),
-    ([Tool(name="f", parameters={"type": "string"})], "must be an object schema"),
+@pytest.mark.parametrize(("tools", "needle", "code"), [
+    ([], "tools is empty", ErrorCode.INVALID_PARAMS),
+    ([CALC] * 3, "exceed the context length (2)", ErrorCode.TOO_LONG),
+    ([Tool(name="bad name!")], "bad name!", ErrorCode.INVALID_PARAMS),
+    ([CALC, CALC], "given twice", ErrorCode.INVALID_PARAMS),
+    ([Tool(name="f", parameters={"type": "string"})], "must be an object schema", ErrorCode.INVALID_PARAMS),
     ([Tool(name="f", parameters={"type": "object", "properties": {"a": {"type": "text"}}})],
-     "'text' is not a JSON Schema type"),
-    ([Tool(name="f", parameters={"properties": {"a": 3}})], "properties.a must be a JSON Schema"),
-    ([Tool(name="f", parameters={"properties": {}, "required": "a"})], "required must be a list"),
-    ([Tool(name="f", parameters={"anyOf": {"type": "object"}})], "anyOf must be a list"),
+     "'text' is not a JSON Schema type", ErrorCode.INVALID_PARAMS),
+    ([Tool(name="f", parameters={"properties": {"a": 3}})], "properties.a must be a JSON Schema",
+     ErrorCode.INVALID_PARAMS),
+    ([Tool(name="f", parameters={"properties": {}, "required": "a"})], "required must be a list",
+     ErrorCode.INVALID_PARAMS),
+    ([Tool(name="f", parameters={"anyOf": {"type": "object"}})], "anyOf must be a list",
+     ErrorCode.INVALID_PARAMS),
 ])  # fmt: skip
-def test_check_tools_names_the_problem(tools: list[Tool], needle: str) -> None:
-    problem = check_tools(tools)
-    assert problem is not None and needle in problem, problem
+def test_check_tools_names_the_problem(tools: list[Tool], needle: str, code: str) -> None:
+    with pytest.raises(RequestError) as e:
+        check_tools(tools, context_length=2)
+    assert e.value.code == code and needle in e.value.message, e.value.message
+    check_tools(None, context_length=2)
+    check_tools(TOOLS, context_length=2)
 
 
 def gen(**kw) -> Generate:
@@ -184,8 +236,6 @@ def gen(**kw) -> Generate:
     (gen(tools=TOOLS, tool_choice=NamedToolChoice(name="nope")), "'nope', which is not among tools"),
     (gen(tool_choice=NamedToolChoice(name="calc")), "no tools are given"),
     (gen(tool_choice="required"), "needs tools"),
-    (gen(tools=[]), "tools is empty"),
-    (gen(tools=[Tool(name="f", parameters={"type": "array"})]), "must be an object schema"),
 ])  # fmt: skip
 def test_plan_refuses_bad_tool_requests(msg: Generate, needle: str) -> None:
     with pytest.raises(RequestError) as e:
@@ -203,8 +253,7 @@ def test_plan_for_each_choice() -> None:
     assert json.loads(named.grammar.text)["properties"]["name"] == {"const": "calc"}
     own = plan_structured(gen(sampling=SamplingParams(regex="[0-9]+")), "generic")
     assert own.grammar is not None and (own.grammar.kind, own.grammar.text) == ("regex", "[0-9]+")
-    calls = auto.tool_calls('<tool_call>{"name": "calc", "arguments": {"expr": "1"}}</tool_call>')
-    assert calls is not None and calls[0].name == "calc" and calls[0].id.startswith("call_")
+    assert plan_structured(gen(tools=TOOLS, tool_choice="none"), "hermes").reader() is None
 
 
 def test_prompt_with_tools_on_a_template_without_tool_support(tiny_tokenizer_dir: str) -> None:

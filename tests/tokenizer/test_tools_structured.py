@@ -4,11 +4,9 @@
   request's own schema applies to content, of which there is none); "auto" with a schema
   -> one union grammar of calls or schema-valid content; ``parallel_tool_calls``.
 - The union grammar, sampled under its token mask with random logits: every output is
-  either calls (`parse_tool_calls`, arguments valid under the tool's schema by
-  `jsonschema`) or content valid under the request's schema -- and both happen.
-- `CallStream` (tokenizer/tool_stream.py) against `parse_tool_calls` on the whole text:
-  whatever the chunking (hypothesis), the same calls and text, argument fragments that
-  concatenate to each call's arguments, the name before any fragment.
+  either calls (read here by splitting the frame and `json`, arguments valid under the
+  tool's schema by `jsonschema`) or content valid under the request's schema -- and both
+  happen; the frontend's call reader finds the same calls.
 """
 
 from __future__ import annotations
@@ -18,8 +16,6 @@ import json
 import jsonschema
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from radixlm.runtime.engine.sampling import Sampler
 from radixlm.runtime.frontend.structured import CALL_SEPARATOR, plan_structured
 from radixlm.runtime.grammar.bitmask import BatchMasker
@@ -29,8 +25,7 @@ from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.grammar.vocab import tokenizer_info
 from radixlm.runtime.protocol import Generate, Input, NamedToolChoice, SamplingParams, Tool
 from radixlm.tokenizer import Tokenizer
-from radixlm.tokenizer.tool_stream import ArgsDelta, CallBegin, CallEnd, CallStream, TextDelta
-from radixlm.tokenizer.tools import parse_tool_calls
+from radixlm.tokenizer.tools import call_frame
 
 WEATHER = Tool(name="get_weather", parameters={
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
@@ -84,13 +79,6 @@ def test_auto_with_a_schema_is_one_union_grammar() -> None:
     assert plan_structured(gen(sampling=schema_sampling()), "generic").grammar == g.alternative
 
 
-def test_parallel_false_keeps_the_first_parsed_call() -> None:
-    text = '{"name": "add", "arguments": {"a": 1, "b": 2}}\n{"name": "get_weather", "arguments": {"city": "x"}}'
-    assert len(plan_structured(gen(tools=TOOLS), "generic").tool_calls(text) or []) == 2
-    calls = plan_structured(gen(tools=TOOLS, parallel_tool_calls=False), "generic").tool_calls(text)
-    assert calls is not None and [c.name for c in calls] == ["add"]
-
-
 # -- the union grammar, sampled ----------------------------------------------------------
 
 
@@ -137,106 +125,39 @@ def test_union_outputs_are_calls_or_schema_valid_content(compiler, tok, fmt: str
         if out[-1] not in tok.eos_token_ids:
             continue  # ran out of steps inside a match
         text = tok.decode(out[:-1])
-        calls = parse_tool_calls(text, fmt, TOOLS)
+        calls = _reference_calls(text, fmt)
         if calls is not None:
             kinds.add("calls")
-            for c in calls:
-                tool = next(t for t in TOOLS if t.name == c.name)
-                jsonschema.validate(json.loads(c.arguments), tool.parameters)
-            assert _stream_all(fmt, text) == ([(c.name, json.loads(c.arguments)) for c in calls],
-                                              "")
+            for name, args in calls:
+                tool = next(t for t in TOOLS if t.name == name)
+                jsonschema.validate(args, tool.parameters)
+            assert _read(fmt, text) == calls
         else:
             kinds.add("content")
             jsonschema.validate(json.loads(text), ANSWER)
+            assert _read(fmt, text) is None
     assert kinds == {"calls", "content"}, kinds
 
 
-def _stream_all(fmt: str, text: str) -> tuple[list[tuple[str, object]], str]:
-    cs = CallStream(fmt, [t.name for t in TOOLS])  # type: ignore[arg-type]
+def _reference_calls(text: str, fmt: str) -> list[tuple[str, object]] | None:
+    """The calls of a union-grammar output by its construction: frame + JSON, joined by
+    the separator; None when it is content (JSON without a call's keys)."""
+    begin, end = call_frame(fmt)  # type: ignore[arg-type]
+    calls = []
+    for part in text.split(CALL_SEPARATOR + begin) if begin else text.split(CALL_SEPARATOR):
+        body = part.removeprefix(begin).removesuffix(end)
+        obj = json.loads(body)
+        if set(obj) != {"name", "arguments"}:
+            return None
+        calls.append((obj["name"], obj["arguments"]))
+    return calls
+
+
+def _read(fmt: str, text: str) -> list[tuple[str, object]] | None:
+    """The calls the frontend's call reader finds, fed three characters at a time."""
+    reader = plan_structured(gen(tools=TOOLS), fmt).reader()  # type: ignore[arg-type]
+    assert reader is not None
     for i in range(0, len(text), 3):
-        cs.feed(text[i:i + 3])
-    cs.finish()
-    return [(n, json.loads(a)) for n, a in cs.calls], cs.text.strip()
-
-
-# -- CallStream ---------------------------------------------------------------------------
-
-CALL_TEXTS = [
-    ("generic", '{"name": "get_weather", "arguments": {"city": "Paris \\"}\\" x", "n": [1, {"a": "}"}]}}'),
-    ("generic", '  {"arguments": {"a": 1, "b": 2}, "name": "add"}'),
-    ("generic", '{"name": "add", "arguments": {"a": 1, "b": 2}}\n{"name": "get_weather", "arguments": {}}'),
-    ("generic", '{"name": "add", "arguments": "{\\"a\\": 2, \\"b\\": 3}"}'),
-    ("generic", '{"name": "add", "extra": [1, {"x": null}], "arguments": {"a": 1, "b": 0}}'),
-    ("hermes", 'Let me look. <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
-               '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'),
-    ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 5, "b": 6}}'),
-]
-PLAIN_TEXTS = [
-    ("generic", '{"name": "Bob", "age": 3}'),
-    ("generic", 'The answer is {"name": "add"}'),
-    ("generic", '{"answer": "four"}'),
-    ("generic", '   '),
-    ("hermes", 'I think <tool_ca is not a call, nor is <tool_call without its end'),
-    ("hermes", 'No calls at all.'),
-    ("llama3", '<|pyt and more'),
-]
-
-
-def _run(fmt: str, text: str, cuts: list[int]) -> tuple[list, list]:
-    cs = CallStream(fmt, [t.name for t in TOOLS])  # type: ignore[arg-type]
-    events = []
-    pos = 0
-    for cut in sorted(set(cuts)):
-        events += cs.feed(text[pos:cut])
-        pos = cut
-    events += cs.feed(text[pos:])
-    events += cs.finish()
-    return events, cs.calls
-
-
-def _check_events(events: list) -> list[tuple[str, str]]:
-    """Each call: its name before any fragment, fragments that add up to its arguments."""
-    calls: dict[int, list[str]] = {}
-    names: dict[int, str] = {}
-    out = []
-    for e in events:
-        if isinstance(e, CallBegin):
-            assert e.index not in names
-            names[e.index] = e.name
-            calls[e.index] = []
-        elif isinstance(e, ArgsDelta):
-            assert e.index in names, "a fragment before its call's name"
-            calls[e.index].append(e.text)
-        elif isinstance(e, CallEnd):
-            assert "".join(calls[e.index]) == e.arguments or (e.arguments == "{}" and not calls[e.index])
-            out.append((names[e.index], e.arguments))
-    return out
-
-
-@pytest.mark.parametrize(("fmt", "text"), CALL_TEXTS + PLAIN_TEXTS)
-@settings(max_examples=40, deadline=None)
-@given(data=st.data())
-def test_stream_matches_the_whole_text_parse(fmt: str, text: str, data) -> None:  # noqa: ANN001
-    cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=12))
-    events, calls = _run(fmt, text, cuts)
-    assert _check_events(events) == calls
-    streamed_text = "".join(e.text for e in events if isinstance(e, TextDelta))
-    parsed = parse_tool_calls(text, fmt, TOOLS)
-    if parsed is None:
-        assert calls == [] and streamed_text == text
-    else:
-        assert [(n, json.loads(a)) for n, a in calls] == [(c.name, json.loads(c.arguments))
-                                                          for c in parsed]
-        assert "<tool_call>" not in streamed_text and "{" not in streamed_text
-
-
-def test_plain_text_streams_at_once_and_only_a_marker_start_waits() -> None:
-    cs = CallStream("hermes", ["add"])
-    assert cs.feed("Hello wor") == [TextDelta("Hello wor")]
-    assert cs.feed("ld <tool") == [TextDelta("ld ")]  # "<tool" may begin a call
-    assert cs.feed("box>") == [TextDelta("<toolbox>")]
-    g = CallStream("generic", ["add"])
-    assert g.feed("  ") == [] and g.feed("Sure") == [TextDelta("  Sure")]
-    g = CallStream("generic", ["add"])
-    assert g.feed('{"name": "add", "arguments": {"a"') == [CallBegin(0, "add"), ArgsDelta(0, '{"a"')]
-    assert g.feed(": 1}}") == [ArgsDelta(0, ": 1}"), CallEnd(0, '{"a": 1}')]
+        reader.read(text[i:i + 3])
+    reader.read("", final=True)
+    return [(c.name, json.loads(c.arguments)) for c in reader.calls] if reader.calls else None

@@ -129,9 +129,12 @@ class EngineProcess:
         # (SIGKILL, a crash), so an engine never outlives the program that started it.
         # No HTTP API unless asked for (`radixlm serve` serves one by default).
         no_http = [] if options.get("http") else ["--no-http"]
+        # No state directory unless asked for (`state_dir=`): a program's own engine is
+        # its own, not the user's default server's state.
+        no_state = [] if options.get("state_dir") else ["--no-state"]
         command = [python, "-m", "radixlm.runtime.cli", "serve", "--model", model,
                    "--endpoint", self.endpoint, "--parent-pid", str(os.getpid()),
-                   *no_http, *engine_flags(options)]
+                   *no_http, *no_state, *engine_flags(options)]
         with open(self.log_path, "wb") as log:
             # A session of its own: the terminal's Ctrl-C is this program's, not the engine's.
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
@@ -194,8 +197,9 @@ class Engine(Client):
     `heartbeat_timeout` only covers a process that is alive but stopped answering. Use it
     as a context manager, or call `close` (alias `shutdown`).
     ``http="HOST:PORT"`` also serves the OpenAI-compatible HTTP API there (`http_url` is
-    its ``.../v1`` base URL; ``api_key=`` sets its key). `server_args`: SGLang's
-    `ServerArgs` (see `radixlm.sdk.server_args`).
+    its ``.../v1`` base URL; ``api_key=`` sets its key). ``state_dir=DIR`` keeps durable
+    sessions, pins and their KV there across restarts (none by default: docs/deployment.md).
+    `server_args`: SGLang's `ServerArgs` (see `radixlm.sdk.server_args`).
     """
 
     def __init__(

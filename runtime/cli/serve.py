@@ -43,6 +43,7 @@ from radixlm.runtime.server.launcher import (
 )
 from radixlm.runtime.server.listeners import Listener, listen_http
 from radixlm.runtime.server.progress import starting_label
+from radixlm.runtime.server.supervise import supervise
 from radixlm.runtime.transport.channel import EndpointError, parse_client_endpoint
 from radixlm.runtime.transport.curve_keys import AuthDirError, check_auth_dir
 from radixlm.runtime.transport.discovery import (
@@ -138,8 +139,7 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
                     http, server_key=os.path.join(config.auth_dir, "server.key"),
                     client_key=str(server.runtime_dir / "gateway.key_secret"))
             server.processes["http"] = start_http(http, log_level=config.log_level,
-                                                  listener=http_socket)
-            http_socket = None  # the HTTP process holds it
+                                                  listener=http_socket, keep_listener=True)
             say("serve", f"HTTP API at {http_url}")
         if claim is not None:
             claim.publish(DefaultServer(os.getpid(), server.endpoint, http_url, ready=True))
@@ -149,7 +149,12 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
             say("serve", f"ready at {server.endpoint}")
         if args.endpoint_file:
             write_endpoint_file(args.endpoint_file, server.endpoint)
-        role, code = server.wait()
+        respawn = {}
+        if http is not None and http_socket is not None:
+            started_http, socket_kept = http, http_socket
+            respawn["http"] = lambda: start_http(started_http, log_level=config.log_level,
+                                                 listener=socket_kept, keep_listener=True)
+        role, code = supervise(server, respawn)  # a dead child is started again
         say("serve", f"the {role} process {how_it_ended(code)}; stopping")
         return 1
     except (ServerStartError, EndpointError, RuntimeDirError, HttpStartError) as e:

@@ -33,10 +33,11 @@ def child_command() -> list[str]:
 
 
 def start_http(config: HttpConfig, *, log_level: str = "warning",
-               timeout_s: float = 60.0, listener: Listener | None = None
-               ) -> subprocess.Popen[bytes]:
+               timeout_s: float = 60.0, listener: Listener | None = None,
+               keep_listener: bool = False) -> subprocess.Popen[bytes]:
     """Start the HTTP frontend on `listener` (bound at ``config.host``/``config.port``;
-    the child takes it over) and return once /health answers."""
+    the child takes it over; with `keep_listener` this process keeps its copy too, to
+    start another child on it) and return once /health answers."""
     env = dict(os.environ)
     env.pop(API_KEY_ENV, None)  # the keys it serves are the spec's
     fd = listener.fd if listener is not None else None
@@ -44,7 +45,7 @@ def start_http(config: HttpConfig, *, log_level: str = "warning",
     proc = subprocess.Popen(child_command(), env=env, stdin=subprocess.PIPE,
                             pass_fds=() if fd is None else (fd,),
                             start_new_session=True)  # Ctrl-C is the parent's to handle
-    if listener is not None:
+    if listener is not None and not keep_listener:
         listener.close()  # the child holds it now
     try:
         assert proc.stdin is not None

@@ -127,6 +127,7 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
     from radixlm.runtime.http.main import http_config, http_listen
     from radixlm.runtime.server.children import stop_child
     from radixlm.runtime.server.launcher import RunningServer, ServerStartError, start_server
+    from radixlm.runtime.server.supervise import watch_replicas
 
     setup_logging(config.log_level)
     signal.signal(signal.SIGTERM, stop_on_sigterm)
@@ -150,6 +151,7 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
                 return 1
         replicas = tuple(ReplicaSpec(s.endpoint, gateway_token=(
             s.runtime_dir / GATEWAY_TOKEN).read_text().strip()) for s in servers)
+        watch_replicas(servers)  # a replica's process that dies is reaped and started again
         # The client-facing settings (endpoint, keys, frame size) are serve's own flags.
         router = config_from_args(args, RouterConfig, replicas=replicas,
                                   max_message_bytes=config.max_message_bytes)
@@ -183,10 +185,14 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def replica_config(engine: EngineConfig, index: int) -> EngineConfig:
     """Replica `index`'s engine: ``--device cuda`` means GPUs of its own, from
-    ``cuda:(index * tensor_parallel_size)`` on (its ranks take the next ones)."""
+    ``cuda:(index * tensor_parallel_size)`` on (its ranks take the next ones); a state
+    directory means a folder of its own in it (one server per state directory)."""
     if engine.device == "cuda":
         base = index * max(1, engine.tensor_parallel_size)
-        return msgspec.structs.replace(engine, device=f"cuda:{base}")
+        engine = msgspec.structs.replace(engine, device=f"cuda:{base}")
+    if engine.state_dir:
+        engine = msgspec.structs.replace(
+            engine, state_dir=str(Path(engine.state_dir) / "replicas" / str(index)))
     return engine
 
 

@@ -69,7 +69,7 @@ async def chat_completions(ctx: HttpContext, request: Request) -> Response:
         turn = await turns.begin(ctx, spec.id, fork=spec.fork, keep=True, kind="session",
                                  messages=messages)
         messages = [*turn.replay, *messages]  # (the stored ones again: the engine lost them)
-    msg = Generate(rid=ctx.link.rid(), input=Input(messages=messages), sampling=sampling,
+    msg = Generate(rid=ctx.link.new_rid(), input=Input(messages=messages), sampling=sampling,
                    stream=bool(req.stream), session=turn.session, n=n, tools=tools,
                    tool_choice=tool_choice, parallel_tool_calls=parallel,
                    logprob_texts=bool(req.logprobs))

@@ -14,8 +14,6 @@ Without state nothing is durable, and every session here was opened by this conn
 
 from __future__ import annotations
 
-import itertools
-
 from radixlm.runtime.http.engine_link import EngineLink
 from radixlm.runtime.protocol import (
     CloseSession,
@@ -33,10 +31,9 @@ class EngineSessions:
         self.link = link
         self.durable = False  # set when the store keeps its objects on disk
         self.attached: set[str] = set()  # sessions this connection holds
-        self._rids = itertools.count()
 
     def _rid(self) -> str:
-        return f"hs{next(self._rids):x}"  # never one of the link's own ("h" + hex)
+        return self.link.new_rid()
 
     async def open(self) -> str:
         """A new session, held softly (the engine may demote it under pressure)."""

@@ -41,6 +41,7 @@ from radixlm.runtime.protocol import (
     OpenSession,
     Pin,
     Pinned,
+    ResumeSession,
     Retention,
     SessionInfo,
     SessionList,
@@ -157,11 +158,19 @@ class ProtocolClient:
 
     async def open_session(self, inp: Input | None = None, *, pinned: str | None = None,
                            retention: Retention = "hard", ttl_s: float | None = None,
-                           namespace: str | None = None) -> SessionOpened:
-        """Open a session: empty, from `inp` prefilled now, and/or from the pin `pinned`."""
+                           namespace: str | None = None, durable: bool = False
+                           ) -> SessionOpened:
+        """Open a session: empty, from `inp` prefilled now, and/or from the pin `pinned`
+        (`durable`: kept across disconnects and restarts, where the server keeps state)."""
         return await self.call(OpenSession(rid=self.new_rid(), input=inp, pinned=pinned,
                                            retention=retention, ttl_s=ttl_s,
-                                           namespace=namespace), SessionOpened)
+                                           namespace=namespace, durable=durable),
+                               SessionOpened)
+
+    async def resume_session(self, session: str) -> SessionOpened:
+        """Take the durable session `session` as this connection's own."""
+        return await self.call(ResumeSession(rid=self.new_rid(), session=session),
+                               SessionOpened)
 
     async def fork_session(self, session: str, n: int = 1) -> SessionsForked:
         """`n` new sessions sharing `session`'s history."""

@@ -9,7 +9,10 @@ state was lost: ``not_found``), or has a shorter history than the one stored (a 
 right after the turn, before the engine wrote it), the caller renders the stored
 history again into a new session: recomputed, never an error to the user.
 
-Without state nothing is durable, and every session here was opened by this connection.
+A session appended to in place (a chat session's turn) is asked for every time: an engine
+that was started again meanwhile (`radixlm serve` supervises it) has it detached, or a
+turn short. Without state nothing is durable, and every session here was opened by this
+connection.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class EngineSessions:
         self.link = link
         self.durable = False  # set when the store keeps its objects on disk
         self.attached: set[str] = set()  # sessions this connection holds
+        self.kept: set[str] = set()  # those the engine said it keeps (durable)
 
     def _rid(self) -> str:
         return self.link.new_rid()
@@ -40,20 +44,27 @@ class EngineSessions:
         reply = await self.link.call(OpenSession(rid=self._rid(), retention="soft",
                                                  durable=self.durable), SessionOpened)
         self.attached.add(reply.session)
+        if reply.durable:
+            self.kept.add(reply.session)
         return reply.session
 
-    async def take(self, session: str, length: int) -> bool:
+    async def take(self, session: str, length: int, *, check: bool = False) -> bool:
         """Whether this connection holds `session` with its `length` tokens of history,
         resuming it if need be; False: the engine has lost it (closed here if it has a
-        different history)."""
-        if session in self.attached or not self.durable:
+        different history). `check`: ask the engine even when this connection holds it
+        (a turn appended in place: an engine started again since has it detached, or a
+        turn short)."""
+        if not self.durable or (session in self.attached
+                                and not (check and session in self.kept)):
             return True
         try:
             reply = await self.link.call(ResumeSession(rid=self._rid(), session=session),
                                          SessionOpened)
         except NotFoundError:
+            self.attached.discard(session)
             return False
         self.attached.add(session)
+        self.kept.add(session)
         if reply.length != length:
             self.close([session])
             return False
@@ -73,6 +84,8 @@ class EngineSessions:
                 self.attached.discard(session)  # the engine restarted under us
                 continue
             self.attached.add(reply.sessions[0])
+            if session in self.kept:  # (forks of a durable session are durable)
+                self.kept.add(reply.sessions[0])
             return reply.sessions[0]
         return None
 
@@ -88,4 +101,5 @@ class EngineSessions:
                 if session not in self.attached:
                     send(ResumeSession(rid=self._rid(), session=session))
         self.attached.difference_update(sessions)
+        self.kept.difference_update(sessions)
         send(CloseSession(rid=self._rid(), sessions=list(sessions)))

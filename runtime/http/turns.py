@@ -70,7 +70,7 @@ async def begin(ctx: HttpContext, previous: str | None, *, fork: bool, keep: boo
                                 "or wait)", type="conflict_error", code="busy")
         entry.busy = True
         try:
-            if await sessions.take(entry.session, entry.length):
+            if await sessions.take(entry.session, entry.length, check=True):
                 return Turn(entry.session, in_place=entry, before=before, added=added)
             return Turn(await sessions.open(), in_place=entry, before=before, added=added,
                         replay=before)

@@ -263,3 +263,33 @@ def test_a_killed_http_process_resumes_its_objects_sessions(tmp_path: Path,
         nxt = _chat_turn(api, server, session["id"], "Again.")
         assert nxt.usage.prompt_tokens_details.cached_tokens == session["length"]
         api.close()
+
+
+def test_an_engine_started_again_under_the_http_api_keeps_its_objects(
+        tmp_path: Path, http_model_dir: Path) -> None:
+    """The engine is SIGKILLed and `radixlm serve` starts it again (it reads its state
+    back); the HTTP process lives on: a chat session's next turn (in place) and a stored
+    response's continuation resume their sessions, the history back from disk."""
+    from tests.server.test_engine_liveness import role_pid
+
+    state = tmp_path / "state"
+    with serve(tmp_path / "one", http_model_dir, state) as server:
+        api = server.openai()
+        r1 = api.responses.create(model=server.model, input="Name a colour.", instructions=LONG,
+                                  **KW)
+        chat = api.chat.completions.create(
+            messages=[{"role": "system", "content": LONG}, {"role": "user", "content": "Hi."}],
+            max_tokens=6, temperature=0, model=server.model, extra_body={"session": {}})
+        session = chat.model_extra["session"]
+        time.sleep(0.5)  # the engine writes turns and KV blocks in the background
+        os.kill(role_pid(server.server.pid, "engine"), signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while server.request("GET", "/health")[0] != 200:
+            assert time.monotonic() < deadline, server.server.log()
+            time.sleep(0.2)
+        nxt = _chat_turn(api, server, session["id"], "Again.")
+        assert nxt.usage.prompt_tokens_details.cached_tokens >= _on_disk(session["length"])
+        r2 = api.responses.create(model=server.model, input="Another?", instructions=LONG,
+                                  previous_response_id=r1.id, **KW)
+        assert r2.usage.input_tokens_details.cached_tokens >= _on_disk(_history(r1))
+        api.close()

@@ -105,6 +105,7 @@ def test_tool_choice(choice: dict[str, str], expect: str) -> None:
                    {"role": "user", "content": "x"}]}, "server_tool_use"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "web_search_20250305"),
     ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, "mcp_servers"),
+    ({"thread": {"type": "create"}}, "threads"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}, "non-empty"),
     ({"messages": [{"role": "system", "content": "x"}]}, "'user' or 'assistant'"),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "{"}]},
@@ -130,6 +131,18 @@ def test_tool_choice(choice: dict[str, str], expect: str) -> None:
 ])
 def test_refusals_name_what_is_refused(fields: dict[str, object], says: str) -> None:
     _refused(says, **fields)
+
+
+def test_a_thread_is_refused_as_anthropics_sdks_expect() -> None:
+    """A tool runner of the SDK asks for a server-side thread first; the refusal's
+    ``details.error_code`` makes it send the whole conversation instead."""
+    from radixlm.runtime.http.anthropic.errors import body
+
+    with pytest.raises(ApiError) as e:
+        convert(_req(thread={"type": "create"}))
+    error = body(e.value, "req_1")["error"]
+    assert error["details"] == {"error_code": "thread_unsupported_request",
+                                "unsupported": ["thread"]}
 
 
 def test_breakpoints_count_blocks_in_anthropic_order_and_are_checked() -> None:

@@ -10,7 +10,9 @@ request's cache breakpoints.
   prompt (as Anthropic drops earlier turns' thinking from the context).
 - Refused with a 400 naming the block or tool type: images, documents, search results,
   citations, server tools and their blocks (web search, code execution, MCP, ...), and a
-  final assistant message (prefill).
+  final assistant message (prefill). Server-side message threads (``thread``) are refused
+  as Anthropic refuses a thread it cannot serve (``thread_unsupported_request``): its SDK's
+  tool runner then sends the whole conversation, as it does to any server without them.
 - **Blocks** are counted in Anthropic's order -- each tool, each system block, each
   message's content blocks (a string is one) -- and a block with ``cache_control`` is a
   `Breakpoint`: the prompt up to and including it (`Cut`), held for its TTL.
@@ -22,6 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Union
 
+from radixlm.runtime.http.anthropic.errors import DetailedError
 from radixlm.runtime.http.anthropic.schemas import (
     Block,
     CacheControl,
@@ -368,6 +371,11 @@ def convert(req: MessagesRequest) -> Converted:
     if req.container is not None:
         raise invalid("container is not supported (code execution is a server tool)",
                       "container")
+    if req.thread is not None:
+        raise DetailedError(400, "message threads are not supported: send the whole "
+                                 "conversation (with cache_control, its prefix is held as KV)",
+                            {"error_code": "thread_unsupported_request",
+                             "unsupported": ["thread"]}, param="thread")
     tools = tools_of(req.tools)
     choice, parallel = tool_choice_of(req, tools)
     messages = system_message(req.system) + messages_of(req.messages)

@@ -34,10 +34,23 @@ def request_id() -> str:
     return f"req_{secrets.token_hex(12)}"
 
 
+class DetailedError(ApiError):
+    """An error whose ``error.details`` Anthropic's SDKs act on (its ``error_code`` picks
+    the exception class; a thread refusal makes a tool runner send the whole history)."""
+
+    def __init__(self, status: int, message: str, details: dict[str, Any], *,
+                 param: str | None = None) -> None:
+        super().__init__(status, message, param=param, code=details.get("error_code"))
+        self.details = details
+
+
 def body(e: ApiError, rid: str) -> dict[str, Any]:
     status = status_of(e)
     kind = _TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}, "request_id": rid}
+    error: dict[str, Any] = {"type": kind, "message": e.message}
+    if isinstance(e, DetailedError):
+        error["details"] = e.details
+    return {"type": "error", "error": error, "request_id": rid}
 
 
 def response(e: ApiError) -> Response:

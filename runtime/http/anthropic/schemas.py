@@ -108,6 +108,7 @@ class MessagesRequest(Body, kw_only=True):
     cache_control: Union[CacheControl, None] = None  # automatic caching: the last block
     mcp_servers: Union[list[Any], None] = None  # a server-side feature: refused
     container: Union[Any, None] = None  # code execution containers: refused
+    thread: Union[Any, None] = None  # server-side message threads: refused (see convert.py)
     # radixlm's own sampling options (as extra body fields)
     seed: Union[Int, None] = None
 

@@ -1,9 +1,11 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API on the engine.
 
-A request is rendered and tokenized once (`prompt_cache.tokenize`: the engine's chat
-template, with the tools), and the Generate carries those ids; its breakpoints' prefixes
-are found in them, read from and written to the tenant's holds (`prompt_cache`), and the
-reply is built from the parts the frontend read (`reply.BlockWriter`). A non-streamed
+A request with breakpoints, or streamed (its message_start counts the prompt before the
+first token), is rendered and tokenized once (`prompt_cache.tokenize`: the engine's chat
+template, with the tools) and the Generate carries those ids; its breakpoints' prefixes
+are found in them, read from and written to the tenant's holds (`prompt_cache`). Any
+other request sends its messages, as chat completions does. The reply is built from the
+parts the frontend read (`reply.BlockWriter`). A non-streamed
 reply with tools is read from the engine's stream too, so that text beside calls keeps
 its place; without tools it is the Done's text.
 """
@@ -69,10 +71,15 @@ class MessagesApi:
         params = sampling(req)
         tc = self.cache.of(ctx.tenant)
         forced = await self._forced_thinking(ctx)
-        prompt = await prompt_cache.tokenize(ctx, tc, req, conv)
-        found = prompt_cache.candidates(tc, prompt)
+        prompt: TokenizedPrompt | None = None
+        found: list[Hold] = []
+        inp = Input(messages=conv.prompt.messages)
+        if req.stream or conv.breakpoints:  # (message_start counts the prompt before a token)
+            prompt = await prompt_cache.tokenize(ctx, tc, req, conv)
+            found = prompt_cache.candidates(tc, prompt)
+            inp = Input(input_ids=prompt.ids)
         tools = conv.prompt.tools
-        msg = Generate(rid=ctx.link.rid(), input=Input(input_ids=prompt.ids), sampling=params,
+        msg = Generate(rid=ctx.link.rid(), input=inp, sampling=params,
                        stream=bool(req.stream) or tools is not None, tools=tools,
                        tool_choice=conv.tool_choice, parallel_tool_calls=conv.parallel)
         turn = _Turn(ctx, tc, req, conv, prompt, found, forced)
@@ -114,7 +121,7 @@ class _Turn:
     """One request being answered: what its reply and usage are made from."""
 
     def __init__(self, ctx: HttpContext, tc: TenantCache, req: MessagesRequest,
-                 conv: Converted, prompt: TokenizedPrompt, found: list[Hold],
+                 conv: Converted, prompt: TokenizedPrompt | None, found: list[Hold],
                  forced: bool) -> None:
         self.ctx, self.tc, self.req, self.conv = ctx, tc, req, conv
         self.prompt, self.found, self.forced = prompt, found, forced
@@ -125,6 +132,8 @@ class _Turn:
                            events=events)
 
     async def settle(self, done: Done) -> CacheUsage:
+        if self.prompt is None:  # no breakpoint: nothing read or written
+            return CacheUsage(done.usage.prompt_tokens, 0)
         return await prompt_cache.settle(self.tc, self.prompt, self.found,
                                          done.usage.cached_tokens)
 
@@ -146,6 +155,7 @@ class _Turn:
         ping, each block's start / deltas / stop, message_delta (the stop reason, and the
         usage as it turned out), message_stop."""
         writer = self.writer(events=True)
+        assert self.prompt is not None
         try:
             start = self.message([], None, prompt_cache.predict(self.prompt, self.found))
             yield event("message_start", {"message": start})

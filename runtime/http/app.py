@@ -69,7 +69,11 @@ def _openai_error(request: Request, e: ApiError) -> Response:
 
 
 def _anthropic_when_asked(request: Request, e: ApiError) -> Response:
-    return anthropic.error_response(e) if anthropic.asks_anthropic(request) else e.response()
+    """Anthropic's error shape for its clients (an ``anthropic-version`` header) and its
+    routes, OpenAI's otherwise."""
+    if anthropic.asks_anthropic(request) or request.url.path.startswith("/v1/messages"):
+        return anthropic.error_response(e)
+    return e.response()
 
 
 def _route(ctx: HttpContext, name: str, handler: Handler, *, public: bool = False,

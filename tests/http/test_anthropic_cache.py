@@ -278,3 +278,47 @@ def test_bounds_hold_on_the_messages_routes(server: HttpServer) -> None:
         _error(*post(path, output_config={"format": {"type": "json_schema", "schema": deep}}),
                400, "nests deeper")
         _error(*post(path, max_tokens=2**64), 400, "")
+
+
+def test_reads_with_pages_of_16_tokens(tmp_path: Path, http_model_dir: Path) -> None:
+    """The tree shares whole pages: a held prefix is served up to its last full page (or
+    further, where an earlier prompt shares more of it), and what is read is what the
+    engine served of it, never more; the rest of it is written again."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(http_model_dir))
+
+    def ids(messages: list[dict[str, str]]) -> list[int]:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    questions = ("Alpha?", "Bravo?", "Zulu?")
+    system = SYSTEM
+    while True:  # a prefix whose last page is short enough that the questions end it
+        held = len(tok(tok.apply_chat_template([{"role": "system", "content": system}],
+                                               tokenize=False), add_special_tokens=False)["input_ids"])
+        if 0 < held % 16 <= 8:
+            break
+        system += " x"
+    prompts = [ids([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in questions]
+    port = free_port()
+    with start_test_server(tmp_path, http_model_dir, "--http", f"127.0.0.1:{port}",
+                           "--api-key", KEYS[0], "--page-size", "16") as handle:
+        server = HttpServer(handle, f"http://127.0.0.1:{port}", http_model_dir.name,
+                            http_model_dir)
+        claude = _client(server, KEYS[0])
+        usages = [_usage(claude.messages.create(
+            model=server.model, max_tokens=1,
+            system=[{"type": "text", "text": system, "cache_control": CC}],
+            messages=[{"role": "user", "content": q}])) for q in questions]
+        claude.close()
+        with server.server.client(timeout_s=60) as raw:
+            assert_pool_clean(raw)
+    assert usages[0][:2] == (0, held)
+    for i in (1, 2):
+        shared = max(next((k for k, (a, b) in enumerate(zip(prompts[i], p, strict=False))
+                           if a != b), len(p)) for p in prompts[:i])
+        read = min(held, shared - shared % 16)
+        assert usages[i][:2] == (read, held - read), (usages, shared, held)
+    assert any(u[0] < held for u in usages[1:]), "no read ended at a page before the prefix's end"

@@ -13,7 +13,9 @@ Renderings are memoised per tenant (a system prompt's breakpoint repeats every t
 breakpoints reads the longest held prefix its prompt starts with that ends at most
 `LOOKBACK_BLOCKS` blocks before one of its breakpoints (and no later than it); that is
 ``cache_read_input_tokens`` -- confirmed by the engine, whose ``cached_tokens`` must
-cover it, or it is not a read (a hold that was lost is dropped and written again).
+cover it (up to its last whole KV page: the tree shares pages, and with pages of more
+than one token the read is what the engine served), or it is not a read (a hold that
+was lost is dropped and written again).
 Every breakpoint past the read is written: held from now for its TTL. Writes are
 ``cache_creation_input_tokens`` (the read's end to the last 1-hour breakpoint:
 ``ephemeral_1h_input_tokens``; from there to the last breakpoint: ``ephemeral_5m``), and
@@ -61,8 +63,9 @@ log = logging.getLogger("radixlm.http.anthropic")
 MIN_CACHEABLE_TOKENS = 1
 LOOKBACK_BLOCKS = 20  # positions checked per breakpoint, the breakpoint's own included
 ONE_HOUR_S = 3600.0
-MEMO_ENTRIES = 256  # renderings memoised per tenant
-MEMO_BYTES = 16 << 20
+MEMO_ENTRIES = 1024  # renderings memoised, all tenants together
+MEMO_BYTES = 32 << 20
+MAX_HOLDS = 4096  # holds per tenant (each an engine session): beyond, breakpoints are not held
 SWEEP_S = 5.0  # how often expired holds' sessions are closed (the engine demotes on time)
 _enc = msgspec.msgpack.Encoder()
 
@@ -117,7 +120,9 @@ def cache_usage(total: int, written: Iterable[Mark], read: int) -> CacheUsage:
 
 
 class RenderMemo:
-    """Packed ids of prompt renderings, by a digest of what was rendered (bounded LRU)."""
+    """Packed ids of prompt renderings, by a digest of what was rendered (bounded LRU).
+    One for every tenant, its keys salted by the tenant: a tenant's hit depends only on
+    its own renderings."""
 
     def __init__(self, entries: int = MEMO_ENTRIES, max_bytes: int = MEMO_BYTES) -> None:
         self._items: OrderedDict[bytes, bytes] = OrderedDict()
@@ -143,7 +148,8 @@ class RenderMemo:
 class TenantCache:
     link: EngineLink
     holds: PrefixHolds
-    renders: RenderMemo
+    renders: RenderMemo  # shared by every tenant
+    salt: bytes = b""  # of this tenant's keys in it
 
 
 class PromptCache:
@@ -151,7 +157,8 @@ class PromptCache:
     holds' sessions."""
 
     def __init__(self, tenants: Tenants) -> None:
-        self._by_name = {t.name: TenantCache(t.link, PrefixHolds(), RenderMemo())
+        memo = RenderMemo()
+        self._by_name = {t.name: TenantCache(t.link, PrefixHolds(), memo, t.name.encode() + b"\0")
                          for t in tenants}
         self.forced_thinking: bool | None = None  # found at the first request
 
@@ -212,7 +219,8 @@ async def _render_prefix(ctx: HttpContext, tc: TenantCache, req: MessagesRequest
                          out: list[bytes | None], i: int) -> None:
     """A breakpoint's prefix rendered (memoised); None when the template refuses it."""
     prefix = prefix_of(req, cut)
-    key = hashlib.blake2b(_enc.encode([prefix.messages, prefix.tools]), digest_size=16).digest()
+    key = hashlib.blake2b(tc.salt + _enc.encode([prefix.messages, prefix.tools]),
+                          digest_size=16).digest()
     found = tc.renders.get(key)
     if found is None:
         try:
@@ -276,11 +284,13 @@ async def settle(tc: TenantCache, prompt: TokenizedPrompt, found: list[Hold],
     """After the generation: confirm the read against what the engine served from its
     cache, refresh what was used, hold every breakpoint not held yet; the usage."""
     holds = tc.holds
+    page = tc.link.welcome.page_size if tc.link.welcome is not None else 1
     read = 0
     lost = []
     for hold in found:
-        if hold.length <= cached_tokens:
-            read = hold.length
+        # The tree shares whole pages: a held prefix is served up to its last full page.
+        if hold.length - hold.length % page <= cached_tokens:
+            read = min(hold.length, cached_tokens)
             touch(tc, hold)
             break
         lost.append(hold)
@@ -293,13 +303,15 @@ async def settle(tc: TenantCache, prompt: TokenizedPrompt, found: list[Hold],
         held = holds.get(mark.position, key)
         if held is not None and held.ttl_s >= mark.ttl_s:
             touch(tc, held)
-        else:  # not held, or held for less long than this breakpoint asks
+        elif held is not None or len(holds) < MAX_HOLDS:  # not held, or for less long
             new = await _open(tc, prompt, mark)
             if new is None:
                 continue
             old = holds.add(new)
             if old is not None:
                 tc.link.close_sessions([old.session])
+        else:
+            continue  # the tenant holds MAX_HOLDS prefixes already: not written
         if mark.position > read:
             written.append(mark)
     return cache_usage(prompt.total, written, read)

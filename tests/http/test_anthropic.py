@@ -337,3 +337,47 @@ def test_sdk_errors_and_the_server_keeps_serving(http_server, claude) -> None:  
     r = claude.messages.create(model=http_server.model, max_tokens=2,
                                messages=[{"role": "user", "content": "Still there?"}])
     assert r.stop_reason in ("end_turn", "max_tokens")
+
+
+def test_a_template_that_opens_thinking_gives_thinking_blocks(tmp_path, http_model_dir) -> None:  # noqa: ANN001
+    """A model whose generation header opens a ``<think>`` block (as DeepSeek-R1's) thinks
+    from its first token: its output up to ``</think>`` is a thinking block, streamed as
+    thinking_delta. Reference: `split_reasoning` (SGLang's rule) over the engine's own
+    text for the same request."""
+    import shutil
+
+    from conftest import start_test_server
+    from http_helpers import HttpServer, free_port
+    from radixlm.sdk.reasoning import REASONING_FORMATS, split_reasoning
+
+    model_dir = tmp_path / "thinking-model"
+    shutil.copytree(http_model_dir, model_dir)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = config["chat_template"].replace(
+        "'<|im_start|>assistant\n'", "'<|im_start|>assistant\n<think>\n'")
+    assert "<think>" in config["chat_template"]
+    config_path.write_text(json.dumps(config))
+    port = free_port()
+    with start_test_server(tmp_path / "server", model_dir, "--http", f"127.0.0.1:{port}",
+                           "--api-key", API_KEY) as handle:
+        server = HttpServer(handle, f"http://127.0.0.1:{port}", model_dir.name, model_dir)
+        claude = real_anthropic().Anthropic(base_url=server.url, api_key=API_KEY,
+                                            max_retries=0)
+        kw = dict(model=server.model, max_tokens=24, extra_body=GREEDY,
+                  thinking={"type": "adaptive"}, messages=[{"role": "user", "content": "Why?"}])
+        whole = claude.messages.create(**kw)
+        with claude.messages.stream(**kw) as stream:
+            events = list(stream)
+            final = stream.get_final_message()
+        claude.close()
+        done = _direct(server, [{"role": "user", "content": "Why?"}], max_tokens=24,
+                       temperature=0)
+    reasoning, answer = split_reasoning(done.text, REASONING_FORMATS["deepseek-r1"])
+    expect = [("thinking", reasoning)] + ([("text", answer.lstrip())] if answer.strip() else [])
+    got = [(b.type, b.thinking if b.type == "thinking" else b.text) for b in whole.content]
+    assert got == expect and whole.content[0].signature
+    assert [(b.type, b.thinking if b.type == "thinking" else b.text) for b in final.content] == expect
+    deltas = [e.delta for e in events if e.type == "content_block_delta"]
+    assert "".join(d.thinking for d in deltas if d.type == "thinking_delta") == reasoning
+    assert [d.signature for d in deltas if d.type == "signature_delta"] == [whole.content[0].signature]

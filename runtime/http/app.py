@@ -217,8 +217,11 @@ def build_app(config: HttpConfig) -> Starlette:
         return route(path, name, handler, ["POST"],
                      errors=lambda request, e: anthropic.error_response(e))
 
-    routes = [
+    routes = [  # (matched in order: the generation routes first)
         route("/v1/chat/completions", "chat", chat.chat_completions, ["POST"]),
+        anthropic_route("/v1/messages", "messages", messages.create),
+        anthropic_route("/v1/messages/count_tokens", "messages_count_tokens",
+                        messages.count_tokens),
         route("/v1/completions", "completions", completions.completions, ["POST"]),
         route("/v1/responses", "responses", responses.create, ["POST"]),
         route("/v1/responses/{response_id}", "responses_get", responses.get, ["GET"]),
@@ -242,9 +245,6 @@ def build_app(config: HttpConfig) -> Starlette:
               "conversation_items_delete", conversations.delete_item, ["DELETE"]),
         route("/v1/sessions/{session_id}", "sessions_get", _get_session, ["GET"]),
         route("/v1/sessions/{session_id}", "sessions_delete", _delete_session, ["DELETE"]),
-        anthropic_route("/v1/messages", "messages", messages.create),
-        anthropic_route("/v1/messages/count_tokens", "messages_count_tokens",
-                        messages.count_tokens),
         route("/v1/models", "models", anthropic.models_or(_models), ["GET"],
               errors=_anthropic_when_asked),
         route("/v1/models/{model:path}", "model", anthropic.model_or(_model), ["GET"],

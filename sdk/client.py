@@ -16,11 +16,9 @@ same API synchronously.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
@@ -31,36 +29,21 @@ from anyio.from_thread import run_sync as run_sync_from_thread
 from anyio.lowlevel import EventLoopToken, current_token
 from radixlm.runtime.protocol import (
     Chunk,
-    CloseSession,
     Done,
-    FlushCache,
-    ForkSession,
     Generate,
-    GetStats,
     Input,
-    ListSessions,
-    Ok,
-    OpenSession,
-    Pin,
-    Pinned,
     Retention,
     SamplingParams,
-    SessionList,
     SessionOpened,
-    SessionsForked,
-    StatsReply,
     Struct,
-    Tokenize,
-    Tokens,
-    TruncateSession,
-    Unpin,
     Welcome,
 )
+from radixlm.runtime.transport.client import ProtocolClient
 from radixlm.runtime.transport.connection import Connection, Liveness, Request
 from radixlm.runtime.transport.curve import load_curve_keys
 from radixlm.runtime.transport.discovery import client_endpoint, find_server
 from radixlm.runtime.transport.mailbox import Waiter
-from radixlm.sdk.errors import EngineDeadError, InternalError, InvalidParamsError, ProgramError
+from radixlm.sdk.errors import EngineDeadError, InvalidParamsError, ProgramError
 from radixlm.sdk.options import SamplingOptions, sampling_params
 from radixlm.sdk.results import GenerateResult, StreamDelta, result_from_done, to_messages
 from radixlm.sdk.signatures import same_parameters
@@ -215,6 +198,13 @@ class EngineFacts:
         raise NotImplementedError
 
 
+def _wrong_loop() -> ProgramError:
+    return ProgramError(
+        "this AsyncClient belongs to another event loop (or is not open): use it from "
+        "the loop that opened it, or use the synchronous handle's methods"
+    )
+
+
 class AsyncClient(EngineFacts):
     """An async client of one radixlm engine (one DEALER socket, one reader task).
 
@@ -247,14 +237,16 @@ class AsyncClient(EngineFacts):
         # A server this client did not start is looked for before waiting for it (one
         # with a `liveness` hook is being started by the caller, and may not listen yet).
         self._probe = liveness is None
-        self._conn = Connection(endpoint, client_name=name, heartbeat_timeout=heartbeat_timeout,
-                                liveness=liveness, curve=load_curve_keys(server_key, client_key))
+        self._core = ProtocolClient(endpoint, client_name=name,
+                                    heartbeat_timeout=heartbeat_timeout, liveness=liveness,
+                                    curve=load_curve_keys(server_key, client_key),
+                                    wrong_loop=_wrong_loop)
+        self._conn = self._core.conn
+        self._new_rid = self._core.rids.new
         self._connect_timeout = connect_timeout
         self._stack: AsyncExitStack | None = None
-        self._thread: int | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None  # the client's loop, if asyncio
         self._token: EventLoopToken | None = None
-        self._rids = itertools.count()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -264,16 +256,15 @@ class AsyncClient(EngineFacts):
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
-            stack.callback(self._conn.close)
+            stack.callback(self._core.close)
             tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(tg.cancel_scope.cancel)
-            self._thread = threading.get_ident()
             self._token = current_token()
             try:
                 self._aloop = asyncio.get_running_loop()
             except RuntimeError:  # trio
                 self._aloop = None
-            await self._conn.open(tg, self._connect_timeout)
+            await self._core.open(tg, self._connect_timeout)
         except BaseException:
             # Unwind without handing the error to the task group (which would wrap it in
             # an ExceptionGroup): the caller gets the typed error itself.
@@ -340,7 +331,7 @@ class AsyncClient(EngineFacts):
 
     def new_rid(self) -> str:
         """A request id unused by this client (hex counter)."""
-        return f"{next(self._rids):x}"
+        return self._new_rid()
 
     def request(self, msg: Struct) -> Request:
         """Send one protocol request (a message with a ``rid``, e.g. from
@@ -354,44 +345,20 @@ class AsyncClient(EngineFacts):
         async context manager (or ``await req.aclose()``): leaving it before it finished
         aborts a generation in the engine. `generate`, `stream`, `call` and `run_generate`
         cover the usual cases."""
-        if self._thread != threading.get_ident():
-            raise ProgramError(
-                "this AsyncClient belongs to another event loop (or is not open): use it from "
-                "the loop that opened it, or use the synchronous handle's methods"
-            )
-        if type(msg) is Generate:
-            return self._conn.request(msg, branches=msg.n, generate=True)
-        return self._conn.request(msg)
+        return self._core.request(msg)
 
-    async def call(self, msg: Struct, expect: type[R]) -> R:
-        """Send a request that has exactly one answer and return it (typed errors raise)."""
-        req = self.request(msg)
-        try:
-            reply = await req.receive()
-        finally:
-            req.close()
-        if not isinstance(reply, expect):
-            raise InternalError(
-                f"unexpected {type(reply).__name__} in answer to {type(msg).__name__}",
-                rid=msg.rid,
-            )
-        return reply
+    # `call` and `run_generate` hand back the core's coroutine itself (awaited by the
+    # caller): one coroutine per request on the programs' hot path, not two.
 
-    async def run_generate(self, msg: Generate) -> list[Done]:
-        """Send a Generate and collect one Done per branch (sorted by branch index)."""
-        req = self.request(msg)
-        try:
-            while not req.finished:
-                await req.receive()
-        finally:
-            if req.finished:
-                req.close()
-            else:  # cancelled or failed mid-way: abort it in the engine
-                await req.aclose()
-        dones = req.dones
-        if len(dones) > 1:
-            dones.sort(key=lambda d: d.index)
-        return dones
+    def call(self, msg: Struct, expect: type[R]) -> Coroutine[Any, Any, R]:
+        """Send a request that has exactly one answer and return it (typed errors raise;
+        await it)."""
+        return self._core.call(msg, expect)
+
+    def run_generate(self, msg: Generate) -> Coroutine[Any, Any, list[Done]]:
+        """Send a Generate and collect one Done per branch (sorted by branch index; await
+        it)."""
+        return self._core.run_generate(msg)
 
     def generate_message(
         self, inp: Input, sampling: Mapping[str, Any] | SamplingParams, **fields: Any
@@ -466,9 +433,8 @@ class AsyncClient(EngineFacts):
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """The token ids the engine would use for this input as a fresh prompt."""
-        inp = make_input(prompt, input_ids, messages, add_generation_prompt)
-        reply = await self.call(Tokenize(rid=self.new_rid(), input=inp), Tokens)
-        return reply.input_ids
+        return await self._core.tokenize(
+            make_input(prompt, input_ids, messages, add_generation_prompt))
 
     # -- sessions and pins -------------------------------------------------------------------
 
@@ -488,33 +454,30 @@ class AsyncClient(EngineFacts):
         inp = None
         if prompt is not None or input_ids is not None or messages is not None:
             inp = make_input(prompt, input_ids, messages, add_generation_prompt)
-        msg = OpenSession(rid=self.new_rid(), input=inp, pinned=pin, retention=retention,
-                          ttl_s=ttl_s, namespace=namespace)
-        return await self.call(msg, SessionOpened)
+        return await self._core.open_session(inp, pinned=pin, retention=retention,
+                                             ttl_s=ttl_s, namespace=namespace)
 
     async def fork_session(self, session: str, n: int = 1) -> list[str]:
         """`n` new sessions sharing `session`'s history (nothing is copied or recomputed)."""
-        reply = await self.call(ForkSession(rid=self.new_rid(), session=session, n=n),
-                                SessionsForked)
-        return reply.sessions
+        return (await self._core.fork_session(session, n)).sessions
 
     async def truncate_session(self, session: str, length: int) -> None:
         """Cut `session`'s history back to its first `length` tokens."""
-        await self.call(TruncateSession(rid=self.new_rid(), session=session, length=length), Ok)
+        await self._core.truncate_session(session, length)
 
     async def close_session(self, session: str) -> None:
         """Close `session`: its history goes back to the ordinary cache."""
-        await self.call(CloseSession(rid=self.new_rid(), session=session), Ok)
+        await self._core.close_session(session)
 
     def close_session_unawaited(self, session: str) -> None:
         """Close a session without waiting for the engine's answer (it handles this
-        client's requests in order, so later requests already see it closed)."""
-        self._conn.send_unawaited(CloseSession(rid=self.new_rid(), session=session))
+        client's requests in order, so later requests already see it closed; nothing is
+        sent once the engine is dead: its sessions went with it)."""
+        self._core.close_sessions_unawaited([session])
 
     async def list_sessions(self) -> list[dict[str, Any]]:
         """This client's open sessions (id, length, idle time, retention, busy)."""
-        reply = await self.call(ListSessions(rid=self.new_rid()), SessionList)
-        return [msgspec.structs.asdict(s) for s in reply.sessions]
+        return [msgspec.structs.asdict(s) for s in await self._core.list_sessions()]
 
     async def pin(
         self,
@@ -528,13 +491,11 @@ class AsyncClient(EngineFacts):
         """Prefill and hold a named prefix (a system or tool prompt) that sessions and
         programs can start from (``pin=name``). Returns its length in tokens."""
         inp = make_input(prompt, input_ids, messages, add_generation_prompt=False)
-        reply = await self.call(Pin(rid=self.new_rid(), name=name, input=inp,
-                                    namespace=namespace), Pinned)
-        return reply.length
+        return await self._core.pin(name, inp, namespace)
 
     async def unpin(self, name: str) -> None:
         """Release the pinned prefix `name` (sessions started from it keep theirs)."""
-        await self.call(Unpin(rid=self.new_rid(), name=name), Ok)
+        await self._core.unpin(name)
 
     def session(
         self,
@@ -557,12 +518,11 @@ class AsyncClient(EngineFacts):
 
     async def stats(self) -> dict[str, Any]:
         """The engine's `StatsReply` as a dict (cache sizes, sessions, token counters)."""
-        reply = await self.call(GetStats(rid=self.new_rid()), StatsReply)
-        out = msgspec.structs.asdict(reply)
+        out = msgspec.structs.asdict(await self._core.stats())
         out.pop("rid", None)
         return out
 
     async def flush_cache(self) -> None:
         """Evict everything evictable from the prefix cache; sessions and pins keep
         what they hold."""
-        await self.call(FlushCache(rid=self.new_rid()), Ok)
+        await self._core.flush_cache()

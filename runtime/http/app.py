@@ -202,7 +202,8 @@ def build_app(config: HttpConfig) -> Starlette:
         link = EngineLink(config.engine_endpoint, tenant=None if key is None else name,
                           gateway_token=token, curve=curve,
                           heartbeat_timeout=config.link_timeout_s)
-        return Tenant(name, link, ConversationStore(config.response_ttl_s, link.close_sessions))
+        store = ConversationStore(config.response_ttl_s, link.close_sessions_unawaited)
+        return Tenant(name, link, store)
 
     tenants = Tenants(config.api_keys, make_tenant)
     ctx = HttpContext(config, tenants, Metrics())

@@ -79,7 +79,7 @@ class MessagesApi:
             found = prompt_cache.candidates(tc, prompt)
             inp = Input(input_ids=prompt.ids)
         tools = conv.prompt.tools
-        msg = Generate(rid=ctx.link.rid(), input=inp, sampling=params,
+        msg = Generate(rid=ctx.link.new_rid(), input=inp, sampling=params,
                        stream=bool(req.stream) or tools is not None, tools=tools,
                        tool_choice=conv.tool_choice, parallel_tool_calls=conv.parallel)
         turn = _Turn(ctx, tc, req, conv, prompt, found, forced)

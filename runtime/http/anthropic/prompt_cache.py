@@ -49,8 +49,6 @@ from radixlm.runtime.http.tenants import Tenant, Tenants
 from radixlm.runtime.protocol import (
     Input,
     Message,
-    OpenSession,
-    SessionOpened,
     Tokenize,
     Tokens,
     Tool,
@@ -171,7 +169,7 @@ class PromptCache:
         for tc in self._by_name.values():
             gone = tc.holds.expired()
             if gone:
-                tc.link.close_sessions([h.session for h in gone])
+                tc.link.close_sessions_unawaited([h.session for h in gone])
                 closed += len(gone)
         return closed
 
@@ -187,7 +185,7 @@ class PromptCache:
 
 async def tokens(ctx: HttpContext, messages: list[Message], tools: list[Tool] | None, *,
                   generation_prompt: bool) -> list[int]:
-    msg = Tokenize(rid=ctx.link.rid(), input=Input(messages=messages,
+    msg = Tokenize(rid=ctx.link.new_rid(), input=Input(messages=messages,
                                                   add_generation_prompt=generation_prompt),
                    tools=tools)
     try:
@@ -258,7 +256,7 @@ def touch(tc: TenantCache, hold: Hold) -> None:
     tc.holds.refresh(hold)
     link = tc.link
     if link.alive:
-        link.conn.send_unawaited(TruncateSession(rid=link.rid(), session=hold.session,
+        link.conn.send_unawaited(TruncateSession(rid=link.new_rid(), session=hold.session,
                                                  length=hold.length))
 
 
@@ -268,8 +266,8 @@ async def _open(tc: TenantCache, prompt: TokenizedPrompt, mark: Mark) -> Hold | 
     link = tc.link
     ids = prompt.ids[: mark.position]
     try:
-        opened = await link.call(OpenSession(rid=link.rid(), input=Input(input_ids=ids),
-                                             retention="hard", ttl_s=mark.ttl_s), SessionOpened)
+        opened = await link.open_session(Input(input_ids=ids), retention="hard",
+                                         ttl_s=mark.ttl_s)
     except EngineError as e:  # the tenant's quota (capacity), or the engine went away
         log.debug("breakpoint prefix of %d tokens not held: %s", mark.position, e)
         return None
@@ -296,7 +294,7 @@ async def settle(tc: TenantCache, prompt: TokenizedPrompt, found: list[Hold],
         lost.append(hold)
     for hold in lost:
         if holds.drop(hold):
-            tc.link.close_sessions([hold.session])
+            tc.link.close_sessions_unawaited([hold.session])
     written = []
     for mark in sorted(prompt.marks, key=lambda m: -m.position):
         key = prompt.keys.key(mark.position)
@@ -309,7 +307,7 @@ async def settle(tc: TenantCache, prompt: TokenizedPrompt, found: list[Hold],
                 continue
             old = holds.add(new)
             if old is not None:
-                tc.link.close_sessions([old.session])
+                tc.link.close_sessions_unawaited([old.session])
         else:
             continue  # the tenant holds MAX_HOLDS prefixes already: not written
         if mark.position > read:

@@ -277,6 +277,9 @@ class Tokenize(Struct, tag="tokenize"):
     rid: str
     input: Input
     token_strs: bool = False  # also the vocabulary's string of each id (`Tokens.token_strs`)
+    # Rendered with `messages` as a Generate's tools are: the prompt a Generate with these
+    # tools would have (an HTTP route counts it, and sends its ids).
+    tools: Union[list[Tool], None] = None
 
 
 class Detokenize(Struct, tag="detokenize"):

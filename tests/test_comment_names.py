@@ -27,7 +27,7 @@ DOCS = [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]
 # (`tokenizer.ggml.pre`, `attention.sliding_window_pattern`, `blk.N...`), HF weight names
 # (`model.language_model.*`), the stdlib's `concurrent.futures`.
 FOREIGN_HEADS = {"tokenizers", "sgl", "sglang", "response", "concurrent", "libgomp",
-                 "socket_base", "proc"}
+                 "socket_base", "proc", "cache_creation"}  # (Anthropic's usage object)
 FOREIGN_DOTTED = re.compile(
     r"^(tokenizer\.ggml|general|attention|rope|blk|model\.(language_model|safetensors)"
     r"|output\.weight|token_embd)\b")
@@ -43,6 +43,7 @@ FOREIGN = {
     "SglFunction", "REGEX_INT",  # SGLang's
     "Grammar",  # xgrammar's
     "Authorization",  # an HTTP header
+    "ANTHROPIC_BASE_URL", "server_tool_use",  # Anthropic's SDK's variable, API's block type
 }
 
 

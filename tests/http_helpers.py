@@ -95,7 +95,9 @@ def real_anthropic():  # noqa: ANN201 - the `anthropic` module
 
     repo = str(Path(__file__).resolve().parents[1])
     for name in [n for n in sys.modules if n == "anthropic" or n.startswith("anthropic.")]:
-        if (getattr(sys.modules[name], "__file__", None) or "").startswith(repo):
+        path = getattr(sys.modules[name], "__file__", None) or ""
+        # the installed SDK may sit under the checkout too (a .venv inside it): leave it be
+        if path.startswith(repo) and "site-packages" not in path:
             del sys.modules[name]
     import anthropic
 

@@ -150,16 +150,14 @@ class TensorParallel:
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:
-            raise TensorParallelError(self.failure)
+            raise TensorParallelError(self.failure)  # its callback has been called
 
     def _fail(self, why: str) -> TensorParallelError:
         with self._fail_lock:
-            first = self.failure is None
-            if first:
+            if self.failure is None:
+                log.error("%s; the engine stops", why)
+                self._on_failure()  # before anyone can see the failure (the lock holds them)
                 self.failure = why
-        if first:
-            log.error("%s; the engine stops", why)
-            self._on_failure()
         return TensorParallelError(self.failure)
 
     def _watch(self) -> None:

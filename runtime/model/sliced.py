@@ -3,9 +3,9 @@ them (the engine's preemptible prefill: engine/slicing.py).
 
 A piece is one decoder layer over a block of the chunk's rows: layer by layer, and within
 a layer in row order, so a block's attention reads (from the pool) the K/V of the rows
-before it, which the earlier blocks of this layer wrote. A quantized layer is dequantized
-once for all its pieces (`decoder.dense_layer`; `QuantWeight.matmul` would dequantize per
-call, 8x the work for 8 pieces). Each piece is planned as its own
+before it, which the earlier blocks of this layer wrote. A quantized layer multiplies each
+piece's rows as they are (int8 activations, kernels/gemm8.c: no float32 copy of a matrix
+is made). Each piece is planned as its own
 one-request batch (`attn.plan`), so a forward interleaved between pieces, which plans the
 backend for its own batch, clobbers nothing this one needs. The chunk's hidden states
 stay here between pieces; its K/V for the finished pieces are already in the request's
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .batch import ForwardBatch, pack_forward_batch
-from .decoder import DecoderLayer, DecoderModel, dense_layer
+from .decoder import DecoderModel
 
 _I64 = np.int64
 
@@ -56,7 +56,6 @@ class SlicedPrefill:
         self.layer = 0
         self.piece = 0
         self.pieces_run = 0  # (tests and stats)
-        self._dense: DecoderLayer | None = None  # this layer's weights, dequantized once
 
     @property
     def total_pieces(self) -> int:
@@ -70,12 +69,10 @@ class SlicedPrefill:
         with torch.inference_mode():
             while True:
                 a, b, sub = self.pieces[self.piece]
-                if self._dense is None:
-                    self._dense = dense_layer(model.layers[self.layer])
                 attn.plan(sub)
                 cos, sin = model.rotary.cos_sin(sub.positions)
                 rows = self.x[a:b]
-                out = model.layer_forward(self.layer, rows, cos, sin, attn, self._dense)
+                out = model.layer_forward(self.layer, rows, cos, sin, attn)
                 if out.data_ptr() != rows.data_ptr():
                     rows.copy_(out)
                 self.pieces_run += 1
@@ -83,7 +80,6 @@ class SlicedPrefill:
                 if self.piece == len(self.pieces):
                     self.piece = 0
                     self.layer += 1
-                    self._dense = None
                     if self.layer == len(model.layers):
                         break
                 if time.perf_counter() - t0 >= budget_s:

@@ -86,10 +86,10 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         runner, pool = tp.runner, tp.runner.pool
         capacity = pool.capacity
     else:
-        log.info("loading %s (%s weights)", model_dir.name, fmt or str(dtype).removeprefix("torch."))
         if device.type == "cpu":  # refuse, naming --kv-tokens / --kv-dtype, what will not fit
             check_model_fits(model_dir, mcfg, fmt, dtype, kv_dtype, config.kv_tokens,
                              config.chunked_prefill, context, torch.get_num_threads())
+        log.info("loading %s (%s weights)", model_dir.name, fmt or str(dtype).removeprefix("torch."))
         t_load = time.perf_counter()
         model = load_model(model_dir, device, dtype, fmt)
         t_load = time.perf_counter() - t_load

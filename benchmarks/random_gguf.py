@@ -9,13 +9,20 @@ through the layers (the text is gibberish; only speed is measured). The tokenize
 template are copied from SmolLM2's GGUF, so both llama-server and radixlm load it as they
 load a real model. Written once into `<radixlm cache>/peer/` and reused.
 
-    .venv/bin/python benchmarks/random_gguf.py [--layers 16 --hidden 2048 ...]
+`requantized(src, "Q4_K_M", llama_quantize)` makes a K-quant file of any GGUF with
+llama.cpp's own `llama-quantize` (`--allow-requantize`: from the Q4_1 blocks), as a user
+would: its mix of types is llama.cpp's (Q4_K, Q6_K for V, the head and some down
+projections; Q5_0 / Q8_0 for rows not a multiple of 256), written once beside the source.
+
+    .venv/bin/python benchmarks/random_gguf.py [--layers 16 --hidden 2048 ...] \
+        [--requantize Q4_K_M --llama-quantize PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import uuid
 from dataclasses import asdict, dataclass
@@ -130,14 +137,45 @@ def ensure(shape: Shape | None = None, directory: Path | None = None) -> Path:
     return out
 
 
+def requantized(src: Path, qtype: str, llama_quantize: Path, directory: Path | None = None,
+                pure: bool = False) -> Path:
+    """`src` requantized to `qtype` (e.g. Q4_K_M, Q6_K) by llama.cpp's llama-quantize, once:
+    `<stem>.<qtype>.gguf` in `directory` (default: beside `src`); `pure`: every tensor of
+    that type (llama-quantize --pure), not llama.cpp's mix."""
+    out = (directory or src.parent) / f"{src.stem}.{qtype}{'-pure' if pure else ''}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    print(f"writing {out} (llama-quantize --allow-requantize {src.name} {qtype})", flush=True)
+    try:
+        flags = ["--allow-requantize", *(["--pure"] if pure else [])]
+        done = subprocess.run([str(llama_quantize), *flags, str(src), str(tmp), qtype, str(os.cpu_count() or 1)],
+                              capture_output=True, text=True)  # fmt: skip
+        if done.returncode != 0:
+            sys.exit(f"llama-quantize failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     d = Shape()
     for field, default in asdict(d).items():
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=default)
-    args = p.parse_args(argv)
-    print(ensure(Shape(**{k.replace("-", "_"): v for k, v in vars(args).items()})))
+    p.add_argument("--requantize", default=None, help="also write it as this type (e.g. Q4_K_M)")
+    p.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize binary")
+    args = vars(p.parse_args(argv))
+    qtype, binary = args.pop("requantize"), args.pop("llama_quantize")
+    path = ensure(Shape(**{k.replace("-", "_"): v for k, v in args.items()}))
+    if qtype:
+        if not binary:
+            sys.exit("--requantize needs --llama-quantize")
+        path = requantized(path, qtype, Path(binary))
+    print(path)
     return 0
 
 

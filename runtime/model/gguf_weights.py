@@ -29,6 +29,7 @@ from .gguf_convert import hf_tensor_name, unpermute_qk
 from .gguf_file import GGUFFile, TensorInfo
 from .memory_check import available_memory, fmt_bytes, gguf_unpacked
 from .quant import BLOCK_BYTES, TYPE_NAMES, QuantWeight
+from .tile_cache import pack_cached
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +92,12 @@ def _floats(f: GGUFFile, info: TensorInfo) -> np.ndarray:
 
 
 def gguf_state_dict(
-    gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool
+    gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool, packed: bool = True
 ) -> dict[str, torch.Tensor | QuantWeight]:
-    """HF-named tensors of `gguf_path`: `QuantWeight`s over the mapped file where the kernel
-    supports the stored type, float32 tensors otherwise (refused first when those would
-    not fit in memory: `check_unpacked_types`)."""
+    """HF-named tensors of `gguf_path`: `QuantWeight`s where the kernel supports the stored
+    type, float32 tensors otherwise (refused first when those would not fit in memory:
+    `check_unpacked_types`). With `packed`, the weights come packed from (or are packed
+    into) the GGUF's tile cache file (`tile_cache.pack_cached`), else over the mapped file."""
     f = GGUFFile(gguf_path)
     check_unpacked_types(f)
     state: dict[str, torch.Tensor | QuantWeight] = {}
@@ -115,6 +117,9 @@ def gguf_state_dict(
             if heads is not None:
                 data = unpermute_qk(data, heads)
             state[name] = torch.from_numpy(np.ascontiguousarray(data))
+    if packed:
+        quant = {n: w for n, w in state.items() if isinstance(w, QuantWeight)}
+        state.update(pack_cached(gguf_path, quant, f"{num_heads},{num_kv_heads},{permute_qk}"))
     return state
 
 
@@ -122,5 +127,5 @@ def dense_state_dict(
     gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool
 ) -> dict[str, torch.Tensor]:
     """Every tensor of `gguf_path` dequantized to float32 (HF names, HF Q/K row order)."""
-    state = gguf_state_dict(gguf_path, num_heads, num_kv_heads, permute_qk)
+    state = gguf_state_dict(gguf_path, num_heads, num_kv_heads, permute_qk, packed=False)
     return {k: v.dequantize() if isinstance(v, QuantWeight) else v for k, v in state.items()}

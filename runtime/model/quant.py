@@ -113,21 +113,39 @@ class QuantWeight:
         self.rows, self.cols = sum(p.rows for p in parts), parts[0].cols
         return self
 
+    @classmethod
+    def from_tiles(cls, tiles: torch.Tensor, qtype: int, rows: int, cols: int) -> QuantWeight:
+        """A weight already packed: `tiles` (uint8, `q_tiled_bytes` long; e.g. a view of a
+        tile cache file, tile_cache.py) in the kernel's layout."""
+        self = cls.__new__(cls)
+        if qtype not in BLOCK_BYTES or cols % BLOCK_ELEMS[qtype]:
+            raise ValueError(f"no {rows} x {cols} weight of type {qtype}")
+        if tiles.dtype != torch.uint8 or tiles.numel() != kernel().q_tiled_bytes(qtype, rows, cols):
+            raise ValueError("tiles of the wrong size for this weight")
+        self.qtype, self.rows, self.cols, self.tiles = qtype, rows, cols, tiles
+        self.rowptr, self.owners, self.parts, self._desc = None, (), None, None
+        return self
+
     @property
     def row_bytes(self) -> int:
         """Bytes of one row's blocks (a stack: of its first part's)."""
         first = self.parts[0] if self.parts else self
         return first.cols // BLOCK_ELEMS[first.qtype] * BLOCK_BYTES[first.qtype]
 
-    def pack(self) -> QuantWeight:
+    def pack(self, into: torch.Tensor | None = None) -> QuantWeight:
         """Copy the blocks into the kernel's tile layout (once) and release the source rows
-        (`rowptr` and `owners`: a mapped file's pages are no longer this weight's)."""
+        (`rowptr` and `owners`: a mapped file's pages are no longer this weight's). `into`:
+        the uint8 memory to pack into (`q_tiled_bytes` long; default fresh anonymous
+        memory)."""
         if self.parts is not None:
             for p in self.parts:
                 p.pack()
         elif self.tiles is None:
             k = kernel()
-            tiles = _tile_buffer(k.q_tiled_bytes(self.qtype, self.rows, self.cols))
+            need = k.q_tiled_bytes(self.qtype, self.rows, self.cols)
+            tiles = _tile_buffer(need) if into is None else into
+            if tiles.dtype != torch.uint8 or tiles.numel() != need:
+                raise ValueError(f"packing needs {need} bytes of uint8 memory")
             k.q_pack(self.rowptr.data_ptr(), self.qtype, self.cols, self.rows, tiles.data_ptr())
             self.tiles, self.rowptr, self.owners = tiles, None, ()
         return self
@@ -174,7 +192,8 @@ class QuantWeight:
         return out
 
     def _row_table(self) -> tuple[torch.Tensor, tuple]:
-        """(rowptr, owners) of the GGML rows: the source's, or of a copy once packed."""
+        """(rowptr, owners) of the GGML rows: the source's, or of a copy once packed (for
+        `take_rows`)."""
         if self.tiles is None:
             return self.rowptr, self.owners
         blocks = self.blocks
@@ -259,14 +278,16 @@ class QuantWeight:
 
     @staticmethod
     def cat(parts: list[QuantWeight]) -> QuantWeight:
-        """Rows of several weights stacked (one fused QKV or gate+up matrix), no copy of
-        weights not yet packed; weights of different types make a stack of `parts`."""
+        """Rows of several weights stacked (one fused QKV or gate+up matrix), no copy:
+        consecutive weights of one type not yet packed become one weight over their rows;
+        weights of different types, or packed ones (their tiles as they are), make a stack
+        of `parts`."""
         if len({p.cols for p in parts}) != 1:
             raise ValueError("can only stack quantized weights of one width")
         flat = [q for p in parts for q in (p.parts or (p,))]
         runs: list[list[QuantWeight]] = []
-        for q in flat:  # consecutive weights of one type become one part
-            if runs and runs[-1][0].qtype == q.qtype:
+        for q in flat:  # consecutive unpacked weights of one type become one part
+            if runs and runs[-1][0].qtype == q.qtype and not runs[-1][0].packed and not q.packed:
                 runs[-1].append(q)
             else:
                 runs.append([q])

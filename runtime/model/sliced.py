@@ -5,7 +5,10 @@ A piece is one decoder layer over a block of the chunk's rows: layer by layer, a
 a layer in row order, so a block's attention reads (from the pool) the K/V of the rows
 before it, which the earlier blocks of this layer wrote. A quantized layer multiplies each
 piece's rows as they are (int8 activations, kernels/gemm8.c: no float32 copy of a matrix
-is made). Each piece is planned as its own
+is made; a row's product does not depend on the rows beside it, and a quantized model's
+pieces are no shorter than GEMM8_MIN_ROWS, the rows from which products take int8
+activations, so the pieces compute what one forward of the chunk computes). Each piece is
+planned as its own
 one-request batch (`attn.plan`), so a forward interleaved between pieces, which plans the
 backend for its own batch, clobbers nothing this one needs. The chunk's hidden states
 stay here between pieces; its K/V for the finished pieces are already in the request's
@@ -25,6 +28,7 @@ import torch
 
 from .batch import ForwardBatch, pack_forward_batch
 from .decoder import DecoderModel
+from .quant import GEMM8_MIN_ROWS, QuantWeight
 
 _I64 = np.int64
 
@@ -45,8 +49,13 @@ class SlicedPrefill:
         self.logits_from = logits_from
         self.num_tokens = extend
         self.pieces: list[tuple[int, int, ForwardBatch]] = []
-        for a in range(0, extend, max(1, rows)):
-            n = min(rows, extend - a)
+        if isinstance(model.layers[0].w_qkv_t, QuantWeight):
+            rows = max(rows, GEMM8_MIN_ROWS)  # the activations' rounding of one forward's
+        starts = list(range(0, extend, max(1, rows)))
+        if len(starts) > 1 and extend - starts[-1] < GEMM8_MIN_ROWS and rows >= GEMM8_MIN_ROWS:
+            starts.pop()  # a short last piece joins the one before
+        for i, a in enumerate(starts):
+            n = (starts[i + 1] if i + 1 < len(starts) else extend) - a
             sub = pack_forward_batch([tokens], [slots], np.array([kv_len + a], _I64),
                                      np.array([n], _I64), np.array([n - 1], _I64), device)
             self.pieces.append((a, a + n, sub))

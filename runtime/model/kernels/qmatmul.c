@@ -49,6 +49,11 @@
  * a core needs that many lines in flight to cover DRAM's latency. */
 #define TILE_PF_BYTES 2048
 #endif
+#ifndef KQ_PF_BYTES
+/* The same for the K-quants' super-block tiles (1152 to 1680 bytes), each prefetched whole
+ * when the one this far behind it starts. */
+#define KQ_PF_BYTES 4096
+#endif
 
 int kernel_simd(void) {
 #if defined(QAVX2)
@@ -515,12 +520,12 @@ tile_mb_k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, const 
     for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *tb = tp + sb * tbb;
+        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), _MM_HINT_T0);
         const __m256 d = fp16x8(tb), dmin = fp16x8(tb + 16);
         uint64_t B[12];
         kq_table(tb, B);
         for (int c = 0; c < 4; c++) {
             const uint8_t *run = tb + co + 256 * c;
-            for (int o = 0; o < 256; o += 64) _mm_prefetch((const char *)(run + TILE_PF_BYTES + o), _MM_HINT_T0);
             vunit iacc[TILE_MB][4];
             for (int i = 0; i < MB; i++) iacc[i][0] = iacc[i][1] = iacc[i][2] = iacc[i][3] = v_zero();
             for (int u = 0; u < 16; u += UPV) {
@@ -560,11 +565,11 @@ tile_mb_q6k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, int6
     for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *tb = tp + sb * tbb;
+        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), _MM_HINT_T0);
         const __m256 d = fp16x8(tb);
         for (int c = 0; c < 4; c++) {
             const int n = c >> 1, h = c & 1, bl = 4 * n + h, bh = bl + 2;
             const uint8_t *run = tb + Q6_K_CODES + 256 * c, *qhr = tb + Q6_K_QH + 256 * n;
-            for (int o = 0; o < 256; o += 64) _mm_prefetch((const char *)(run + TILE_PF_BYTES + o), _MM_HINT_T0);
             for (int half = 0; half < 2; half++) {
                 vunit iacc[TILE_MB][4];
                 for (int i = 0; i < MB; i++) iacc[i][0] = iacc[i][1] = iacc[i][2] = iacc[i][3] = v_zero();

@@ -5,7 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # instructor pins jiter<0.15, which every openai >= 3.31 (and so openai-agents) refuses:
 # it gets a virtual environment of its own, where pip picks the openai it can use, and
-# tests/openai_api/test_http_agents.py runs it there against the server.
+# tests/http/test_agents.py runs it there against the server.
 INSTRUCTOR_VENV := .venv-instructor
 INSTRUCTOR_STAMP := $(INSTRUCTOR_VENV)/.installed
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)

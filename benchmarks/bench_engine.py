@@ -36,11 +36,11 @@ from radixlm.cache.pages import align_down
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.policy import POLICIES
+from radixlm.runtime.engine.sampling import Sampler
 from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.state import ReqState
-from radixlm.runtime.engine_wire import EngineGenerate, StepOutputs
+from radixlm.runtime.engine.wire import EngineGenerate, StepOutputs
 from radixlm.runtime.protocol import SamplingParams
-from radixlm.runtime.sampling import Sampler
 
 RESULTS = Path(__file__).with_name("results_engine.md")
 TARGET_STEP_MS = 1.0

@@ -36,7 +36,6 @@ from typing import Any
 import zmq
 from bench_frames import append_results  # (benchmarks/ is the script's own directory)
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.launcher import start_server
 from radixlm.runtime.protocol import (
     PROTOCOL_VERSION,
     Chunk,
@@ -52,7 +51,8 @@ from radixlm.runtime.protocol import (
     decode_server,
     encode,
 )
-from radixlm.runtime.raw_client import RawClient
+from radixlm.runtime.server.launcher import start_server
+from radixlm.runtime.transport.raw_client import RawClient
 
 RESULTS = Path(__file__).with_name("results_fairness.md")
 FLOOD = 256

@@ -26,7 +26,6 @@ from typing import Any
 
 import zmq
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.launcher import start_server
 from radixlm.runtime.protocol import (
     PROTOCOL_VERSION,
     Generate,
@@ -35,7 +34,8 @@ from radixlm.runtime.protocol import (
     decode_server,
     encode,
 )
-from radixlm.runtime.raw_client import RawClient
+from radixlm.runtime.server.launcher import start_server
+from radixlm.runtime.transport.raw_client import RawClient
 from zmq.utils.monitor import recv_monitor_message
 
 RESULTS = Path(__file__).with_name("results_frames.md")

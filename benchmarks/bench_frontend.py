@@ -30,10 +30,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import zmq
-from radixlm.runtime import channel
-from radixlm.runtime.channel import open_socket
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.engine_wire import (
+from radixlm.runtime.engine.wire import (
     ClientGone,
     EngineAbort,
     EngineCommand,
@@ -44,10 +42,14 @@ from radixlm.runtime.engine_wire import (
     TokenOutput,
     to_engine_decoder,
 )
-from radixlm.runtime.launcher import die_with_parent, load_spec, start_server
 from radixlm.runtime.protocol import Done, Error, Generate, Input, SamplingParams, Usage
 from radixlm.runtime.protocol import encode as encode_reply
-from radixlm.runtime.raw_client import RawClient
+from radixlm.runtime.server.child import die_with_parent
+from radixlm.runtime.server.launcher import start_server
+from radixlm.runtime.server.spec import load_spec
+from radixlm.runtime.transport import channel
+from radixlm.runtime.transport.channel import open_socket
+from radixlm.runtime.transport.raw_client import RawClient
 
 TARGET_CHUNKS_PER_S = 20_000
 RESULTS = Path(__file__).with_name("results_frontend.md")

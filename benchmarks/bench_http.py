@@ -48,7 +48,7 @@ from bench_frontend import cpu_seconds, tokenizer_dir  # noqa: E402
 from radixlm.runtime.config import EngineConfig  # noqa: E402
 from radixlm.runtime.http.config import HttpConfig  # noqa: E402
 from radixlm.runtime.http.launch import start_http  # noqa: E402
-from radixlm.runtime.launcher import start_server  # noqa: E402
+from radixlm.runtime.server.launcher import start_server  # noqa: E402
 
 TARGET_CHUNKS_PER_S = 10_000
 RESULTS = Path(__file__).with_name("results_http.md")

@@ -35,6 +35,13 @@ ids to both servers, so both compute exactly the same tokens):
   decode-1bk, prefill365-1bk, prefill2000-1bk, startup-1bk, rss-1bk   the 1B shape as
              Q4_K_M: decode, prefill of 365 and of 2,000 random token ids, start to ready,
              memory after an 8,000-token prompt.
+  decode-moe, prefill-moe   decode and prefill on the Qwen3-MoE-shape file (`random_gguf.py
+             --moe`: Qwen3-30B-A3B's layers, 128 experts of which 8 run per token, cut to
+             8 layers, Q4_0, ~3.0 GB); a step reads only the chosen experts, so its bytes
+             (the limit's denominator) count 8/128 of the expert tensors.
+  decode-gemma3, prefill-gemma3   the same on a random-weight Gemma 3 1B shape
+             (`random_gguf_gemma3.py`: 26 layers x 1152, sliding windows of 512, q/k and
+             sandwich norms, vocabulary 262,144, Q4_1 + Q8_0 embedding, ~764 MB).
   startup    command to ready, median of --starts starts per server and file (llama-server:
              until /health answers 200; radixlm: `radixlm serve` until it has written its
              endpoint file: after its HTTP API's /health answered, and, beside it, with
@@ -79,12 +86,14 @@ PREFILLS = {"prefill": 1024, "prefill365": 365, "prefill2000": 2000}  # row -> p
 RSS_CONTEXT, RSS_PROMPT, RSS_NEW = 8192, 8000, 64
 PAIR_ROWS = ("decode", "prefill", "agents-seq", "agents-par", "branches")
 PAIR_BASES = (*PAIR_ROWS, "prefill365", "prefill2000")  # rows run in pairs, on any file
-# File tags: "" the SmolLM2 file (--gguf), "-1b" the random 1B shape (Q4_1), and the
-# K-quant files requantized from them by llama-quantize.
+# File tags: "" the SmolLM2 file (--gguf), "-1b" the random 1B shape (Q4_1), "-moe" the
+# Qwen3-MoE shape, "-gemma3" the Gemma 3 1B shape, and the K-quant files requantized from
+# them by llama-quantize.
 REQUANTIZED = {"-q4km": ("", "Q4_K_M"), "-q6k": ("", "Q6_K"), "-1bk": ("-1b", "Q4_K_M")}
-TAGS = ("", "-1b", *REQUANTIZED)
-ALL_ROWS = (*PAIR_ROWS, "decode-1b", "prefill-1b", "startup", "rss", "decode-q4km", "decode-q6k",
-            "decode-1bk", "prefill365-1bk", "prefill2000-1bk", "startup-1bk", "rss-1bk")  # fmt: skip
+TAGS = ("", "-1b", "-moe", "-gemma3", *REQUANTIZED)
+ALL_ROWS = (*PAIR_ROWS, "decode-1b", "prefill-1b", "decode-moe", "prefill-moe", "startup", "rss",
+            "decode-gemma3", "prefill-gemma3", "decode-q4km", "decode-q6k", "decode-1bk",
+            "prefill365-1bk", "prefill2000-1bk", "startup-1bk", "rss-1bk")  # fmt: skip
 WORD_TEXT = (
     "cache prefix token session branch agent tool result reply model layer weight engine "
     "request batch decode prefill radix tree node slot page memory thread kernel block "
@@ -348,9 +357,23 @@ def step_bytes(gguf: Path) -> int:
     when the head is a tensor of its own (then only the token's embedding row is read)."""
     from radixlm.runtime.model.gguf_file import GGUFFile
 
-    tensors = {t.name: t.nbytes for t in GGUFFile(gguf).tensors}
+    f = GGUFFile(gguf)
+    tensors = {t.name: t.nbytes for t in f.tensors}
     untied = "output.weight" in tensors
-    return sum(tensors.values()) - (tensors["token_embd.weight"] if untied else 0)
+    total = sum(tensors.values()) - (tensors["token_embd.weight"] if untied else 0)
+    return total - moe_unread_bytes(f)
+
+
+def moe_unread_bytes(f) -> int:
+    """Bytes of a mixture-of-experts file's expert tensors a decode step does not read:
+    all but `expert_used_count` of every `expert_count` experts (0 for dense files)."""
+    experts = sum(t.nbytes for t in f.tensors if t.name.endswith("_exps.weight"))
+    if not experts:
+        return 0
+    meta = f.metadata()
+    arch = meta["general.architecture"]
+    used, count = meta[f"{arch}.expert_used_count"], meta[f"{arch}.expert_count"]
+    return experts - experts * used // count
 
 
 def _sampling(n: int) -> dict:
@@ -597,12 +620,18 @@ def split_row(row: str) -> tuple[str, str]:
 def gguf_files(tags: set[str], gguf: Path, jobs: int) -> dict[str, Path]:
     """The files of `tags`: the SmolLM2 file, the random 1B shape, and their K-quant
     versions (llama-quantize, once, into the peer directory)."""
+    from random_gguf import MoeShape, requantized
     from random_gguf import ensure as random_1b  # (benchmarks/ is the script's own directory)
-    from random_gguf import requantized
 
     files: dict[str, Path] = {"": gguf}
     if "-1b" in tags or "-1bk" in tags:
         files["-1b"] = random_1b()
+    if "-moe" in tags:
+        files["-moe"] = random_1b(MoeShape())
+    if "-gemma3" in tags:
+        from random_gguf_gemma3 import ensure as random_gemma3
+
+        files["-gemma3"] = random_gemma3()
     for tag, (src, qtype) in REQUANTIZED.items():
         if tag in tags:
             quantize = ensure_llama_server(peer_dir(), jobs, "llama-quantize")
@@ -660,6 +689,8 @@ def _decode_cell(vals: list[float], limit: float) -> str:
 TARGETS = {"decode": ">= 1.5x", "prefill": ">= 1.0x", "agents-seq": "faster",
            "agents-par": ">= 1.5x faster", "branches": ">= 3x faster", "decode-1b": ">= 75% of the limit",
            "prefill-1b": ">= 1.0x", "startup": "radixlm <= 3 s", "startup-1b": "-", "rss": "<= 1.5x",
+           "decode-moe": ">= 1.0x", "prefill-moe": ">= 1.0x", "decode-gemma3": ">= 1.0x",
+           "prefill-gemma3": ">= 1.0x",
            "decode-q4km": ">= 1.5x", "decode-q6k": ">= 1.5x",
            "decode-1bk": ">= 1.2x and >= 80% of the limit", "prefill365-1bk": ">= 2x",
            "prefill2000-1bk": ">= 2x", "startup-1bk": "radixlm <= 3 s", "rss-1bk": "<= 1.5x"}  # fmt: skip
@@ -667,7 +698,8 @@ TARGETS = {"decode": ">= 1.5x", "prefill": ">= 1.0x", "agents-seq": "faster",
 
 def row_name(row: str, files: dict[str, Path], args) -> str:
     kind, tag = split_row(row)
-    label = {"-1b": "1B shape", "-1bk": "1B shape Q4_K_M"}.get(tag) or files[tag].name
+    label = {"-1b": "1B shape", "-1bk": "1B shape Q4_K_M", "-moe": "Qwen3-MoE shape",
+             "-gemma3": "Gemma 3 1B shape"}.get(tag) or files[tag].name  # fmt: skip
     if kind == "decode":
         return f"decode {DECODE_TOKENS} tokens, batch 1, {label} (median tok/s)"
     if kind in PREFILLS:

@@ -45,7 +45,6 @@ import msgspec
 import zmq
 import zmq.asyncio
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.launcher import RunningServer, connect_address, start_server
 from radixlm.runtime.protocol import (
     PROTOCOL_VERSION,
     Done,
@@ -63,6 +62,7 @@ from radixlm.runtime.protocol import (
     decode_server,
     encode,
 )
+from radixlm.runtime.server.launcher import RunningServer, connect_address, start_server
 
 REPLY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 WORDS = ["grep", "search", "file", "read", "write", "list", "tool", "call", "result", "error", "ok", "path", "line", "match", "value", "config", "build", "test", "deploy", "status", "commit", "branch", "merge"]

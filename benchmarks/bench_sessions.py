@@ -17,7 +17,9 @@ Ways of running it, side by side:
   no-cache   the full token history each turn, under a fresh cache namespace per request
              (nothing ever hits).
 and sessions again with the KV pool at 50% of the working set (soft sessions, with and
-without the host-memory tier).
+without the host-memory tier, and with the host tier and the disk tier of a state
+directory: durable sessions, whose blocks are written after every turn, which is the
+disk tier's cost when nothing restarts).
 
 Oracle: every token computed once: prefill computes only the pinned prompt and each
 turn's tool result (replies are computed by decode), replayed exactly over the sessions
@@ -34,14 +36,15 @@ import itertools
 import os
 import random
 import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
-from radixlm.runtime import engine_wire as engine_msg
 from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.engine import wire as engine_msg
 from radixlm.runtime.engine.engine_main import build_engine
 from radixlm.runtime.model.resolve import resolve_model
 from radixlm.runtime.protocol import (
@@ -202,15 +205,17 @@ class InProcessEngine:
     directly, without sockets."""
 
     def __init__(
-        self, model_dir, kv_tokens: int, *, host_kv_tokens: int = 0, retained_cap: int = 0
+        self, model_dir, kv_tokens: int, *, host_kv_tokens: int = 0, retained_cap: int = 0,
+        state_dir: str = "",
     ) -> None:
         # Built as `radixlm serve` builds its engine (CPU, float32, torch attention).
         config = EngineConfig(
             model=str(model_dir), device="cpu", dtype="float32", attention="torch",
             page_size=1, kv_tokens=kv_tokens, retained_cap=retained_cap,
-            host_kv_tokens=host_kv_tokens,
+            host_kv_tokens=host_kv_tokens, state_dir=state_dir,
         )
-        self.sched = build_engine(config, model_dir).scheduler
+        self.engine = build_engine(config, model_dir)
+        self.sched = self.engine.scheduler
         self._keys = itertools.count(1)
         self._rids = itertools.count(1)
         self.replies: dict[str, object] = {}
@@ -347,8 +352,11 @@ def run_mode(
     host_kv_tokens: int = 0,
     retention: str = "hard",
     label: str | None = None,
+    disk: bool = False,
 ) -> RunResult:
-    eng = InProcessEngine(model_dir, kv_tokens, host_kv_tokens=host_kv_tokens)
+    state = tempfile.TemporaryDirectory(prefix="bench-sessions-") if disk else None
+    eng = InProcessEngine(model_dir, kv_tokens, host_kv_tokens=host_kv_tokens,
+                          state_dir=state.name if state is not None else "")
     counter = itertools.count()
     system_ids = tok.encode(system)
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -371,7 +379,7 @@ def run_mode(
         if mode == "sessions":
             opened = eng.call(
                 engine_msg.EngineOpenSession(client=CLIENT, rid=eng.rid(), pinned=pin,
-                                             input_ids=[], retention=retention)
+                                             input_ids=[], retention=retention, durable=disk)
             )  # fmt: skip
             assert isinstance(opened, SessionOpened)
             sid = opened.session
@@ -422,6 +430,9 @@ def run_mode(
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     c = eng.sched.counters
     eng.sched.check_integrity()
+    eng.engine.close()
+    if state is not None:
+        state.cleanup()
     return RunResult(
         label or mode,
         kv_tokens,
@@ -487,6 +498,7 @@ TARGETS = {
     "sessions": "computed <= 1.02x oracle and >= 3x faster than no-cache",
     "sessions @50% (soft)": "hit rate >= 90% of sessions'",
     "sessions @50% (soft + host tier)": "hit rate >= 90% of sessions'",
+    "sessions @50% (soft + host + disk tiers)": "hit rate >= host tier's, time within 5%",
 }
 
 
@@ -497,6 +509,10 @@ def target_met(r: RunResult, oracle: int, by_name: dict[str, RunResult]) -> str:
             return "pending" if r.computed_tokens <= 1.02 * oracle else "NO"
         ok = r.computed_tokens <= 1.02 * oracle and nocache.seconds / r.seconds >= 3
         ok = ok and nocache.cpu_seconds / r.cpu_seconds >= 3
+        return "yes" if ok else "NO"
+    host = by_name.get("sessions @50% (soft + host tier)")
+    if r.name.endswith("disk tiers)") and host is not None:
+        ok = r.hit_rate >= host.hit_rate - 1e-9 and r.seconds <= 1.05 * host.seconds
         return "yes" if ok else "NO"
     if r.name.startswith("sessions @50%") and sess is not None:
         return "yes" if r.hit_rate >= 0.9 * sess.hit_rate else "NO"
@@ -608,6 +624,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("sessions", 0, {"retention": "soft", "label": "sessions @50% (soft)"}),
                 ("sessions", 0, {"retention": "soft", "host_kv_tokens": working,
                                  "label": "sessions @50% (soft + host tier)"}),
+                ("sessions", 0, {"retention": "soft", "host_kv_tokens": working, "disk": True,
+                                 "label": "sessions @50% (soft + host + disk tiers)"}),
             ]  # fmt: skip
             if not args.skip_no_cache:
                 runs.append(("no-cache", ample, {}))

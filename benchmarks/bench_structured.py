@@ -35,14 +35,14 @@ from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.engine_main import build_engine
 from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.state import ReqState
-from radixlm.runtime.engine_wire import EngineGenerate, StepOutputs
+from radixlm.runtime.engine.wire import EngineGenerate, StepOutputs
 from radixlm.runtime.frontend.prepare import TextModel, input_ids
 from radixlm.runtime.frontend.structured import plan_structured
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.model import resolve_model
 from radixlm.runtime.protocol import Generate, Input, Message, SamplingParams, Tool
 from radixlm.tokenizer import Tokenizer
-from radixlm.tokenizer.tools import parse_tool_calls
+from radixlm.tokenizer.call_parser import CallParser
 
 RESULTS = Path(__file__).with_name("results_structured.md")
 
@@ -181,8 +181,10 @@ def bench_validity(b: Bench, samples: int) -> list[dict]:
                 parsed += 1
                 jsonschema.validate(value, doc)
                 if name == "tool call":
-                    calls = parse_tool_calls(text, b.text.tool_format, [CALC, SEARCH])
-                    assert calls and len(calls) == 1
+                    reader = CallParser(b.text.tool_format, [CALC.name, SEARCH.name])
+                    reader.feed(text)
+                    reader.finish()
+                    assert len(reader.calls) == 1
                 valid += 1
             except (json.JSONDecodeError, jsonschema.ValidationError, AssertionError) as e:
                 failures.append(f"{text[:80]!r}: {type(e).__name__}")

@@ -9,7 +9,8 @@
 #      pyzmq, gguf; .whl/alt/*.whl is a fallback flashinfer if the first will not import)
 #      into /tmp/site, and make the repo importable as `radixlm` (the repo root *is* the
 #      package) through a symlink in /tmp/radixlm_pkg
-#   3. GPU tests: tests/test_gpu_flashinfer.py (+ the CPU contract test of the backend)
+#   3. GPU tests: tests/model/test_gpu_flashinfer.py (+ the CPU contract test of the backend),
+#      tests/model/test_gpu_moe.py (mixture-of-experts layers on CUDA)
 #   4. throughput: benchmarks/bench_gpu_throughput.py (random-weight Qwen3-0.6B shape,
 #      256 requests, in/out lengths U[100, 1024], flashinfer backend, continuous batching)
 # Everything lands in $OUT (gpu_check.log, junit_gpu.xml, gpu_throughput.{md,json}).
@@ -97,14 +98,15 @@ EOF
 # 3. GPU tests (first use JIT-compiles FlashInfer's kernels: most of this step's time)
 PYTEST_CACHE=/tmp/radixlm_pytest_cache
 step gpu-tests 300 "$PY" -m pytest -q -rs -o cache_dir="$PYTEST_CACHE" \
-    tests/test_gpu_flashinfer.py tests/test_model_flashinfer_contract.py \
+    tests/model/test_gpu_flashinfer.py tests/model/test_flashinfer_contract.py \
+    tests/model/test_gpu_moe.py \
     --junitxml="$OUT/junit_gpu.xml" -o timeout=280
 if [ "$LAST_RC" != 0 ] && [ "$LAST_RC" != 125 ]; then
     # A FlashInfer kernel variant (FA3 is FlashInfer's pick on Hopper) may be at fault:
     # rerun the failures with the FA2 prefill kernels before giving up on them.
     export RADIXLM_FLASHINFER_PREFILL_BACKEND=fa2
     step gpu-tests-fa2 150 "$PY" -m pytest -q -rs -o cache_dir="$PYTEST_CACHE" --lf \
-        tests/test_gpu_flashinfer.py --junitxml="$OUT/junit_gpu_fa2.xml" -o timeout=140
+        tests/model/test_gpu_flashinfer.py --junitxml="$OUT/junit_gpu_fa2.xml" -o timeout=140
     unset RADIXLM_FLASHINFER_PREFILL_BACKEND
 fi
 

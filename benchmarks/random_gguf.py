@@ -9,13 +9,20 @@ through the layers (the text is gibberish; only speed is measured). The tokenize
 template are copied from SmolLM2's GGUF, so both llama-server and radixlm load it as they
 load a real model. Written once into `<radixlm cache>/peer/` and reused.
 
+    .venv/bin/python benchmarks/random_gguf.py [--layers 16 --hidden 2048 ...] \
+        [--requantize Q4_K_M --llama-quantize PATH]
+    .venv/bin/python benchmarks/random_gguf.py --moe [--layers 8 ...]
+
+`--moe` writes the Qwen3-MoE shape instead (`MoeShape`: Qwen3-30B-A3B's layers, 2048
+hidden, 32 heads of 128 with 4 KV heads and q/k norms, 128 experts of width 768 with 8 per
+token, an F32 router; its 48 layers cut to 8 by default, ~3.0 GB): arch qwen3moe, experts
+stacked 3-D as llama.cpp's converter writes them, every matrix Q4_0 (`--qtype 3`: Q4_1)
+but the untied embedding and head (Q8_0).
+
 `requantized(src, "Q4_K_M", llama_quantize)` makes a K-quant file of any GGUF with
 llama.cpp's own `llama-quantize` (`--allow-requantize`: from the Q4_1 blocks), as a user
 would: its mix of types is llama.cpp's (Q4_K, Q6_K for V, the head and some down
 projections; Q5_0 / Q8_0 for rows not a multiple of 256), written once beside the source.
-
-    .venv/bin/python benchmarks/random_gguf.py [--layers 16 --hidden 2048 ...] \
-        [--requantize Q4_K_M --llama-quantize PATH]
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-Q4_1, Q8_0 = 3, 8
-_BLOCK = {Q4_1: 20, Q8_0: 34}
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+_BLOCK = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 
 
 @dataclass(frozen=True)
@@ -50,26 +57,27 @@ class Shape:
                 f"-ffn{self.ffn}-s{self.seed}.Q4_1.gguf")  # fmt: skip
 
 
-def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: int) -> np.ndarray:
-    """`[rows, cols/32 * block bytes]` uint8: random codes, scales keeping |w| <= 0.02."""
+def _blocks(rng: np.random.Generator, rows: int, cols: int, qtype: int,
+            lead: tuple[int, ...] = ()) -> np.ndarray:  # fmt: skip
+    """`[*lead, rows, cols/32 * block bytes]` uint8: random codes, scales keeping |w| <= 0.02."""
     nb, bb = cols // 32, _BLOCK[qtype]
-    raw = rng.integers(0, 256, (rows, nb, bb), dtype=np.uint8)
+    raw = rng.integers(0, 256, (*lead, rows, nb, bb), dtype=np.uint8)
     if qtype == Q4_1:  # w = d q + m, q in 0..15: d = 0.04 / 15, m = -0.02
         scales = np.array([0.04 / 15, -0.02], dtype=np.float16)
         raw[..., :4] = scales.view(np.uint8)
+    elif qtype == Q4_0:  # w = d (q - 8), q in 0..15
+        raw[..., :2] = np.array([0.02 / 8], dtype=np.float16).view(np.uint8)
     else:  # w = d q, q in -128..127
         raw[..., :2] = np.array([0.02 / 127], dtype=np.float16).view(np.uint8)
-    return raw.reshape(rows, nb * bb)
+    return raw.reshape(*lead, rows, nb * bb)
 
 
 def write(shape: Shape, out: Path, tokenizer_gguf: Path) -> Path:
     """Write the random model of `shape` to `out` (atomically), tokenizer from `tokenizer_gguf`."""
     import gguf
 
-    src = gguf.GGUFReader(str(tokenizer_gguf))
-    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w, vocab = _writer(tmp, "llama", tokenizer_gguf)
     w.add_name(out.stem)
     w.add_block_count(shape.layers)
     w.add_context_length(shape.context)
@@ -82,15 +90,6 @@ def write(shape: Shape, out: Path, tokenizer_gguf: Path) -> Path:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
-    for name, field in src.fields.items():  # the tokenizer and chat template, as they are
-        if not name.startswith("tokenizer."):
-            continue
-        value = field.contents()
-        vtype = gguf.GGUFValueType(field.types[0])
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_array(name, value)
-        else:
-            w.add_key_value(name, value, vtype)
     rng = np.random.default_rng(shape.seed)
     h, kv = shape.hidden, shape.hidden // shape.heads * shape.kv_heads
     ones = np.ones(h, dtype=np.float32)
@@ -112,6 +111,53 @@ def write(shape: Shape, out: Path, tokenizer_gguf: Path) -> Path:
         quant(p + "ffn_gate.weight", shape.ffn, h, Q4_1)
         quant(p + "ffn_up.weight", shape.ffn, h, Q4_1)
         quant(p + "ffn_down.weight", h, shape.ffn, Q4_1)
+    return _finish(w, tmp, out)
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """Qwen3-30B-A3B's layer (its 48 layers cut to `layers`)."""
+
+    layers: int = 8
+    hidden: int = 2048
+    heads: int = 32
+    kv_heads: int = 4
+    head_dim: int = 128
+    experts: int = 128
+    experts_used: int = 8
+    expert_ffn: int = 768
+    context: int = 8192
+    qtype: int = Q4_0
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return (f"random-qwen3moe-{self.layers}x{self.hidden}-h{self.heads}kv{self.kv_heads}"
+                f"-e{self.experts}a{self.experts_used}-ffn{self.expert_ffn}-s{self.seed}"
+                f".{'Q4_0' if self.qtype == Q4_0 else 'Q4_1'}.gguf")  # fmt: skip
+
+
+def _writer(path: Path, arch: str, tokenizer_gguf: Path):
+    """A GGUFWriter for `path` with `tokenizer_gguf`'s tokenizer and chat template; and
+    its vocabulary size."""
+    import gguf
+
+    src = gguf.GGUFReader(str(tokenizer_gguf))
+    w = gguf.GGUFWriter(str(path), arch)
+    for name, field in src.fields.items():  # the tokenizer and chat template, as they are
+        if not name.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        vtype = gguf.GGUFValueType(field.types[0])
+        if vtype == gguf.GGUFValueType.ARRAY:
+            w.add_array(name, value)
+        else:
+            w.add_key_value(name, value, vtype)
+    return w, len(src.fields["tokenizer.ggml.tokens"].data)
+
+
+def _finish(w, tmp: Path, out: Path) -> Path:
+    """Write `w`'s file (at `tmp`) and rename it to `out`."""
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -123,7 +169,58 @@ def write(shape: Shape, out: Path, tokenizer_gguf: Path) -> Path:
     return out
 
 
-def ensure(shape: Shape | None = None, directory: Path | None = None) -> Path:
+def write_moe(shape: MoeShape, out: Path, tokenizer_gguf: Path) -> Path:
+    """Write the random Qwen3-MoE model of `shape` to `out` (atomically)."""
+    import gguf
+
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    w, vocab = _writer(tmp, "qwen3moe", tokenizer_gguf)
+    w.add_name(out.stem)
+    w.add_block_count(shape.layers)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_feed_forward_length(6144)  # Qwen3-30B-A3B's dense width (no dense layer here)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_key_length(shape.head_dim)
+    w.add_value_length(shape.head_dim)
+    w.add_rope_dimension_count(shape.head_dim)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(vocab)
+    w.add_expert_count(shape.experts)
+    w.add_expert_used_count(shape.experts_used)
+    w.add_expert_feed_forward_length(shape.expert_ffn)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_0 if shape.qtype == Q4_0 else gguf.LlamaFileType.MOSTLY_Q4_1)
+    rng = np.random.default_rng(shape.seed)
+    h, q, kv = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+
+    def quant(name: str, rows: int, cols: int, qtype: int, lead: tuple[int, ...] = ()) -> None:
+        w.add_tensor(name, _blocks(rng, rows, cols, qtype, lead), raw_dtype=gguf.GGMLQuantizationType(qtype))
+
+    quant("token_embd.weight", vocab, h, Q8_0)
+    quant("output.weight", vocab, h, Q8_0)
+    w.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    t = shape.qtype
+    for i in range(shape.layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(h, dtype=np.float32))
+        quant(p + "attn_q.weight", q, h, t)
+        quant(p + "attn_k.weight", kv, h, t)
+        quant(p + "attn_v.weight", kv, h, t)
+        quant(p + "attn_output.weight", h, q, t)
+        w.add_tensor(p + "attn_q_norm.weight", np.ones(shape.head_dim, dtype=np.float32))
+        w.add_tensor(p + "attn_k_norm.weight", np.ones(shape.head_dim, dtype=np.float32))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(h, dtype=np.float32))
+        router = rng.standard_normal((shape.experts, h), dtype=np.float32) * 0.02
+        w.add_tensor(p + "ffn_gate_inp.weight", router)
+        quant(p + "ffn_gate_exps.weight", shape.expert_ffn, h, t, (shape.experts,))
+        quant(p + "ffn_up_exps.weight", shape.expert_ffn, h, t, (shape.experts,))
+        quant(p + "ffn_down_exps.weight", h, shape.expert_ffn, t, (shape.experts,))
+    return _finish(w, tmp, out)
+
+
+def ensure(shape: Shape | MoeShape | None = None, directory: Path | None = None) -> Path:
     """The random GGUF of `shape` (default: the 1B shape), written on first use."""
     from radixlm.runtime.model import cache_root, default_gguf_path
 
@@ -133,7 +230,7 @@ def ensure(shape: Shape | None = None, directory: Path | None = None) -> Path:
     out = directory / shape.name
     if not out.is_file():
         print(f"writing {out} (random weights, {asdict(shape)})", flush=True)
-        write(shape, out, default_gguf_path())
+        (write_moe if isinstance(shape, MoeShape) else write)(shape, out, default_gguf_path())
     return out
 
 
@@ -163,14 +260,16 @@ def requantized(src: Path, qtype: str, llama_quantize: Path, directory: Path | N
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    d = Shape()
-    for field, default in asdict(d).items():
+    moe = "--moe" in (sys.argv[1:] if argv is None else argv)
+    p.add_argument("--moe", action="store_true", help="the Qwen3-MoE shape (MoeShape)")
+    for field, default in asdict(MoeShape() if moe else Shape()).items():
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=default)
     p.add_argument("--requantize", default=None, help="also write it as this type (e.g. Q4_K_M)")
     p.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize binary")
     args = vars(p.parse_args(argv))
+    args.pop("moe")
     qtype, binary = args.pop("requantize"), args.pop("llama_quantize")
-    path = ensure(Shape(**{k.replace("-", "_"): v for k, v in args.items()}))
+    path = ensure(MoeShape(**args) if moe else Shape(**args))
     if qtype:
         if not binary:
             sys.exit("--requantize needs --llama-quantize")

@@ -60,7 +60,7 @@ def children(pid: int) -> dict[str, int]:
         if b"radixlm.runtime.http" in cmdline:
             found["http"] = int(entry.name)
         for role in ("engine", "frontend"):
-            if b"radixlm.runtime.launcher" in cmdline and role.encode() in cmdline:
+            if b"radixlm.runtime.server.child" in cmdline and role.encode() in cmdline:
                 found[role] = int(entry.name)
     return found
 

@@ -6,7 +6,7 @@
 The exchange itself is a client written with pyzmq and msgpack only (no radixlm import):
 one DEALER socket, one msgpack map per frame. Each printed line is one frame decoded to
 JSON, ``C:`` from the client and ``S:`` from the server, in the order they were seen.
-`tests/test_protocol_docs.py` runs `exchange` against its test server and compares the
+`tests/protocol/test_protocol_docs.py` runs `exchange` against its test server and compares the
 result with the page.
 """
 

@@ -47,6 +47,21 @@ class ToolCall(Struct):
     arguments: str
 
 
+class CallDelta(Struct):
+    """A streamed piece of tool call `index` of a branch (`Chunk.tool_calls`): the call's
+    first piece names it (`id`, `name`); `arguments` pieces concatenate to its arguments as
+    the model writes them; `done` marks the piece that completes it (the same call, id
+    included, is then in the branch's `Done.tool_calls`). `at`: the characters of the
+    chunk's `content` that come before this piece."""
+
+    index: int
+    at: int = 0
+    id: Union[str, None] = None
+    name: Union[str, None] = None
+    arguments: str = ""
+    done: bool = False
+
+
 def _object_schema() -> dict[str, Any]:
     return {"type": "object"}
 
@@ -195,6 +210,18 @@ class OpenSession(Struct, tag="open_session"):
     retention: Retention = "hard"
     ttl_s: Union[float, None] = None  # idle time after which it is demoted
     namespace: Union[str, None] = None
+    # Keep it when this connection goes, and across crashes and restarts (a server with a
+    # state directory; `SessionOpened.durable` says whether it is): any connection of
+    # the same tenant takes it back with `ResumeSession`.
+    durable: bool = False
+
+
+class ResumeSession(Struct, tag="resume_session"):
+    """Take a durable session as this connection's own (after a disconnect or a server
+    restart); answered with `SessionOpened`. Another tenant's id is not_found."""
+
+    rid: str
+    session: str
 
 
 class ForkSession(Struct, tag="fork_session"):
@@ -248,6 +275,7 @@ class Tokenize(Struct, tag="tokenize"):
 
     rid: str
     input: Input
+    token_strs: bool = False  # also the vocabulary's string of each id (`Tokens.token_strs`)
 
 
 class Detokenize(Struct, tag="detokenize"):
@@ -272,6 +300,7 @@ ClientMessage = Union[
     ListSessions,
     Tokenize,
     Detokenize,
+    ResumeSession,
 ]
 
 
@@ -289,6 +318,9 @@ class Welcome(Struct, tag="welcome"):
     max_message_bytes: int = 0
     # How the model writes tool calls: "hermes", "llama3" or "generic" (docs/protocol.md).
     tool_format: str = "generic"
+    # The server's state directory key (its model fingerprint), "" when it keeps no state:
+    # then no session is durable, and nothing outlives a restart.
+    state: str = ""
 
 
 class TopLogprob(Struct, array_like=True):
@@ -309,6 +341,11 @@ class Chunk(Struct, tag="chunk"):
     index: int = 0  # branch index when n > 1
     # With logprob_texts: the text of every token id in this chunk's ids and logprobs.
     token_texts: Union[dict[int, str], None] = None
+    # With tools whose calls are parsed: the output read as it streams -- `content`, the
+    # text outside tool calls (set on every chunk, "" when there is none), and pieces of
+    # calls, each placed in `content` by its `at`. `text` stays the raw output.
+    content: Union[str, None] = None
+    tool_calls: Union[list[CallDelta], None] = None
 
 
 class Usage(Struct):
@@ -345,7 +382,8 @@ class Done(Struct, tag="done"):
     session: Union[str, None] = None  # the session this branch's history lives in
     session_length: Union[int, None] = None  # its history length after this turn
     index: int = 0  # branch index when n > 1 (one Done per branch)
-    # The function calls parsed from the output (`text` keeps the raw output).
+    # The complete function calls read from the output, with the ids their streamed
+    # pieces carried (`text` keeps the raw output).
     tool_calls: Union[list[ToolCall], None] = None
 
 
@@ -425,6 +463,7 @@ class SessionOpened(Struct, tag="session_opened"):
     session: str
     length: int
     cached_tokens: int = 0
+    durable: bool = False  # saved in the state directory before this reply was sent
 
 
 class SessionsForked(Struct, tag="sessions_forked"):
@@ -446,6 +485,8 @@ class SessionInfo(Struct):
     retention: str  # "hard", "soft", or "demoted"
     busy: bool
     namespace: Union[str, None] = None
+    durable: bool = False
+    attached: bool = True  # False: a durable session nobody holds (resume it to use it)
 
 
 class SessionList(Struct, tag="session_list"):
@@ -456,6 +497,9 @@ class SessionList(Struct, tag="session_list"):
 class Tokens(Struct, tag="tokens"):
     rid: str
     input_ids: list[int]
+    # With `Tokenize.token_strs`: each id's string in the vocabulary (as transformers'
+    # `convert_ids_to_tokens`: "Ġword" for a byte-level BPE), "" for an id without one.
+    token_strs: Union[list[str], None] = None
 
 
 class Detokenized(Struct, tag="detokenized"):

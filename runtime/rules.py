@@ -4,8 +4,9 @@ refusal type.
 A rule is checked where its facts are first known, and only there:
 
 - at the frontend, as a message arrives (nothing queued yet, no tokenizer needed): the
-  input's form and size, sampling, `n`, fork counts, close lists, pin names (before a
-  tenant's prefix makes an empty name look taken);
+  input's form and size, sampling, `n`, tools (their names and parameter schemas), fork
+  counts, close lists, pin names (before a tenant's prefix makes an empty name look
+  taken);
 - at the engine, which alone knows a session's history, the pool and what is retained:
   the prompt's length (empty, context, pool, retention; an unset ``max_tokens`` is what
   is left of them), `prompt_logprobs_start` against the input it counts in, truncate
@@ -18,11 +19,16 @@ into an `Error` reply for the request's rid.
 
 from __future__ import annotations
 
+import math
+import re
+from typing import Any, Protocol
+
 import msgspec
 from radixlm.runtime.protocol import (
     MAX_CLOSE,
     MAX_FORK,
     MAX_N,
+    MAX_TOP_LOGPROBS,
     CloseSession,
     ErrorCode,
     Generate,
@@ -30,7 +36,7 @@ from radixlm.runtime.protocol import (
     SamplingParams,
     Tool,
 )
-from radixlm.runtime.sampling_params import validate_sampling
+from radixlm.tokenizer.stop_regex import check_patterns
 
 
 class RequestError(Exception):
@@ -41,6 +47,107 @@ class RequestError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+# -- sampling parameters (the frontend checks them; the engine's sampler re-exports them) --
+
+GREEDY_EPS = 1e-5  # temperatures at or below this are greedy
+PENALTY_RANGE = (-2.0, 2.0)  # frequency / presence penalties (OpenAI's range)
+
+
+class SamplingParamsLike(Protocol):
+    """The attributes read by sampling (``radixlm.runtime.protocol.SamplingParams`` has them)."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    stop_regex: list[str]
+    min_tokens: int
+    ignore_eos: bool
+    logprobs: bool
+    top_logprobs: int
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+_INT_FIELDS = ("max_tokens", "top_k", "top_logprobs")
+
+
+def validate_sampling(params: SamplingParamsLike, vocab_size: int | None = None) -> str | None:
+    """A clear message for the first invalid field of `params`, or None if all are valid.
+
+    ``max_tokens == 0`` is allowed (a prompt-only request, e.g. prompt logprobs).
+    `vocab_size`, if given, bounds ``stop_token_ids``.
+    """
+    for name in _FLOAT_FIELDS:
+        value = getattr(params, name)
+        if not _number(value) or not math.isfinite(value):
+            return f"{name} must be a finite number, got {value!r}"
+    for name in _INT_FIELDS:
+        value = getattr(params, name)
+        if not _integer(value) and not (name == "max_tokens" and value is None):
+            return f"{name} must be an integer, got {value!r}"
+
+    if params.max_tokens is not None and params.max_tokens < 0:
+        return f"max_tokens must be >= 0 (0: score the prompt only), got {params.max_tokens}"
+    if params.temperature < 0:
+        return f"temperature must be >= 0 (0 means greedy), got {params.temperature}"
+    if not 0.0 < params.top_p <= 1.0:
+        return f"top_p must be in (0, 1], got {params.top_p}"
+    if params.top_k < -1:
+        return f"top_k must be -1 or 0 (off) or a positive integer, got {params.top_k}"
+    if not 0.0 <= params.min_p <= 1.0:
+        return f"min_p must be in [0, 1], got {params.min_p}"
+    lo, hi = PENALTY_RANGE
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(params, name)
+        if not lo <= value <= hi:
+            return f"{name} must be in [{lo:g}, {hi:g}], got {value}"
+    if params.repetition_penalty <= 0:
+        return f"repetition_penalty must be > 0 (1 = off), got {params.repetition_penalty}"
+    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
+        return f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {params.top_logprobs}"
+
+    seed = params.seed
+    if seed is not None and (not _integer(seed) or not -(1 << 63) <= seed < (1 << 64)):
+        return f"seed must be an integer in [-2**63, 2**64), got {seed!r}"
+    for s in params.stop:
+        if not isinstance(s, str) or not s:
+            return f"stop strings must be non-empty strings, got {s!r}"
+    for t in params.stop_token_ids:
+        if not _integer(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            bound = f" and < vocab size {vocab_size}" if vocab_size is not None else ""
+            return f"stop_token_ids must be integers >= 0{bound}, got {t!r}"
+    # max_tokens None is the rest of the context, resolved in the engine: any min_tokens
+    # >= 0 is then within it (the engine's own bound ends the output first).
+    top = params.max_tokens
+    if not _integer(params.min_tokens) or params.min_tokens < 0 or (
+            top is not None and params.min_tokens > top):
+        return (f"min_tokens must be an integer in [0, max_tokens ({top})], "
+                f"got {params.min_tokens!r}")
+    return check_patterns(params.stop_regex)
 
 
 def _invalid(message: str) -> RequestError:
@@ -117,11 +224,78 @@ def check_generate(msg: Generate, vocab_size: int) -> None:
 
 
 def check_tools(tools: list[Tool] | None, context_length: int) -> None:
-    """Each tool definition renders to a token at least: more than the context holds are
-    refused before they are rendered."""
-    if tools and len(tools) > context_length:
+    """A request's tools: at least one when given; no more than the context holds (each
+    definition renders to a token at least: refused before anything is rendered); names
+    of 1-64 letters, digits, '_', '.' or '-', none given twice; ``parameters`` a JSON
+    Schema object schema -- a map whose ``type`` (if given) is "object", whose
+    ``properties`` map names to schemas and whose ``required`` names only strings, every
+    nested schema a map (or a boolean) with known ``type``s."""
+    if tools is None:
+        return
+    if not tools:
+        raise _invalid("tools is empty: omit it, or give at least one tool")
+    if len(tools) > context_length:
         raise RequestError(ErrorCode.TOO_LONG, f"{len(tools)} tool definitions exceed the "
                                                f"context length ({context_length})")
+    seen: set[str] = set()
+    for i, tool in enumerate(tools):
+        name = tool.name
+        if not _TOOL_NAME.match(name):
+            raise _invalid(f"tools[{i}].name {name!r} must be 1-64 letters, digits, '_', '.' "
+                           "or '-'")
+        if name in seen:
+            raise _invalid(f"tools[{i}].name {name!r} is given twice")
+        seen.add(name)
+        params = tool.parameters
+        if params.get("type", "object") != "object":
+            raise _invalid(f"tools[{i}] ({name}).parameters must be an object schema, got "
+                           f"type {params['type']!r}")
+        if problem := _schema_problem(params, f"tools[{i}] ({name}).parameters"):
+            raise _invalid(problem)
+
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def _schema_problem(schema: Any, where: str) -> str | None:
+    """The first problem with a JSON Schema `schema` (found at `where`), or None."""
+    if isinstance(schema, bool):
+        return None
+    if not isinstance(schema, dict):
+        return f"{where} must be a JSON Schema (a map), got {type(schema).__name__}"
+    kind = schema.get("type")
+    for k in kind if isinstance(kind, list) else [kind] if kind is not None else []:
+        if k not in _JSON_TYPES:
+            return f"{where}.type {k!r} is not a JSON Schema type ({', '.join(sorted(_JSON_TYPES))})"
+    props = schema.get("properties")
+    if props is not None:
+        if not isinstance(props, dict):
+            return f"{where}.properties must be a map of schemas"
+        for key, sub in props.items():
+            if problem := _schema_problem(sub, f"{where}.properties.{key}"):
+                return problem
+    required = schema.get("required")
+    if required is not None and (
+        not isinstance(required, list) or not all(isinstance(r, str) for r in required)
+    ):
+        return f"{where}.required must be a list of property names"
+    for key in ("items", "additionalProperties", "not"):
+        sub = schema.get(key)
+        if sub is not None and (problem := _schema_problem(sub, f"{where}.{key}")):
+            return problem
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        subs = schema.get(key)
+        if subs is None:
+            continue
+        if not isinstance(subs, list):
+            return f"{where}.{key} must be a list of schemas"
+        for j, sub in enumerate(subs):
+            if problem := _schema_problem(sub, f"{where}.{key}[{j}]"):
+                return problem
+    if "enum" in schema and not isinstance(schema["enum"], list):
+        return f"{where}.enum must be a list"
+    return None
 
 
 def check_fork(n: int) -> None:

@@ -56,9 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from radixlm.runtime.launcher import keep_triton_out
 from radixlm.runtime.protocol import StatsReply, Welcome
-from radixlm.runtime.raw_client import RawClient
+from radixlm.runtime.server.environment import keep_triton_out
+from radixlm.runtime.transport.raw_client import RawClient
 
 keep_triton_out()
 
@@ -72,6 +72,8 @@ def _isolate_runtime_dir() -> None:
         return
     root = tempfile.mkdtemp(prefix="rlm-test-", dir="/tmp")  # short: ipc paths are short
     os.environ["RADIXLM_TEST_RUNTIME_DIR"] = os.environ["RADIXLM_RUNTIME_DIR"] = root
+    # `radixlm serve` keeps state by default: never in the user's own state directory.
+    os.environ["RADIXLM_STATE_DIR"] = os.path.join(root, "state")
     owner = os.getpid()
     atexit.register(lambda: os.getpid() == owner and shutil.rmtree(root, ignore_errors=True))
 
@@ -199,10 +201,12 @@ def start_test_server(workdir: Path, model_dir: Path, *flags: str) -> Iterator[S
     endpoint_file = workdir / "endpoint"
     log_path = workdir / "server.log"
     no_http = [] if any(f in HTTP_FLAGS for f in flags) else ["--no-http"]
+    # No state unless a test asks for it: test servers never touch the user's directory.
+    no_state = [] if "--state-dir" in flags else ["--no-state"]
     command = [
         sys.executable, "-m", "radixlm.runtime.cli", "serve", "--model", str(model_dir),
         "--device", "cpu", "--dtype", "float32", "--kv-tokens", str(SERVER_KV_TOKENS),
-        "--threads", "1", "--endpoint-file", str(endpoint_file), *no_http, *flags,
+        "--threads", "1", "--endpoint-file", str(endpoint_file), *no_http, *no_state, *flags,
     ]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log,

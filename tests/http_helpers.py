@@ -14,6 +14,8 @@ from conftest import ServerHandle
 
 API_KEY = "test-key-7f3a"
 OWN_KEY = "<the server's key>"  # the default of `request` and `openai`
+SMOL_MODEL = "SmolLM2-135M-Instruct"  # the embedded default model's served name
+SMOL_KEY = "agents-key"
 
 
 def free_port() -> int:

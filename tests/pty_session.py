@@ -138,7 +138,7 @@ def engine_role_of(pid: int, timeout_s: float = 60.0) -> tuple[int, int, str]:
         procs = descendants(pid)
         serve = next((p for p, argv in procs.items() if "serve" in argv), None)
         engine = next((p for p, argv in procs.items()
-                       if "radixlm.runtime.launcher" in argv and "engine" in argv), None)
+                       if "radixlm.runtime.server.child" in argv and "engine" in argv), None)
         if serve is not None and engine is not None:
             argv = procs[serve]
             return serve, engine, argv[argv.index("--endpoint") + 1]

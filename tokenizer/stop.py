@@ -28,7 +28,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from radixlm.tokenizer.call_frames import FramedCalls
+from radixlm.tokenizer.call_parser import CallEnd, CallParser
 from radixlm.tokenizer.detokenizer import IncrementalDetokenizer
 from radixlm.tokenizer.stop_regex import StopRegex
 
@@ -142,7 +142,7 @@ class TokenStopMatcher:
     every token up to the one that completed the match, unless the pattern occurs
     literally in the text: then it is cut there as a stop string is.
 
-    With `calls` (a `FramedCalls` over the output's parallel tool calls), each call, once
+    With `calls` (a `CallParser` over the output's parallel tool calls), each call, once
     complete, becomes a stop string of the text after it: a call that repeats an earlier
     one word for word ends the branch before it (`repeated`), and while a call may still
     become a repeat its tokens are held back. The branch then keeps only the tokens whose
@@ -154,7 +154,7 @@ class TokenStopMatcher:
                  "trim", "finished")
 
     def __init__(self, tokenizer: Any, stops: Iterable[str], context: Sequence[int] = (),
-                 regexes: Sequence[str] = (), calls: FramedCalls | None = None) -> None:
+                 regexes: Sequence[str] = (), calls: CallParser | None = None) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids=context)
         self._stops = StopStringMatcher(stops)
         self._calls = calls
@@ -225,13 +225,16 @@ class TokenStopMatcher:
             ends[i] = self._decoded
             i -= 1
         if self._calls is not None:
-            start = 0
-            for cut, call in self._calls.feed(piece):  # (a complete call's text is no repeat
-                if self._take_text(piece[start:cut]):  # of itself: it stops what follows)
+            start, base = 0, self._decoded - len(piece)
+            for e in self._calls.feed(piece):  # (a complete call's text is no repeat of
+                if type(e) is not CallEnd:  # itself: it stops only what follows it)
+                    continue
+                cut = e.end - base
+                if self._take_text(piece[start:cut]):
                     return True
-                if call not in self._stops.stops:
-                    self._call_stops.add(call)
-                    self._stops.add(call)
+                if e.text not in self._stops.stops:
+                    self._call_stops.add(e.text)
+                    self._stops.add(e.text)
                 start = cut
             piece = piece[start:]
         return self._take_text(piece)

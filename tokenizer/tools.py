@@ -1,6 +1,8 @@
-"""Tool calls: how a model is shown functions, how its calls look, how they are parsed.
+"""Tool calls: how each model writes them, how it is shown functions, and what a
+constrained call looks like. Pure functions over plain data: no torch, no engine.
 
-Three formats, chosen from the chat template (`tool_format`):
+The call formats are one table, `FORMATS` (chosen from the chat template by
+`tool_format`):
 
 - ``hermes``: the template renders ``tools`` itself and the model answers
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Hermes, Qwen2/2.5/3);
@@ -10,120 +12,98 @@ Three formats, chosen from the chat template (`tool_format`):
   the functions in a system message (`generic_tool_prompt`) and the model answers a bare
   JSON object ``{"name": ..., "arguments": {...}}``.
 
-`call_schema` is the JSON Schema of one call in a format (what ``tool_choice``
-"required" or a named function constrains the output to); `parse_tool_calls` reads the
-calls back out of an output text. Pure functions over plain data: no torch, no engine.
+Everything that shows a model its tools, constrains its calls or reads them back reads
+this table: rendering here (`tool_dicts`, `generic_tool_prompt`, `template_messages`),
+`call_schema` (the JSON Schema of one call: what ``tool_choice`` "required" or a named
+function constrains the output to) framed by `call_frame`, and the one reader of calls,
+`radixlm.tokenizer.call_parser`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 __all__ = [
-    "ParsedCall",
+    "FORMATS",
+    "CallFormat",
     "ToolFormat",
+    "call_format",
     "call_frame",
     "call_schema",
-    "check_tools",
+    "framed_format",
     "generic_tool_prompt",
-    "parse_tool_calls",
     "template_messages",
+    "tool_dicts",
     "tool_format",
 ]
 
-ToolFormat = Literal["hermes", "llama3", "generic"]
+# -- the call formats -------------------------------------------------------------------
 
-_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-_PYTHON_TAG = "<|python_tag|>"
-_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+ToolFormat = Literal["hermes", "llama3", "generic"]
 
 
 @dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str  # a JSON object, as text
+class CallFormat:
+    """One way of writing calls.
+
+    `begin` / `end`: the markup around each call's JSON object in free text ("" for a bare
+    object, whose answer is then only calls); `lead`: a tag that may come before a bare
+    call answer; `args_key`: the key the model writes arguments under (the other common
+    one is read too)."""
+
+    name: ToolFormat
+    args_key: str
+    begin: str = ""
+    end: str = ""
+    lead: str = ""
+
+    @property
+    def frame(self) -> tuple[str, str]:
+        """The fixed text around a constrained call's JSON (what the call grammar writes):
+        the markup on lines of its own, as the templates that use it show it."""
+        return (self.begin + "\n", "\n" + self.end) if self.begin else ("", "")
+
+    @property
+    def args_keys(self) -> tuple[str, ...]:
+        """The keys read as a call's arguments, the format's own first."""
+        return (self.args_key, *(k for k in ("arguments", "parameters") if k != self.args_key))
+
+
+FORMATS: dict[str, CallFormat] = {
+    "hermes": CallFormat("hermes", "arguments", begin="<tool_call>", end="</tool_call>"),
+    "llama3": CallFormat("llama3", "parameters", lead="<|python_tag|>"),
+    "generic": CallFormat("generic", "arguments"),
+}
+
+
+def call_format(fmt: ToolFormat | CallFormat) -> CallFormat:
+    return fmt if isinstance(fmt, CallFormat) else FORMATS[fmt]
 
 
 def tool_format(template_source: str | None) -> ToolFormat:
-    """The call format a chat template implies (see the module docstring)."""
+    """The call format a chat template implies: one that renders ``tools`` and mentions
+    the Hermes markup is ``hermes``, one that asks for ``"parameters"`` (or has an
+    ``ipython`` role) ``llama3``; a template that never mentions tools, ``generic``."""
     src = template_source or ""
     if "tools" not in src:
         return "generic"
-    if "<tool_call>" in src:
+    if FORMATS["hermes"].begin in src:
         return "hermes"
     return "llama3" if ('"parameters"' in src or "ipython" in src) else "hermes"
 
 
-# -- checks ---------------------------------------------------------------------------
-
-
-def check_tools(tools: Sequence[Any]) -> str | None:
-    """The first problem with `tools` (objects with name/description/parameters), or None.
-
-    ``parameters`` must be a JSON Schema object schema: a map whose ``type`` (if given)
-    is "object", whose ``properties`` map names to schemas and whose ``required`` names
-    only strings; every nested schema must be a map (or a boolean) with known ``type``s.
-    """
-    seen: set[str] = set()
-    for i, tool in enumerate(tools):
-        name = tool.name
-        if not _NAME.match(name):
-            return f"tools[{i}].name {name!r} must be 1-64 letters, digits, '_', '.' or '-'"
-        if name in seen:
-            return f"tools[{i}].name {name!r} is given twice"
-        seen.add(name)
-        params = tool.parameters
-        if params.get("type", "object") != "object":
-            return f"tools[{i}] ({name}).parameters must be an object schema, got type {params['type']!r}"
-        problem = _schema_problem(params, f"tools[{i}] ({name}).parameters")
-        if problem:
-            return problem
-    return None
-
-
-def _schema_problem(schema: Any, where: str) -> str | None:
-    if isinstance(schema, bool):
-        return None
-    if not isinstance(schema, dict):
-        return f"{where} must be a JSON Schema (a map), got {type(schema).__name__}"
-    kind = schema.get("type")
-    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
-    for k in kinds:
-        if k not in _JSON_TYPES:
-            return f"{where}.type {k!r} is not a JSON Schema type ({', '.join(sorted(_JSON_TYPES))})"
-    props = schema.get("properties")
-    if props is not None:
-        if not isinstance(props, dict):
-            return f"{where}.properties must be a map of schemas"
-        for key, sub in props.items():
-            if problem := _schema_problem(sub, f"{where}.properties.{key}"):
-                return problem
-    required = schema.get("required")
-    if required is not None and (
-        not isinstance(required, list) or not all(isinstance(r, str) for r in required)
-    ):
-        return f"{where}.required must be a list of property names"
-    for key in ("items", "additionalProperties", "not"):
-        sub = schema.get(key)
-        if sub is not None and (problem := _schema_problem(sub, f"{where}.{key}")):
-            return problem
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
-        subs = schema.get(key)
-        if subs is None:
-            continue
-        if not isinstance(subs, list):
-            return f"{where}.{key} must be a list of schemas"
-        for j, sub in enumerate(subs):
-            if problem := _schema_problem(sub, f"{where}.{key}[{j}]"):
-                return problem
-    if "enum" in schema and not isinstance(schema["enum"], list):
-        return f"{where}.enum must be a list"
-    return None
+def framed_format(begin: str, end: str) -> CallFormat:
+    """The format whose constrained calls a grammar frames with `begin` / `end` (the
+    engine knows a call grammar by its frame only). Bare formats differ only in what a
+    free answer may hold, never in a constrained call, so the generic one stands for
+    them."""
+    for fmt in FORMATS.values():
+        if fmt.frame == (begin, end) and not fmt.lead:
+            return fmt
+    raise ValueError(f"no call format frames calls with {begin!r} ... {end!r}")
 
 
 # -- rendering ------------------------------------------------------------------------
@@ -197,7 +177,7 @@ def template_messages(messages: Sequence[Any], fmt: ToolFormat, tools: Sequence[
 
 
 def _one_call(tool: Any, fmt: ToolFormat) -> dict[str, Any]:
-    args_key = "parameters" if fmt == "llama3" else "arguments"
+    args_key = FORMATS[fmt].args_key
     return {
         "type": "object",
         "properties": {"name": {"const": tool.name}, args_key: tool.parameters},
@@ -215,70 +195,4 @@ def call_schema(tools: Sequence[Any], fmt: ToolFormat) -> str:
 
 def call_frame(fmt: ToolFormat) -> tuple[str, str]:
     """The fixed text around a constrained call's JSON: (begin, end)."""
-    return ("<tool_call>\n", "\n</tool_call>") if fmt == "hermes" else ("", "")
-
-
-# -- parsing -------------------------------------------------------------------------------
-
-
-def parse_tool_calls(text: str, fmt: ToolFormat, tools: Sequence[Any]) -> list[ParsedCall] | None:
-    """The calls of known tools in `text`, or None when it holds none (plain text).
-
-    A call whose JSON does not parse, or names no tool of `tools`, is not a call: the
-    output then stays plain text for the client to read.
-    """
-    names = {t.name for t in tools}
-    if fmt == "hermes":
-        blobs = _HERMES_CALL.findall(text)
-        args_keys = ("arguments", "parameters")
-    else:
-        body = text.strip()
-        if body.startswith(_PYTHON_TAG):
-            body = body[len(_PYTHON_TAG):].strip()
-        blobs = _json_objects(body)
-        args_keys = ("parameters", "arguments") if fmt == "llama3" else ("arguments", "parameters")
-    calls = []
-    for blob in blobs:
-        call = _call_from(blob, names, args_keys)
-        if call is None:
-            return None
-        calls.append(call)
-    return calls or None
-
-
-def _json_objects(body: str) -> list[str]:
-    """`body` as one JSON object, or several separated by ';' or newlines."""
-    if not body.startswith("{"):
-        return []
-    decoder = json.JSONDecoder()
-    out, pos = [], 0
-    while pos < len(body):
-        try:
-            _, end = decoder.raw_decode(body, pos)
-        except json.JSONDecodeError:
-            return out if out else [body]  # let _call_from reject it
-        out.append(body[pos:end])
-        pos = end
-        while pos < len(body) and body[pos] in " \t\r\n;":
-            pos += 1
-        if pos < len(body) and body[pos] != "{":
-            return []  # text after the calls: not a pure call answer
-    return out
-
-
-def _call_from(blob: str, names: set[str], args_keys: tuple[str, ...]) -> ParsedCall | None:
-    try:
-        obj = json.loads(blob)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
-        return None
-    args = next((obj[k] for k in args_keys if k in obj), {})
-    if isinstance(args, str):
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return FORMATS[fmt].frame

@@ -33,7 +33,7 @@ from radixlm.runtime.model.config import ModelConfig
 from radixlm.runtime.model.runner import ModelRunner
 
 from .group import Rendezvous, TPGroup
-from .linear import RowParallelAdd
+from .linear import use_row_parallel
 from .load import load_shard
 from .shard import check_tp_size
 from .step_wire import encode_step
@@ -111,7 +111,7 @@ class TensorParallel:
             runner = ModelRunner.from_model(model, pool, attention)
             wait_loaded(workers, start_timeout_s)
             group = TPGroup(rdv, 0)
-            model.add_out_proj = RowParallelAdd(group)
+            use_row_parallel(model, group)
         except BaseException:
             stop_all(workers, send_stop=False)
             shutil.rmtree(tmpdir, ignore_errors=True)

@@ -44,7 +44,7 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """The spawned process's entry point."""
-    from radixlm.runtime.launcher import die_with_parent
+    from radixlm.runtime.server.child import die_with_parent
 
     die_with_parent(spec.parent_pid)
     logging.basicConfig(
@@ -67,7 +67,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     from radixlm.cache import KVPool
     from radixlm.runtime.model.runner import ModelRunner
 
-    from .linear import RowParallelAdd
+    from .linear import use_row_parallel
     from .load import load_shard
     from .step_wire import decode_step
 
@@ -82,7 +82,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     runner = ModelRunner.from_model(model, pool, spec.attention)
     conn.send_bytes(LOADED)
     group = TPGroup(spec.rendezvous, spec.rank)
-    model.add_out_proj = RowParallelAdd(group)
+    use_row_parallel(model, group)
     log.debug("rank %d of %d ready on %s", spec.rank, group.world, device)
     try:
         while True:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -23,15 +24,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 import zmq
 from radixlm.cache import KVPool, PrefixCache
-from radixlm.runtime.channel import open_socket
 from radixlm.runtime.config import Endpoints, EngineConfig, context_length_for
+from radixlm.runtime.engine.durable_state import EngineState, open_disk_tier, open_engine_state
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.pool_size import kv_capacity
+from radixlm.runtime.engine.sampling import Sampler
 from radixlm.runtime.engine.scheduler import Scheduler
 from radixlm.runtime.engine.serve_loop import EngineLoop, StopFlag
 from radixlm.runtime.engine.sessions import SessionManager
-from radixlm.runtime.engine_wire import EngineReady, encode
+from radixlm.runtime.engine.wire import EnginePin, EngineReady, encode
 from radixlm.runtime.grammar.runtime import Grammars
+from radixlm.runtime.memory import release_free_memory
 from radixlm.runtime.model import (
     ModelConfig,
     ModelRunner,
@@ -43,8 +46,7 @@ from radixlm.runtime.model import (
 from radixlm.runtime.model import resolve_model as _resolve_model
 from radixlm.runtime.model.loader import engine_weight_format
 from radixlm.runtime.model.memory_check import check_model_fits
-from radixlm.runtime.sampling import Sampler
-from radixlm.runtime.transport.memory import release_free_memory
+from radixlm.runtime.transport.channel import open_socket
 from radixlm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -63,9 +65,17 @@ class Engine:
     runner: ModelRunner | TensorParallelRunner
     ready: EngineReady
     tp: TensorParallel | None = None  # the other ranks, with --tensor-parallel-size > 1
+    state: EngineState | None = None  # with a state directory
+
+    def close(self) -> None:
+        if self.tp is not None:
+            self.tp.close()
+        if self.state is not None:
+            self.state.close()
 
 
-def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> Engine:
+def build_engine(config: EngineConfig, model_dir: str | Path | None = None,
+                 boot: str = "") -> Engine:
     """Resolve and load the model, size the pool, and wire cache, sessions and scheduler."""
     t0 = time.perf_counter()
     if config.threads > 0:
@@ -108,7 +118,16 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
                  t_load)  # fmt: skip
     # "priority": demoted session histories are evicted after plain cache (sessions.py).
     cache = PrefixCache(capacity, config.page_size, policy="priority")
-    sessions = SessionManager(cache, config, kv_pool=pool)
+    state = open_engine_state(config.state_dir, model_dir, {
+        "weights": fmt or str(dtype), "kv_dtype": str(kv_dtype), "page_size": config.page_size,
+        "kv_layout": (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim),
+        "tensor_parallel": config.tensor_parallel_size,
+    })  # fmt: skip
+    disk = None if state is None else open_disk_tier(state, pool, config.disk_kv_bytes,
+                                                     config.tensor_parallel_size)
+    sessions = SessionManager(cache, config, kv_pool=pool,
+                              durable=state.log if state is not None else None, disk=disk)
+    restored_pins = _load_state(state, sessions)
     eos = set(mcfg.eos_token_ids)
     grammars = tokenizer = None
     try:
@@ -145,16 +164,33 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
         capacity, str(kv_dtype).removeprefix("torch."), config.page_size, pool.nbytes / 2**20,
         context, options.policy, options.max_running, options.chunked_prefill, sorted(eos),
     )  # fmt: skip
+    for pin in restored_pins:  # re-pinned through the ordinary path (no client waits)
+        sched.handle(pin)
     ready = EngineReady(
         model=config.model or "default", context_length=context, page_size=config.page_size,
         kv_capacity=capacity, model_dir=str(model_dir), vocab_size=mcfg.vocab_size,
+        state=state.fingerprint if state is not None else "", boot=boot or secrets.token_hex(8),
     )  # fmt: skip
-    return Engine(sched, runner, ready, tp)
+    sched.ready = ready
+    return Engine(sched, runner, ready, tp, state)
 
 
-def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
-    """The engine process's main: serve until Shutdown or SIGTERM."""
-    engine = build_engine(config)
+def _load_state(state: EngineState | None, sessions: SessionManager) -> list[EnginePin]:
+    """Durable sessions back (detached, demoted) and the pins to make again."""
+    if state is None:
+        return []
+    rows, pins = state.log.load()
+    sessions.load_state(rows)
+    log.info("state: %s: %d durable session(s) and %d pin(s) read back", state.folder,
+             len(rows), len(pins))
+    return [EnginePin(client=b"", rid=f"restore-{i}", name=p.name, input_ids=p.ids.tolist(),
+                      namespace=p.namespace) for i, p in enumerate(pins)]
+
+
+def run_engine(config: EngineConfig, endpoints: Endpoints, boot: str = "") -> None:
+    """The engine process's main: serve until Shutdown or SIGTERM. `boot`: the id it
+    announced as it started (`EngineBoot`), repeated in its `EngineReady`."""
+    engine = build_engine(config, boot=boot)
     sched = engine.scheduler
     # Everything loaded so far (model, tokenizer, libraries: millions of objects) lives as
     # long as the process: out of the collector's way, or every full collection walks it
@@ -171,16 +207,16 @@ def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
         engine.tp.on_failure(lambda: setattr(stop, "set", True))
     try:
         outbox.send(encode(engine.ready))
-        release_free_memory()  # what loading freed (runtime/transport/memory.py)
+        release_free_memory()  # what loading freed (runtime/memory.py)
         log.info("engine ready")
         loop = EngineLoop(sched, inbox, outbox, stop)
+        sched.sessions.post = loop.intake.put  # committed durable writes answer on the loop
         loop.on_step = _ThroughputLog(sched, loop).maybe_log
         loop.run()
         if engine.tp is not None:
             engine.tp.raise_if_failed()
     finally:
-        if engine.tp is not None:
-            engine.tp.close()
+        engine.close()
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
         inbox.close(linger=0)

@@ -1,33 +1,40 @@
-"""Requests whose grammar is still compiling: they wait in `RequestTable.compiling`
+"""Requests held back: their grammar still compiling, or their history still being read
+from the disk tier (sessions/disk_backup.py). They wait in `RequestTable.compiling`
 (holding no KV) while other requests keep decoding, and join the waiting queue once
-the compiler thread is done; a grammar that does not compile fails its request with
-`invalid_params` and the compiler's message."""
+the compiler thread and the disk are done; a grammar that does not compile fails its
+request with `invalid_params` and the compiler's message."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.request import RequestGroup
 from radixlm.runtime.engine.table import RequestTable
-from radixlm.runtime.grammar.compiler import GrammarError, Pending
+from radixlm.runtime.grammar.compiler import CompilingGrammar, GrammarError
 from radixlm.runtime.protocol import ErrorCode
 from radixlm.runtime.rules import RequestError
 
 log = logging.getLogger(__name__)
 
 
-def release_compiled(table: RequestTable, endings: Endings) -> None:
-    """Move every group whose compilation finished to `waiting` (branches in arrival
-    order), or fail it."""
+def release_compiled(table: RequestTable, endings: Endings,
+                     loading: Callable[[RequestGroup], bool] = lambda g: False) -> None:
+    """Move every group whose compilation (and disk read: `loading`) finished to
+    `waiting` (branches in arrival order), or fail it."""
     if not table.compiling:
         return
     groups: dict[int, RequestGroup] = {}
     for r in table.compiling:
         groups.setdefault(id(r.group), r.group)
     for g in groups.values():
+        if loading(g):
+            continue
         pending = g.grammar
-        assert isinstance(pending, Pending)
+        if not isinstance(pending, CompilingGrammar):
+            table.release(g)
+            continue
         if not pending.done():
             continue
         try:

@@ -15,10 +15,11 @@ from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
+from radixlm.runtime.engine.sampling import make_generator
 from radixlm.runtime.engine.sessions.controller import Intake, SessionController, Turn
 from radixlm.runtime.engine.state import TERMINAL, ReqState
 from radixlm.runtime.engine.table import RequestTable
-from radixlm.runtime.engine_wire import (
+from radixlm.runtime.engine.wire import (
     ClientGone,
     EngineAbort,
     EngineCommand,
@@ -27,7 +28,7 @@ from radixlm.runtime.engine_wire import (
     EnginePin,
     TokenOutput,
 )
-from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
+from radixlm.runtime.grammar.compiler import CompiledGrammar, CompilingGrammar
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.protocol import Error, ErrorCode, SamplingParams, Struct, branch_seed
@@ -37,9 +38,9 @@ from radixlm.runtime.rules import (
     check_prompt_logprobs_start,
     resolve_max_tokens,
 )
-from radixlm.runtime.sampling import make_generator
 from radixlm.tokenizer import Tokenizer, TokenStopMatcher
-from radixlm.tokenizer.call_frames import FramedCalls
+from radixlm.tokenizer.call_parser import CallParser
+from radixlm.tokenizer.tools import framed_format
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class MessageHandler:
         ), stop_context=msg.input_ids, calls=msg.grammar)  # fmt: skip
 
     def _grammar(self, spec: GrammarSpec | None, namespace: str | None,
-                 client: bytes) -> CompiledGrammar | Pending | None:
+                 client: bytes) -> CompiledGrammar | CompilingGrammar | None:
         """The compiled grammar, or its compilation in flight (the group then waits in
         `table.compiling`; a grammar that does not compile fails it there). The cache is
         the namespace's own (its tenant's: nothing of one is answered faster for another);
@@ -230,12 +231,12 @@ class MessageHandler:
             if (g.sampling.stop or g.sampling.stop_regex or parallel is not None) \
                     and stop_context is not None:
                 watch = None
-                if calls is not None and parallel is not None:
-                    watch = FramedCalls(calls.begin, calls.end, parallel)
+                if calls is not None and parallel is not None:  # the grammar checked names
+                    watch = CallParser(framed_format(calls.begin, calls.end), None)
                 r.stops = TokenStopMatcher(self.tokenizer, g.sampling.stop, stop_context,
                                            g.sampling.stop_regex, watch)
             g.branches.append(r)
-        self.table.add(g)
+        self.table.add(g, held=self.sessions.loading(g))
 
     # ---------------------------------------------------------------- endings
     def _on_client_gone(self, client: bytes) -> None:

@@ -18,7 +18,7 @@ from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
 from radixlm.runtime.engine.sessions.controller import SessionController
 from radixlm.runtime.engine.state import TERMINAL, ReqState
 from radixlm.runtime.engine.table import Counters, RequestTable
-from radixlm.runtime.engine_wire import TokenOutput
+from radixlm.runtime.engine.wire import TokenOutput
 from radixlm.runtime.protocol import Error, ErrorCode, Usage
 from radixlm.runtime.rules import RequestError
 

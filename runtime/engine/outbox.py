@@ -3,7 +3,7 @@ outputs of each step (one `StepOutputs` per `take`, after the replies)."""
 
 from __future__ import annotations
 
-from radixlm.runtime.engine_wire import StepOutputs, ToClient, ToFrontend, TokenOutput
+from radixlm.runtime.engine.wire import StepOutputs, ToClient, ToFrontend, TokenOutput
 from radixlm.runtime.protocol import Struct, encode
 
 
@@ -13,7 +13,13 @@ class Outbox:
         self._replies: list[ToFrontend] = []
 
     def reply(self, client: bytes, msg: Struct, ends: int | None = None) -> None:
+        if not client:  # the engine's own requests (pins restored at start): nobody waits
+            return
         self._replies.append(ToClient(client=client, data=encode(msg), ends=ends))
+
+    def send(self, msg: ToFrontend) -> None:
+        """A message for the frontend itself (its `EngineReady`, again), in order."""
+        self._replies.append(msg)
 
     def take(self) -> list[ToFrontend]:
         """Replies so far, then one StepOutputs with every output since the last call."""

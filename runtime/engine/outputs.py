@@ -28,15 +28,15 @@ from radixlm.runtime.engine.cache_manager import CacheManager
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request
+from radixlm.runtime.engine.sampling import Sampler, prompt_logprobs
 from radixlm.runtime.engine.sessions.controller import SessionController
 from radixlm.runtime.engine.state import ReqState
 from radixlm.runtime.engine.table import Counters, RequestTable
-from radixlm.runtime.engine_wire import TokenOutput
+from radixlm.runtime.engine.wire import TokenOutput
 from radixlm.runtime.grammar.matcher import GrammarState
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.protocol import ErrorCode, TopLogprob
 from radixlm.runtime.rules import RequestError
-from radixlm.runtime.sampling import Sampler, prompt_logprobs
 
 
 @dataclass(eq=False)

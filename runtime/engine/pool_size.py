@@ -31,7 +31,10 @@ def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     per_layer = h * config.q_size * 2 + h * config.kv_size * 2 + 3 * h * i + 2 * h
     embed = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
     item = torch.empty((), dtype=dtype).element_size()
-    return (config.num_layers * per_layer + embed) * item
+    experts = 0
+    if config.moe is not None:  # a sparse layer's experts in place of its dense MLP
+        experts = sum(config.moe.layer_params(h) - 3 * h * i for s in config.moe.sparse_layers if s)
+    return (config.num_layers * per_layer + embed + experts) * item
 
 
 def available_ram() -> int:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from radixlm.runtime.engine.request import Request, RequestGroup
 from radixlm.runtime.engine.state import LIVE_WITH_KV, ReqState, advance
 from radixlm.runtime.engine.timings import Latencies
-from radixlm.runtime.grammar.compiler import Pending
+from radixlm.runtime.grammar.compiler import CompilingGrammar
 
 
 @dataclass
@@ -34,8 +34,9 @@ class RequestTable:
     The table is the queues' one owner and `move` the one place requests change state
     and queue together (the managers read the queues, never change them):
 
-    - `compiling`: WAITING, holding nothing, their group's grammar still compiling
-      (`add` puts them there, `release` moves them to `waiting` once it compiled);
+    - `compiling`: WAITING, holding nothing, held back: their group's grammar still
+      compiling or its history still being read from the disk tier (`add` puts them
+      there, `release` moves them to `waiting` once that is done);
     - `waiting`: WAITING, holding nothing; admission order is decided each step by the
       policy (prefill.py), and `move(r, PREFILLING)` admits one;
     - `running`: PREFILLING or DECODING, holding KV, in admission order (the last is the
@@ -75,14 +76,15 @@ class RequestTable:
         return sum(r.private for r in self._running)
 
     # ----------------------------------------------------------------- moves
-    def add(self, g: RequestGroup) -> None:
-        """A new group: its branches wait (for their grammar first, if it compiles)."""
+    def add(self, g: RequestGroup, held: bool = False) -> None:
+        """A new group: its branches wait (for their grammar first, if it compiles, or
+        whatever else holds them back: `held`)."""
         self._groups[g.key] = g
-        queue = self._compiling if isinstance(g.grammar, Pending) else self._waiting
+        queue = self._compiling if held or isinstance(g.grammar, CompilingGrammar) else self._waiting
         queue.extend(g.branches)
 
     def release(self, g: RequestGroup) -> None:
-        """`g`'s grammar compiled: its branches join the waiting queue."""
+        """`g`'s grammar compiled (its history read): its branches join the waiting queue."""
         for b in g.branches:
             if b in self._compiling:
                 self._compiling.remove(b)

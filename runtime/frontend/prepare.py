@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from radixlm.runtime.engine_wire import AppendVariants, Variant
+from radixlm.runtime.engine.wire import AppendVariants, Variant
 from radixlm.runtime.protocol import ErrorCode, Generate, Input, OpenSession, Pin, Tool
 from radixlm.runtime.rules import RequestError
 from radixlm.tokenizer import ChatTemplate, ChatTemplateError, Tokenizer

@@ -12,7 +12,7 @@ import logging
 
 import msgspec
 from radixlm.runtime import protocol as wire
-from radixlm.runtime.engine_wire import EngineAbort, EngineReady, StepOutputs, ToClient, TokenOutput
+from radixlm.runtime.engine.wire import EngineAbort, EngineReady, StepOutputs, ToClient, TokenOutput
 from radixlm.runtime.frontend.clients import ClientState, Routes
 from radixlm.runtime.frontend.streams import RequestStream
 

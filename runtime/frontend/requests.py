@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from radixlm.runtime import protocol as wire
-from radixlm.runtime.engine_wire import (
+from radixlm.runtime.engine.wire import (
     AppendVariants,
     EngineAbort,
     EngineCommand,
@@ -88,6 +88,7 @@ class ClientRequests:
             wire.CloseSession: self.close_session,
             wire.Unpin: self.unpin,
             wire.ListSessions: self.command,
+            wire.ResumeSession: self.command,  # the engine checks the tenant
             wire.GetStats: self.command,
             wire.FlushCache: self.flush_cache,
         }
@@ -136,7 +137,7 @@ class ClientRequests:
         stream = RequestStream(key, client.identity, msg.rid, stream=msg.stream, n=msg.n,
                                sampling=msg.sampling, session=msg.session,
                                tokenizer=self.model.tokenizer,
-                               tool_calls=plan.tool_calls if plan.parse_calls else None,
+                               calls=plan.reader if plan.parse_calls else None,
                                logprob_texts=msg.logprob_texts)
         self.routes.streams[key] = stream
         client.inflight[msg.rid] = key
@@ -170,8 +171,14 @@ class ClientRequests:
     def tokenize(self, client: ClientState, msg: wire.Tokenize) -> None:
         self._check(msg.input)
         model = self.model
-        self._prepare(client, msg.rid, msg.input, lambda: input_ids(model, msg.input),
-                      lambda ids: self.routes.reply(client, wire.Tokens(rid=msg.rid, input_ids=ids)))
+        def then(ids: list[int]) -> None:
+            strs = None
+            if msg.token_strs:
+                piece = model.tokenizer.id_to_token
+                strs = [piece(t) or "" for t in ids]
+            self.routes.reply(client, wire.Tokens(rid=msg.rid, input_ids=ids, token_strs=strs))
+
+        self._prepare(client, msg.rid, msg.input, lambda: input_ids(model, msg.input), then)
 
     def detokenize(self, client: ClientState, msg: wire.Detokenize) -> None:
         check_input(wire.Input(input_ids=msg.token_ids), self.model.vocab_size)
@@ -190,6 +197,7 @@ class ClientRequests:
                 pinned=client.names.pin(msg.pinned), retention=msg.retention, ttl_s=msg.ttl_s,
                 namespace=client.names.namespace(msg.namespace),
                 assistant_open=bool(assistant_flag(msg.input)),
+                durable=msg.durable, tenant=client.names.tenant,
             ))
 
         model = self.model
@@ -225,4 +233,7 @@ class ClientRequests:
                                            tenant=client.names.tenant))
 
     def command(self, client: ClientState, msg: Any) -> None:
-        self.forward(client, EngineCommand(client=client.identity, msg=msg))
+        # The tenant: resumes and listings of durable sessions are the tenant's, not the
+        # connection's (a session outlives the connection that opened it).
+        self.forward(client, EngineCommand(client=client.identity, msg=msg,
+                                           tenant=client.names.tenant))

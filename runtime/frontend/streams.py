@@ -11,7 +11,9 @@ last output says how many characters of its text belong to the matched stop stri
 (the token stays in `token_ids` and the history), as SGLang trims it. So the streamed
 chunks concatenate to the Done's text and ids, and the Done's session length is the
 engine's. With ``logprob_texts`` every chunk and Done maps the token ids it carries
-(output, top alternatives, prompt) to their texts, each decoded alone.
+(output, top alternatives, prompt) to their texts, each decoded alone. With tools whose
+calls are read, each branch's `CallReader` reads its text as it comes: a streamed chunk
+carries the text outside calls and the pieces of calls, the Done the complete calls.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from radixlm.runtime.engine_wire import TokenOutput
+from radixlm.runtime.engine.wire import TokenOutput
+from radixlm.runtime.frontend.structured import CallReader
 from radixlm.runtime.protocol import (
     Chunk,
     Done,
     SamplingParams,
-    ToolCall,
     TopLogprob,
     Usage,
 )
@@ -42,10 +44,12 @@ _NOTHING = Outcome()
 class _Branch:
     """One output sequence."""
 
-    __slots__ = ("detok", "token_ids", "texts", "logprobs", "top_logprobs", "done")
+    __slots__ = ("detok", "token_ids", "texts", "logprobs", "top_logprobs", "done", "calls")
 
-    def __init__(self, tokenizer: Tokenizer, context: list[int], sampling: SamplingParams) -> None:
+    def __init__(self, tokenizer: Tokenizer, context: list[int], sampling: SamplingParams,
+                 calls: CallReader | None) -> None:
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids=context)
+        self.calls = calls
         self.token_ids: list[int] = []
         self.texts: list[str] = []
         self.logprobs: list[float] | None = [] if sampling.logprobs else None
@@ -57,11 +61,11 @@ class RequestStream:
     """One in-flight Generate, from the frontend's side."""
 
     __slots__ = ("key", "client", "rid", "stream", "session", "appended",
-                 "_tokenizer", "_sampling", "_branches", "remaining", "_tool_calls", "_texts")
+                 "_tokenizer", "_sampling", "_branches", "remaining", "_calls", "_texts")
 
     def __init__(self, key: int, client: bytes, rid: str, *, stream: bool, n: int,
                  sampling: SamplingParams, session: str | None, tokenizer: Tokenizer,
-                 tool_calls: Callable[[str], list[ToolCall] | None] | None = None,
+                 calls: Callable[[], CallReader | None] | None = None,
                  logprob_texts: bool = False) -> None:
         self.key = key
         self.client = client
@@ -73,7 +77,7 @@ class RequestStream:
         self._sampling = sampling
         self._branches: list[_Branch | None] = [None] * n
         self.remaining = n  # branches without a Done yet
-        self._tool_calls = tool_calls  # reads a branch's calls out of its whole text
+        self._calls = calls  # a branch's call reader
         self._texts = logprob_texts  # token ids' texts ride with the logprobs
 
     def prepared(self, ids: list[int]) -> None:
@@ -82,7 +86,9 @@ class RequestStream:
         self.appended = ids
 
     def _new_branch(self, index: int) -> _Branch:
-        branch = self._branches[index] = _Branch(self._tokenizer, self.appended, self._sampling)
+        branch = self._branches[index] = _Branch(
+            self._tokenizer, self.appended, self._sampling,
+            self._calls() if self._calls is not None else None)
         return branch
 
     def on_output(self, out: TokenOutput) -> Outcome:
@@ -110,17 +116,19 @@ class RequestStream:
             self._add_logprobs(b, out)
         b.texts.append(text)
         chunk = None
-        if self.stream and (text or ids):
-            sent = len(b.token_ids)
-            logprobs, top_logprobs = b.logprobs, b.top_logprobs
-            chunk = Chunk(
-                rid=self.rid, text=text, token_ids=ids,
-                logprobs=logprobs[start:sent] if logprobs is not None else None,
-                top_logprobs=top_logprobs[start:sent] if top_logprobs is not None else None,
-                index=index,
-            )
-            if self._texts:
-                chunk.token_texts = self._token_texts(ids, chunk.top_logprobs)
+        if self.stream:
+            content, pieces = b.calls.read(text, final) if b.calls is not None else (None, None)
+            if text or ids or content or pieces:
+                sent = len(b.token_ids)
+                logprobs, top_logprobs = b.logprobs, b.top_logprobs
+                chunk = Chunk(
+                    rid=self.rid, text=text, token_ids=ids,
+                    logprobs=logprobs[start:sent] if logprobs is not None else None,
+                    top_logprobs=top_logprobs[start:sent] if top_logprobs is not None else None,
+                    index=index, content=content, tool_calls=pieces,
+                )
+                if self._texts:
+                    chunk.token_texts = self._token_texts(ids, chunk.top_logprobs)
         if not final:
             # NamedTuple's own __new__ is Python code; this is its C equivalent.
             return tuple.__new__(Outcome, (chunk, None))
@@ -144,6 +152,9 @@ class RequestStream:
         b.done = True
         self.remaining -= 1
         text = "".join(b.texts)
+        calls = b.calls
+        if calls is not None and not self.stream:
+            calls.read(text, final=True)  # (streamed: read as it came)
         done = Done(
             rid=self.rid,
             finish_reason=out.finish_reason,  # type: ignore[arg-type]
@@ -160,7 +171,7 @@ class RequestStream:
             session=out.session,
             session_length=out.session_length,
             index=out.index,
-            tool_calls=self._tool_calls(text) if self._tool_calls is not None else None,
+            tool_calls=calls.calls if calls is not None else None,
         )
         if self._texts:
             tops = [*(b.top_logprobs or ()), *(out.prompt_top_logprobs or ())]

@@ -10,28 +10,33 @@ its output, with OpenAI's semantics for tools beside a response format:
 
 Built on the frontend's main thread as the request arrives (no tokenizer work, no
 xgrammar: a grammar that does not compile is reported by the engine, which compiles it).
+
+Its call readers are the one place a call is read for clients and given its id:
+`CallReader.read(text)` feeds a branch's new text to the call parser
+(`radixlm.tokenizer.call_parser`) and returns it as a chunk carries it (docs/protocol.md,
+`chunk`): the text outside calls (`content`) and the pieces of calls (`CallDelta`s, each
+placed in that content by its `at`; the pieces of one call within one read merged into
+one). Each call gets its id when its name is known, so the first piece that names it
+carries it, and `calls` lists the complete calls with the same ids for the branch's Done.
+A call the output ended inside is streamed as it stood but is not listed.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from radixlm.runtime.grammar.spec import GrammarSpec, grammar_fields_given
-from radixlm.runtime.protocol import ErrorCode, Generate, NamedToolChoice, Tool, ToolCall
+from radixlm.runtime.protocol import CallDelta, ErrorCode, Generate, NamedToolChoice, Tool, ToolCall
 from radixlm.runtime.rules import RequestError
-from radixlm.tokenizer.tools import (
-    ToolFormat,
-    call_frame,
-    call_schema,
-    check_tools,
-    parse_tool_calls,
-)
+from radixlm.tokenizer.call_parser import ArgsDelta, CallBegin, CallEnd, CallParser, TextDelta
+from radixlm.tokenizer.tools import ToolFormat, call_frame, call_schema
 
-__all__ = ["StructuredPlan", "plan_structured"]
+__all__ = ["CallReader", "StructuredPlan", "new_call_id", "plan_structured"]
 
 
-# Between parallel calls (every format's parser also reads calls split by newlines).
+# Between parallel calls (the call parser also reads calls split by spaces or ';').
 CALL_SEPARATOR = "\n"
 
 
@@ -40,19 +45,71 @@ class StructuredPlan:
     grammar: GrammarSpec | None
     tools: list[Tool] | None  # rendered with the prompt (messages input)
     fmt: ToolFormat
-    parse_calls: bool  # read tool calls out of the output into Done.tool_calls
+    parse_calls: bool  # read tool calls out of the output (chunks' and Done's tool_calls)
     parallel: bool = True  # several calls may be answered at once
 
-    def tool_calls(self, text: str) -> list[ToolCall] | None:
+    def reader(self) -> CallReader | None:
+        """A branch's call reader (None: its calls are not read)."""
         if not self.parse_calls or not self.tools:
             return None
-        parsed = parse_tool_calls(text, self.fmt, self.tools)
-        if parsed is None:
-            return None
-        if not self.parallel:
-            parsed = parsed[:1]
-        return [ToolCall(id=f"call_{secrets.token_hex(12)}", name=c.name, arguments=c.arguments)
-                for c in parsed]
+        return CallReader(self.fmt, self.tools, self.parallel)
+
+
+# -- reading a branch's calls ------------------------------------------------------------
+
+
+def new_call_id() -> str:
+    return f"call_{secrets.token_hex(12)}"
+
+
+class CallReader:
+    """See the module docstring; ``parallel`` false keeps the first call only."""
+
+    __slots__ = ("_parser", "_calls", "_id", "_name")
+
+    def __init__(self, fmt: ToolFormat, tools: Sequence[Tool], parallel: bool) -> None:
+        self._parser = CallParser(fmt, [t.name for t in tools], one_call=not parallel)
+        self._calls: list[ToolCall] = []
+        self._id = self._name = ""  # the open call's
+
+    @property
+    def calls(self) -> list[ToolCall] | None:
+        return self._calls or None
+
+    def read(self, text: str, final: bool = False) -> tuple[str, list[CallDelta] | None]:
+        """`text` (the branch's next text; `final`: its last) as (content, call pieces)."""
+        parser = self._parser
+        events = parser.feed(text) if text else []
+        if final:
+            events += parser.finish()
+        content: list[str] = []
+        at = 0
+        pieces: list[CallDelta] = []
+        for e in events:
+            if isinstance(e, TextDelta):
+                content.append(e.text)
+                at += len(e.text)
+            elif isinstance(e, CallBegin):
+                self._id, self._name = new_call_id(), e.name
+                pieces.append(CallDelta(index=e.index, at=at, id=self._id, name=e.name))
+            elif isinstance(e, ArgsDelta):
+                self._piece(pieces, e.index, at).arguments += e.text
+            elif isinstance(e, CallEnd) and e.complete:
+                self._piece(pieces, e.index, at).done = True
+                self._calls.append(ToolCall(id=self._id, name=self._name, arguments=e.arguments))
+        return "".join(content), pieces or None
+
+    @staticmethod
+    def _piece(pieces: list[CallDelta], index: int, at: int) -> CallDelta:
+        """The piece of call `index` at `at` in this read (made if none)."""
+        last = pieces[-1] if pieces else None
+        if last is None or last.index != index or last.at != at:
+            last = CallDelta(index=index, at=at)
+            pieces.append(last)
+        return last
+
+
+# -- the plan ---------------------------------------------------------------------------
 
 
 NO_PLAN = StructuredPlan(grammar=None, tools=None, fmt="generic", parse_calls=False)
@@ -67,8 +124,8 @@ def call_grammar(tools: list[Tool], fmt: ToolFormat, *, several: bool,
 
 
 def plan_structured(msg: Generate, fmt: ToolFormat) -> StructuredPlan:
-    """Check the request's grammar fields, tools and tool_choice; raise `RequestError`
-    (invalid_params) naming the first problem."""
+    """Check the request's grammar fields and tool_choice (its tools have passed
+    `rules.check_tools`); raise `RequestError` (invalid_params) naming the first problem."""
     sampling, tools, choice = msg.sampling, msg.tools, msg.tool_choice
     given = grammar_fields_given(sampling)
     if len(given) > 1:
@@ -76,11 +133,6 @@ def plan_structured(msg: Generate, fmt: ToolFormat) -> StructuredPlan:
     grammar = GrammarSpec(kind=given[0], text=getattr(sampling, given[0])) if given else None
     if tools is None and choice == "auto" and grammar is None:
         return NO_PLAN
-    if tools is not None:
-        if not tools:
-            raise _invalid("tools is empty: omit it, or give at least one tool")
-        if problem := check_tools(tools):
-            raise _invalid(problem)
     forced = _forced_tools(tools, choice)
     parallel = msg.parallel_tool_calls
     if forced is not None:  # a call; the request's own grammar would shape content

@@ -21,7 +21,7 @@ from radixlm.runtime.http import (
     turns,
 )
 from radixlm.runtime.http.config import HttpConfig
-from radixlm.runtime.http.context import HttpContext, TokenTexts, now
+from radixlm.runtime.http.context import HttpContext, now
 from radixlm.runtime.http.engine_link import EngineLink
 from radixlm.runtime.http.errors import ApiError, from_engine
 from radixlm.runtime.http.metrics import Metrics
@@ -179,7 +179,7 @@ def build_app(config: HttpConfig) -> Starlette:
         return Tenant(name, link, ConversationStore(config.response_ttl_s, link.close_sessions))
 
     tenants = Tenants(config.api_keys, make_tenant)
-    ctx = HttpContext(config, tenants, Metrics(), TokenTexts(config.tokenizer_dir))
+    ctx = HttpContext(config, tenants, Metrics())
 
     def route(path: str, name: str, handler: Handler, methods: list[str], public: bool = False) -> Route:
         return Route(path, _route(ctx, name, handler, public=public), methods=methods)

@@ -12,7 +12,6 @@ from radixlm.runtime.http import convert, generation, sse, turns
 from radixlm.runtime.http.context import HttpContext, now, request_body
 from radixlm.runtime.http.errors import invalid
 from radixlm.runtime.http.logprobs import chat_content
-from radixlm.runtime.http.reply_stream import ArgsDelta, CallBegin, Event, ReplyParser, TextDelta
 from radixlm.runtime.http.schemas import ChatCompletionRequest
 from radixlm.runtime.http.store import Stored, new_id
 from radixlm.runtime.protocol import Chunk, Done, Generate, Input
@@ -70,17 +69,17 @@ async def chat_completions(ctx: HttpContext, request: Request) -> Response:
         turn = await turns.begin(ctx, spec.id, fork=spec.fork, keep=True, kind="session")
     msg = Generate(rid=ctx.link.rid(), input=Input(messages=messages), sampling=sampling,
                    stream=bool(req.stream), session=turn.session, n=n, tools=tools,
-                   tool_choice=tool_choice, parallel_tool_calls=parallel)
+                   tool_choice=tool_choice, parallel_tool_calls=parallel,
+                   logprob_texts=bool(req.logprobs))
     cid = f"chatcmpl-{secrets.token_hex(12)}"
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        parser = ReplyParser(ctx.welcome.tool_format, tools, tool_choice != "none", n, parallel)
         try:
             first, rest = await sse.first_then_rest(generation.replies(ctx, msg))
         except BaseException:
             turns.finish(ctx, turn, None, "")
             raise
-        return sse.response(_stream(ctx, cid, first, rest, n, include_usage, parser, turn))
+        return sse.response(_stream(ctx, cid, first, rest, n, include_usage, turn))
     done = None
     try:
         dones = await generation.run(ctx, msg)
@@ -103,19 +102,18 @@ def _choice(ctx: HttpContext, done: Done, logprobs: bool) -> dict[str, Any]:
         message = {"role": "assistant", "content": None, "tool_calls": tool_calls_json(done)}
     lp = None
     if logprobs:
-        lp = {"content": chat_content(ctx.tokens, done.token_ids, done.logprobs,
+        lp = {"content": chat_content(done.token_texts, done.token_ids, done.logprobs,
                                       done.top_logprobs)}
     return {"index": done.index, "message": message, "logprobs": lp,
             "finish_reason": finish_reason(done)}
 
 
 async def _stream(ctx: HttpContext, cid: str, first: Chunk | Done, rest: AsyncIterator[Any],
-                  n: int, include_usage: bool, parser: ReplyParser,
-                  turn: turns.Turn) -> AsyncIterator[bytes]:
+                  n: int, include_usage: bool, turn: turns.Turn) -> AsyncIterator[bytes]:
     """OpenAI chunks: a role delta per choice, content deltas, a finish chunk per choice,
-    then (include_usage) a usage chunk, then [DONE]. With tools, text streams as it
-    comes except what may begin a call, and each call comes as ``delta.tool_calls``: its
-    index, id and name first, then fragments of its arguments."""
+    then (include_usage) a usage chunk, then [DONE]. With tools, content and calls come as
+    the frontend read them (`generation.parts`): the text outside calls, and each call as
+    ``delta.tool_calls`` -- its index, id and name first, then fragments of its arguments."""
     head = {"id": cid, "object": "chat.completion.chunk", "created": now(),
             "model": ctx.model_name}
     # Content chunks are by far the most frequent: their JSON is assembled around the text.
@@ -129,26 +127,31 @@ async def _stream(ctx: HttpContext, cid: str, first: Chunk | Done, rest: AsyncIt
     def delta(index: int, d: dict[str, Any], logprobs: Any = None) -> bytes:
         return chunk({"index": index, "delta": d, "logprobs": logprobs, "finish_reason": None})
 
-    def events(index: int, evs: list[Event], logprobs: Any = None) -> list[bytes]:
+    called: set[int] = set()  # choices that streamed a call
+
+    def deltas(reply: Chunk, logprobs: Any) -> list[bytes]:
+        """The reply's parts as deltas; its logprobs ride with the first."""
+        index = reply.index
         out = []
-        for e in evs:
-            if type(e) is TextDelta:
-                out.append(delta(index, {"content": e.text}, logprobs))
-            elif type(e) is CallBegin:
-                out.append(delta(index, {"tool_calls": [{
-                    "index": e.index, "id": parser.call_id(index, e.index), "type": "function",
-                    "function": {"name": e.name, "arguments": ""}}]}, logprobs))
-            elif type(e) is ArgsDelta:
-                out.append(delta(index, {"tool_calls": [{
-                    "index": e.index, "function": {"arguments": e.text}}]}, logprobs))
-            else:
+        for part in generation.parts(reply):
+            if type(part) is str:
+                out.append(delta(index, {"content": part}, logprobs))
+                logprobs = None
                 continue
-            logprobs = None
+            if part.name is not None:
+                called.add(index)
+                out.append(delta(index, {"tool_calls": [{
+                    "index": part.index, "id": part.id, "type": "function",
+                    "function": {"name": part.name, "arguments": ""}}]}, logprobs))
+                logprobs = None
+            if part.arguments:
+                out.append(delta(index, {"tool_calls": [{
+                    "index": part.index, "function": {"arguments": part.arguments}}]}, logprobs))
+                logprobs = None
         if logprobs is not None:  # its text is held back: the logprobs go now
             out.append(delta(index, {}, logprobs))
         return out
 
-    plain = not parser.parsing
     dones: list[Done] = []
     entry = None
     try:
@@ -159,23 +162,20 @@ async def _stream(ctx: HttpContext, cid: str, first: Chunk | Done, rest: AsyncIt
             if type(reply) is Chunk:
                 lp = None
                 if reply.logprobs is not None:
-                    lp = {"content": chat_content(ctx.tokens, reply.token_ids, reply.logprobs,
-                                                  reply.top_logprobs)}
-                if plain and lp is None:
+                    lp = {"content": chat_content(reply.token_texts, reply.token_ids,
+                                                  reply.logprobs, reply.top_logprobs)}
+                if reply.content is None and lp is None:
                     if reply.text:
                         yield (prefix + str(reply.index).encode() + b',"delta":{"content":'
                                + _json.encode(reply.text) + b"}" + tail)
                 else:
-                    for data in events(reply.index, parser.feed(reply.index, reply.text), lp):
+                    for data in deltas(reply, lp):
                         yield data
             else:
-                for data in events(reply.index, parser.finish(reply.index)):
-                    yield data
                 dones.append(reply)
                 if len(dones) == n:
                     entry = turns.finish(ctx, turn, reply, new_id("sess"))
-                calls = parser.calls(reply.index)
-                reason = "tool_calls" if calls else (
+                reason = "tool_calls" if reply.index in called else (
                     "length" if reply.finish_reason == "length" else "stop")
                 more = {"session": session_json(entry)} if turn.session else {}
                 yield chunk({"index": reply.index, "delta": {}, "logprobs": None,

@@ -70,7 +70,7 @@ async def completions(ctx: HttpContext, request: Request) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         first, rest = await sse.first_then_rest(generation.replies(ctx, msg))
         return sse.response(_stream(ctx, cid, first, rest, include_usage,
-                                    _echo_text(ctx, prompts[0]) if echo else ""))
+                                    await _echo_text(ctx, prompts[0]) if echo else ""))
     results: list[list[Done]] = [[] for _ in prompts]
     ids: list[list[int] | None] = [None] * len(prompts)  # as sent, when echoing logprobs
 
@@ -85,10 +85,10 @@ async def completions(ctx: HttpContext, request: Request) -> Response:
                 tg.start_soon(one, i, p)
     choices = []
     for i, (prompt, dones) in enumerate(zip(prompts, results, strict=True)):
-        head = _echo_text(ctx, prompt) if echo else ""
+        head = await _echo_text(ctx, prompt) if echo else ""
         for d in dones:
             choices.append({"index": i * n + d.index, "text": head + d.text,
-                            "logprobs": _logprobs(ctx, d, top, head, ids[i]),
+                            "logprobs": await _logprobs(ctx, d, top, head, ids[i]),
                             "finish_reason": "length" if d.finish_reason == "length" else "stop"})
     usage = usage_json(results[0])
     for dones in results[1:]:
@@ -112,30 +112,38 @@ async def _message(ctx: HttpContext, prompt: Prompt, sampling: SamplingParams, n
             raise from_engine(e) from None
     inp = Input(text=prompt) if isinstance(prompt, str) else Input(input_ids=prompt)
     return Generate(rid=ctx.link.rid(), input=inp, sampling=sampling, stream=stream, n=n,
-                    prompt_logprobs_start=0 if prompt_logprobs else None)
+                    prompt_logprobs_start=0 if prompt_logprobs else None,
+                    logprob_texts=sampling.logprobs)
 
 
-def _echo_text(ctx: HttpContext, prompt: Prompt) -> str:
+async def _echo_text(ctx: HttpContext, prompt: Prompt) -> str:
+    """The prompt as echoed: its text, or the engine's text of its token ids."""
     if isinstance(prompt, str):
         return prompt
-    text = ctx.tokens.decode(prompt)
-    if text is None:
-        raise invalid("echo of a token-id prompt needs the server's tokenizer (--tokenizer)",
-                      "echo")
-    return text
+    try:
+        return await ctx.link.detokenize(prompt)
+    except EngineError as e:
+        raise from_engine(e) from None
 
 
-def _logprobs(ctx: HttpContext, done: Done, top: int | None, head: str,
-              prompt: list[int] | None) -> dict[str, Any] | None:
+async def _logprobs(ctx: HttpContext, done: Done, top: int | None, head: str,
+                    prompt: list[int] | None) -> dict[str, Any] | None:
     if top is None:
         return None
-    out = completion_logprobs(ctx.tokens, done.token_ids, done.logprobs or [],
+    texts = dict(done.token_texts or {})
+    if head and prompt:  # the prompt's first token has no logprob, nor a text with them
+        for t in {prompt[0]} - texts.keys():
+            try:
+                texts[t] = await ctx.link.detokenize([t])
+            except EngineError as e:
+                raise from_engine(e) from None
+    out = completion_logprobs(texts, done.token_ids, done.logprobs or [],
                               done.top_logprobs or [None] * len(done.token_ids), len(head))
     if head and done.prompt_logprobs is not None and prompt is not None:
         # The prompt's first token has no logprob: nothing came before it.
         lps: list[float | None] = [None, *done.prompt_logprobs]
         tops: list[Any] = [None, *(done.prompt_top_logprobs or [None] * len(done.prompt_logprobs))]
-        before = completion_logprobs(ctx.tokens, prompt, lps, tops, 0)
+        before = completion_logprobs(texts, prompt, lps, tops, 0)
         for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             out[key] = before[key] + out[key]
     return out
@@ -159,7 +167,7 @@ async def _stream(ctx: HttpContext, cid: str, first: Chunk | Done, rest: AsyncIt
                 finish = "length" if reply.finish_reason == "length" else "stop"
             lp = None
             if type(reply) is Chunk and reply.logprobs is not None:
-                lp = completion_logprobs(ctx.tokens, reply.token_ids, reply.logprobs,
+                lp = completion_logprobs(reply.token_texts, reply.token_ids, reply.logprobs,
                                          reply.top_logprobs or [None] * len(reply.token_ids), 0)
             yield sse.data({**head, "choices": [{"index": reply.index, "text": text,
                                                  "logprobs": lp, "finish_reason": finish}]})

@@ -23,35 +23,6 @@ T = TypeVar("T")
 S = TypeVar("S", bound=msgspec.Struct)
 
 
-class TokenTexts:
-    """Token id -> its text, for logprobs. With no tokenizer at hand the text is
-    ``token_id:N`` (the convention vLLM uses for the same case)."""
-
-    def __init__(self, tokenizer_dir: str | None) -> None:
-        self._tok = None
-        if tokenizer_dir:
-            from radixlm.tokenizer import Tokenizer
-
-            self._tok = Tokenizer.load(tokenizer_dir)
-
-    def __call__(self, token_id: int) -> str:
-        if self._tok is None:
-            return f"token_id:{token_id}"
-        return self._tok.token_text(token_id)
-
-    def piece(self, token_id: int) -> str | None:
-        """The vocabulary's own string for the token (as `convert_ids_to_tokens`)."""
-        return None if self._tok is None else self._tok.id_to_token(token_id)
-
-    @property
-    def available(self) -> bool:
-        return self._tok is not None
-
-    def decode(self, token_ids: list[int]) -> str | None:
-        """The text of `token_ids`, or None without a tokenizer."""
-        return None if self._tok is None else self._tok.decode(token_ids)
-
-
 @dataclass
 class HttpContext:
     """Shared by every request; `tenant` is the request's own (set by the route wrapper:
@@ -60,7 +31,6 @@ class HttpContext:
     config: HttpConfig
     tenants: Tenants
     metrics: Metrics
-    tokens: TokenTexts
     tenant: Tenant | None = None
 
     def for_tenant(self, tenant: Tenant) -> HttpContext:

@@ -18,7 +18,7 @@ seconds expires: its id then gets 404.
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import msgspec
@@ -29,7 +29,6 @@ from radixlm.runtime.http.conversations import page
 from radixlm.runtime.http.errors import invalid
 from radixlm.runtime.http.history import MESSAGES_ONLY, chain_keys, root_key
 from radixlm.runtime.http.items import items_of, stored_item, to_messages
-from radixlm.runtime.http.reply_stream import ArgsDelta, CallBegin, CallEnd, ReplyParser, TextDelta
 from radixlm.runtime.http.schemas import InputItem, ResponsesRequest
 from radixlm.runtime.http.store import Conversation, Stored
 from radixlm.runtime.protocol import Chunk, Done, Generate, Input, Message, Tool
@@ -138,14 +137,13 @@ async def create(ctx: HttpContext, request: Request) -> Response:
     if conversation is not None:
         conversation.busy = True
     if req.stream:
-        parser = ReplyParser(ctx.welcome.tool_format, tools, tool_choice != "none", 1, parallel)
         try:
             first, rest = await sse.first_then_rest(generation.replies(ctx, msg))
         except BaseException:
             _settle(turn_info, turn, None, messages, own_items)
             raise
-        return sse.response(_stream(turn_info, msg_id, first, rest, turn, parser, messages,
-                                    own_items), error_event=True)
+        return sse.response(_stream(turn_info, msg_id, first, rest, turn, messages, own_items),
+                            error_event=True)
     done = None
     body: dict[str, Any] | None = None
     try:
@@ -204,11 +202,11 @@ def _settle(info: _Turn, turn: turns.Turn, done: Done | None, messages: list[Mes
 
 
 async def _stream(info: _Turn, msg_id: str, first: Chunk | Done, rest: AsyncIterator[Any],
-                  turn: turns.Turn, parser: ReplyParser, messages: list[Message],
+                  turn: turns.Turn, messages: list[Message],
                   own_items: list[InputItem]) -> AsyncIterator[bytes]:
     """The Responses API's streaming events, from response.created to response.completed:
-    a message item whose text streams as it comes (with tools, except what may begin a
-    call), and for each call a function_call item whose arguments stream in fragments."""
+    a message item whose text streams as it comes, and for each call the frontend read
+    (`generation.parts`) a function_call item whose arguments stream in fragments."""
     seq = 0
 
     def emit(kind: str, **fields: Any) -> bytes:
@@ -220,6 +218,7 @@ async def _stream(info: _Turn, msg_id: str, first: Chunk | Done, rest: AsyncIter
     text: list[str] = []  # of the open message item
     open_msg: dict[str, Any] | None = None
     call_item: dict[str, Any] | None = None
+    call_args: list[str] = []  # of the open function_call item
 
     def open_message() -> list[bytes]:
         nonlocal open_msg
@@ -245,36 +244,49 @@ async def _stream(info: _Turn, msg_id: str, first: Chunk | Done, rest: AsyncIter
                      content_index=0, part=_text_part(full)),
                 emit("response.output_item.done", output_index=index, item=done_item)]
 
-    def events(evs: list[Any]) -> list[bytes]:
+    def close_call() -> list[bytes]:
+        nonlocal call_item
+        if call_item is None:
+            return []
+        arguments = "".join(call_args)
+        done_item = {**call_item, "arguments": arguments, "status": "completed"}
+        output[-1] = done_item
+        call_item = None
+        return [emit("response.function_call_arguments.done", item_id=done_item["id"],
+                     output_index=len(output) - 1, arguments=arguments, name=done_item["name"]),
+                emit("response.output_item.done", output_index=len(output) - 1,
+                     item=done_item)]
+
+    def events(chunk_parts: Iterator[generation.Part]) -> list[bytes]:
         nonlocal call_item
         out: list[bytes] = []
-        for e in evs:
-            if type(e) is TextDelta:
+        for part in chunk_parts:
+            if type(part) is str:
+                out += close_call()
                 if open_msg is None:
                     out += open_message()
-                text.append(e.text)
+                text.append(part)
                 out.append(emit("response.output_text.delta", item_id=msg_id,
                                 output_index=output.index(open_msg), content_index=0,
-                                delta=e.text, logprobs=[]))
-            elif type(e) is CallBegin:
+                                delta=part, logprobs=[]))
+                continue
+            if part.name is not None:
+                out += close_call()
                 out += close_message()
-                call_item = function_item(parser.call_id(0, e.index), e.name, "", "in_progress")
+                call_item = function_item(part.id or "", part.name, "", "in_progress")
+                call_args.clear()
                 output.append(call_item)
                 out.append(emit("response.output_item.added", output_index=len(output) - 1,
                                 item=call_item))
-            elif type(e) is ArgsDelta and call_item is not None:
+            if call_item is None:
+                continue
+            if part.arguments:
+                call_args.append(part.arguments)
                 out.append(emit("response.function_call_arguments.delta",
                                 item_id=call_item["id"], output_index=len(output) - 1,
-                                delta=e.text))
-            elif type(e) is CallEnd and call_item is not None:
-                done_item = {**call_item, "arguments": e.arguments, "status": "completed"}
-                output[-1] = done_item
-                out.append(emit("response.function_call_arguments.done",
-                                item_id=call_item["id"], output_index=len(output) - 1,
-                                arguments=e.arguments, name=call_item["name"]))
-                out.append(emit("response.output_item.done", output_index=len(output) - 1,
-                                item=done_item))
-                call_item = None
+                                delta=part.arguments))
+            if part.done:
+                out += close_call()
         return out
 
     done = None
@@ -282,17 +294,17 @@ async def _stream(info: _Turn, msg_id: str, first: Chunk | Done, rest: AsyncIter
     try:
         yield emit("response.created", response=info.build("in_progress", [], None))
         yield emit("response.in_progress", response=info.build("in_progress", [], None))
-        if not parser.parsing:
+        if type(first) is not Chunk or first.content is None:  # no calls read: text only
             for data in open_message():
                 yield data
         reply = first
         while True:
             if type(reply) is Chunk:
-                for data in events(parser.feed(0, reply.text)):
+                for data in events(generation.parts(reply)):
                     yield data
             else:
                 done = reply
-                for data in events(parser.finish(0)):
+                for data in close_call():  # a call the output ended inside, as it stands
                     yield data
             try:
                 reply = await rest.__anext__()

@@ -1,6 +1,7 @@
 """POST /v1/tokenize and /v1/detokenize (also at /tokenize, /detokenize), in vLLM's
 shapes: the engine's own tokenization of a prompt or of chat messages rendered by the
-model's template, and the text of token ids."""
+model's template (with ``return_token_strs``, each id's string in the vocabulary), and
+the text of token ids. All of it is the engine's: this process has no tokenizer."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from radixlm.runtime.http import convert
 from radixlm.runtime.http.context import HttpContext, request_body
 from radixlm.runtime.http.errors import from_engine, invalid
 from radixlm.runtime.http.schemas import DetokenizeRequest, TokenizeRequest
-from radixlm.runtime.protocol import Input
+from radixlm.runtime.protocol import Input, Tokenize, Tokens
 from radixlm.runtime.transport.errors import EngineError
 from starlette.requests import Request
 from starlette.responses import Response
@@ -30,16 +31,15 @@ async def tokenize(ctx: HttpContext, request: Request) -> Response:
     else:
         inp = Input(text=req.prompt)
     try:
-        ids = await ctx.link.tokenize(inp)
+        tokens = await ctx.link.call(Tokenize(rid=ctx.link.rid(), input=inp,
+                                              token_strs=bool(req.return_token_strs)), Tokens)
     except EngineError as e:
         raise from_engine(e) from None
+    ids = tokens.input_ids
     body: dict[str, Any] = {"count": len(ids), "max_model_len": ctx.context_length,
                             "tokens": ids}
     if req.return_token_strs:
-        if not ctx.tokens.available:
-            raise invalid("return_token_strs needs the server's tokenizer (--tokenizer)",
-                          "return_token_strs")
-        body["token_strs"] = [ctx.tokens.piece(t) for t in ids]
+        body["token_strs"] = tokens.token_strs or []
     return Response(_json.encode(body), media_type="application/json")
 
 

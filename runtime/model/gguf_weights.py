@@ -1,8 +1,9 @@
 """A GGUF's tensors as stored: matrices of the types the kernel multiplies (Q4_0, Q4_1, Q5_0,
 Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: `quant.BLOCK_BYTES`) stay packed (`QuantWeight`): their rows
 are addresses in a read-only mapping of the file (`gguf_file`), stacked and reordered
-without a copy, until the decoder packs each once into the kernel's tile layout (the same
-bytes; the mapping then goes with the last reference to it). The rest (norms, F32/F16
+without a copy, and packed once into the kernel's tile layout (the same bytes), through the
+tile cache (`tile_cache.pack_cached`: a later start maps the packed tiles) or, without it,
+by the decoder; the file's mapping then goes with the last reference to it. The rest (norms, F32/F16
 matrices) become float32 tensors, and so do matrices of quant types the kernel lacks (IQ
 and ternary types, Q2_K, Q3_K, ...; gguf-py dequantizes them) -- but only when their
 float32 copy fits the memory this process can see (`memory_check.available_memory`), with
@@ -11,9 +12,12 @@ one log line naming the types and the size; otherwise the file is refused in one
 dequantizes everything to float32 instead, for dense weights (`--dtype float32`) straight
 from the file, no cached float32 copy needed.
 
-Names and the Llama Q/K row order are mapped exactly as `gguf_convert` maps them:
-llama.cpp's Q/K row permutation moves whole rows, so for packed weights it is undone by
-reordering the row addresses (`QuantWeight.take_rows`), never by moving data.
+Names and the Llama Q/K row order are mapped exactly as `gguf_convert` maps them, by the
+file's architecture: llama.cpp's Q/K row permutation moves whole rows, so for packed
+weights it is undone by reordering the row addresses (`QuantWeight.take_rows`), never by
+moving data; Gemma's norms lose the 1 llama.cpp added to them (gguf_families). A
+mixture-of-experts model's 3-D expert tensors become one weight per expert, over that
+expert's slab of rows (`_expert_weights`): packed where the kernel has the type, no copy.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .gguf_convert import hf_tensor_name, unpermute_qk
+from .gguf_convert import hf_expert_names, hf_tensor_name, unpermute_qk
+from .gguf_families import NORM_SHIFT
 from .gguf_file import GGUFFile, TensorInfo
 from .memory_check import available_memory, fmt_bytes, gguf_unpacked
 from .quant import BLOCK_BYTES, TYPE_NAMES, QuantWeight
@@ -91,18 +96,38 @@ def _floats(f: GGUFFile, info: TensorInfo) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(info.shape)
 
 
+def _expert_weights(f: GGUFFile, info: TensorInfo, model_type: str
+                    ) -> dict[str, torch.Tensor | QuantWeight]:  # fmt: skip
+    """A 3-D expert tensor `[experts, rows, cols]` as one HF-named weight per expert."""
+    experts, rows, cols = info.shape
+    names = hf_expert_names(info.name, experts, model_type)
+    if info.ggml_type in BLOCK_BYTES:
+        slabs = f.data(info).reshape(experts, rows, -1)
+        return {n: QuantWeight(slabs[e], info.ggml_type, rows, cols) for e, n in enumerate(names)}
+    data = torch.from_numpy(np.ascontiguousarray(_floats(f, info)))
+    return dict(zip(names, data.unbind(0), strict=True))
+
+
 def gguf_state_dict(
-    gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool, packed: bool = True
+    gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool,
+    model_type: str = "", packed: bool = False,
 ) -> dict[str, torch.Tensor | QuantWeight]:
     """HF-named tensors of `gguf_path`: `QuantWeight`s where the kernel supports the stored
     type, float32 tensors otherwise (refused first when those would not fit in memory:
-    `check_unpacked_types`). With `packed`, the weights come packed from (or are packed
-    into) the GGUF's tile cache file (`tile_cache.pack_cached`), else over the mapped file."""
+    `check_unpacked_types`; `model_type`: the HF family, which names a mixture-of-experts
+    model's expert tensors). With `packed` (`load_model` asks for it), the weights come
+    packed from (or are packed into) the GGUF's tile cache file (`tile_cache.pack_cached`),
+    else they address the mapped file's rows."""
     f = GGUFFile(gguf_path)
     check_unpacked_types(f)
+    arch = f.get("general.architecture", "llama")
+    shift = NORM_SHIFT.get(arch, 0.0)
     state: dict[str, torch.Tensor | QuantWeight] = {}
     for info in f.tensors:
-        name = hf_tensor_name(info.name)
+        if len(info.shape) == 3:
+            state.update(_expert_weights(f, info, model_type))
+            continue
+        name = hf_tensor_name(info.name, model_type, arch)
         if name is None:
             continue
         heads = _qk_heads(info, num_heads, num_kv_heads, permute_qk)
@@ -116,16 +141,20 @@ def gguf_state_dict(
             data = _floats(f, info)
             if heads is not None:
                 data = unpermute_qk(data, heads)
+            if shift and name.endswith("norm.weight"):
+                data = data - np.float32(shift)
             state[name] = torch.from_numpy(np.ascontiguousarray(data))
     if packed:
         quant = {n: w for n, w in state.items() if isinstance(w, QuantWeight)}
-        state.update(pack_cached(gguf_path, quant, f"{num_heads},{num_kv_heads},{permute_qk}"))
+        order = f"{model_type},{num_heads},{num_kv_heads},{permute_qk}"
+        state.update(pack_cached(gguf_path, quant, order))
     return state
 
 
 def dense_state_dict(
-    gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool
+    gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool,
+    model_type: str = "",
 ) -> dict[str, torch.Tensor]:
     """Every tensor of `gguf_path` dequantized to float32 (HF names, HF Q/K row order)."""
-    state = gguf_state_dict(gguf_path, num_heads, num_kv_heads, permute_qk, packed=False)
+    state = gguf_state_dict(gguf_path, num_heads, num_kv_heads, permute_qk, model_type)
     return {k: v.dequantize() if isinstance(v, QuantWeight) else v for k, v in state.items()}

@@ -16,7 +16,7 @@ import torch
 
 from .config import ModelConfig
 from .decoder import DecoderModel
-from .gguf_convert import has_dense_weights
+from .gguf_convert import QK_PERMUTED, has_dense_weights
 from .gguf_weights import dense_state_dict, gguf_state_dict, source_gguf
 from .quant import Q4_1, Q8_0, QuantWeight, quantize
 from .weights import load_state_dict
@@ -81,6 +81,16 @@ def weight_format(dtype: torch.dtype | str | None, quantize: str | None) -> str 
     return quantize
 
 
+# Mixture-of-experts routers stay dense, as llama.cpp keeps them (F32): small, and a
+# rounded logit may pick another expert.
+_ROUTERS = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".shared_expert_gate.weight")
+
+
+def _quantizable(name: str, t: torch.Tensor) -> bool:
+    return (t.dim() == 2 and t.shape[1] % 32 == 0 and name.endswith(".weight")
+            and "norm" not in name and not name.endswith(_ROUTERS))  # fmt: skip
+
+
 def quantize_state(state: dict, fmt: str) -> dict:
     """`state` with its matrices packed for `fmt` ('int8' or 'int4'; see the module doc).
     Matrices whose input width is not a multiple of 32 stay dense."""
@@ -88,7 +98,7 @@ def quantize_state(state: dict, fmt: str) -> dict:
     for name, t in state.items():
         if isinstance(t, QuantWeight):
             t = t.dequantize()  # requantizing a GGUF's blocks to another format
-        if t.dim() == 2 and t.shape[1] % 32 == 0 and name.endswith(".weight") and "norm" not in name:
+        if _quantizable(name, t):
             head = name in ("model.embed_tokens.weight", "lm_head.weight")
             t = quantize(t, Q8_0 if fmt == "int8" or head else Q4_1)
         out[name] = t
@@ -110,7 +120,8 @@ def load_model(
     if fmt is not None and device.type != "cpu":
         raise ValueError(f"quantized weights ({fmt}) run on CPU only, not on {device}")
     src = source_gguf(model_dir)
-    heads = (config.num_heads, config.num_kv_heads, config.model_type == "llama")
+    heads = (config.num_heads, config.num_kv_heads, config.model_type in QK_PERMUTED,
+             config.model_type)  # fmt: skip
     with torch.inference_mode():
         if fmt == "gguf":
             if src is None:
@@ -118,7 +129,7 @@ def load_model(
                     f"dtype 'gguf' keeps a GGUF's tensors as stored, but {model_dir} is not a "
                     "converted GGUF; use --quantize int8|int4 for HF checkpoints"
                 )
-            state = gguf_state_dict(src, *heads)
+            state = gguf_state_dict(src, *heads, packed=True)  # (through the tile cache)
         else:
             if src is not None and not has_dense_weights(model_dir):
                 state = dense_state_dict(src, *heads)  # dequantized from the GGUF, no copy kept

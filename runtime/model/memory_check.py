@@ -68,7 +68,7 @@ def gguf_unpacked(gguf: str | Path | GGUFFile) -> tuple[int, int, dict[str, int]
         n = 1
         for d in t.shape:
             n *= d
-        if t.ggml_type in BLOCK_BYTES and len(t.shape) == 2:
+        if t.ggml_type in BLOCK_BYTES and len(t.shape) in (2, 3):  # (3: experts, rows, cols)
             packed += t.nbytes
         else:
             dense += 4 * n

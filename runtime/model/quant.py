@@ -50,6 +50,7 @@ TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_
 # Activation rows from which `matmul` quantizes activations to int8 (kernels/gemm8.c: a
 # prefill's products) instead of int16 (kernels/qmatmul.c: up to a decode batch's 64).
 GEMM8_MIN_ROWS = 65
+DEQUANT_MIN_ROWS = GEMM8_MIN_ROWS  # its former name (from there on products were dequantized)
 MAX_PARTS = 8  # row blocks of different types one stacked weight may hold (kernels/decode.c)
 _HUGE_MIN_BYTES = 4 << 20  # tiles from this size ask for transparent huge pages
 

@@ -79,7 +79,7 @@ class SlicedPrefill:
             while True:
                 a, b, sub = self.pieces[self.piece]
                 attn.plan(sub)
-                cos, sin = model.rotary.cos_sin(sub.positions)
+                cos, sin = model.rotary_for(self.layer).cos_sin(sub.positions)
                 rows = self.x[a:b]
                 out = model.layer_forward(self.layer, rows, cos, sin, attn)
                 if out.data_ptr() != rows.data_ptr():

@@ -16,15 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import zmq
-from radixlm.runtime import channel
-from radixlm.runtime.curve_keys import (
+from radixlm.runtime.frontend.tenants import write_gateway_token
+from radixlm.runtime.router.config import RouterConfig
+from radixlm.runtime.router.server import Router
+from radixlm.runtime.transport import channel
+from radixlm.runtime.transport.curve_keys import (
     make_gateway_keys,
     server_socket_options,
     start_authenticator,
 )
-from radixlm.runtime.frontend.tenants import write_gateway_token
-from radixlm.runtime.router.config import RouterConfig
-from radixlm.runtime.router.server import Router
 from zmq.auth.thread import ThreadAuthenticator
 
 __all__ = ["run_router", "tune_gc"]

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import zmq
-from radixlm.runtime.channel import open_socket
 from radixlm.runtime.protocol import PROTOCOL_VERSION, Gateway, Hello, Welcome, encode
 from radixlm.runtime.router.config import ReplicaSpec
+from radixlm.runtime.transport.channel import open_socket
 from radixlm.runtime.transport.curve import load_curve_keys
 
 __all__ = ["ReplicaState", "dial"]

@@ -11,7 +11,10 @@ client process (the SDK and the HTTP server), so that neither depends on the oth
 - `errors`: `EngineError` and one class per protocol `ErrorCode` (`error_from_reply`).
 - `probe`: `probe_endpoint`, whether anything listens (asked before a client waits);
   `discovery`: where a user's default server is (``$RADIXLM_ENDPOINT``, the default
-  server's socket and lock), `find_server`; `progress`: the start-up `Spinner`.
+  server's socket and lock), `find_server`.
+- `channel`: the ZeroMQ helper of every process (endpoints, sockets, framed messages);
+  `raw_client`: a blocking client for the CLI, scripts and tests; `curve_keys`: a
+  server's CurveZMQ keys (``radixlm keys``, ``serve --auth-dir``).
 
 It imports the protocol module (`radixlm.runtime.protocol`) and nothing else of ours:
 never torch, the engine, the frontend or the SDK.

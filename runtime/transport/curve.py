@@ -7,7 +7,7 @@ The server's public key (DIR/server.key) and this client's key pair (a
 pyzmq's ``zmq.auth``; libzmq's CURVE does the authentication and encryption, so a client
 with keys always uses the libzmq transport (`radixlm.runtime.transport.zmq_dealer`), never
 the native one. The server's side (its key, the authenticator) is
-`radixlm.runtime.curve_keys`.
+`radixlm.runtime.transport.curve_keys`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Session commands the engine answers at once, without running the model: fork,
-truncate, close, unpin, list."""
+truncate, close, unpin, list, resume."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from radixlm.runtime.protocol import (
     ForkSession,
     ListSessions,
     Ok,
+    ResumeSession,
     SessionList,
+    SessionOpened,
     SessionsForked,
     Struct,
     TruncateSession,
@@ -22,11 +24,13 @@ from radixlm.runtime.rules import RequestError
 
 
 def is_session_command(msg: object) -> bool:
-    return isinstance(msg, (ForkSession, TruncateSession, CloseSession, Unpin, ListSessions))
+    return isinstance(msg, (ForkSession, TruncateSession, CloseSession, Unpin, ListSessions,
+                            ResumeSession))
 
 
-def answer(m: SessionManager, msg: Any, client: bytes) -> Struct:
-    """The reply to one session command of `client`; refusals raise RequestError."""
+def answer(m: SessionManager, msg: Any, client: bytes, tenant: str | None = None) -> Struct:
+    """The reply to one session command of `client` (of `tenant`); refusals raise
+    RequestError."""
     if isinstance(msg, ForkSession):
         forks = m.fork(msg.session, client, msg.n)
         return SessionsForked(rid=msg.rid, sessions=forks, length=m.get(msg.session, client).length)
@@ -38,8 +42,12 @@ def answer(m: SessionManager, msg: Any, client: bytes) -> Struct:
     if isinstance(msg, Unpin):
         m.unpin(msg.name)
         return Ok(rid=msg.rid)
+    if isinstance(msg, ResumeSession):
+        s = m.resume(msg.session, client, tenant)
+        return SessionOpened(rid=msg.rid, session=s.id, length=s.length,
+                             cached_tokens=s.held_len, durable=True)
     assert isinstance(msg, ListSessions)
-    return SessionList(rid=msg.rid, sessions=m.list(client, everyone=msg.all))
+    return SessionList(rid=msg.rid, sessions=m.list(client, everyone=msg.all, tenant=tenant))
 
 
 def close_sessions(m: SessionManager, msg: CloseSession, client: bytes) -> Struct:

@@ -44,14 +44,16 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
 from radixlm.runtime.engine.sessions.commands import answer, is_session_command
+from radixlm.runtime.engine.sessions.disk_backup import DiskLoad
 from radixlm.runtime.engine.sessions.manager import SessionManager
-from radixlm.runtime.engine_wire import (
+from radixlm.runtime.engine.wire import (
     EngineAbort,
     EngineCommand,
     EngineGenerate,
@@ -75,6 +77,17 @@ log = logging.getLogger(__name__)
 Reply = Callable[[bytes, Struct], None]
 
 
+@dataclass(frozen=True)
+class Committed:
+    """A reply held until its state-directory write is committed: the writer thread
+    posts it into the loop's queue (`SessionController.post`), and the scheduler answers
+    with `make_reply(saved)` on its own thread (saved: the write succeeded)."""
+
+    client: bytes
+    write: Future[None]
+    make_reply: Callable[[bool], Struct]
+
+
 @dataclass(eq=False)
 class Turn:
     """A request's session side: the session it appends to (or opens), or the pin it
@@ -85,6 +98,9 @@ class Turn:
     open: bool = False  # begin_turn done, end_turn/abort_turn still owed
     assistant_open: bool | None = None  # the frontend's flag for the appended input
     ended_in: dict[int, str] = field(default_factory=dict)  # branch -> session it ended in
+    # History read back from the disk tier: the request waits for it (held back, holding
+    # no KV) and its admission copies it in after the device match.
+    kv_load: DiskLoad | None = None
 
 
 @dataclass(frozen=True)
@@ -174,6 +190,9 @@ class SessionController:
     def __init__(self, manager: SessionManager | None, reply: Reply) -> None:
         self.manager = manager
         self._reply = reply
+        # How a committed write reaches the loop (the serving loop's queue); None: wait
+        # for the commit where the reply is made (no loop: tests, tools).
+        self.post: Callable[[object], None] | None = None
         self.held = HeldMessages()
         self.defer = self.held.defer  # (called for every inbound message)
         self.take_ready = self.held.take_ready  # (called after every step and message)
@@ -187,6 +206,26 @@ class SessionController:
     @staticmethod
     def session_of(g: RequestGroup) -> str | None:
         return g.turn.session if g.turn is not None else None
+
+    def reply_when_saved(self, client: bytes, write: Future[None] | None,
+                         make_reply: Callable[[bool], Struct]) -> None:
+        """Answer once `write` is committed (at once without one): a durable reply is
+        sent only after what it acknowledges is on disk."""
+        if write is None:
+            self._reply(client, make_reply(False))
+            return
+        done = Committed(client, write, make_reply)
+        post = self.post
+        if post is None:
+            with contextlib.suppress(Exception):
+                write.result()
+            self.answer_committed(done)
+        else:
+            write.add_done_callback(lambda _: post(done))
+
+    def answer_committed(self, done: Committed) -> None:
+        """(On the loop's thread.) The reply of a write that has settled."""
+        self._reply(done.client, done.make_reply(done.write.exception() is None))
 
     # ------------------------------------------------------------------- intake
     def begin_generate(self, msg: EngineGenerate, appended: np.ndarray) -> Intake:
@@ -203,7 +242,8 @@ class SessionController:
                 raise RequestError(ErrorCode.INVALID_PARAMS, str(e)) from None
             appended = np.asarray(ids, dtype=np.int64)
         prompt = m.begin_turn(msg.session, msg.client, appended, msg.namespace)
-        turn = Turn(session=msg.session, open=True, assistant_open=msg.assistant_open)
+        turn = Turn(session=msg.session, open=True, assistant_open=msg.assistant_open,
+                    kv_load=m.plan_load(msg.session))
         return Intake(np.asarray(prompt, dtype=np.int64), appended, s.namespace, turn)
 
     def abort_intake(self, intake: Intake, client: bytes, opened: bool = False) -> None:
@@ -220,26 +260,27 @@ class SessionController:
         """Open the session; with input, begin its first turn and return its prompt (the
         caller prefills it), without, answer SessionOpened now and return None."""
         m = self._m()
-        s = m.open(msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids)
+        s = m.open(msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids,
+                   durable=msg.durable, tenant=msg.tenant)
         if not msg.input_ids:
-            self._reply(
-                msg.client,
-                SessionOpened(rid=msg.rid, session=s.id, length=s.length, cached_tokens=s.held_len),
-            )
+            self._reply_opened(msg.client, msg.rid, s.id, s.length, s.held_len)
             return None
         try:
             prompt = m.begin_turn(s.id, msg.client, msg.input_ids)
         except RequestError:
             m.close(s.id, msg.client)
             raise
-        turn = Turn(session=s.id, open=True, assistant_open=msg.assistant_open)
+        turn = Turn(session=s.id, open=True, assistant_open=msg.assistant_open,
+                    kv_load=m.plan_prefix_load(np.asarray(prompt, dtype=np.int64),
+                                               s.namespace))
         return Intake(np.asarray(prompt, dtype=np.int64),
                       np.asarray(msg.input_ids, dtype=np.int64), s.namespace, turn)
 
     def begin_pin(self, msg: EnginePin, prompt: np.ndarray) -> Turn:
         """Refuse a pin before it is prefilled: name taken, or beyond the retention cap."""
-        self._m().check_pin(msg.name, prompt, msg.namespace)
-        return Turn(pin_name=msg.name)
+        m = self._m()
+        m.check_pin(msg.name, prompt, msg.namespace)
+        return Turn(pin_name=msg.name, kv_load=m.plan_prefix_load(prompt, msg.namespace))
 
     def unreclaimable_tokens(self) -> int:
         """Tokens pins and hard sessions hold (soft ones can be demoted on demand)."""
@@ -257,7 +298,7 @@ class SessionController:
         if not is_session_command(msg):
             return None
         try:
-            reply = answer(self._m(), msg, cmd.client)
+            reply = answer(self._m(), msg, cmd.client, cmd.tenant)
         except RequestError as e:
             return Error(rid=msg.rid, code=e.code, message=e.message)
         return reply
@@ -284,12 +325,21 @@ class SessionController:
 
     # ---------------------------------------------------------------- admission
     def restore(self, r: Request, cached_len: int) -> np.ndarray | None:
-        """Device slots holding the K/V of the session history after `cached_len`,
-        copied back from the host tier (None: nothing to restore)."""
-        session = self.session_of(r.group)
-        if self.manager is None or session is None:
+        """Device slots holding the K/V of the session history (or pin prefix) after
+        `cached_len`, copied back from the host and disk tiers (None: nothing to
+        restore)."""
+        turn, m = r.group.turn, self.manager
+        if m is None or turn is None:
             return None
-        return self.manager.restore_from_host(session, cached_len)
+        load, turn.kv_load = turn.kv_load, None  # (once: a retracted request recomputes)
+        if turn.session is None:
+            return m.restore_prefix(cached_len, load)
+        return m.restore_from_host(turn.session, cached_len, load)
+
+    @staticmethod
+    def loading(g: RequestGroup) -> bool:
+        """Whether `g` waits for KV from the disk tier."""
+        return g.turn is not None and g.turn.kv_load is not None and not g.turn.kv_load.done()
 
     def on_admit(self, r: Request, matched: int, restored: int) -> None:
         """First admission of branch 0: usage figures of the reused history."""
@@ -324,6 +374,11 @@ class SessionController:
     def client_gone(self, client: bytes) -> None:
         if self.manager is not None:
             self.manager.client_gone(client)
+
+    def clients(self) -> set[bytes]:
+        """Every client that holds a session."""
+        m = self.manager
+        return set() if m is None else {s.client for s in m.sessions()}
 
     def seed_offset(self, g: RequestGroup) -> int:
         """What `g`'s seed is offset by (`protocol.branch_seed`): forked sessions each
@@ -363,17 +418,34 @@ class SessionController:
                 )
             return
         if g.kind is RequestKind.OPEN_SESSION:
-            self._reply(g.client, SessionOpened(rid=g.rid, session=session, length=g.prompt_len,
-                                                cached_tokens=max(r.cached_tokens, 0)))
+            self._reply_opened(g.client, g.rid, session, g.prompt_len, max(r.cached_tokens, 0))
+
+    def _reply_opened(self, client: bytes, rid: str, session: str, length: int,
+                      cached: int) -> None:
+        """SessionOpened; for a durable session, once its row is committed (if that
+        fails, the session stays, not durable, and the reply says so)."""
+        m = self.manager
+        assert m is not None
+        s = m.records.sessions.get(session)
+        write = m.persist(s) if s is not None and s.durable else None
+
+        def make(saved: bool) -> Struct:
+            if not saved and s is not None:
+                s.durable = False
+            return SessionOpened(rid=rid, session=session, length=length, cached_tokens=cached,
+                                 durable=saved)
+
+        self.reply_when_saved(client, write, make)
 
     def _finish_pin(self, g: RequestGroup, name: str) -> None:
         assert self.manager is not None
         try:
-            self.manager.pin(name, g.prompt, g.namespace)
+            pin = self.manager.pin(name, g.prompt, g.namespace)
         except RequestError as e:
             self._reply(g.client, Error(rid=g.rid, code=e.code, message=e.message))
             return
-        self._reply(g.client, Pinned(rid=g.rid, name=name, length=g.prompt_len))
+        self.reply_when_saved(g.client, self.manager.persist_pin(pin),
+                              lambda saved: Pinned(rid=g.rid, name=name, length=g.prompt_len))
 
     def on_abort(self, r: Request) -> None:
         """A branch was aborted or failed: its turn leaves the history unchanged."""

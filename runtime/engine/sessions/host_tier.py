@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,7 +58,8 @@ class HostRun:
 class HostTier:
     """A bounded LRU store of KV segments in host memory, keyed by their token path."""
 
-    def __init__(self, device_pool: KVPool, capacity_tokens: int) -> None:
+    def __init__(self, device_pool: KVPool, capacity_tokens: int,
+                 on_evict: Callable[[HostSegment], None] | None = None) -> None:
         page = device_pool.page_size
         capacity = align_down(capacity_tokens, page)
         if capacity <= 0:
@@ -70,6 +71,7 @@ class HostTier:
         self.pool = HostKVPool.like(device_pool, capacity)
         self.allocator = PageAllocator(capacity, page)
         self.capacity = capacity
+        self.on_evict = on_evict  # told of a segment dropped for room (the disk tier)
         self._lru: OrderedDict[int, HostSegment] = OrderedDict()  # oldest first
         self._by_prefix: dict[tuple[Hashable, int, bytes], list[HostSegment]] = {}
 
@@ -119,6 +121,8 @@ class HostTier:
             victim = next((s for s in self._lru.values() if not s.in_use), None)
             if victim is None:
                 return False
+            if self.on_evict is not None:
+                self.on_evict(victim)
             self._drop(victim)
         return True
 
@@ -171,6 +175,10 @@ class HostTier:
                 freed += len(seg.tokens)
                 self._drop(seg)
         return freed
+
+    def runs_through(self, seg: HostSegment, namespace: Hashable, history: np.ndarray) -> bool:
+        """Whether `history` (in `namespace`) runs through `seg`."""
+        return self._on_path(seg, namespace, history)
 
     def _on_path(self, seg: HostSegment, namespace: Hashable, history: np.ndarray) -> bool:
         p = seg.prefix_len

@@ -26,13 +26,18 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 
 import numpy as np
 from radixlm.cache import KVPool, PrefixCache
+from radixlm.cache.disk_kv import DiskKV
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.engine.sessions.backup import HostBackup
+from radixlm.runtime.engine.sessions.disk_backup import DiskBackup, DiskLoad
+from radixlm.runtime.engine.sessions.durable import DurableLog, PinRow, SessionRow
 from radixlm.runtime.engine.sessions.host_tier import HostTier
 from radixlm.runtime.engine.sessions.records import (
+    DETACHED,
     EMPTY_IDS,
     HARD,
     SOFT,
@@ -54,7 +59,8 @@ class SessionManager:
     """Sessions, pins and their retention over one `PrefixCache`.
 
     `kv_pool` (the device KV pool) is needed only for the host-memory tier
-    (`config.host_kv_tokens > 0`); without it the tier is off.
+    (`config.host_kv_tokens > 0`); without it the tier is off. `durable` (the state
+    directory's rows, durable.py): without it no session is durable.
     """
 
     def __init__(
@@ -63,9 +69,14 @@ class SessionManager:
         config: EngineConfig,
         clock: Callable[[], float] = time.monotonic,
         kv_pool: KVPool | None = None,
+        durable: DurableLog | None = None,
+        disk: DiskKV | None = None,
     ) -> None:
         self.cache = cache
         self.clock = clock
+        self.durable = durable
+        # A detached durable session idle this long is closed (its row deleted).
+        self.durable_expiry_s = config.durable_session_expiry_s or None
         self.default_ttl_s = config.default_session_ttl_s or None
         self.records = Records(cache, clock)
         self.retention = Retention(self.records, cache, config.retained_cap or cache.capacity // 2,
@@ -79,12 +90,19 @@ class SessionManager:
             else:
                 self.host = HostTier(kv_pool, config.host_kv_tokens)
                 self._backup = HostBackup(self.records, cache, self.host)
+        # The disk tier (the state directory's KV): under the host tier, when both are on.
+        self.disk: DiskBackup | None = None
+        if disk is not None and kv_pool is not None:
+            self.disk = DiskBackup(self.records, cache, kv_pool, disk, self.host)
+            if self.host is not None:
+                self.host.on_evict = self.disk.on_host_evict
         log.info(
-            "sessions: retained cap %d of %d tokens, default ttl %s, host tier %s",
+            "sessions: retained cap %d of %d tokens, default ttl %s, host tier %s, disk tier %s",
             self.retained_cap,
             cache.capacity,
             f"{self.default_ttl_s}s" if self.default_ttl_s else "off",
             f"{self.host.capacity} tokens" if self.host else "off",
+            f"{disk.capacity / 2**20:.0f} MiB at {disk.dir}" if self.disk and disk else "off",
         )
 
     # ------------------------------------------------------------------ open
@@ -96,12 +114,15 @@ class SessionManager:
         ttl_s: float | None = None,
         pinned: str | None = None,
         input_ids: np.ndarray | Sequence[int] = (),
+        durable: bool = False,
+        tenant: str | None = None,
     ) -> Session:
         """A new idle session with an empty history or the pin's.
 
         `input_ids` is what the opening turn will append (the scheduler then runs it as
         a 0-token generation: `begin_turn` … `end_turn`); it is checked against the
-        retention cap here, before anything is prefilled.
+        retention cap here, before anything is prefilled. `durable` is granted only with
+        a state directory (then the caller saves it with `persist` before it answers).
         """
         if retention not in (HARD, SOFT):
             raise RequestError(
@@ -138,6 +159,8 @@ class SessionManager:
             kv_len=held_len,
             last_used=self.clock(),
             reserved=reserved,
+            durable=durable and self.durable is not None,
+            tenant=tenant,
         )
         self.records.sessions[s.id] = s
         log.debug("session %s opened (%s, %d tokens)", s.id[:8], retention, s.length)
@@ -176,19 +199,55 @@ class SessionManager:
         s.last_used = self.clock()
         return prompt
 
-    def restore_from_host(self, session_id: str, cached_len: int) -> np.ndarray | None:
+    def restore_from_host(self, session_id: str, cached_len: int,
+                          load: DiskLoad | None = None) -> np.ndarray | None:
         """Device slots now holding the K/V of the history the host tier kept after
-        `cached_len` (the prompt's device match, already locked by the caller), or None.
+        `cached_len` (the prompt's device match, already locked by the caller), and after
+        that of what `load` read from the disk tier, or None.
 
         The slots are the caller's, like freshly allocated ones: it treats those tokens as
         cached (no compute), inserts them with the prompt, and frees them if the request
-        dies before that. None when the tier is off, has nothing, or the pool cannot
+        dies before that. None when the tiers are off, have nothing, or the pool cannot
         hold the restore (the tokens are then recomputed).
         """
         s = self.records.sessions.get(session_id)
-        if self._backup is None or s is None:
+        if s is None:
             return None
-        return self._backup.restore(s, cached_len)
+        host = self._backup.restore(s, cached_len) if self._backup is not None else None
+        return self._then_disk(host, cached_len, load)
+
+    def restore_prefix(self, cached_len: int, load: DiskLoad | None) -> np.ndarray | None:
+        """A pin's prefix: the slots `load` fills after `cached_len`, or None."""
+        return self._then_disk(None, cached_len, load)
+
+    def _then_disk(self, host: np.ndarray | None, cached_len: int,
+                   load: DiskLoad | None) -> np.ndarray | None:
+        if self.disk is None or load is None:
+            return host
+        pos = cached_len + (len(host) if host is not None else 0)
+        disk = self.disk.restore(load, pos)
+        if disk is None:
+            return host
+        return disk if host is None else np.concatenate([host, disk])
+
+    def plan_load(self, session_id: str) -> DiskLoad | None:
+        """Start reading from the disk tier what a turn of `session_id` will not find in
+        the device cache or the host tier (the turn waits for it: `DiskLoad.done`);
+        None when all is there or the disk has none of it."""
+        s = self.records.sessions.get(session_id)
+        if self.disk is None or s is None or s.kv_len <= s.held_len:
+            return None
+        wanted = s.wanted
+        pos = self.cache.match(wanted, s.namespace).length
+        if self.host is not None:
+            pos += sum(r.n_tokens for r in self.host.find(s.namespace, wanted, pos))
+        return self.disk.plan(s.namespace, wanted, pos)
+
+    def plan_prefix_load(self, ids: np.ndarray, namespace: str | None) -> DiskLoad | None:
+        """As `plan_load`, for a pin's prefix."""
+        if self.disk is None:
+            return None
+        return self.disk.plan(namespace, ids, self.cache.match(ids, namespace).length)
 
     def recomputed_tokens(self, session_id: str, reused_len: int) -> int:
         """History tokens the running turn recomputes because they were evicted since the
@@ -228,6 +287,7 @@ class SessionManager:
         s.reserved = None
         s.last_used = self.clock()
         self._advance_lock(s)
+        self.persist(s)
         return s
 
     def abort_turn(self, session_id: str) -> None:
@@ -254,6 +314,7 @@ class SessionManager:
         if assistant_open is not None:
             s.assistant_open = assistant_open
         self._advance_lock(s)
+        self.persist(s)
         return s.id
 
     def seed_offset(self, session_id: str) -> int:
@@ -283,6 +344,7 @@ class SessionManager:
             f.kv_len, f.priority_raised = s.kv_len, s.priority_raised
             if f.node is not None:
                 self.records.lock_node(f.node)
+            self.persist(f)
             ids.append(f.id)
         s.last_used = self.clock()
         return ids
@@ -302,6 +364,7 @@ class SessionManager:
         self.retention.lower_priority(s, old)
         s.last_used = self.clock()
         self._prune_host()
+        self.persist(s)
         return s
 
     # ---------------------------------------------------------------- close
@@ -311,19 +374,69 @@ class SessionManager:
 
     def client_gone(self, client: bytes) -> int:
         """Close every session of `client`, busy or not (the caller aborts its requests;
-        a later end_turn/abort_turn for them is a no-op). Pins are global and stay.
-        Returns the number closed."""
+        a later end_turn/abort_turn for them is a no-op), except durable ones, which are
+        detached: kept, under their TTL and retention, for a client of their tenant to
+        `resume`. Pins are global and stay. Returns the number closed."""
         gone = [s for s in self.records.sessions.values() if s.client == client]
+        closed = 0
         for s in gone:
-            self._release(s)
-        return len(gone)
+            if s.durable:
+                s.client = DETACHED
+                s.last_used = self.clock()
+                log.debug("session %s detached (durable)", s.id[:8])
+            else:
+                self._release(s)
+                closed += 1
+        return closed
+
+    def resume(self, session_id: str, client: bytes, tenant: str | None) -> Session:
+        """Make durable session `session_id` the connection `client`'s own (its previous
+        connection loses it). NOT_FOUND unless it is durable and of `tenant`, exactly as
+        for an unknown id; BUSY while a turn runs."""
+        s = self.records.sessions.get(session_id)
+        if s is None or not s.durable or s.tenant != tenant:
+            raise RequestError(ErrorCode.NOT_FOUND, f"no session {session_id!r}")
+        if s.busy:
+            raise RequestError(ErrorCode.BUSY, f"session {session_id!r} has a request in flight")
+        s.client = client
+        s.last_used = self.clock()
+        log.debug("session %s resumed", s.id[:8])
+        return s
 
     def _release(self, s: Session) -> None:
         self.records.unlock(s)
         del self.records.sessions[s.id]
         self.retention.lower_priority(s, s.wanted)
         self._prune_host()
+        if s.durable and self.durable is not None:
+            self.durable.delete_session(s.id)
         log.debug("session %s closed", s.id[:8])
+
+    # --------------------------------------------------------------- durable
+    def persist(self, s: Session) -> Future[None] | None:
+        """Save a durable session's row (None: not durable); the future resolves once it
+        is committed."""
+        if not s.durable or self.durable is None:
+            return None
+        row = SessionRow(s.id, s.tenant, s.namespace, s.retention, s.ttl_s, s.history,
+                         s.assistant_open, s.lineage)
+        if self.disk is not None:
+            self.disk.save(s)  # its KV, in the background
+        return self.durable.save_session(row, time.time())
+
+    def load_state(self, sessions: list[SessionRow]) -> int:
+        """Durable sessions read back at start (durable.py): detached and demoted, their
+        whole history what their next turn should find (on disk, or recomputed); idle
+        since their last write. Returns how many were loaded."""
+        now, wall = self.clock(), time.time()
+        for row in sessions:
+            self.records.sessions[row.id] = Session(
+                id=row.id, client=DETACHED, namespace=row.namespace, retention=row.retention,
+                ttl_s=row.ttl_s, history=row.history, residency=Residency.DEMOTED, node=None,
+                held_len=0, kv_len=len(row.history),
+                last_used=now - max(0.0, wall - row.updated), lineage=row.lineage,
+                assistant_open=row.assistant_open, durable=True, tenant=row.tenant)
+        return len(sessions)
 
     def _prune_host(self) -> None:
         if self._backup is not None:
@@ -355,6 +468,14 @@ class SessionManager:
         log.info("pinned %r (%d tokens, %d cached)", name, len(ids), m.length)
         return pin
 
+    def persist_pin(self, pin: PinnedPrefix) -> Future[None] | None:
+        """Save a pin (every pin is kept across restarts when there is a state directory)."""
+        if self.durable is None:
+            return None
+        if self.disk is not None:
+            self.disk.save_prefix(pin.namespace, pin.ids)
+        return self.durable.save_pin(PinRow(pin.name, pin.namespace, pin.ids))
+
     def unpin(self, name: str) -> None:
         """Release a pin (its KV stays as evictable cache; sessions opened from it keep
         their own locks)."""
@@ -363,12 +484,23 @@ class SessionManager:
             raise RequestError(ErrorCode.NOT_FOUND, f"no pinned prefix named {name!r}")
         if pin.node is not None:
             self.records.unlock_node(pin.node)
+        if self.durable is not None:
+            self.durable.delete_pin(name)
         log.info("unpinned %r", name)
 
     # ------------------------------------------------------------- retention
     def tick(self, now: float | None = None) -> list[str]:
-        """Demote idle sessions past their TTL; returns their ids."""
-        return self.retention.tick(self.clock() if now is None else now)
+        """Demote idle sessions past their TTL (returns their ids), and close detached
+        durable sessions idle past the durable expiry."""
+        now = self.clock() if now is None else now
+        if self.durable_expiry_s is not None:
+            for s in [s for s in self.records.sessions.values()
+                      if s.client == DETACHED and now - s.last_used > self.durable_expiry_s]:
+                log.info("session %s: detached for %.0fs, closed", s.id[:8], now - s.last_used)
+                self._release(s)
+        if self.disk is not None:
+            self.disk.tick()
+        return self.retention.tick(now)
 
     def make_room(self, n_tokens: int) -> int:
         """Demote idle soft sessions (LRU) until `n_tokens` more are evictable; returns
@@ -409,6 +541,8 @@ class SessionManager:
     def pins(self) -> Iterator[PinnedPrefix]:
         return iter(self.records.pins.values())
 
-    def list(self, client: bytes, everyone: bool = False) -> list[SessionInfo]:
-        """`client`'s sessions (every client's with `everyone`, their ids cut short)."""
-        return self.records.list(client, everyone)
+    def list(self, client: bytes, everyone: bool = False,
+             tenant: str | None = None) -> list[SessionInfo]:
+        """`client`'s sessions and its `tenant`'s detached durable ones (every client's
+        with `everyone`, others' ids cut short)."""
+        return self.records.list(client, everyone, tenant)

@@ -21,6 +21,9 @@ from radixlm.runtime.protocol import ErrorCode, SessionInfo
 from radixlm.runtime.rules import RequestError
 
 HARD, SOFT = "hard", "soft"
+# The owner of a durable session whose client is gone: nobody's until a client of its
+# tenant resumes it (`SessionManager.resume`).
+DETACHED = b""
 EMPTY_IDS = np.zeros(0, dtype=np.int64)
 EMPTY_IDS.flags.writeable = False
 
@@ -84,6 +87,10 @@ class Session:
     # reply not closed by the template's end-of-turn markup yet): an appended message then
     # takes the rendering that closes it first (`AppendVariants.pick`).
     assistant_open: bool = False
+    # Durable (``OpenSession.durable``, on a server with a state directory): kept when its
+    # client goes and across restarts (durable.py), resumed by a client of `tenant`.
+    durable: bool = False
+    tenant: str | None = None  # the frontend's tenant tag of the client that opened it
 
     @property
     def length(self) -> int:
@@ -169,6 +176,8 @@ class Records:
             last_used=self.clock(),
             lineage=(*parent.lineage, index),
             assistant_open=parent.assistant_open,
+            durable=parent.durable,
+            tenant=parent.tenant,
         )
         self.sessions[s.id] = s
         return s
@@ -206,23 +215,31 @@ class Records:
                 yield s.retention, s.held
 
     # ------------------------------------------------------------------ list
-    def list(self, client: bytes, everyone: bool = False) -> list[SessionInfo]:
-        """`client`'s sessions (all namespaces), oldest activity first; with `everyone`,
-        every client's, other clients' ids cut to a prefix (ids are the access control:
-        a prefix opens nothing)."""
+    def list(self, client: bytes, everyone: bool = False,
+             tenant: str | None = None) -> list[SessionInfo]:
+        """`client`'s sessions (all namespaces) and the detached durable sessions of its
+        `tenant` (which it may resume), oldest activity first; with `everyone`, every
+        client's, other clients' ids cut to a prefix (ids are the access control: a
+        prefix opens nothing)."""
         now = self.clock()
-        rows = sorted(
-            (s for s in self.sessions.values() if everyone or s.client == client),
-            key=lambda s: s.last_used,
-        )
+
+        def listed(s: Session) -> bool:
+            return everyone or s.client == client or (
+                s.client == DETACHED and s.durable and s.tenant == tenant)
+
+        rows = sorted((s for s in self.sessions.values() if listed(s)),
+                      key=lambda s: s.last_used)
         return [
             SessionInfo(
-                session=s.id if s.client == client else s.id[:8],
+                session=s.id if s.client == client or (
+                    s.client == DETACHED and s.tenant == tenant) else s.id[:8],
                 length=s.length,
                 idle_s=0.0 if s.busy else max(0.0, now - s.last_used),
                 retention=listed_class(s),
                 busy=s.busy,
                 namespace=s.namespace,
+                durable=s.durable,
+                attached=s.client != DETACHED,
             )
             for s in rows
         ]

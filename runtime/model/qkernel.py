@@ -104,7 +104,10 @@ class Kernel:
         self.q_matmul = fn("q_matmul", [vp, i64, i64, i64, vp, c_int, i64, vp, i64, vp, c_int, vp])
         # a matrix of row blocks of several types: desc {rows, qtype, tiles} per part
         self.q_matmul_parts = fn("q_matmul_parts", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp])
+        # ... with the rows from which activations are int8 (gemm8.c) as the last argument
+        self.q_matmul_rows = fn("q_matmul_rows", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp, i64])
         self.q_matmul_scratch_bytes = fn("q_matmul_scratch_bytes", [i64, i64], i64)
+        self.q_matmul_scratch_bytes8 = fn("q_matmul_scratch_bytes8", [i64, i64, c_int], i64)
         self.gemm8_min_rows = int(fn("q_gemm8_min_rows", [], i64)())  # from here: int8 activations
         self.block_elems = fn("block_elems", [c_int], c_int)
         self.q_tiled_bytes = fn("q_tiled_bytes", [c_int, i64, i64], i64)

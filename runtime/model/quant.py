@@ -33,6 +33,7 @@ Both round as GGML's reference quantizers do, so the errors are the usual ones.
 from __future__ import annotations
 
 import mmap
+import os
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,9 @@ TYPE_NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_
               Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}  # fmt: skip
 # Activation rows from which `matmul` quantizes activations to int8 (kernels/gemm8.c: a
 # prefill's products) instead of int16 (kernels/qmatmul.c: up to a decode batch's 64).
-GEMM8_MIN_ROWS = 65
+# RADIXLM_INT8_MIN_ROWS raises it (e.g. 1000000: int16 everywhere, products within ~1e-5
+# of float32's, prefill slower).
+GEMM8_MIN_ROWS = max(1, int(os.environ.get("RADIXLM_INT8_MIN_ROWS", "65")))
 DEQUANT_MIN_ROWS = GEMM8_MIN_ROWS  # its former name (from there on products were dequantized)
 MAX_PARTS = 8  # row blocks of different types one stacked weight may hold (kernels/decode.c)
 _HUGE_MIN_BYTES = 4 << 20  # tiles from this size ask for transparent huge pages
@@ -238,12 +241,12 @@ class QuantWeight:
             out = x.new_empty(m, self.rows)
         if m == 0:
             return out
-        k = kernel()
-        scratch = torch.empty(k.q_matmul_scratch_bytes(m, self.cols), dtype=torch.uint8)
-        k.q_matmul_parts(
+        k, min8 = kernel(), GEMM8_MIN_ROWS
+        scratch = torch.empty(k.q_matmul_scratch_bytes8(m, self.cols, int(m >= min8)), dtype=torch.uint8)
+        k.q_matmul_rows(
             x.data_ptr(), m, x.stride(0), self.cols, self.desc_ptr(), self.nparts,
             out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(),
-            int(accumulate), scratch.data_ptr(),
+            int(accumulate), scratch.data_ptr(), min8,
         )  # fmt: skip
         return out
 

@@ -26,9 +26,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from . import quant
 from .batch import ForwardBatch, pack_forward_batch
 from .decoder import DecoderModel
-from .quant import GEMM8_MIN_ROWS, QuantWeight
+from .quant import QuantWeight
 
 _I64 = np.int64
 
@@ -49,10 +50,11 @@ class SlicedPrefill:
         self.logits_from = logits_from
         self.num_tokens = extend
         self.pieces: list[tuple[int, int, ForwardBatch]] = []
-        if isinstance(model.layers[0].w_qkv_t, QuantWeight):
-            rows = max(rows, GEMM8_MIN_ROWS)  # the activations' rounding of one forward's
+        min8 = quant.GEMM8_MIN_ROWS
+        if isinstance(model.layers[0].w_qkv_t, QuantWeight) and extend >= min8:
+            rows = max(rows, min8)  # the activations' rounding of one forward's
         starts = list(range(0, extend, max(1, rows)))
-        if len(starts) > 1 and extend - starts[-1] < GEMM8_MIN_ROWS and rows >= GEMM8_MIN_ROWS:
+        if len(starts) > 1 and extend - starts[-1] < min8 <= rows:
             starts.pop()  # a short last piece joins the one before
         for i, a in enumerate(starts):
             n = (starts[i + 1] if i + 1 < len(starts) else extend) - a

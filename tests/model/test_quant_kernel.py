@@ -257,6 +257,21 @@ def test_int8_rows_do_not_depend_on_the_rows_beside_them(name):
     assert torch.equal(w.matmul(x[30:130]), whole[30:130])
 
 
+def test_the_int8_threshold_is_quants(monkeypatch):
+    """`quant.GEMM8_MIN_ROWS` (RADIXLM_INT8_MIN_ROWS) picks the activations: raised, 70 rows
+    multiply int16 activations; lowered to 2, 3 rows multiply int8 ones."""
+    from radixlm.runtime.model import quant
+
+    w = random_blocks(48, 512, Q4_K, seed=31)
+    x = activations(70, 512, seed=31)
+    monkeypatch.setattr(quant, "GEMM8_MIN_ROWS", 10**6)
+    ok = (w.matmul(x).double() - int16_reference(x, w)).abs().le(REL * scale_of(x, w) + 1e-6)
+    assert ok.all()
+    monkeypatch.setattr(quant, "GEMM8_MIN_ROWS", 2)
+    few = x[:3]
+    assert (w.matmul(few).double() - int8_reference(few, w)).abs().le(REL * scale_of(few, w) + 1e-6).all()
+
+
 def test_rows_are_addressed_not_copied():
     """`cat` and `take_rows` build new weights over the same bytes (row addresses only)
     until a weight is packed; `blocks` reads back the GGML bytes before and after packing;

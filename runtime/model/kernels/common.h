@@ -41,8 +41,8 @@
  * Many rows (prefill, gemm8.c) are quantized to int8 per block of 32 instead (see there).
  *
  * SIMD: AVX2 + FMA + F16C (x86-64-v3) when the compiler targets it (with VNNI's fused
- * multiply-adds where the CPU has them, and AVX-512 in gemm8.c), else the same arithmetic
- * in plain C (the portable path, tested against the others).
+ * multiply-adds where the CPU has them, and 512-bit vectors with AVX-512), else the same
+ * arithmetic in plain C (the portable path; every build tested against the references).
  */
 #ifndef RADIXLM_KERNEL_COMMON_H
 #define RADIXLM_KERNEL_COMMON_H

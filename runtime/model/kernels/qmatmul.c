@@ -667,26 +667,28 @@ void thread_rows(int64_t N, int64_t *n0, int64_t *n1) {
     *n1 = c1 * PRODUCT_CHUNK < N ? c1 * PRODUCT_CHUNK : N;
 }
 
-/* Activation rows from which a product takes gemm8.c's int8 path (a prefill's rows); below,
- * the int16 passes over streamed tiles (decode batches). */
+/* Activation rows from which a product takes gemm8.c's int8 path by default (a prefill's
+ * rows); below, the int16 passes over streamed tiles (decode batches). Callers pass their
+ * own threshold (quant.GEMM8_MIN_ROWS). */
 #define GEMM8_MIN_ROWS 65
 int64_t q_gemm8_min_rows(void) { return GEMM8_MIN_ROWS; }
 
-/* Bytes of `scratch` a product of M activation rows of width K needs. */
-int64_t q_matmul_scratch_bytes(int64_t M, int64_t K) {
-    if (M >= GEMM8_MIN_ROWS) return gemm8_scratch_bytes(M, K);
+/* Bytes of `scratch` a product of M activation rows of width K needs, int8 or not. */
+int64_t q_matmul_scratch_bytes8(int64_t M, int64_t K, int int8) {
+    if (int8) return gemm8_scratch_bytes(M, K);
     return M * ((int64_t)sizeof(qact) + qact_bytes(K)) + 128;
 }
 
+int64_t q_matmul_scratch_bytes(int64_t M, int64_t K) { return q_matmul_scratch_bytes8(M, K, M >= GEMM8_MIN_ROWS); }
+
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias[N]), W a matrix of
  * `nparts` row blocks (common.h: `desc` {rows, qtype, tiles} each, stacked in order); with
- * accumulate, added to y instead (a residual add folded in). `scratch`: at least
- * q_matmul_scratch_bytes(M, K) bytes. */
-void q_matmul_parts(const float *x, int64_t M, int64_t ldx, int64_t K, const int64_t *desc,
-                    int nparts, float *y, int64_t ldy, const float *bias, int accumulate,
-                    void *scratch) {
+ * accumulate, added to y instead (a residual add folded in); int8 activations when M >=
+ * `min_rows8`. `scratch`: at least q_matmul_scratch_bytes8(M, K, M >= min_rows8) bytes. */
+void q_matmul_rows(const float *x, int64_t M, int64_t ldx, int64_t K, const int64_t *desc, int nparts,
+                   float *y, int64_t ldy, const float *bias, int accumulate, void *scratch, int64_t min_rows8) {
     const qmat w = {desc, nparts, bias};
-    if (M >= GEMM8_MIN_ROWS) {
+    if (M >= min_rows8) {
         gemm8(x, M, ldx, K, w, y, ldy, accumulate, scratch);
         return;
     }
@@ -711,6 +713,13 @@ void q_matmul_parts(const float *x, int64_t M, int64_t ldx, int64_t K, const int
             off += N;
         }
     }
+}
+
+/* q_matmul_rows at the default threshold. */
+void q_matmul_parts(const float *x, int64_t M, int64_t ldx, int64_t K, const int64_t *desc,
+                    int nparts, float *y, int64_t ldy, const float *bias, int accumulate,
+                    void *scratch) {
+    q_matmul_rows(x, M, ldx, K, desc, nparts, y, ldy, bias, accumulate, scratch, GEMM8_MIN_ROWS);
 }
 
 /* One matrix of one type (q_matmul_parts with one part). */

@@ -28,6 +28,13 @@ ids to both servers, so both compute exactly the same tokens):
   branches   one 330-token prefix, 8 branches of 64 tokens (llama-server: 8 concurrent
              requests; radixlm: one request with n=8).
   decode-1b, prefill-1b   decode and prefill on the 1B-shape file.
+  K-quant files (the GGUFs people download), made with llama.cpp's own llama-quantize
+  (`random_gguf.requantized`, `--allow-requantize`; built beside llama-server):
+  decode-q4km, decode-q6k   decode on SmolLM2 requantized to Q4_K_M and to Q6_K (real
+             weights; its 576-wide rows fall back to Q5_0 / Q8_0, as llama.cpp does);
+  decode-1bk, prefill365-1bk, prefill2000-1bk, startup-1bk, rss-1bk   the 1B shape as
+             Q4_K_M: decode, prefill of 365 and of 2,000 random token ids, start to ready,
+             memory after an 8,000-token prompt.
   decode-moe, prefill-moe   decode and prefill on the Qwen3-MoE-shape file (`random_gguf.py
              --moe`: Qwen3-30B-A3B's layers, 128 experts of which 8 run per token, cut to
              8 layers, Q4_0, ~3.0 GB); a step reads only the chosen experts, so its bytes
@@ -74,12 +81,19 @@ SDIST = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
 AGENTS, TURNS, REPLY = 8, 6, 32
 BRANCHES, BRANCH_PREFIX, BRANCH_TOKENS = 8, 330, 64
-DECODE_TOKENS, PREFILL_TOKENS = 128, 1024
+DECODE_TOKENS = 128
+PREFILLS = {"prefill": 1024, "prefill365": 365, "prefill2000": 2000}  # row -> prompt tokens
 RSS_CONTEXT, RSS_PROMPT, RSS_NEW = 8192, 8000, 64
 PAIR_ROWS = ("decode", "prefill", "agents-seq", "agents-par", "branches")
-GEMMA3_ROWS = ("decode-gemma3", "prefill-gemma3")
+PAIR_BASES = (*PAIR_ROWS, "prefill365", "prefill2000")  # rows run in pairs, on any file
+# File tags: "" the SmolLM2 file (--gguf), "-1b" the random 1B shape (Q4_1), "-moe" the
+# Qwen3-MoE shape, "-gemma3" the Gemma 3 1B shape, and the K-quant files requantized from
+# them by llama-quantize.
+REQUANTIZED = {"-q4km": ("", "Q4_K_M"), "-q6k": ("", "Q6_K"), "-1bk": ("-1b", "Q4_K_M")}
+TAGS = ("", "-1b", "-moe", "-gemma3", *REQUANTIZED)
 ALL_ROWS = (*PAIR_ROWS, "decode-1b", "prefill-1b", "decode-moe", "prefill-moe", "startup", "rss",
-            *GEMMA3_ROWS)  # fmt: skip
+            "decode-gemma3", "prefill-gemma3", "decode-q4km", "decode-q6k", "decode-1bk",
+            "prefill365-1bk", "prefill2000-1bk", "startup-1bk", "rss-1bk")  # fmt: skip
 WORD_TEXT = (
     "cache prefix token session branch agent tool result reply model layer weight engine "
     "request batch decode prefill radix tree node slot page memory thread kernel block "
@@ -134,11 +148,12 @@ def cpu_build_flags() -> list[str]:
     return opts
 
 
-def ensure_llama_server(root: Path, jobs: int) -> Path:
-    """The llama-server binary, built from the sdist's vendored llama.cpp if missing."""
+def ensure_llama_server(root: Path, jobs: int, target: str = "llama-server") -> Path:
+    """The llama-server binary (or another of llama.cpp's tools: `target`), built from the
+    sdist's vendored llama.cpp if missing."""
     src = llama_source(root)
     build = src / "build-cpu"
-    binary = build / "bin" / "llama-server"
+    binary = build / "bin" / target
     if binary.is_file():
         return binary
     root.mkdir(parents=True, exist_ok=True)
@@ -150,13 +165,13 @@ def ensure_llama_server(root: Path, jobs: int) -> Path:
         with tarfile.open(archive) as tar:
             tar.extractall(root, filter="data")
     if shutil.which("cmake") is None:
-        sys.exit("building llama-server needs cmake: apt-get install cmake g++")
+        sys.exit(f"building {target} needs cmake: apt-get install cmake g++")
     flags = cpu_build_flags()
-    print(f"building llama-server in {build} (about 18 min on 2 cores): {' '.join(flags)}")
+    print(f"building {target} in {build} (llama-server: about 18 min on 2 cores): {' '.join(flags)}")
     subprocess.run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                     *flags, "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                     "-DLLAMA_BUILD_EXAMPLES=OFF"], check=True)  # fmt: skip
-    subprocess.run(["cmake", "--build", str(build), "--target", "llama-server",
+    subprocess.run(["cmake", "--build", str(build), "--target", target,
                     "-j", str(jobs)], check=True)  # fmt: skip
     return binary
 
@@ -389,7 +404,7 @@ class Workload:
         ]  # fmt: skip
         self.chat = enc(f"<|im_start|>user\nRun {rnd}: write a long story about a "
                         "radix tree.<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
-        self.prefill = [rng.randrange(100, vocab - 100) for _ in range(PREFILL_TOKENS)]
+        self.prefill = [rng.randrange(100, vocab - 100) for _ in range(max(PREFILLS.values()))]
         self.prefix = enc(f"Run {rnd}. {words(BRANCH_PREFIX * 2)}")[:BRANCH_PREFIX]
 
 
@@ -473,16 +488,16 @@ def radix_decode(rx: Radix, w: Workload) -> float:
     return tokens / (stamps[-1][0] - stamps[0][0])
 
 
-def llama_prefill(srv: LlamaServer, w: Workload) -> float:
-    r = srv.complete(w.prefill, 1, cache=False)
-    assert r["prompt_n"] == PREFILL_TOKENS, r["prompt_n"]
+def llama_prefill(srv: LlamaServer, w: Workload, n: int) -> float:
+    r = srv.complete(w.prefill[:n], 1, cache=False)
+    assert r["prompt_n"] == n, r["prompt_n"]
     return r["t"]["prompt_per_second"]
 
 
-def radix_prefill(rx: Radix, w: Workload) -> float:
+def radix_prefill(rx: Radix, w: Workload, n: int) -> float:
     t0 = time.perf_counter()
-    rx.engine.generate(input_ids=w.prefill, namespace=f"prefill-{time.time_ns()}", **_sampling(1))
-    return PREFILL_TOKENS / (time.perf_counter() - t0)
+    rx.engine.generate(input_ids=w.prefill[:n], namespace=f"prefill-{time.time_ns()}", **_sampling(1))
+    return n / (time.perf_counter() - t0)
 
 
 # ----------------------------------------------------------------------------- main
@@ -533,8 +548,9 @@ def run_pair(rows: list[str], args, binary: Path, gguf: Path, tok, res: dict, ta
                     if row == "decode":
                         v = (llama_decode(srv, w, res[row + tag].setdefault("llama_own", []))
                              if side == "llama" else radix_decode(rx, w))
-                    elif row == "prefill":
-                        v = llama_prefill(srv, w) if side == "llama" else radix_prefill(rx, w)
+                    elif row in PREFILLS:
+                        n = PREFILLS[row]
+                        v = llama_prefill(srv, w, n) if side == "llama" else radix_prefill(rx, w, n)
                     elif row in ("agents-seq", "agents-par"):
                         par = row == "agents-par"
                         v = llama_agents(srv, w, par) if side == "llama" else radix_agents(rx, w, par)
@@ -572,7 +588,7 @@ def run_startup(args, binary: Path, files: dict[str, Path], res: dict) -> None:
                     print(f"start {i} {tag or 'smollm2':8s} {side:5s} {v:.2f}s", flush=True)
 
 
-def run_rss(args, binary: Path, gguf: Path, res: dict) -> None:
+def run_rss(args, binary: Path, gguf: Path, res: dict, tag: str = "") -> None:
     """Memory with an 8,192-token context: after start, and after filling it."""
     import radixlm as rl
 
@@ -581,24 +597,52 @@ def run_rss(args, binary: Path, gguf: Path, res: dict) -> None:
         srv = LlamaServer(binary, gguf, args.threads, 1, RSS_CONTEXT)
         idle = tree_memory(srv.proc.pid)
         srv.complete(prompt, RSS_NEW, cache=False)
-        res["rss"]["llama"] = [idle, tree_memory(srv.proc.pid)]
+        res["rss" + tag]["llama"] = [idle, tree_memory(srv.proc.pid)]
         srv.close()
         rs = RadixServe(gguf, args.threads, RSS_CONTEXT, Path(tmp))
         idle = tree_memory(rs.proc.pid)
         with rl.connect(rs.endpoint) as client:
             client.generate(input_ids=prompt, **_sampling(RSS_NEW))
             full = tree_memory(rs.proc.pid)
-        res["rss"]["radix"] = [idle, full]
+        res["rss" + tag]["radix"] = [idle, full]
         rs.close()
-    print(f"rss {res['rss']}", flush=True)
+    print(f"rss{tag} {res['rss' + tag]}", flush=True)
+
+
+def split_row(row: str) -> tuple[str, str]:
+    """A row's (kind, file tag): "decode-1bk" -> ("decode", "-1bk"), "rss" -> ("rss", "")."""
+    for tag in sorted(TAGS, key=len, reverse=True):
+        if tag and row.endswith(tag) and row[: -len(tag)] in (*PAIR_BASES, "startup", "rss"):
+            return row[: -len(tag)], tag
+    return row, ""
+
+
+def gguf_files(tags: set[str], gguf: Path, jobs: int) -> dict[str, Path]:
+    """The files of `tags`: the SmolLM2 file, the random 1B shape, and their K-quant
+    versions (llama-quantize, once, into the peer directory)."""
+    from random_gguf import MoeShape, requantized
+    from random_gguf import ensure as random_1b  # (benchmarks/ is the script's own directory)
+
+    files: dict[str, Path] = {"": gguf}
+    if "-1b" in tags or "-1bk" in tags:
+        files["-1b"] = random_1b()
+    if "-moe" in tags:
+        files["-moe"] = random_1b(MoeShape())
+    if "-gemma3" in tags:
+        from random_gguf_gemma3 import ensure as random_gemma3
+
+        files["-gemma3"] = random_gemma3()
+    for tag, (src, qtype) in REQUANTIZED.items():
+        if tag in tags:
+            quantize = ensure_llama_server(peer_dir(), jobs, "llama-quantize")
+            files[tag] = requantized(files[src], qtype, quantize, peer_dir())
+    return files
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     from radixlm.runtime.model import default_gguf_path, resolve_model
-    from random_gguf import MoeShape
-    from random_gguf import ensure as random_1b  # (benchmarks/ is the script's own directory)
     from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)  # the bandwidth probe's threads: the servers' count
@@ -610,28 +654,24 @@ def main(argv=None) -> int:
     unknown = set(rows) - set(ALL_ROWS)
     if unknown:
         sys.exit(f"unknown rows {sorted(unknown)}; rows are {','.join(ALL_ROWS)}")
-    big = random_1b() if {"decode-1b", "prefill-1b", "startup"} & set(rows) else None
-    moe = random_1b(MoeShape()) if {"decode-moe", "prefill-moe"} & set(rows) else None
+    kinds = {row: split_row(row) for row in rows}
+    tags = {tag for _, tag in kinds.values()} | ({"-1b"} if "startup" in rows else set())
+    files = gguf_files(tags, gguf, args.jobs)
     res: dict[str, dict[str, list]] = {r: {"llama": [], "radix": []} for r in rows}
     if "startup" in rows:
         res["startup-1b"] = {"llama": [], "radix": []}
     load0 = os.getloadavg()
-    pair = [r for r in PAIR_ROWS if r in rows]
-    if pair:
-        run_pair(pair, args, binary, gguf, tok, res, "")
-    pair_1b = [r.removesuffix("-1b") for r in rows if r.endswith("-1b")]
-    if pair_1b:
-        assert big is not None
-        run_pair(pair_1b, args, binary, big, tok, res, "-1b")
-    pair_moe = [r.removesuffix("-moe") for r in rows if r.endswith("-moe")]
-    if pair_moe:
-        run_pair(pair_moe, args, binary, moe, tok, res, "-moe")
+    for tag in TAGS:  # the pair rows of each file, one server pair per file
+        pair = [kind for row, (kind, t) in kinds.items() if t == tag and kind in PAIR_BASES]
+        if pair:
+            run_pair(pair, args, binary, files[tag], tok, res, tag)
     if "startup" in rows:
-        assert big is not None
-        run_startup(args, binary, {"": gguf, "-1b": big}, res)
-    if "rss" in rows:
-        run_rss(args, binary, gguf, res)
-    files = {"": gguf, "-1b": big, "-moe": moe, **run_gemma3(rows, args, binary, tok, res)}
+        run_startup(args, binary, {"": gguf, "-1b": files["-1b"]}, res)
+    if "startup-1bk" in rows:
+        run_startup(args, binary, {"-1bk": files["-1bk"]}, res)
+    for kind, tag in kinds.values():
+        if kind == "rss":
+            run_rss(args, binary, files[tag], res, tag)
     load1 = os.getloadavg()
     text = table(res, args, files, load0, load1)
     print(text)
@@ -641,56 +681,50 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_gemma3(rows: list[str], args, binary: Path, tok, res: dict) -> dict[str, Path]:
-    """The Gemma 3 1B-shape rows (decode, prefill), if asked; `{"-gemma3": file}`."""
-    pair = [r.removesuffix("-gemma3") for r in rows if r in GEMMA3_ROWS]
-    if not pair:
-        return {}
-    from random_gguf_gemma3 import ensure as random_gemma3
-
-    gguf = random_gemma3()
-    run_pair(pair, args, binary, gguf, tok, res, "-gemma3")
-    return {"-gemma3": gguf}
-
-
-def _file_tag(row: str) -> str:
-    """The file suffix of a row ("-1b", "-moe", "-gemma3" or "" for the small model)."""
-    return next((t for t in ("-1b", "-moe", "-gemma3") if row.endswith(t)), "")
-
-
 def _decode_cell(vals: list[float], limit: float) -> str:
     v = statistics.median(vals)
     return f"{v:,.1f} ({v / limit:.0%} of the limit)"
 
 
-def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
+TARGETS = {"decode": ">= 1.5x", "prefill": ">= 1.0x", "agents-seq": "faster",
+           "agents-par": ">= 1.5x faster", "branches": ">= 3x faster", "decode-1b": ">= 75% of the limit",
+           "prefill-1b": ">= 1.0x", "startup": "radixlm <= 3 s", "startup-1b": "-", "rss": "<= 1.5x",
+           "decode-moe": ">= 1.0x", "prefill-moe": ">= 1.0x", "decode-gemma3": ">= 1.0x",
+           "prefill-gemma3": ">= 1.0x",
+           "decode-q4km": ">= 1.5x", "decode-q6k": ">= 1.5x",
+           "decode-1bk": ">= 1.2x and >= 80% of the limit", "prefill365-1bk": ">= 2x",
+           "prefill2000-1bk": ">= 2x", "startup-1bk": "radixlm <= 3 s", "rss-1bk": "<= 1.5x"}  # fmt: skip
+
+
+def row_name(row: str, files: dict[str, Path], args) -> str:
+    kind, tag = split_row(row)
+    label = {"-1b": "1B shape", "-1bk": "1B shape Q4_K_M", "-moe": "Qwen3-MoE shape",
+             "-gemma3": "Gemma 3 1B shape"}.get(tag) or files[tag].name  # fmt: skip
+    if kind == "decode":
+        return f"decode {DECODE_TOKENS} tokens, batch 1, {label} (median tok/s)"
+    if kind in PREFILLS:
+        return f"prefill {PREFILLS[kind]} tokens, {label} (median tok/s)"
+    if kind == "startup":
+        return f"start to ready (/health), {label} (median of {args.starts})"
+    if kind == "rss":
+        return (f"memory serving an {RSS_CONTEXT:,}-token context, {label}: RSS (PSS) after "
+                f"start / after an {RSS_PROMPT:,}-token prompt + {RSS_NEW}")  # fmt: skip
+    return {"agents-seq": f"{AGENTS} agents x {TURNS} turns, one request at a time (best wall)",
+            "agents-par": f"the same {AGENTS} agents concurrently (best wall)",
+            "branches": f"one {BRANCH_PREFIX}-token prefix, {BRANCHES} branches of {BRANCH_TOKENS} "
+                        "(best wall)"}[kind]  # fmt: skip
+
+
+def table(res, args, files: dict[str, Path], load0, load1) -> str:
     lines = ["| work | llama-server | radixlm | radixlm ÷ llama | target |", "|---|---:|---:|---:|---|"]
-    small, big = files[""].name, files["-1b"].name if files["-1b"] else "-"
-    moe = files["-moe"].name if files.get("-moe") else "-"
-    names = {
-        "decode": (f"decode {DECODE_TOKENS} tokens, batch 1, {small} (median tok/s)", ">= 1.5x"),
-        "prefill": (f"prefill {PREFILL_TOKENS} tokens, {small} (median tok/s)", ">= 1.0x"),
-        "agents-seq": (f"{AGENTS} agents x {TURNS} turns, one request at a time (best wall)", "faster"),
-        "agents-par": (f"the same {AGENTS} agents concurrently (best wall)", ">= 1.5x faster"),
-        "branches": (f"one {BRANCH_PREFIX}-token prefix, {BRANCHES} branches of {BRANCH_TOKENS} (best wall)", ">= 3x faster"),
-        "decode-1b": (f"decode {DECODE_TOKENS} tokens, batch 1, 1B shape (median tok/s)", ">= 75% of the limit"),
-        "prefill-1b": (f"prefill {PREFILL_TOKENS} tokens, 1B shape (median tok/s)", ">= 1.0x"),
-        "decode-moe": (f"decode {DECODE_TOKENS} tokens, batch 1, Qwen3-MoE shape (median tok/s)", ">= 1.0x"),
-        "prefill-moe": (f"prefill {PREFILL_TOKENS} tokens, Qwen3-MoE shape (median tok/s)", ">= 1.0x"),
-        "decode-gemma3": (f"decode {DECODE_TOKENS} tokens, batch 1, Gemma 3 1B shape (median tok/s)", ">= 1.0x"),
-        "prefill-gemma3": (f"prefill {PREFILL_TOKENS} tokens, Gemma 3 1B shape (median tok/s)", ">= 1.0x"),
-        "startup": (f"start to ready (/health), {small} (median of {args.starts})", "radixlm <= 3 s"),
-        "startup-1b": (f"start to ready, 1B shape (median of {args.starts})", "-"),
-        "rss": (f"memory serving an {RSS_CONTEXT:,}-token context, {small}: RSS (PSS) after "
-                f"start / after an {RSS_PROMPT:,}-token prompt + {RSS_NEW}", "<= 1.5x"),
-    }  # fmt: skip
     limits: list[str] = []
     for row, r in res.items():
         if not r["llama"] or not r["radix"]:
             continue
-        name, target = names[row]
-        if row.startswith("decode"):
-            nbytes = step_bytes(files[_file_tag(row)])
+        kind, tag = split_row(row)
+        name, target = row_name(row, files, args), TARGETS.get(row, "-")
+        if kind == "decode":
+            nbytes = step_bytes(files[tag])
             bw = statistics.median(r["bw"])
             limit = bw / nbytes
             a, b = statistics.median(r["llama"]), statistics.median(r["radix"])
@@ -699,15 +733,15 @@ def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
             limits.append(f"{row}: read bandwidth (2 threads, 1 GiB torch.sum) "
                           f"{', '.join(f'{x / 1e9:.1f}' for x in r['bw'])} GB/s, median "
                           f"{bw / 1e9:.1f} ÷ {nbytes / 1e6:.0f} MB a step = {limit:.1f} tok/s")  # fmt: skip
-        elif row.startswith("prefill"):
+        elif kind in PREFILLS:
             a, b = statistics.median(r["llama"]), statistics.median(r["radix"])
             lines.append(f"| {name} | {a:,.1f} | {b:,.1f} | {b / a:.2f}x | {target} |")
-        elif row.startswith("startup"):
+        elif kind == "startup":
             a, b = statistics.median(r["llama"]), statistics.median(r["radix"])
             zmq = statistics.median(r["radix_zmq"])
             lines.append(f"| {name} | {a:.2f} s | {b:.2f} s (`--no-http`: {zmq:.2f} s) | "
                          f"{b / a:.2f}x the time | {target} |")
-        elif row == "rss":
+        elif kind == "rss":
             (li, lf), (ri, rf) = r["llama"], r["radix"]
 
             def mb(m: tuple[int, int]) -> str:
@@ -723,15 +757,14 @@ def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
             )
     cmd = " ".join(shlex.quote(a) for a in ["python", *sys.argv])
     info = [
-        f"- files: `{small}`, the random-weight 1B shape `{big}` and Qwen3-MoE shape `{moe}` (both servers on the "
-        f"same file), {args.threads} threads each; radixlm `--dtype {args.dtype}`; "
+        "- files: " + ", ".join(f"`{p.name}`" for p in files.values()) + " (the 1B shape: random "
+        f"weights; K-quants by llama-quantize; both servers on the same file), {args.threads} "
+        f"threads each; radixlm `--dtype {args.dtype}`; "
         f"OMP_WAIT_POLICY radixlm {args.omp_wait_policy}, llama-server "
         f"{args.llama_omp_wait_policy} (each its fastest); llama-server from `{SDIST}` "
         f"{SDIST_VERSION}'s vendored llama.cpp (Release; ggml x86 options from /proc/cpuinfo, "
         "AMX off), `--parallel 8` (startup and rss: `--parallel 1 -c 8192`; radixlm "
         "`--context-length 8192`)",
-        *[f"- Gemma 3 rows: the random-weight Gemma 3 1B shape `{files['-gemma3'].name}`"
-          for _ in [0] if files.get("-gemma3")],
         *[f"- limit of {x}" for x in limits],
         *[f"- {row}: llama-server's own `predicted_per_second` (no per-token delivery), "
           f"median {statistics.median(r['llama_own']):.1f} ({fmt(r['llama_own'])})"
@@ -742,7 +775,7 @@ def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
         "- per-round figures: " + "; ".join(
             f"{row} llama {fmt(r['llama'])} / radixlm {fmt(r['radix'])}"
             + (f" (--no-http {fmt(r['radix_zmq'])})" if r.get("radix_zmq") else "")
-            for row, r in res.items() if row != "rss" and r["llama"]
+            for row, r in res.items() if split_row(row)[0] != "rss" and r["llama"]
         ),
     ]  # fmt: skip
     return "\n".join([f"Command: `{cmd}`", "", f"Run: {time.strftime('%Y-%m-%d %H:%M')}", "",

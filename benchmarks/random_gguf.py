@@ -9,7 +9,8 @@ through the layers (the text is gibberish; only speed is measured). The tokenize
 template are copied from SmolLM2's GGUF, so both llama-server and radixlm load it as they
 load a real model. Written once into `<radixlm cache>/peer/` and reused.
 
-    .venv/bin/python benchmarks/random_gguf.py [--layers 16 --hidden 2048 ...]
+    .venv/bin/python benchmarks/random_gguf.py [--layers 16 --hidden 2048 ...] \
+        [--requantize Q4_K_M --llama-quantize PATH]
     .venv/bin/python benchmarks/random_gguf.py --moe [--layers 8 ...]
 
 `--moe` writes the Qwen3-MoE shape instead (`MoeShape`: Qwen3-30B-A3B's layers, 2048
@@ -17,12 +18,18 @@ hidden, 32 heads of 128 with 4 KV heads and q/k norms, 128 experts of width 768 
 token, an F32 router; its 48 layers cut to 8 by default, ~3.0 GB): arch qwen3moe, experts
 stacked 3-D as llama.cpp's converter writes them, every matrix Q4_0 (`--qtype 3`: Q4_1)
 but the untied embedding and head (Q8_0).
+
+`requantized(src, "Q4_K_M", llama_quantize)` makes a K-quant file of any GGUF with
+llama.cpp's own `llama-quantize` (`--allow-requantize`: from the Q4_1 blocks), as a user
+would: its mix of types is llama.cpp's (Q4_K, Q6_K for V, the head and some down
+projections; Q5_0 / Q8_0 for rows not a multiple of 256), written once beside the source.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import uuid
 from dataclasses import asdict, dataclass
@@ -227,6 +234,29 @@ def ensure(shape: Shape | MoeShape | None = None, directory: Path | None = None)
     return out
 
 
+def requantized(src: Path, qtype: str, llama_quantize: Path, directory: Path | None = None,
+                pure: bool = False) -> Path:
+    """`src` requantized to `qtype` (e.g. Q4_K_M, Q6_K) by llama.cpp's llama-quantize, once:
+    `<stem>.<qtype>.gguf` in `directory` (default: beside `src`); `pure`: every tensor of
+    that type (llama-quantize --pure), not llama.cpp's mix."""
+    out = (directory or src.parent) / f"{src.stem}.{qtype}{'-pure' if pure else ''}.gguf"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    print(f"writing {out} (llama-quantize --allow-requantize {src.name} {qtype})", flush=True)
+    try:
+        flags = ["--allow-requantize", *(["--pure"] if pure else [])]
+        done = subprocess.run([str(llama_quantize), *flags, str(src), str(tmp), qtype, str(os.cpu_count() or 1)],
+                              capture_output=True, text=True)  # fmt: skip
+        if done.returncode != 0:
+            sys.exit(f"llama-quantize failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -234,9 +264,17 @@ def main(argv=None) -> int:
     p.add_argument("--moe", action="store_true", help="the Qwen3-MoE shape (MoeShape)")
     for field, default in asdict(MoeShape() if moe else Shape()).items():
         p.add_argument(f"--{field.replace('_', '-')}", type=int, default=default)
+    p.add_argument("--requantize", default=None, help="also write it as this type (e.g. Q4_K_M)")
+    p.add_argument("--llama-quantize", default=None, help="llama.cpp's llama-quantize binary")
     args = vars(p.parse_args(argv))
     args.pop("moe")
-    print(ensure(MoeShape(**args) if moe else Shape(**args)))
+    qtype, binary = args.pop("requantize"), args.pop("llama_quantize")
+    path = ensure(MoeShape(**args) if moe else Shape(**args))
+    if qtype:
+        if not binary:
+            sys.exit("--requantize needs --llama-quantize")
+        path = requantized(path, qtype, Path(binary))
+    print(path)
     return 0
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -366,6 +367,37 @@ def load_hf_model(model_dir: str | Path):
     return model.eval()
 
 
+def load_gguf_reference(gguf_path: str | Path, model_dir: str | Path):
+    """transformers' own reading of a GGUF (gguf-py's dequantization of every tensor, its
+    name map and Q/K un-permutation) into a float32 model of `model_dir`'s config: the
+    independent reference for our GGUF loading."""
+    import torch
+    import transformers
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    class Names:  # parameter names for transformers' GGUF→HF map (top level only)
+        def __init__(self, model):
+            self.config, self._sd = model.config, model.state_dict()
+
+        def state_dict(self):
+            return self._sd
+
+        def named_children(self):
+            return []
+
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(str(model_dir))
+        )
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=Names(meta))
+    ref_model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**parsed["config"]), dtype=torch.float32,
+        attn_implementation="eager",
+    )
+    ref_model.load_state_dict(parsed["tensors"], strict=True)
+    return ref_model.eval()
+
+
 def _llama_cpp_permute(w, n_head: int):
     """llama.cpp's convert_hf_to_gguf `permute` of Llama Q/K rows (what GGUF stores)."""
     return (
@@ -441,7 +473,7 @@ def make_tiny_gguf(
     model_dir: str | Path,
     out_path: str | Path | None = None,
     *,
-    quant: str | None = None,
+    quant: str | Callable[[str], str | None] | None = None,
 ) -> Path:
     """Write the HF checkpoint `model_dir` (from `make_tiny_checkpoint`, arch llama, qwen2,
     qwen3, a mixture-of-experts one, gemma2, gemma3 or phi3, with its tokenizer) as a GGUF
@@ -450,8 +482,10 @@ def make_tiny_gguf(
     local RoPE base), Phi-3's fused projections, rotary dims and longrope factor tensors;
     tokenizer as gpt2-style metadata (tokens, types, merges, special ids, chat template).
     `quant="Q8_0"` (or "Q4_0", ...) quantizes the matrices, experts stacked 3-D as
-    llama.cpp stores them (routers stay F32, as llama.cpp keeps them). Returns the GGUF
-    path (default: `<model_dir>.gguf`)."""
+    llama.cpp stores them (routers stay F32, as llama.cpp keeps them); a function of the
+    GGUF tensor name picks each matrix's type instead (None: F32), as llama.cpp's mixes do.
+    K-quants are written by kquant_blocks, other types by gguf-py. Returns the GGUF path
+    (default: `<model_dir>.gguf`)."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -509,7 +543,12 @@ def make_tiny_gguf(
     state: dict[str, Any] = {}
     for f in sorted(model_dir.glob("*.safetensors")):
         state.update(load_file(str(f)))
-    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
+    from kquant_blocks import BLOCK_BYTES as KQUANTS
+    from kquant_blocks import quantize_k
+
+    def type_of(gname: str) -> str | None:
+        return quant(gname) if callable(quant) else quant
+
     for name, t in _stack_experts(state).items():
         t = np.ascontiguousarray(t.astype(np.float32))
         if arch.startswith("gemma") and name.endswith("norm.weight"):
@@ -531,7 +570,12 @@ def make_tiny_gguf(
             t = _llama_cpp_permute(t, heads)
         elif arch == "llama" and gname.endswith("attn_k.weight"):
             t = _llama_cpp_permute(t, kv_heads)
-        if qtype is not None and t.ndim >= 2 and "ffn_gate_inp" not in gname:  # routers F32
+        tname = type_of(gname) if t.ndim >= 2 and "ffn_gate_inp" not in gname else None  # routers F32
+        if tname in KQUANTS:
+            blocks = quantize_k(t.reshape(-1, t.shape[-1]), tname).reshape(*t.shape[:-1], -1)
+            w.add_tensor(gname, blocks, raw_dtype=getattr(gguf.GGMLQuantizationType, tname))
+        elif tname is not None:
+            qtype = getattr(gguf.GGMLQuantizationType, tname)
             w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, t)

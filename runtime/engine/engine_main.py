@@ -45,6 +45,7 @@ from radixlm.runtime.model import (
 )
 from radixlm.runtime.model import resolve_model as _resolve_model
 from radixlm.runtime.model.loader import engine_weight_format
+from radixlm.runtime.model.memory_check import check_model_fits
 from radixlm.runtime.transport.channel import open_socket
 from radixlm.tokenizer import Tokenizer
 
@@ -95,6 +96,9 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None,
         runner, pool = tp.runner, tp.runner.pool
         capacity = pool.capacity
     else:
+        if device.type == "cpu":  # refuse, naming --kv-tokens / --kv-dtype, what will not fit
+            check_model_fits(model_dir, mcfg, fmt, dtype, kv_dtype, config.kv_tokens,
+                             config.chunked_prefill, context, torch.get_num_threads())
         log.info("loading %s (%s weights)", model_dir.name, fmt or str(dtype).removeprefix("torch."))
         t_load = time.perf_counter()
         model = load_model(model_dir, device, dtype, fmt)

@@ -43,17 +43,6 @@ class DecoderLayer:
             setattr(self, name, tensors.get(name))
 
 
-def dense_layer(layer: DecoderLayer) -> DecoderLayer:
-    """`layer` with its quantized matrices dequantized once (float32, `[in, out]` views):
-    what `QuantWeight.matmul` multiplies by for a prefill's rows anyway, kept for the
-    several pieces of one layer that sliced.py runs (instead of once per piece). Experts
-    stay as they are: a piece reads only the experts its rows chose."""
-    def dense(w):
-        return w.dequantize().t() if isinstance(w, QuantWeight) else w
-
-    return DecoderLayer(**{name: dense(getattr(layer, name)) for name in DecoderLayer.__slots__})
-
-
 def transposed(w: Weight, device: torch.device) -> Weight:
     """`w` ([out, in]) as the `[in, out]` right operand of `x @ w_t`, in the memory layout
     that streams fastest. On CPU a batch-1 step is a GEMV bound by memory bandwidth, and
@@ -232,9 +221,10 @@ class DecoderModel:
     @property
     def weight_format(self) -> str:
         """'float32' etc. for dense weights, else the block types in use (e.g. 'Q4_1+Q8_0')."""
-        mats = [self.lm_head_t] + [w for lyr in self.layers for w in (lyr.w_qkv_t, lyr.w_gu_t)]
+        mats = [self.lm_head_t] + [w for lyr in self.layers
+                                   for w in (lyr.w_qkv_t, lyr.w_o_t, lyr.w_gu_t, lyr.w_down_t)]  # fmt: skip
         mats += [lyr.moe.gu[0] for lyr in self.layers if lyr.moe is not None and lyr.moe.gu]
-        names = sorted({w.type_name for w in mats if isinstance(w, QuantWeight)})
+        names = sorted({n for w in mats if isinstance(w, QuantWeight) for n in w.type_name.split("+")})
         return "+".join(names) if names else str(self.dtype).removeprefix("torch.")
 
     def forward(self, batch, attn) -> torch.Tensor:
@@ -297,7 +287,7 @@ class DecoderModel:
 
     def layer_forward(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       attn, layer: DecoderLayer | None = None) -> torch.Tensor:
-        """Layer `i` (or `layer`, standing in for it: sliced.py's dense copy) over the
+        """Layer `i` (or `layer`, standing in for it) over the
         `[T, hidden]` rows `x`, whose K/V the planned `attn` writes; may update `x` in
         place. Also run alone, a piece at a time (sliced.py)."""
         c = self.config

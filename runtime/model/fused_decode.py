@@ -40,11 +40,12 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _layer_row(layer) -> list[int]:
-    """The layer's `table` entries: norms, then tiles, qtype, bias per matrix."""
+    """The layer's `table` entries: norms, then per matrix its part descriptor (row blocks
+    of one type each, `QuantWeight.desc`), part count and bias."""
     row = [_ptr(getattr(layer, name)) for name in _NORMS]
     for mat, bias in _MATS:
         w: QuantWeight = getattr(layer, mat)
-        row += [w.tiles_ptr(), w.qtype, _ptr(getattr(layer, bias))]
+        row += [w.desc_ptr(), w.nparts, _ptr(getattr(layer, bias))]
     return row
 
 
@@ -67,10 +68,10 @@ class FusedDecode:
         windows = [w for w in (c.layer_window(i) for i in range(c.num_layers)) if w is not None]
         self.longest = min(windows) if windows else None
         head = model.lm_head_t
-        self.head = None  # {final norm, head tiles, qtype, vocab} for decode_layers
+        self.head = None  # {final norm, head descriptor, its part count} for decode_layers
         if isinstance(head, QuantWeight) and model.norm.dtype == torch.float32 and model.norm.is_contiguous():
-            self.head = torch.tensor([model.norm.data_ptr(), head.tiles_ptr(), head.qtype,
-                                      head.rows], dtype=torch.int64)  # fmt: skip
+            self.head = torch.tensor([model.norm.data_ptr(), head.desc_ptr(), head.nparts],
+                                     dtype=torch.int64)  # fmt: skip
 
     @staticmethod
     def supported(model: DecoderModel, pool) -> bool:

@@ -1,9 +1,16 @@
-"""A GGUF's tensors as stored: Q4_0/Q4_1/Q8_0 matrices stay packed (`QuantWeight`): their
-rows are addresses in a read-only mapping of the file (`gguf_file`), stacked and reordered
-without a copy, until the decoder packs each once into the kernel's tile layout (the same
-bytes; the mapping then goes with the last reference to it). The rest (norms, F32/F16 matrices, and quant types the kernel lacks, e.g. K-quants) become
-float32 tensors. `dense_state_dict` dequantizes everything to float32 instead, for dense
-weights (`--dtype float32`) straight from the file, no cached float32 copy needed.
+"""A GGUF's tensors as stored: matrices of the types the kernel multiplies (Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0, Q4_K, Q5_K, Q6_K: `quant.BLOCK_BYTES`) stay packed (`QuantWeight`): their rows
+are addresses in a read-only mapping of the file (`gguf_file`), stacked and reordered
+without a copy, and packed once into the kernel's tile layout (the same bytes), through the
+tile cache (`tile_cache.pack_cached`: a later start maps the packed tiles) or, without it,
+by the decoder; the file's mapping then goes with the last reference to it. The rest (norms, F32/F16
+matrices) become float32 tensors, and so do matrices of quant types the kernel lacks (IQ
+and ternary types, Q2_K, Q3_K, ...; gguf-py dequantizes them) -- but only when their
+float32 copy fits the memory this process can see (`memory_check.available_memory`), with
+one log line naming the types and the size; otherwise the file is refused in one line
+(`UnpackedTypesError`) naming the types, never left to the OOM killer. `dense_state_dict`
+dequantizes everything to float32 instead, for dense weights (`--dtype float32`) straight
+from the file, no cached float32 copy needed.
 
 Names and the Llama Q/K row order are mapped exactly as `gguf_convert` maps them, by the
 file's architecture: llama.cpp's Q/K row permutation moves whole rows, so for packed
@@ -16,6 +23,7 @@ expert's slab of rows (`_expert_weights`): packed where the kernel has the type,
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +32,40 @@ import torch
 from .gguf_convert import hf_expert_names, hf_tensor_name, unpermute_qk
 from .gguf_families import NORM_SHIFT
 from .gguf_file import GGUFFile, TensorInfo
-from .quant import BLOCK_BYTES, QuantWeight
+from .memory_check import available_memory, fmt_bytes, gguf_unpacked
+from .quant import BLOCK_BYTES, TYPE_NAMES, QuantWeight
+from .tile_cache import pack_cached
+
+log = logging.getLogger(__name__)
 
 SOURCE_FILE = "radixlm_source.json"  # written beside a converted directory by gguf_convert
+
+
+class UnpackedTypesError(ValueError):
+    """The file's matrices of types the kernel lacks would not fit in memory as float32."""
+
+
+def check_unpacked_types(gguf: str | Path | GGUFFile, available: int | None = None) -> None:
+    """Refuse (one line) a file whose matrices of types the kernel does not multiply would
+    not fit in memory dequantized to float32 next to its packed ones; say in one log line
+    what is dequantized when they fit."""
+    f = gguf if isinstance(gguf, GGUFFile) else GGUFFile(gguf)
+    gguf_path = f.path
+    packed, dense, others = gguf_unpacked(f)
+    if not others:
+        return
+    names = ", ".join(f"{n} ({c})" for n, c in sorted(others.items()))
+    avail = available_memory() if available is None else available
+    kernel_types = ", ".join(TYPE_NAMES[t] for t in sorted(TYPE_NAMES))
+    if packed + dense > avail:
+        raise UnpackedTypesError(
+            f"{Path(gguf_path).name} stores tensors as {names}, types the CPU kernel does not "
+            f"multiply: dequantized to float32 the model would take {fmt_bytes(packed + dense)} "
+            f"and {fmt_bytes(avail)} is available; use a GGUF of {kernel_types} tensors "
+            "(e.g. Q4_K_M)"
+        )
+    log.warning("%s: dequantizing its %s tensors to float32 (%s; the kernel keeps %s packed)",
+                Path(gguf_path).name, names, fmt_bytes(dense), kernel_types)
 
 
 def source_gguf(model_dir: str | Path) -> Path | None:
@@ -71,12 +110,16 @@ def _expert_weights(f: GGUFFile, info: TensorInfo, model_type: str
 
 def gguf_state_dict(
     gguf_path: str | Path, num_heads: int, num_kv_heads: int, permute_qk: bool,
-    model_type: str = "",
+    model_type: str = "", packed: bool = False,
 ) -> dict[str, torch.Tensor | QuantWeight]:
-    """HF-named tensors of `gguf_path`: `QuantWeight`s over the mapped file where the kernel
-    supports the stored type, float32 tensors otherwise (`model_type`: the HF family,
-    which names a mixture-of-experts model's expert tensors)."""
+    """HF-named tensors of `gguf_path`: `QuantWeight`s where the kernel supports the stored
+    type, float32 tensors otherwise (refused first when those would not fit in memory:
+    `check_unpacked_types`; `model_type`: the HF family, which names a mixture-of-experts
+    model's expert tensors). With `packed` (`load_model` asks for it), the weights come
+    packed from (or are packed into) the GGUF's tile cache file (`tile_cache.pack_cached`),
+    else they address the mapped file's rows."""
     f = GGUFFile(gguf_path)
+    check_unpacked_types(f)
     arch = f.get("general.architecture", "llama")
     shift = NORM_SHIFT.get(arch, 0.0)
     state: dict[str, torch.Tensor | QuantWeight] = {}
@@ -101,6 +144,10 @@ def gguf_state_dict(
             if shift and name.endswith("norm.weight"):
                 data = data - np.float32(shift)
             state[name] = torch.from_numpy(np.ascontiguousarray(data))
+    if packed:
+        quant = {n: w for n, w in state.items() if isinstance(w, QuantWeight)}
+        order = f"{model_type},{num_heads},{num_kv_heads},{permute_qk}"
+        state.update(pack_cached(gguf_path, quant, order))
     return state
 
 

@@ -129,7 +129,7 @@ def load_model(
                     f"dtype 'gguf' keeps a GGUF's tensors as stored, but {model_dir} is not a "
                     "converted GGUF; use --quantize int8|int4 for HF checkpoints"
                 )
-            state = gguf_state_dict(src, *heads)
+            state = gguf_state_dict(src, *heads, packed=True)  # (through the tile cache)
         else:
             if src is not None and not has_dense_weights(model_dir):
                 state = dense_state_dict(src, *heads)  # dequantized from the GGUF, no copy kept

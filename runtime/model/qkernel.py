@@ -32,7 +32,7 @@ from .gguf_convert import cache_root
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
-SOURCES = (KERNEL_DIR / "qmatmul.c", KERNEL_DIR / "decode.c")
+SOURCES = (KERNEL_DIR / "qmatmul.c", KERNEL_DIR / "gemm8.c", KERNEL_DIR / "decode.c")
 HEADERS = (KERNEL_DIR / "common.h",)
 _BASE = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 CFLAGS = ("-march=native", *_BASE)
@@ -102,7 +102,14 @@ class Kernel:
 
         # products and dequantization read a matrix as tiles of 8 rows (q_pack, once)
         self.q_matmul = fn("q_matmul", [vp, i64, i64, i64, vp, c_int, i64, vp, i64, vp, c_int, vp])
+        # a matrix of row blocks of several types: desc {rows, qtype, tiles} per part
+        self.q_matmul_parts = fn("q_matmul_parts", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp])
+        # ... with the rows from which activations are int8 (gemm8.c) as the last argument
+        self.q_matmul_rows = fn("q_matmul_rows", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp, i64])
         self.q_matmul_scratch_bytes = fn("q_matmul_scratch_bytes", [i64, i64], i64)
+        self.q_matmul_scratch_bytes8 = fn("q_matmul_scratch_bytes8", [i64, i64, c_int], i64)
+        self.gemm8_min_rows = int(fn("q_gemm8_min_rows", [], i64)())  # from here: int8 activations
+        self.block_elems = fn("block_elems", [c_int], c_int)
         self.q_tiled_bytes = fn("q_tiled_bytes", [c_int, i64, i64], i64)
         self.q_pack = fn("q_pack", [vp, c_int, i64, i64, vp])
         self.q_unpack_rows = fn("q_unpack_rows", [vp, c_int, i64, i64, vp])

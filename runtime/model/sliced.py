@@ -3,9 +3,12 @@ them (the engine's preemptible prefill: engine/slicing.py).
 
 A piece is one decoder layer over a block of the chunk's rows: layer by layer, and within
 a layer in row order, so a block's attention reads (from the pool) the K/V of the rows
-before it, which the earlier blocks of this layer wrote. A quantized layer is dequantized
-once for all its pieces (`decoder.dense_layer`; `QuantWeight.matmul` would dequantize per
-call, 8x the work for 8 pieces). Each piece is planned as its own
+before it, which the earlier blocks of this layer wrote. A quantized layer multiplies each
+piece's rows as they are (int8 activations, kernels/gemm8.c: no float32 copy of a matrix
+is made; a row's product does not depend on the rows beside it, and a quantized model's
+pieces are no shorter than GEMM8_MIN_ROWS, the rows from which products take int8
+activations, so the pieces compute what one forward of the chunk computes). Each piece is
+planned as its own
 one-request batch (`attn.plan`), so a forward interleaved between pieces, which plans the
 backend for its own batch, clobbers nothing this one needs. The chunk's hidden states
 stay here between pieces; its K/V for the finished pieces are already in the request's
@@ -23,8 +26,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from . import quant
 from .batch import ForwardBatch, pack_forward_batch
-from .decoder import DecoderLayer, DecoderModel, dense_layer
+from .decoder import DecoderModel
+from .quant import QuantWeight
 
 _I64 = np.int64
 
@@ -45,8 +50,14 @@ class SlicedPrefill:
         self.logits_from = logits_from
         self.num_tokens = extend
         self.pieces: list[tuple[int, int, ForwardBatch]] = []
-        for a in range(0, extend, max(1, rows)):
-            n = min(rows, extend - a)
+        min8 = quant.GEMM8_MIN_ROWS
+        if isinstance(model.layers[0].w_qkv_t, QuantWeight) and extend >= min8:
+            rows = max(rows, min8)  # the activations' rounding of one forward's
+        starts = list(range(0, extend, max(1, rows)))
+        if len(starts) > 1 and extend - starts[-1] < min8 <= rows:
+            starts.pop()  # a short last piece joins the one before
+        for i, a in enumerate(starts):
+            n = (starts[i + 1] if i + 1 < len(starts) else extend) - a
             sub = pack_forward_batch([tokens], [slots], np.array([kv_len + a], _I64),
                                      np.array([n], _I64), np.array([n - 1], _I64), device)
             self.pieces.append((a, a + n, sub))
@@ -56,7 +67,6 @@ class SlicedPrefill:
         self.layer = 0
         self.piece = 0
         self.pieces_run = 0  # (tests and stats)
-        self._dense: DecoderLayer | None = None  # this layer's weights, dequantized once
 
     @property
     def total_pieces(self) -> int:
@@ -70,12 +80,10 @@ class SlicedPrefill:
         with torch.inference_mode():
             while True:
                 a, b, sub = self.pieces[self.piece]
-                if self._dense is None:
-                    self._dense = dense_layer(model.layers[self.layer])
                 attn.plan(sub)
                 cos, sin = model.rotary_for(self.layer).cos_sin(sub.positions)
                 rows = self.x[a:b]
-                out = model.layer_forward(self.layer, rows, cos, sin, attn, self._dense)
+                out = model.layer_forward(self.layer, rows, cos, sin, attn)
                 if out.data_ptr() != rows.data_ptr():
                     rows.copy_(out)
                 self.pieces_run += 1
@@ -83,7 +91,6 @@ class SlicedPrefill:
                 if self.piece == len(self.pieces):
                     self.piece = 0
                     self.layer += 1
-                    self._dense = None
                     if self.layer == len(model.layers):
                         break
                 if time.perf_counter() - t0 >= budget_s:

@@ -21,7 +21,13 @@ from radixlm.runtime.model.gguf_convert import (
     has_dense_weights,
 )
 from radixlm.runtime.model.quant import QuantWeight
-from tiny_models import TINY_VARIANTS, load_hf_model, make_tiny_checkpoint, make_tiny_gguf
+from tiny_models import (
+    TINY_VARIANTS,
+    load_gguf_reference,
+    load_hf_model,
+    make_tiny_checkpoint,
+    make_tiny_gguf,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -58,34 +64,11 @@ def test_f32_gguf_roundtrip_matches_original(tmp_path, variant):
 
 def test_quantized_gguf_matches_transformers_loader(tmp_path):
     """Q8_0 weights: our dequantized model equals transformers' own GGUF loading."""
-    import transformers
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
     src = make_tiny_checkpoint(tmp_path, "llama", name="q")
     gguf_path = make_tiny_gguf(src, quant="Q8_0")
     out = ensure_converted(gguf_path, progress=False)
-
-    class Names:  # parameter names for transformers' GGUF→HF map (top level only)
-        def __init__(self, model):
-            self.config, self._sd = model.config, model.state_dict()
-
-        def state_dict(self):
-            return self._sd
-
-        def named_children(self):
-            return []
-
-    with torch.device("meta"):
-        meta = transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.from_pretrained(str(src))
-        )
-    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=Names(meta))
-    ref_model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**parsed["config"]), dtype=torch.float32
-    )
-    ref_model.load_state_dict(parsed["tensors"], strict=True)
     with torch.no_grad():
-        ref = ref_model.eval()(torch.tensor([IDS])).logits[0]
+        ref = load_gguf_reference(gguf_path, src)(torch.tensor([IDS])).logits[0]
     assert (_logits(out, IDS) - ref).abs().max().item() < 1e-4
 
 
@@ -192,7 +175,7 @@ def test_conversion_keeps_no_weights_and_packed_weights_hold_the_files_blocks(tm
         assert torch.equal(layer.w_o_t.blocks.flatten(), stored[f"blk.{i}.attn_output.weight"])
         assert torch.equal(layer.w_down_t.blocks.flatten(), stored[f"blk.{i}.ffn_down.weight"])
         v = stored[f"blk.{i}.attn_v.weight"]
-        assert torch.equal(layer.w_qkv_t.blocks.flatten()[-v.numel():], v)
+        assert torch.equal(layer.w_qkv_t.parts[-1].blocks.flatten(), v)  # packed per tensor
     dense = [t for layer in model.layers for t in (layer.in_norm, layer.post_norm)]
     assert sum(t.numel() for t in dense) == 2 * c.num_layers * c.hidden_size  # norms only
     # dense loading dequantizes the GGUF itself, and equals transformers on the same blocks

@@ -142,11 +142,16 @@ def test_bfloat16_experts_track_float32(variant):
     assert agree >= 0.85, agree
 
 
-def test_int8_experts_match_transformers_on_the_dequantized_weights(variant, tmp_path):
+def test_int8_experts_match_transformers_on_the_dequantized_weights(variant, tmp_path, monkeypatch):
     """int8: every expert Q8_0 (one `QuantWeight` each), routers dense; transformers runs
     the same blocks dequantized (written as a checkpoint). A 250-row prefill (its rows
     grouped by expert, more than one kernel call's 64 rows for some) and decode steps
-    multiply through the kernel."""
+    multiply through the kernel, with int16 activations throughout (a prefill's int8 ones
+    would flip some routings of these random models: their accuracy is measured, not
+    exact, benchmarks/bench_quant_accuracy.py)."""
+    from radixlm.runtime.model import quant
+
+    monkeypatch.setattr(quant, "GEMM8_MIN_ROWS", 10**9)
     model_dir, _, _ = variant
     env = Env(model_dir, quantize="int8")
     moe = next(layer.moe for layer in env.runner.model.layers if layer.moe is not None)

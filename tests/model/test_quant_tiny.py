@@ -1,12 +1,14 @@
 """Quantized weights (`--quantize int8|int4`) on tiny random checkpoints, two ways:
 
 1. Exactness of the quantized path: transformers run on the *dequantized* blocks (read
-   back by gguf-py, so the block format is GGML's) must give our quantized runner's
-   prefill logits (dequantize + GEMM rows) within the float32 tolerance of the dense tests
-   (atol 1e-4). Decode (the fused one-call step, or the streaming kernel per op for
-   models with q/k norms, alone and batched with another request) multiplies activations held
+   back by gguf-py, so the block format is GGML's) against our quantized runner. Decode
+   (the fused one-call step, or the streaming kernel per op for models with q/k norms,
+   alone and batched with another request) and a short prefill multiply activations held
    as one int16 per value per block (the kernel's arithmetic is checked exactly in
-   model/test_quant_kernel.py): within DECODE_ATOL of the same transformers run.
+   model/test_quant_kernel.py): within DECODE_ATOL of the same transformers run. A long
+   prefill (from GEMM8_MIN_ROWS rows) multiplies int8 activations: within PREFILL8_TOL of
+   the logits' spread (its accuracy on a real model is benchmarks/bench_quant_accuracy.py's
+   measure).
 2. Accuracy cost against the float32 checkpoint (transformers, original weights), with the
    documented bounds below. Random tiny models are a harsh case (near-flat logits, 64-wide
    blocks of Gaussian weights), so the int4 bounds are loose; SmolLM2's are in
@@ -28,9 +30,13 @@ from radixlm.runtime.model.quant import QuantWeight
 from radixlm.runtime.model.weights import load_state_dict
 from tiny_models import TINY_VARIANTS, load_hf_model, make_tiny_checkpoint
 
-ATOL = 1e-4
 DECODE_ATOL = 5e-3  # decode's int16 activations (measured up to 1.1e-3 here)
-PROMPT = 80  # >= DEQUANT_MIN_ROWS: the prompt takes the dequantize + GEMM path
+PROMPT = 80  # >= GEMM8_MIN_ROWS: the prompt takes the int8 path
+SHORT = 40  # < GEMM8_MIN_ROWS: a prompt of this many rows takes the int16 path
+# int8 activations (per block of 32, max|x| / 254 a value at worst): max |logit error| /
+# std of the reference logits at the position, over the 80 positions. Measured 0.07-0.14
+# on these random tiny models (weights 5x HF's init: spiky activations).
+PREFILL8_TOL = 0.25
 # Documented accuracy bounds on the tiny random models: top-1 agreement with float32 over
 # all prompt positions, and max |logit error| / std of the float32 logits of the position.
 BOUNDS = {"int8": (0.85, 0.25), "int4": (0.45, 2.5)}
@@ -58,12 +64,14 @@ def _ids() -> list[int]:
     return torch.randint(3, 400, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def _ours(model_dir, fmt: str) -> tuple[torch.Tensor, torch.Tensor, ModelRunner]:
-    """(prefill logits of every position, decode logits token by token, runner)."""
+def _ours(model_dir, fmt: str) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, ModelRunner]:
+    """((prefill logits of every position, of a short prefill), decode logits token by
+    token, runner)."""
     c = ModelConfig.from_dir(model_dir)
     pool = KVPool(c.num_layers, c.num_kv_heads, c.head_dim, 4 * PROMPT, 1, torch.float32, "cpu")
     runner = ModelRunner(model_dir, "cpu", "float32", pool, attention="torch", quantize=fmt)
     ids = _ids()
+    short = runner.forward(ForwardBatch.build([BatchRequest(ids[:SHORT], 0, list(range(SHORT)), True)]))
     pre = runner.forward(ForwardBatch.build([BatchRequest(ids, 0, list(range(PROMPT)), True)]))
     # decode into other slots, so it reads only what it wrote itself: one request at a time
     # (the fused one-call step where the model allows it) ...
@@ -78,7 +86,7 @@ def _ours(model_dir, fmt: str) -> tuple[torch.Tensor, torch.Tensor, ModelRunner]
         runner.forward(ForwardBatch.build([([t], i, other[: i + 1]), ([t], 0, [3 * PROMPT + i])]))[:1]
         for i, t in enumerate(ids)
     ])  # fmt: skip
-    return pre, torch.stack([dec, dec2]), runner
+    return (pre, short), torch.stack([dec, dec2]), runner
 
 
 def _hf_logits(model) -> torch.Tensor:
@@ -88,7 +96,7 @@ def _hf_logits(model) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantized_matches_transformers_on_dequantized_weights(variant, runs, fmt):
-    pre, dec, runner = _cached(runs, variant, fmt)
+    (pre, short), dec, runner = _cached(runs, variant, fmt)
     assert runner.model.weight_format == ("Q8_0" if fmt == "int8" else "Q4_1+Q8_0")
     hf = load_hf_model(variant)
     state = quantize_state(load_state_dict(variant), fmt)
@@ -102,7 +110,8 @@ def test_quantized_matches_transformers_on_dequantized_weights(variant, runs, fm
     assert not unexpected and set(missing) <= {"lm_head.weight"}
     hf.tie_weights()
     ref = _hf_logits(hf)
-    torch.testing.assert_close(pre, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(short, ref[:SHORT], atol=DECODE_ATOL, rtol=0)  # int16 rows
+    assert ((pre - ref).abs().amax(-1) / ref.std(-1)).max().item() <= PREFILL8_TOL  # int8 rows
     torch.testing.assert_close(dec[0], ref, atol=DECODE_ATOL, rtol=0)  # batch 1
     torch.testing.assert_close(dec[1], ref, atol=DECODE_ATOL, rtol=0)  # batch 2 (decode_rows)
     assert (runner.fused is not None) == (ModelConfig.from_dir(variant).qk_norm is False)
@@ -110,7 +119,7 @@ def test_quantized_matches_transformers_on_dequantized_weights(variant, runs, fm
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_accuracy_cost_within_bounds(variant, runs, fmt):
-    pre, _, _ = _cached(runs, variant, fmt)
+    (pre, _), _, _ = _cached(runs, variant, fmt)
     ref = _hf_logits(load_hf_model(variant))
     top1 = (pre.argmax(-1) == ref.argmax(-1)).float().mean().item()
     err = ((pre - ref).abs().amax(-1) / ref.std(-1)).max().item()
@@ -118,7 +127,7 @@ def test_accuracy_cost_within_bounds(variant, runs, fmt):
     assert top1 >= min_top1, (fmt, top1)
     assert err <= max_err, (fmt, err)
     if fmt == "int8":  # int8 strictly closer than int4 on the same model
-        pre4, _, _ = _cached(runs, variant, "int4")
+        (pre4, _), _, _ = _cached(runs, variant, "int4")
         assert (pre - ref).abs().mean() < (pre4 - ref).abs().mean()
 
 

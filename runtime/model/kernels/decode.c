@@ -15,7 +15,8 @@
  * OpenMP's barrier, whose cost follows OMP_WAIT_POLICY.
  *
  * Per layer, `table` holds LAYER_FIELDS int64 values (pointers as integers, 0 = absent):
- *   in_norm, post_norm, then for each of qkv, o, gate_up, down: tiles (q_pack), qtype, bias
+ *   in_norm, post_norm, then for each of qkv, o, gate_up, down: the matrix's part
+ *   descriptor (common.h's qmat: {rows, qtype, tiles} per part), its part count, bias
  * and `kv_ptrs` 2 per layer: that layer's K and V pool ([capacity, nkv, hd] of kv_type).
  * cos / sin: RoPE factors of each row's position ([hd], sin signed for rotate-half), so
  * rope(v)[j] = v[j] cos[j] + v[(j + hd/2) mod hd] sin[j].
@@ -39,6 +40,7 @@
 #define MAX_GROUP 32      /* query heads per KV head */
 #define MAX_HD 512        /* head_dim the attention buffers allow */
 #define MAX_ROWS 64       /* rows of one decode_rows call */
+#define MAX_PARTS 8       /* row blocks of different types in one matrix */
 
 /* ------------------------------------------------------------------------------------------
  * The barrier: spin a while, then sleep on a futex. A step has ~6 barriers a layer;
@@ -108,15 +110,9 @@ static void team_wait(team_bar *b, int n, int64_t *spin) {
 
 /* ------------------------------------------------------------------------------ weights */
 
-typedef struct {
-    const uint8_t *tiles;
-    int qtype;
-    const float *bias;
-} qmat;
-
 static qmat mat_at(const int64_t *t, int i) {
     const int64_t *f = t + 2 + i * MAT_FIELDS;
-    qmat w = {(const uint8_t *)f[0], (int)f[1], (const float *)f[2]};
+    qmat w = {(const int64_t *)f[0], (int)f[1], (const float *)f[2]};
     return w;
 }
 
@@ -160,35 +156,64 @@ static void team_init(team *tm) {
 
 /* The rows one claim covers: whole chunks, and at least CLAIM_BYTES of weights. */
 static int64_t claim_rows(int64_t K, int qtype) {
-    const int64_t row_bytes = K / QK * qblock_bytes(qtype);
+    const int64_t row_bytes = row_bytes_of(qtype, K);
     int64_t chunks = (CLAIM_BYTES + PRODUCT_CHUNK * row_bytes - 1) / (PRODUCT_CHUNK * row_bytes);
     return (chunks < 1 ? 1 : chunks) * PRODUCT_CHUNK;
 }
 
+/* A matrix's claims, part after part: claim i of the matrix is claim i - first of the
+ * part it falls in. */
+typedef struct {
+    int64_t first[MAX_PARTS + 1], rows[MAX_PARTS], out[MAX_PARTS];
+} claim_map;
+
+static int64_t map_claims(qmat w, int64_t K, claim_map *cm) {
+    int64_t total = 0, out = 0;
+    for (int p = 0; p < w.nparts; p++) {
+        const int64_t N = w.desc[3 * p];
+        cm->rows[p] = claim_rows(K, (int)w.desc[3 * p + 1]);
+        cm->first[p] = total;
+        cm->out[p] = out;
+        total += (N + cm->rows[p] - 1) / cm->rows[p];
+        out += N;
+    }
+    cm->first[w.nparts] = total;
+    return total;
+}
+
+/* Claim i (of map_claims' sequence) computed: its rows of its part. */
+static void run_claim(const qact *acts, int64_t B, int64_t K, qmat w, const claim_map *cm, int64_t i,
+                      float *y, int64_t ldy, int accumulate) {
+    int p = 0;
+    while (i >= cm->first[p + 1]) p++;
+    const int64_t N = w.desc[3 * p], n0 = (i - cm->first[p]) * cm->rows[p];
+    const int64_t n1 = n0 + cm->rows[p] < N ? n0 + cm->rows[p] : N, off = cm->out[p];
+    rows_product(acts, B, K, (const uint8_t *)w.desc[3 * p + 2], (int)w.desc[3 * p + 1], n0, n1, y + off, ldy,
+                 w.bias ? w.bias + off : NULL, accumulate);
+}
+
 /* Inside a parallel region: y[B, N] (row stride ldy) from B quantized rows, the rows shared
  * out by claims (above), then the team's barrier. */
-static void par_product(const qact *acts, int64_t B, int64_t K, qmat w, int64_t N, float *y,
-                        int64_t ldy, int accumulate, team *tm, member *me) {
+static void par_product(const qact *acts, int64_t B, int64_t K, qmat w, float *y, int64_t ldy,
+                        int accumulate, team *tm, member *me) {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    claim_map cm;
+    const int64_t claims = map_claims(w, K, &cm);
     if (nt == 1 || nt > MAX_TEAM) {
-        int64_t n0, n1;
-        thread_rows(N, &n0, &n1);
-        rows_product(acts, B, K, w.tiles, w.qtype, n0, n1, y, ldy, w.bias, accumulate);
+        for (int64_t i = claims * t / nt; i < claims * (t + 1) / nt; i++) run_claim(acts, B, K, w, &cm, i, y, ldy, accumulate);
         team_wait(&tm->bar, nt, &me->spin);
         return;
     }
     const int set = me->phase & 1;
     me->phase++;
     atomic_store_explicit(&tm->claim[set ^ 1][t].next, 0, memory_order_relaxed);
-    const int64_t rows = claim_rows(K, w.qtype), claims = (N + rows - 1) / rows;
     for (int k = 0; k < nt; k++) { /* own range first, then the others' leftovers */
         const int o = (t + k) % nt;
         const int64_t c0 = claims * o / nt, n_o = claims * (o + 1) / nt - c0;
         for (;;) {
             const int64_t i = atomic_fetch_add_explicit(&tm->claim[set][o].next, 1, memory_order_relaxed);
             if (i >= n_o) break;
-            const int64_t n0 = (c0 + i) * rows, n1 = n0 + rows < N ? n0 + rows : N;
-            rows_product(acts, B, K, w.tiles, w.qtype, n0, n1, y, ldy, w.bias, accumulate);
+            run_claim(acts, B, K, w, &cm, c0 + i, y, ldy, accumulate);
         }
     }
     team_wait(&tm->bar, nt, &me->spin);
@@ -560,7 +585,7 @@ int64_t decode_work_floats(int64_t hidden, int64_t nh, int64_t nkv, int64_t hd, 
            (int64_t)omp_get_max_threads() * private_floats(hidden, nh, nkv, hd, inter);
 }
 
-/* head: {final norm weight, LM head tiles, its qtype, vocab} as int64s, or NULL; with it,
+/* head: {final norm weight, LM head part descriptor, its part count} as int64s, or NULL; with it,
  * logits[vocab] = head(rms_norm(x)) in the same parallel region (no second one to start,
  * and the head's rows stream while the threads are warm). */
 int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *table,
@@ -598,7 +623,7 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
             quantize_act(h, hidden, &a);
             if (first < last) /* this thread's first attention rows */
                 prefetch_item(kp, vp, kvt, slots, L, nkv, hd, first / nchunk, first % nchunk);
-            par_product(&a, 1, hidden, mat_at(t, 0), nqkv, qkv, 0, 0, &tm, &me);
+            par_product(&a, 1, hidden, mat_at(t, 0), qkv, 0, 0, &tm, &me);
             for (int64_t i = 0; i < nh + nkv; i++) rope(qkv + i * hd, cos, sin, hd, qk + i * hd);
             const float *k_new = qk + nh * hd, *v_new = qkv + (nh + nkv) * hd;
             decode_attention(qk, k_new, v_new, kp, vp, kvt, slots, L, nh, nkv, hd, scale, parts,
@@ -609,19 +634,19 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
                 kv_store(vp + new_slot * nkv * hd * es, kvt, v_new, nkv * hd);
             }
             quantize_act(att, nh * hd, &a);
-            par_product(&a, 1, nh * hd, mat_at(t, 1), hidden, x, 0, 1, &tm, &me);
+            par_product(&a, 1, nh * hd, mat_at(t, 1), x, 0, 1, &tm, &me);
             rms_norm(x, (const float *)t[1], hidden, eps, h);
             quantize_act(h, hidden, &a);
-            par_product(&a, 1, hidden, mat_at(t, 2), 2 * inter, gu, 0, 0, &tm, &me);
+            par_product(&a, 1, hidden, mat_at(t, 2), gu, 0, 0, &tm, &me);
             swiglu(gu, gu + inter, inter, h);
             quantize_act(h, inter, &a);
-            par_product(&a, 1, inter, mat_at(t, 3), hidden, x, 0, 1, &tm, &me);
+            par_product(&a, 1, inter, mat_at(t, 3), x, 0, 1, &tm, &me);
         }
         if (head) {
-            const qmat w = {(const uint8_t *)head[1], (int)head[2], NULL};
+            const qmat w = {(const int64_t *)head[1], (int)head[2], NULL};
             rms_norm(x, (const float *)head[0], hidden, eps, h);
             quantize_act(h, hidden, &a);
-            par_product(&a, 1, hidden, w, head[3], logits, 0, 0, &tm, &me);
+            par_product(&a, 1, hidden, w, logits, 0, 0, &tm, &me);
         }
     }
     return 0;
@@ -705,7 +730,7 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 quantize_act(h + b * wide, hidden, &acts[b]);
             }
             team_wait(&tm.bar, nt, &me.spin);
-            par_product(acts, B, hidden, mat_at(t, 0), nqkv, qkv, nqkv, 0, &tm, &me);
+            par_product(acts, B, hidden, mat_at(t, 0), qkv, nqkv, 0, &tm, &me);
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < B; b++)
                 for (int64_t i = 0; i < nh + nkv; i++)
@@ -737,14 +762,14 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 quantize_act(att + b * nh * hd, nh * hd, &acts[b]);
             }
             team_wait(&tm.bar, nt, &me.spin);
-            par_product(acts, B, nh * hd, mat_at(t, 1), hidden, x, hidden, 1, &tm, &me);
+            par_product(acts, B, nh * hd, mat_at(t, 1), x, hidden, 1, &tm, &me);
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < B; b++) {
                 rms_norm(x + b * hidden, (const float *)t[1], hidden, eps, h + b * wide);
                 quantize_act(h + b * wide, hidden, &acts[b]);
             }
             team_wait(&tm.bar, nt, &me.spin);
-            par_product(acts, B, hidden, mat_at(t, 2), 2 * inter, gu, 2 * inter, 0, &tm, &me);
+            par_product(acts, B, hidden, mat_at(t, 2), gu, 2 * inter, 0, &tm, &me);
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < B; b++) {
                 const float *gb = gu + b * 2 * inter;
@@ -753,7 +778,7 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 quantize_act(hb, inter, &acts[b]);
             }
             team_wait(&tm.bar, nt, &me.spin);
-            par_product(acts, B, inter, mat_at(t, 3), hidden, x, hidden, 1, &tm, &me);
+            par_product(acts, B, inter, mat_at(t, 3), x, hidden, 1, &tm, &me);
         }
     }
     return 0;

@@ -1,5 +1,7 @@
 /* Weight-only quantized matrix products on CPU, on GGML blocks repacked into row tiles (see
- * common.h for the formats, the tile layout and the activations' quantization).
+ * common.h for the formats, the tile layout and the activations' quantization): packing,
+ * exact dequantization, and the products of few activation rows (decode: int16
+ * activations). Products of many rows (prefill) are gemm8.c's.
  *
  * A GGUF stores each row's blocks back to back; a product of one activation row then pays,
  * for every block of every row, its own scale arithmetic (convert the int32 sums to float,
@@ -18,16 +20,22 @@
  * on a 2-core EPYC with AVX-512 VNNI the passes were faster at every batch from 8 to 64
  * (SmolLM2 fused batched decode, batch 8: 467-486 vs 252-305 tok/s; 64: 463-475 vs
  * 334-453), the unpacked tile (512 bytes a block) spilling out of L1. M is at most a decode
- * batch (64 rows: larger products are dequantized and multiplied by torch's float32 GEMM,
- * quant.py). Work is split by chunks of PRODUCT_CHUNK output rows over the OpenMP threads
- * torch uses (torch.set_num_threads governs both; the fused decode steps share the chunks
- * out by claims, decode.c); every output is computed by one thread in a fixed order, so
- * results do not depend on the thread count.
+ * batch (64 rows: larger products take gemm8.c's int8 path). Work is split by chunks of
+ * PRODUCT_CHUNK output rows over the OpenMP threads torch uses (torch.set_num_threads
+ * governs both; the fused decode steps share the chunks out by claims, decode.c); every
+ * output is computed by one thread in a fixed order, so results do not depend on the
+ * thread count.
  *
  * One activation row (batch-1 decode) sums each block into four integer accumulators (lo
  * and hi nibbles, even and odd units), so the 16 multiply-adds of a block form four short
  * chains instead of two long ones: Q4_1 8192 x 2048 from L3, one thread, 25.5 -> 29.1
  * GB/s on a 2-core AMD EPYC with AVX-512 VNNI (from DRAM unchanged: the bus is the limit).
+ *
+ * The K-quants (Q4_K, Q5_K, Q6_K) take the same steps per 64 codes of a super-block (a
+ * 32-byte run of nibbles: one block of 32 in the low halves, the next in the high ones),
+ * their 6-bit scales decoded for 8 rows at once from the [byte][row] table (one 64-bit
+ * word per scale byte), and the fifth / sixth code bits merged from the high-bit tables
+ * with a shift and a mask per unit.
  */
 #include "common.h"
 #include <omp.h>
@@ -41,6 +49,11 @@
  * a core needs that many lines in flight to cover DRAM's latency. */
 #define TILE_PF_BYTES 2048
 #endif
+#ifndef KQ_PF_BYTES
+/* The same for the K-quants' super-block tiles (1152 to 1680 bytes), each prefetched whole
+ * when the one this far behind it starts. */
+#define KQ_PF_BYTES 4096
+#endif
 
 int kernel_simd(void) {
 #if defined(QAVX2)
@@ -51,6 +64,7 @@ int kernel_simd(void) {
 }
 
 int64_t block_bytes(int qtype) { return qblock_bytes(qtype); }
+int block_elems(int qtype) { return qtype_known(qtype) ? qblock_elems(qtype) : 0; }
 
 /* Bytes of the tiles of N rows of width K (q_pack's output). */
 int64_t q_tiled_bytes(int qtype, int64_t N, int64_t K) { return tiled_bytes_of(qtype, N, K); }
@@ -70,11 +84,6 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-static inline int32_t hsum8i(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
-}
 #endif
 
 void quantize_act(const float *x, int64_t K, qact *a) {
@@ -82,7 +91,7 @@ void quantize_act(const float *x, int64_t K, qact *a) {
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * QK;
         float amax, sx;
-        int32_t sv = 0;
+        int32_t sv = 0, sv16 = 0;
 #if defined(QAVX2)
         const __m256 sign = _mm256_set1_ps(-0.0f);
         __m256 xs[4];
@@ -93,12 +102,11 @@ void quantize_act(const float *x, int64_t K, qact *a) {
         const float s = amax / 32767.0f, inv = s > 0.0f ? 1.0f / s : 0.0f;
         const __m256 vinv = _mm256_set1_ps(inv);
         const __m256i lim = _mm256_set1_epi32(32767), nlim = _mm256_set1_epi32(-32767);
-        __m256i vi[4], tot = _mm256_setzero_si256();
-        for (int h = 0; h < 4; h++) {
+        __m256i vi[4];
+        for (int h = 0; h < 4; h++)
             vi[h] = _mm256_max_epi32(nlim, _mm256_min_epi32(lim, _mm256_cvtps_epi32(_mm256_mul_ps(xs[h], vinv))));
-            tot = _mm256_add_epi32(tot, vi[h]);
-        }
-        sv = hsum8i(tot);
+        sv16 = hsum8i(_mm256_add_epi32(vi[0], vi[1]));
+        sv = sv16 + hsum8i(_mm256_add_epi32(vi[2], vi[3]));
         for (int h = 0; h < 2; h++) { /* packs interleaves 128-bit lanes; the permute undoes it */
             const __m256i half = _mm256_permute4x64_epi64(_mm256_packs_epi32(vi[2 * h], vi[2 * h + 1]), 0xd8);
             _mm256_store_si256((__m256i *)(a->v + b * QK + 16 * h), half);
@@ -116,13 +124,19 @@ void quantize_act(const float *x, int64_t K, qact *a) {
             v = v > 32767 ? 32767 : (v < -32767 ? -32767 : v);
             a->v[b * QK + j] = (int16_t)v;
             sv += v;
+            if (j < 16) sv16 += v;
         }
 #endif
         a->pair1[2 * b] = a->pair0[2 * b] = s;
         a->pair1[2 * b + 1] = sx;
         a->pair0[2 * b + 1] = -8.0f * s * (float)sv;
+        a->vsum16[2 * b] = sv16;
+        a->vsum16[2 * b + 1] = sv - sv16;
     }
-    for (int64_t b = nb; b < pb; b++) a->pair1[2 * b] = a->pair1[2 * b + 1] = a->pair0[2 * b] = a->pair0[2 * b + 1] = 0.0f;
+    for (int64_t b = nb; b < pb; b++) {
+        a->pair1[2 * b] = a->pair1[2 * b + 1] = a->pair0[2 * b] = a->pair0[2 * b + 1] = 0.0f;
+        a->vsum16[2 * b] = a->vsum16[2 * b + 1] = 0;
+    }
 }
 
 /* ------------------------------------------------------------ tiles: packing and reading */
@@ -153,42 +167,69 @@ static inline void transpose8x8_epi16(__m128i x[8]) {
 }
 #endif
 
+static uint32_t qh_permute(uint32_t qh) {
+    uint32_t out = 0;
+    for (int j = 0; j < 32; j++) out |= ((qh >> j) & 1u) << qh_perm(j);
+    return out;
+}
+
+static uint32_t qh_unpermute(uint32_t w) {
+    uint32_t out = 0;
+    for (int j = 0; j < 32; j++) out |= ((w >> qh_perm(j)) & 1u) << j;
+    return out;
+}
+
 /* One tile block `tb` from the GGML blocks of its 8 rows (blk[r]; NULL: a zero row). */
 static void pack_tile_block(const uint8_t *const blk[TILE], int qtype, uint8_t *tb) {
-    static const uint8_t zero[34]; /* a block of zeros, as long as the longest (Q8_0) */
-    const int units = tile_units(qtype), at = qblock_bytes(qtype) - 2 * units;
+    static const uint8_t zero[256]; /* a block of zeros, as long as the longest */
+    tile_field f[5];
+    const int nf = tile_fields(qtype, f);
     const uint8_t *src[TILE];
-    for (int r = 0; r < TILE; r++) {
-        src[r] = blk[r] ? blk[r] : zero;
-        memcpy(tb + 2 * r, src[r], 2);
-        if (qtype == Q4_1) memcpy(tb + 2 * TILE + 2 * r, src[r] + 2, 2);
-    }
+    for (int r = 0; r < TILE; r++) src[r] = blk[r] ? blk[r] : zero;
+    for (int i = 0; i < nf; i++) {
+        const tile_field F = f[i];
+        int k = 0;
 #if defined(QAVX2)
-    for (int g = 0; g < units; g += 8) { /* 8 units of 8 rows: one 8 x 8 transpose */
-        __m128i x[8];
-        for (int r = 0; r < TILE; r++) x[r] = _mm_loadu_si128((const __m128i *)(src[r] + at + 2 * g));
-        transpose8x8_epi16(x);
-        for (int u = 0; u < 8; u++) _mm_storeu_si128((__m128i *)tile_unit(tb, qtype, 0, g + u), x[u]);
-    }
-#else
-    for (int r = 0; r < TILE; r++)
-        for (int u = 0; u < units; u++) memcpy((uint8_t *)tile_unit(tb, qtype, r, u), src[r] + at + 2 * u, 2);
+        if (F.unit == 2)
+            for (; 2 * (k + 8) <= F.len; k += 8) { /* 8 units of 8 rows: one 8 x 8 transpose */
+                __m128i x[8];
+                for (int r = 0; r < TILE; r++) x[r] = _mm_loadu_si128((const __m128i *)(src[r] + F.src + 2 * k));
+                transpose8x8_epi16(x);
+                for (int u = 0; u < 8; u++) _mm_storeu_si128((__m128i *)(tb + F.dst + 16 * (k + u)), x[u]);
+            }
 #endif
+        for (; k * F.unit < F.len; k++)
+            for (int r = 0; r < TILE; r++)
+                memcpy(tb + F.dst + (k * TILE + r) * F.unit, src[r] + F.src + k * F.unit, F.unit);
+    }
+    if (qtype == Q5_0 || qtype == Q5_1) {
+        uint8_t *qh = tb + (qtype == Q5_0 ? Q5_0_QH : Q5_1_QH);
+        for (int r = 0; r < TILE; r++) {
+            const uint32_t w = qh_permute(load_u32(qh + 4 * r));
+            memcpy(qh + 4 * r, &w, 4);
+        }
+    }
 }
 
 /* Row r's block from tile block `tb`, back in GGML's layout. */
 static void unpack_block(const uint8_t *tb, int qtype, int r, uint8_t *blk) {
-    const int units = tile_units(qtype), at = qblock_bytes(qtype) - 2 * units;
-    memcpy(blk, tb + 2 * r, 2);
-    if (qtype == Q4_1) memcpy(blk + 2, tb + 2 * TILE + 2 * r, 2);
-    for (int u = 0; u < units; u++) memcpy(blk + at + 2 * u, tile_unit(tb, qtype, r, u), 2);
+    tile_field f[5];
+    const int nf = tile_fields(qtype, f);
+    for (int i = 0; i < nf; i++)
+        for (int k = 0; k * f[i].unit < f[i].len; k++)
+            memcpy(blk + f[i].src + k * f[i].unit, tb + f[i].dst + (k * TILE + r) * f[i].unit, f[i].unit);
+    if (qtype == Q5_0 || qtype == Q5_1) {
+        uint8_t *qh = blk + (qtype == Q5_0 ? 2 : 4);
+        const uint32_t w = qh_unpermute(load_u32(qh));
+        memcpy(qh, &w, 4);
+    }
 }
 
 /* The tiles of N rows of width K whose GGML blocks start at rowptr[n] (any addresses: a
  * mapped file, several tensors stacked, rows in another order), into `out`
  * (q_tiled_bytes(qtype, N, K) bytes; the last tile's missing rows are zeros). */
 void q_pack(const int64_t *rowptr, int qtype, int64_t K, int64_t N, uint8_t *out) {
-    const int64_t nb = K / QK, bb = qblock_bytes(qtype), tbb = tile_block_bytes(qtype);
+    const int64_t nb = K / qblock_elems(qtype), bb = qblock_bytes(qtype), tbb = tile_block_bytes(qtype);
     const int64_t tiles = (N + TILE - 1) / TILE;
 #pragma omp parallel for schedule(static) if (N * K >= 1 << 20)
     for (int64_t t = 0; t < tiles; t++) {
@@ -202,93 +243,80 @@ void q_pack(const int64_t *rowptr, int qtype, int64_t K, int64_t N, uint8_t *out
     }
 }
 
-/* Rows of a matrix in GGML's layout copied out as contiguous blocks (`out`: [R, K/32 *
- * block bytes]; row r from rowptr[r]). */
+/* Rows of a matrix in GGML's layout copied out as contiguous blocks (`out`: [R, row
+ * bytes]; row r from rowptr[r]). */
 void q_gather_rows(const int64_t *rowptr, int qtype, int64_t K, int64_t R, uint8_t *out) {
-    const int64_t rb = K / QK * qblock_bytes(qtype);
+    const int64_t rb = row_bytes_of(qtype, K);
     for (int64_t r = 0; r < R; r++) memcpy(out + r * rb, (const uint8_t *)rowptr[r], rb);
 }
 
-/* The GGML blocks of all N rows (`out`: [N, K/32 * block bytes]), as the file stored them. */
+/* The GGML blocks of all N rows (`out`: [N, row bytes]), as the file stored them. */
 void q_unpack_rows(const uint8_t *tiles, int qtype, int64_t K, int64_t N, uint8_t *out) {
-    const int64_t nb = K / QK, bb = qblock_bytes(qtype), tbb = tile_block_bytes(qtype);
+    const int64_t nb = K / qblock_elems(qtype), bb = qblock_bytes(qtype), tbb = tile_block_bytes(qtype);
     for (int64_t n = 0; n < N; n++)
         for (int64_t b = 0; b < nb; b++)
             unpack_block(tiles + ((n / TILE) * nb + b) * tbb, qtype, (int)(n % TILE), out + (n * nb + b) * bb);
 }
 
+/* The weights of row r of tile block `tb` (one GGML block: 32 or 256 values) into `o`,
+ * with gguf-py's float32 arithmetic (scale * code, then + offset; the products are exact). */
+static void dequant_tile_row(const uint8_t *tb, int qtype, int r, float *o) {
+    const int blocks = qblock_elems(qtype) / QK;
+    for (int b = 0; b < blocks; b++) {
+        const float off = tile_offset(tb, qtype, r, b);
+        const int has_off = qtype == Q4_1 || qtype == Q5_1 || is_kquant(qtype);
+        for (int h = 0; h < 2; h++) {
+            const float sc = tile_scale(tb, qtype, r, b, h);
+            for (int j = 16 * h; j < 16 * h + 16; j++) {
+                const float w = sc * (float)tile_code(tb, qtype, r, QK * b + j);
+                o[QK * b + j] = has_off ? w + off : w;
+            }
+        }
+    }
+}
+
 /* out[r, K] = the float32 weights of rows rows[r] (an embedding lookup), or of all rows. */
 void q_dequant_rows(const uint8_t *tiles, int qtype, int64_t K, const int64_t *rows, int64_t R,
                     float *out) {
-    const int64_t nb = K / QK, tbb = tile_block_bytes(qtype);
+    const int64_t be = qblock_elems(qtype), nb = K / be, tbb = tile_block_bytes(qtype);
 #pragma omp parallel for schedule(static) if (R * K >= 262144)
     for (int64_t i = 0; i < R; i++) {
         const int64_t n = rows ? rows[i] : i;
         const int r = (int)(n % TILE);
-        float *o = out + i * K;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *tb = tiles + ((n / TILE) * nb + b) * tbb;
-            uint8_t blk[34];
-            unpack_block(tb, qtype, r, blk);
-            const float d = block_d(blk), m = block_m(blk, qtype);
-#if defined(QAVX2)
-            __m256i w[2];
-            if (qtype == Q8_0) {
-                w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 2)));
-                w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 18)));
-            } else {
-                const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + (qtype == Q4_1 ? 4 : 2))));
-                const __m256i z = _mm256_set1_epi16(qtype == Q4_0 ? 8 : 0);
-                w[0] = _mm256_sub_epi16(_mm256_and_si256(c, _mm256_set1_epi16(0xf)), z);
-                w[1] = _mm256_sub_epi16(_mm256_srli_epi16(c, 4), z);
-            }
-            const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-            for (int h = 0; h < 2; h++) {
-                const __m256i lo = _mm256_cvtepi16_epi32(_mm256_castsi256_si128(w[h]));
-                const __m256i hi = _mm256_cvtepi16_epi32(_mm256_extracti128_si256(w[h], 1));
-                _mm256_storeu_ps(o + b * QK + 16 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), vd, vm));
-                _mm256_storeu_ps(o + b * QK + 16 * h + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi), vd, vm));
-            }
-#else
-            for (int j = 0; j < QK; j++) o[b * QK + j] = d * (float)block_code(blk, qtype, j) + m;
-#endif
-        }
+        for (int64_t b = 0; b < nb; b++)
+            dequant_tile_row(tiles + ((n / TILE) * nb + b) * tbb, qtype, r, out + i * K + b * be);
     }
 }
 
 /* ------------------------------------------------------------------------ products: C */
 
 #if !defined(QAVX2)
-/* The same sums as the AVX2 path, in plain C: per tile block, each row's integer dot
- * product of its codes (Q4_0's unsigned: the -8 is the offset term) with the activation's
- * int16 values, scaled once by d s, plus the block's offset term. */
-static void tiles_scalar(const qact *acts, int64_t M, int64_t nb, const uint8_t *tiles, int qtype,
+/* The same sums as the AVX2 paths, in plain C: per block of 32 codes of a row, its integer
+ * dot product with the activation's int16 values (the codes as the scale multiplies them,
+ * Q4_0's -8 and the like included), scaled once by its scale times s (per 16 codes for
+ * Q6_K), plus its offset times the exact sum of the block's x. */
+static void tiles_scalar(const qact *acts, int64_t M, int64_t K, const uint8_t *tiles, int qtype,
                          int64_t n0, int64_t n1, float *y, int64_t ldy, const float *bias,
                          int accumulate) {
-    const int64_t tbb = tile_block_bytes(qtype);
+    const int64_t tbb = tile_block_bytes(qtype), be = qblock_elems(qtype), nsb = K / be;
+    const int sub = (int)(be / QK);
     for (int64_t t = n0 / TILE; t * TILE < n1; t++) {
         for (int64_t i = 0; i < M; i++) {
             const qact *a = acts + i;
-            const float *pairs = qtype == Q4_0 ? a->pair0 : a->pair1;
             float sum[TILE] = {0}, off[TILE] = {0};
-            for (int64_t b = 0; b < nb; b++) {
-                const uint8_t *tb = tiles + (t * nb + b) * tbb;
-                for (int r = 0; r < TILE; r++) {
-                    int32_t dot = 0;
-                    for (int u = 0; u < tile_units(qtype); u++) {
-                        const uint8_t *c = tile_unit(tb, qtype, r, u);
-                        if (qtype == Q8_0) {
-                            dot += (int8_t)c[0] * a->v[b * QK + 2 * u] + (int8_t)c[1] * a->v[b * QK + 2 * u + 1];
-                        } else {
-                            for (int e = 0; e < 2; e++)
-                                dot += (c[e] & 0xf) * a->v[b * QK + 2 * u + e] + (c[e] >> 4) * a->v[b * QK + 16 + 2 * u + e];
+            for (int64_t sb = 0; sb < nsb; sb++) {
+                const uint8_t *tb = tiles + (t * nsb + sb) * tbb;
+                for (int r = 0; r < TILE; r++)
+                    for (int b = 0; b < sub; b++) {
+                        const int64_t gb = sb * sub + b;
+                        const int16_t *v = a->v + gb * QK;
+                        for (int h = 0; h < 2; h++) {
+                            int32_t dot = 0;
+                            for (int j = 16 * h; j < 16 * h + 16; j++) dot += tile_code(tb, qtype, r, QK * b + j) * v[j];
+                            sum[r] += (float)dot * (tile_scale(tb, qtype, r, b, h) * a->pair1[2 * gb]);
                         }
+                        off[r] += tile_offset(tb, qtype, r, b) * a->pair1[2 * gb + 1];
                     }
-                    const float d = fp16_to_f32(load_u16(tb + 2 * r));
-                    const float m = qtype == Q4_1 ? fp16_to_f32(load_u16(tb + 2 * TILE + 2 * r)) : qtype == Q4_0 ? d : 0.0f;
-                    sum[r] += (float)dot * (d * pairs[2 * b]);
-                    off[r] += m * pairs[2 * b + 1];
-                }
             }
             for (int r = 0; r < TILE && t * TILE + r < n1; r++) {
                 const int64_t n = t * TILE + r;
@@ -301,69 +329,102 @@ static void tiles_scalar(const qact *acts, int64_t M, int64_t nb, const uint8_t 
 }
 #endif
 
-/* --------------------------------------------------------------------- products: AVX2 */
+/* ------------------------------------------------------------ products: AVX2, AVX-512 */
 
 #if defined(QAVX2)
-/* acc + the pairwise products of a and b summed per 32-bit lane (VNNI: one instruction). */
-static inline __m256i madd_acc(__m256i acc, __m256i a, __m256i b) {
+/* The loops below take UPV code units per vector: one (a 16-byte load of 8 rows widened to
+ * 16-bit lanes in a 256-bit vector; the activation pair it multiplies broadcast), or with
+ * AVX-512 two (32 bytes in a 512-bit vector: unit u's rows in the low half, unit u + 1's
+ * in the high half; their activation pairs picked out of the block's 16 pairs by one
+ * permute). Per block the two halves' integer sums are folded into one 256-bit vector of
+ * 8 rows, and the float work is the same on both. */
+#if defined(__AVX512BW__) && defined(__AVX512F__)
+#define UPV 2
+typedef __m512i vunit;
+static inline vunit v_load_units(const uint8_t *p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vunit v_load_units_signed(const uint8_t *p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)p)); }
+static inline vunit v_zero(void) { return _mm512_setzero_si512(); }
+static inline vunit v_and(vunit a, vunit b) { return _mm512_and_si512(a, b); }
+static inline vunit v_or(vunit a, vunit b) { return _mm512_or_si512(a, b); }
+static inline vunit v_add(vunit a, vunit b) { return _mm512_add_epi32(a, b); }
+static inline vunit v_set16(short x) { return _mm512_set1_epi16(x); }
+static inline vunit v_shift16(vunit x, const int n) { return n >= 0 ? _mm512_slli_epi16(x, n) : _mm512_srli_epi16(x, -n); }
+static inline __m256i v_fold(vunit a) { return _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1)); }
+/* Pairs u and u + 1 of the 16 int32 pairs at xv: lanes 0-7 and 8-15. */
+static inline vunit v_pairs(const int32_t *xv, const int u) {
+    return _mm512_permutexvar_epi32(_mm512_set_epi32(u + 1, u + 1, u + 1, u + 1, u + 1, u + 1, u + 1, u + 1,
+                                                     u, u, u, u, u, u, u, u),
+                                    _mm512_loadu_si512((const void *)xv));
+}
+static inline vunit v_madd(vunit acc, vunit a, vunit b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+/* Q5_0 / Q5_1: units u, u + 1's fifth bits from [qh, qh] (8 rows' permuted words twice):
+ * rotated to bits 4 and 20 (common.h, qh_perm). */
+static inline void v_q5_fifth(vunit qh2, const int u, vunit *lo, vunit *hi) {
+    const vunit bit4 = _mm512_set1_epi32(0x00100010);
+    const int a = (36 - u) & 31, b = (35 - u) & 31, c = (28 - u) & 31, d = (27 - u) & 31;
+    const vunit rl = _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a);
+    const vunit rh = _mm512_set_epi32(d, d, d, d, d, d, d, d, c, c, c, c, c, c, c, c);
+    *lo = v_or(*lo, v_and(_mm512_rolv_epi32(qh2, rl), bit4));
+    *hi = v_or(*hi, v_and(_mm512_rolv_epi32(qh2, rh), bit4));
+}
+static inline vunit v_q5_words(const uint8_t *p) { return _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p)); }
+#else
+#define UPV 1
+typedef __m256i vunit;
+static inline vunit v_load_units(const uint8_t *p) { return load_unit16(p); }
+static inline vunit v_load_units_signed(const uint8_t *p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+static inline vunit v_zero(void) { return _mm256_setzero_si256(); }
+static inline vunit v_and(vunit a, vunit b) { return _mm256_and_si256(a, b); }
+static inline vunit v_or(vunit a, vunit b) { return _mm256_or_si256(a, b); }
+static inline vunit v_add(vunit a, vunit b) { return _mm256_add_epi32(a, b); }
+static inline vunit v_set16(short x) { return _mm256_set1_epi16(x); }
+static inline vunit v_shift16(vunit x, const int n) { return shift16(x, n); }
+static inline __m256i v_fold(vunit a) { return a; }
+static inline vunit v_pairs(const int32_t *xv, const int u) { return _mm256_set1_epi32(xv[u]); }
+static inline vunit v_madd(vunit acc, vunit a, vunit b) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
 #else
     return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 #endif
 }
+static inline void v_q5_fifth(vunit qh, const int u, vunit *lo, vunit *hi) { q5_fifth(qh, u, lo, hi); }
+static inline vunit v_q5_words(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+#endif
 
-/* y[i][t*8 .. t*8+8) for MB activation rows (MB a constant once inlined) over tile t: per
- * block, the code pairs of 8 rows (one 16-byte load widened to 16-bit lanes: Q4's low
- * nibbles are one pair of codes, its high nibbles the pair 16 further on) times each row's
- * broadcast pair of activation values, summed in integer lanes (one per weight row), then
- * scaled once for the 8 rows. */
+/* Code units u .. u + UPV - 1 at `p` (16 bytes apart): low nibbles and high ones. */
+static inline void v_nibbles(const uint8_t *p, vunit *lo, vunit *hi) {
+    const vunit c = v_load_units(p);
+    *lo = v_and(c, v_set16(0xf));
+    *hi = v_shift16(c, -4);
+}
+
+/* Q5_K: run c's fifth bits from the qh units at p. */
+static inline void v_q5k_fifth(const uint8_t *p, const int c, vunit *lo, vunit *hi) {
+    const vunit h = v_load_units(p), bit4 = v_set16(0x10);
+    *lo = v_or(*lo, v_and(v_shift16(h, 4 - 2 * c), bit4));
+    *hi = v_or(*hi, v_and(v_shift16(h, 3 - 2 * c), bit4));
+}
+
+/* Q6_K: run c = 2n + h's top two bits from the qh units at p. */
+static inline void v_q6k_top(const uint8_t *p, const int h, vunit *lo, vunit *hi) {
+    const vunit q = v_load_units(p), top2 = v_set16(0x30);
+    *lo = v_or(*lo, v_and(v_shift16(q, 4 - 2 * h), top2));
+    *hi = v_or(*hi, v_and(v_shift16(q, -2 * h), top2));
+}
+
+/* The MB rows' partial outputs of one tile (8 weight rows) into y. */
 static inline __attribute__((always_inline)) void
-tile_mb(const qact *acts, const int MB, int64_t nb, const uint8_t *tp, const int qtype,
-        int64_t n0, int rows, float *y, int64_t ldy, const float *bias, int accumulate) {
-    const int64_t tbb = tile_block_bytes(qtype), co = tile_codes_at(qtype);
-    const __m256i lo4 = _mm256_set1_epi16(0xf);
-    __m256 facc[TILE_MB];
-    for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *tb = tp + b * tbb;
-        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + TILE_PF_BYTES + o), _MM_HINT_T0);
-        __m256i iacc[TILE_MB][4];
-        for (int i = 0; i < MB; i++) iacc[i][0] = iacc[i][1] = iacc[i][2] = iacc[i][3] = _mm256_setzero_si256();
-        if (qtype == Q8_0) {
-            for (int u = 0; u < 16; u++) {
-                const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(tb + co + 16 * u)));
-                for (int i = 0; i < MB; i++) {
-                    const int32_t *xv = (const int32_t *)(acts[i].v + b * QK);
-                    const int c = MB == 1 ? (u & 3) : MB == 2 ? (u & 1) : 0; /* chains */
-                    iacc[i][c] = madd_acc(iacc[i][c], w, _mm256_set1_epi32(xv[u]));
-                }
-            }
-        } else {
-            for (int u = 0; u < 8; u++) {
-                const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(tb + co + 16 * u)));
-                const __m256i lo = _mm256_and_si256(c, lo4), hi = _mm256_srli_epi16(c, 4);
-                for (int i = 0; i < MB; i++) {
-                    const int32_t *xv = (const int32_t *)(acts[i].v + b * QK);
-                    /* chains: MB 1, four (lo / hi, even / odd u); MB 2, two (lo / hi) */
-                    const int cl = MB == 1 ? 2 * (u & 1) : 0, ch = MB == 1 ? cl + 1 : MB == 2;
-                    iacc[i][cl] = madd_acc(iacc[i][cl], lo, _mm256_set1_epi32(xv[u]));
-                    iacc[i][ch] = madd_acc(iacc[i][ch], hi, _mm256_set1_epi32(xv[8 + u]));
-                }
-            }
-        }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)tb));
-        /* the offset term's factor: m (Q4_1), d (Q4_0: times -8 s sum v), none (Q8_0) */
-        const __m256 m = qtype == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(tb + 2 * TILE))) : d;
-        for (int i = 0; i < MB; i++) {
-            const float *pair = (qtype == Q4_0 ? acts[i].pair0 : acts[i].pair1) + 2 * b;
-            const __m256i sums = MB == 1   ? _mm256_add_epi32(_mm256_add_epi32(iacc[i][0], iacc[i][1]), _mm256_add_epi32(iacc[i][2], iacc[i][3]))
-                                 : MB == 2 ? _mm256_add_epi32(iacc[i][0], iacc[i][1])
-                                           : iacc[i][0];
-            facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, _mm256_broadcast_ss(pair)), facc[i]);
-            if (qtype != Q8_0) facc[i] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(pair + 1), facc[i]);
-        }
-    }
+store_tile(const __m256 *facc, const int MB, int64_t n0, int rows, float *y, int64_t ldy,
+           const float *bias, int accumulate) {
     for (int i = 0; i < MB; i++) {
         float *yr = y + i * ldy + n0;
         if (rows == TILE && !bias && !accumulate) {
@@ -379,22 +440,193 @@ tile_mb(const qact *acts, const int MB, int64_t nb, const uint8_t *tp, const int
     }
 }
 
+/* Integer chains of one block: one activation row (MB 1) sums into four (lo / hi, even /
+ * odd vector step), so a block's multiply-adds form short dependency chains; two rows into
+ * two (lo, hi); more into one. Chain of a step's lo and hi sums, and the block's total. */
+static inline int chain_lo(const int MB, int step) { return MB == 1 ? 2 * (step & 1) : 0; }
+static inline int chain_hi(const int MB, int step) { return MB == 1 ? 2 * (step & 1) + 1 : MB == 2; }
+static inline __m256i chain_sum(vunit c[4], const int MB) {
+    return v_fold(MB == 1 ? v_add(v_add(c[0], c[1]), v_add(c[2], c[3])) : MB == 2 ? v_add(c[0], c[1]) : c[0]);
+}
+
+/* y[i][t*8 .. t*8+8) for MB activation rows (MB a constant once inlined) over tile t of a
+ * type with blocks of 32 (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): per block, the code pairs of 8
+ * rows (a unit load widened to 16-bit lanes: a nibble type's low nibbles are one pair of
+ * codes, its high nibbles the pair 16 further on, Q5's fifth bits shifted in from the
+ * permuted qh) times each row's pair of activation values, summed in integer lanes (one
+ * per weight row), then scaled once for the 8 rows. */
+static inline __attribute__((always_inline)) void
+tile_mb(const qact *acts, const int MB, int64_t nb, const uint8_t *tp, const int qtype,
+        int64_t n0, int rows, float *y, int64_t ldy, const float *bias, int accumulate) {
+    const int64_t tbb = tile_block_bytes(qtype), co = tile_codes_at(qtype);
+    const int q5 = qtype == Q5_0 || qtype == Q5_1, moff = qtype == Q4_1 || qtype == Q5_1;
+    __m256 facc[TILE_MB];
+    for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *tb = tp + b * tbb;
+        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + TILE_PF_BYTES + o), _MM_HINT_T0);
+        vunit iacc[TILE_MB][4];
+        for (int i = 0; i < MB; i++) iacc[i][0] = iacc[i][1] = iacc[i][2] = iacc[i][3] = v_zero();
+        if (qtype == Q8_0) {
+            for (int u = 0; u < 16; u += UPV) {
+                const vunit w = v_load_units_signed(tb + co + 16 * u);
+                for (int i = 0; i < MB; i++) {
+                    const int32_t *xv = (const int32_t *)(acts[i].v + b * QK);
+                    const int c = MB == 1 ? ((u / UPV) & 3) : MB == 2 ? ((u / UPV) & 1) : 0; /* chains */
+                    iacc[i][c] = v_madd(iacc[i][c], w, v_pairs(xv, u));
+                }
+            }
+        } else {
+            const vunit qh = q5 ? v_q5_words(tb + (qtype == Q5_0 ? Q5_0_QH : Q5_1_QH)) : v_zero();
+            for (int u = 0; u < 8; u += UPV) {
+                vunit lo, hi;
+                v_nibbles(tb + co + 16 * u, &lo, &hi);
+                if (q5) v_q5_fifth(qh, u, &lo, &hi);
+                for (int i = 0; i < MB; i++) {
+                    const int32_t *xv = (const int32_t *)(acts[i].v + b * QK);
+                    const int cl = chain_lo(MB, u / UPV), ch = chain_hi(MB, u / UPV);
+                    iacc[i][cl] = v_madd(iacc[i][cl], lo, v_pairs(xv, u));
+                    iacc[i][ch] = v_madd(iacc[i][ch], hi, v_pairs(xv, 8 + u));
+                }
+            }
+        }
+        const __m256 d = fp16x8(tb);
+        /* the offset term's factor: m (Q4_1, Q5_1), d (Q4_0: times -8 s sum v), 2d (Q5_0:
+         * -16 s sum v), none (Q8_0) */
+        const __m256 m = moff ? fp16x8(tb + 16) : qtype == Q5_0 ? _mm256_add_ps(d, d) : d;
+        for (int i = 0; i < MB; i++) {
+            const float *pair = (qtype == Q4_0 || qtype == Q5_0 ? acts[i].pair0 : acts[i].pair1) + 2 * b;
+            facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(chain_sum(iacc[i], MB)), _mm256_mul_ps(d, _mm256_broadcast_ss(pair)), facc[i]);
+            if (qtype != Q8_0) facc[i] = _mm256_fmadd_ps(m, _mm256_broadcast_ss(pair + 1), facc[i]);
+        }
+    }
+    store_tile(facc, MB, n0, rows, y, ldy, bias, accumulate);
+}
+
+/* The integer sum of a run's block k (0: its low-nibble block, 1: its high one). */
+static inline __m256i run_sum(vunit c[4], const int MB, int k) {
+    return v_fold(MB == 1 ? v_add(c[k], c[k + 2]) : c[k]);
+}
+
+/* As tile_mb for Q4_K / Q5_K: per super-block, 4 runs of 64 codes (32 bytes of nibbles a
+ * row: block 2c in the low halves, block 2c + 1 in the high ones; Q5_K's fifth bits from
+ * bit 2c / 2c + 1 of the qh table's bytes), each run's two blocks scaled by d sc and
+ * offset by dmin mn times the block's exact x sum. */
+static inline __attribute__((always_inline)) void
+tile_mb_k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, const int qtype,
+          int64_t n0, int rows, float *y, int64_t ldy, const float *bias, int accumulate) {
+    const int64_t tbb = tile_block_bytes(qtype), co = tile_codes_at(qtype);
+    __m256 facc[TILE_MB];
+    for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *tb = tp + sb * tbb;
+        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), _MM_HINT_T0);
+        const __m256 d = fp16x8(tb), dmin = fp16x8(tb + 16);
+        uint64_t B[12];
+        kq_table(tb, B);
+        for (int c = 0; c < 4; c++) {
+            const uint8_t *run = tb + co + 256 * c;
+            vunit iacc[TILE_MB][4];
+            for (int i = 0; i < MB; i++) iacc[i][0] = iacc[i][1] = iacc[i][2] = iacc[i][3] = v_zero();
+            for (int u = 0; u < 16; u += UPV) {
+                vunit lo, hi;
+                v_nibbles(run + 16 * u, &lo, &hi);
+                if (qtype == Q5_K) v_q5k_fifth(tb + Q5_K_QH + 16 * u, c, &lo, &hi);
+                for (int i = 0; i < MB; i++) {
+                    const int32_t *xv = (const int32_t *)(acts[i].v + sb * QKK + 64 * c);
+                    const int cl = MB == 1 ? 2 * ((u / UPV) & 1) : 0, ch = MB == 1 ? cl + 1 : 1;
+                    iacc[i][cl] = v_madd(iacc[i][cl], lo, v_pairs(xv, u));
+                    iacc[i][ch] = v_madd(iacc[i][ch], hi, v_pairs(xv + 16, u));
+                }
+            }
+            for (int k = 0; k < 2; k++) { /* block 2c (low nibbles), 2c + 1 (high) */
+                const int s = 2 * c + k;
+                const __m256 dsc = kq_vec(B, s, 0, d), dmn = kq_vec(B, s, 1, dmin);
+                for (int i = 0; i < MB; i++) {
+                    const float *pair = acts[i].pair1 + 2 * (sb * 8 + s);
+                    facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(run_sum(iacc[i], MB, k)), _mm256_mul_ps(dsc, _mm256_broadcast_ss(pair)), facc[i]);
+                    facc[i] = _mm256_fnmadd_ps(dmn, _mm256_broadcast_ss(pair + 1), facc[i]);
+                }
+            }
+        }
+    }
+    store_tile(facc, MB, n0, rows, y, ldy, bias, accumulate);
+}
+
+/* As tile_mb for Q6_K: per super-block, 4 runs of 32 ql bytes a row (c = 2n + h: block
+ * 4n + h in the low nibbles, 4n + 2 + h in the high ones; their top two bits from bits 2h
+ * and 4 + 2h of qh bytes 32n + l), summed per 16 codes (each half its own int8 scale), the
+ * -32 applied as 32 times the half's integer sum of v. */
+static inline __attribute__((always_inline)) void
+tile_mb_q6k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, int64_t n0, int rows,
+            float *y, int64_t ldy, const float *bias, int accumulate) {
+    const int64_t tbb = tile_block_bytes(Q6_K);
+    __m256 facc[TILE_MB];
+    for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        const uint8_t *tb = tp + sb * tbb;
+        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), _MM_HINT_T0);
+        const __m256 d = fp16x8(tb);
+        for (int c = 0; c < 4; c++) {
+            const int n = c >> 1, h = c & 1, bl = 4 * n + h, bh = bl + 2;
+            const uint8_t *run = tb + Q6_K_CODES + 256 * c, *qhr = tb + Q6_K_QH + 256 * n;
+            for (int half = 0; half < 2; half++) {
+                vunit iacc[TILE_MB][4];
+                for (int i = 0; i < MB; i++) iacc[i][0] = iacc[i][1] = iacc[i][2] = iacc[i][3] = v_zero();
+                for (int u = 8 * half; u < 8 * half + 8; u += UPV) {
+                    vunit lo, hi;
+                    v_nibbles(run + 16 * u, &lo, &hi);
+                    v_q6k_top(qhr + 16 * u, h, &lo, &hi);
+                    for (int i = 0; i < MB; i++) {
+                        const int32_t *xl = (const int32_t *)(acts[i].v + sb * QKK + 32 * bl);
+                        const int32_t *xh = (const int32_t *)(acts[i].v + sb * QKK + 32 * bh);
+                        const int cl = MB == 1 ? 2 * ((u / UPV) & 1) : 0, ch = MB == 1 ? cl + 1 : 1;
+                        iacc[i][cl] = v_madd(iacc[i][cl], lo, v_pairs(xl, u));
+                        iacc[i][ch] = v_madd(iacc[i][ch], hi, v_pairs(xh, u));
+                    }
+                }
+                for (int k = 0; k < 2; k++) { /* block bl (low nibbles), bh (high) */
+                    const int b = k ? bh : bl, j16 = 2 * b + half;
+                    const __m128i sc8 = _mm_loadl_epi64((const __m128i *)(tb + Q6_K_SCALES + TILE * j16));
+                    const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
+                    for (int i = 0; i < MB; i++) {
+                        const int64_t gb = sb * 8 + b;
+                        const __m256i off = _mm256_set1_epi32(32 * acts[i].vsum16[2 * gb + half]);
+                        facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(run_sum(iacc[i], MB, k), off)),
+                                                  _mm256_mul_ps(dsc, _mm256_broadcast_ss(acts[i].pair1 + 2 * gb)), facc[i]);
+                    }
+                }
+            }
+        }
+    }
+    store_tile(facc, MB, n0, rows, y, ldy, bias, accumulate);
+}
+
+/* One tile by MB activation rows (MB a constant in each call below). */
+static inline __attribute__((always_inline)) void
+tile_any(const qact *acts, const int MB, int64_t K, const uint8_t *tp, const int qtype, int64_t n0,
+         int rows, float *y, int64_t ldy, const float *bias, int accumulate) {
+    if (qtype == Q6_K) tile_mb_q6k(acts, MB, K / QKK, tp, n0, rows, y, ldy, bias, accumulate);
+    else if (is_kquant(qtype)) tile_mb_k(acts, MB, K / QKK, tp, qtype, n0, rows, y, ldy, bias, accumulate);
+    else tile_mb(acts, MB, K / QK, tp, qtype, n0, rows, y, ldy, bias, accumulate);
+}
+
 /* Each tile streamed once, TILE_MB activation rows a pass (the tile stays in L1/L2 between
  * passes). */
 static inline __attribute__((always_inline)) void
-tiles_q(const qact *acts, int64_t M, int64_t nb, const uint8_t *tiles, const int qtype, int64_t n0,
+tiles_q(const qact *acts, int64_t M, int64_t K, const uint8_t *tiles, const int qtype, int64_t n0,
         int64_t n1, float *y, int64_t ldy, const float *bias, int accumulate) {
-    const int64_t tbb = tile_block_bytes(qtype);
+    const int64_t tile_bytes = K / qblock_elems(qtype) * tile_block_bytes(qtype);
     for (int64_t t = n0 / TILE; t * TILE < n1; t++) {
-        const uint8_t *tp = tiles + t * nb * tbb;
+        const uint8_t *tp = tiles + t * tile_bytes;
         const int rows = n1 - t * TILE < TILE ? (int)(n1 - t * TILE) : TILE;
         int64_t i = 0;
         for (; i + TILE_MB <= M; i += TILE_MB)
-            tile_mb(acts + i, TILE_MB, nb, tp, qtype, t * TILE, rows, y + i * ldy, ldy, bias, accumulate);
+            tile_any(acts + i, TILE_MB, K, tp, qtype, t * TILE, rows, y + i * ldy, ldy, bias, accumulate);
         switch (M - i) {
-        case 3: tile_mb(acts + i, 3, nb, tp, qtype, t * TILE, rows, y + i * ldy, ldy, bias, accumulate); break;
-        case 2: tile_mb(acts + i, 2, nb, tp, qtype, t * TILE, rows, y + i * ldy, ldy, bias, accumulate); break;
-        case 1: tile_mb(acts + i, 1, nb, tp, qtype, t * TILE, rows, y + i * ldy, ldy, bias, accumulate); break;
+        case 3: tile_any(acts + i, 3, K, tp, qtype, t * TILE, rows, y + i * ldy, ldy, bias, accumulate); break;
+        case 2: tile_any(acts + i, 2, K, tp, qtype, t * TILE, rows, y + i * ldy, ldy, bias, accumulate); break;
+        case 1: tile_any(acts + i, 1, K, tp, qtype, t * TILE, rows, y + i * ldy, ldy, bias, accumulate); break;
         default: break;
         }
     }
@@ -405,15 +637,19 @@ tiles_q(const qact *acts, int64_t M, int64_t nb, const uint8_t *tiles, const int
 void rows_product(const qact *acts, int64_t M, int64_t K, const uint8_t *tiles, int qtype,
                   int64_t n0, int64_t n1, float *y, int64_t ldy, const float *bias,
                   int accumulate) {
-    const int64_t nb = K / QK;
 #if defined(QAVX2)
     switch (qtype) { /* qtype a constant inside each: the block decoding is branch-free */
-    case Q4_1: tiles_q(acts, M, nb, tiles, Q4_1, n0, n1, y, ldy, bias, accumulate); break;
-    case Q4_0: tiles_q(acts, M, nb, tiles, Q4_0, n0, n1, y, ldy, bias, accumulate); break;
-    default: tiles_q(acts, M, nb, tiles, Q8_0, n0, n1, y, ldy, bias, accumulate); break;
+    case Q4_1: tiles_q(acts, M, K, tiles, Q4_1, n0, n1, y, ldy, bias, accumulate); break;
+    case Q4_0: tiles_q(acts, M, K, tiles, Q4_0, n0, n1, y, ldy, bias, accumulate); break;
+    case Q5_0: tiles_q(acts, M, K, tiles, Q5_0, n0, n1, y, ldy, bias, accumulate); break;
+    case Q5_1: tiles_q(acts, M, K, tiles, Q5_1, n0, n1, y, ldy, bias, accumulate); break;
+    case Q4_K: tiles_q(acts, M, K, tiles, Q4_K, n0, n1, y, ldy, bias, accumulate); break;
+    case Q5_K: tiles_q(acts, M, K, tiles, Q5_K, n0, n1, y, ldy, bias, accumulate); break;
+    case Q6_K: tiles_q(acts, M, K, tiles, Q6_K, n0, n1, y, ldy, bias, accumulate); break;
+    default: tiles_q(acts, M, K, tiles, Q8_0, n0, n1, y, ldy, bias, accumulate); break;
     }
 #else
-    tiles_scalar(acts, M, nb, tiles, qtype, n0, n1, y, ldy, bias, accumulate);
+    tiles_scalar(acts, M, K, tiles, qtype, n0, n1, y, ldy, bias, accumulate);
 #endif
 }
 
@@ -431,19 +667,34 @@ void thread_rows(int64_t N, int64_t *n0, int64_t *n1) {
     *n1 = c1 * PRODUCT_CHUNK < N ? c1 * PRODUCT_CHUNK : N;
 }
 
-/* Bytes of `scratch` q_matmul needs for M activation rows of width K. */
-int64_t q_matmul_scratch_bytes(int64_t M, int64_t K) {
+/* Activation rows from which a product takes gemm8.c's int8 path by default (a prefill's
+ * rows); below, the int16 passes over streamed tiles (decode batches). Callers pass their
+ * own threshold (quant.GEMM8_MIN_ROWS). */
+#define GEMM8_MIN_ROWS 65
+int64_t q_gemm8_min_rows(void) { return GEMM8_MIN_ROWS; }
+
+/* Bytes of `scratch` a product of M activation rows of width K needs, int8 or not. */
+int64_t q_matmul_scratch_bytes8(int64_t M, int64_t K, int int8) {
+    if (int8) return gemm8_scratch_bytes(M, K);
     return M * ((int64_t)sizeof(qact) + qact_bytes(K)) + 128;
 }
 
-/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W[N, K]^T (+ bias[N]), W as tiles
- * (q_pack); with accumulate, added to y instead (a residual add folded in). `scratch`: at
- * least q_matmul_scratch_bytes(M, K) bytes. */
-void q_matmul(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *tiles, int qtype,
-              int64_t N, float *y, int64_t ldy, const float *bias, int accumulate, void *scratch) {
+int64_t q_matmul_scratch_bytes(int64_t M, int64_t K) { return q_matmul_scratch_bytes8(M, K, M >= GEMM8_MIN_ROWS); }
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias[N]), W a matrix of
+ * `nparts` row blocks (common.h: `desc` {rows, qtype, tiles} each, stacked in order); with
+ * accumulate, added to y instead (a residual add folded in); int8 activations when M >=
+ * `min_rows8`. `scratch`: at least q_matmul_scratch_bytes8(M, K, M >= min_rows8) bytes. */
+void q_matmul_rows(const float *x, int64_t M, int64_t ldx, int64_t K, const int64_t *desc, int nparts,
+                   float *y, int64_t ldy, const float *bias, int accumulate, void *scratch, int64_t min_rows8) {
+    const qmat w = {desc, nparts, bias};
+    if (M >= min_rows8) {
+        gemm8(x, M, ldx, K, w, y, ldy, accumulate, scratch);
+        return;
+    }
     qact *acts = (qact *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     char *bufs = (char *)(acts + M);
-    const int par = N * K * M >= 65536;
+    const int par = qmat_rows(w) * K * M >= 65536;
 #pragma omp parallel if (par)
     {
 #pragma omp for schedule(static)
@@ -451,8 +702,29 @@ void q_matmul(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *
             acts[i] = qact_at(bufs + i * qact_bytes(K), K);
             quantize_act(x + i * ldx, K, &acts[i]);
         }
-        int64_t n0, n1;
-        thread_rows(N, &n0, &n1);
-        rows_product(acts, M, K, tiles, qtype, n0, n1, y, ldy, bias, accumulate);
+        int64_t off = 0;
+        for (int p = 0; p < nparts; p++) { /* each part split over the threads in turn */
+            const int64_t N = desc[3 * p];
+            int64_t n0, n1;
+            thread_rows(N, &n0, &n1);
+            if (n0 < n1)
+                rows_product(acts, M, K, (const uint8_t *)desc[3 * p + 2], (int)desc[3 * p + 1], n0, n1,
+                             y + off, ldy, bias ? bias + off : NULL, accumulate);
+            off += N;
+        }
     }
+}
+
+/* q_matmul_rows at the default threshold. */
+void q_matmul_parts(const float *x, int64_t M, int64_t ldx, int64_t K, const int64_t *desc,
+                    int nparts, float *y, int64_t ldy, const float *bias, int accumulate,
+                    void *scratch) {
+    q_matmul_rows(x, M, ldx, K, desc, nparts, y, ldy, bias, accumulate, scratch, GEMM8_MIN_ROWS);
+}
+
+/* One matrix of one type (q_matmul_parts with one part). */
+void q_matmul(const float *x, int64_t M, int64_t ldx, int64_t K, const uint8_t *tiles, int qtype,
+              int64_t N, float *y, int64_t ldy, const float *bias, int accumulate, void *scratch) {
+    const int64_t desc[3] = {N, qtype, (int64_t)(uintptr_t)tiles};
+    q_matmul_parts(x, M, ldx, K, desc, 1, y, ldy, bias, accumulate, scratch);
 }

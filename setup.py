@@ -5,7 +5,7 @@ about the project is in pyproject.toml."""
 from setuptools import find_namespace_packages, setup
 from setuptools.command.build_py import build_py
 
-PRODUCT = ("cache", "tokenizer", "runtime", "sdk")  # tests/, benchmarks/, examples/: not shipped
+PRODUCT = ("cache", "tokenizer", "runtime", "sdk", "testing")  # tests/, benchmarks/, examples/: not shipped
 
 
 class BuildPy(build_py):

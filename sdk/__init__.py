@@ -6,20 +6,19 @@ call sends only what is new, forks share their prefix in the engine's radix cach
 """
 
 from radixlm.sdk import errors, lang, unsupported
+from radixlm.sdk.backend import (
+    flush_cache,
+    get_default_backend,
+    get_server_info,
+    set_default_backend,
+)
 from radixlm.sdk.choices import ChoicesDecision, ChoicesSamplingMethod
 from radixlm.sdk.client import AsyncClient, TextStream
 from radixlm.sdk.engine import Engine, Runtime
 from radixlm.sdk.errors import *  # noqa: F403 - every typed error (errors.__all__)
 from radixlm.sdk.global_config import GlobalConfig, global_config
 from radixlm.sdk.lang import *  # noqa: F403 - the program vocabulary (lang.__all__)
-from radixlm.sdk.program import (
-    Program,
-    flush_cache,
-    function,
-    get_default_backend,
-    get_server_info,
-    set_default_backend,
-)
+from radixlm.sdk.program import Program, function
 from radixlm.sdk.results import GenerateResult, StreamDelta
 from radixlm.sdk.runtime_endpoint import RuntimeEndpoint
 from radixlm.sdk.server_args import ServerArgs

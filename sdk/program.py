@@ -29,13 +29,14 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any, Union
+from typing import Any
 
 import anyio
 import msgspec
 from anyio.from_thread import BlockingPortal
 from anyio.lowlevel import current_token
 from radixlm.runtime.protocol import Input
+from radixlm.sdk.backend import Backend, resolve_backend
 from radixlm.sdk.client import AsyncClient
 from radixlm.sdk.errors import DuplicateIdError, ProgramError, plain_errors
 from radixlm.sdk.global_config import global_config
@@ -46,59 +47,9 @@ from radixlm.sdk.state import ProgramState
 from radixlm.sdk.sync import Client
 from radixlm.sdk.trace import TracedState, constant_prefix, trace
 
-__all__ = ["Program", "flush_cache", "function", "get_default_backend", "get_server_info",
-           "set_default_backend"]
-
-Backend = Union[Client, AsyncClient]
+__all__ = ["Program", "function"]
 _CANCEL_WAIT_S = 10.0
 _PRECACHE_MIN_CHARS = 64  # SGLang precaches a batch's prefix only when it is longer
-
-
-def set_default_backend(backend: Backend | None) -> None:
-    """Make `backend` (an `rl.Engine`, `rl.connect(...)` client, `rl.RuntimeEndpoint` or
-    `AsyncClient`) the one programs run on when no ``backend=`` is given (it is
-    ``rl.global_config.default_backend``)."""
-    global_config.default_backend = backend
-
-
-def get_default_backend() -> Backend | None:
-    """The backend set with `set_default_backend` (None if none is)."""
-    return global_config.default_backend  # type: ignore[no-any-return]
-
-
-def flush_cache(backend: Backend | None = None) -> bool:
-    """SGLang's ``sgl.flush_cache()``: evict everything evictable from the prefix cache of
-    `backend` (default: the default backend); sessions and pins keep what they hold.
-    Returns True, or False when there is no backend (as SGLang)."""
-    if backend is None and global_config.default_backend is None:
-        return False
-    client = _resolve(backend)
-    if isinstance(client, AsyncClient):
-        raise ProgramError("with an AsyncClient use `await client.flush_cache()`")
-    client.flush_cache()
-    return True
-
-
-def get_server_info(backend: Backend | None = None) -> dict[str, Any] | None:
-    """SGLang's ``sgl.get_server_info()``: what the engine of `backend` (default: the
-    default backend) says about itself, and its stats; None when there is no backend."""
-    if backend is None and global_config.default_backend is None:
-        return None
-    client = _resolve(backend)
-    if isinstance(client, AsyncClient):
-        raise ProgramError("with an AsyncClient use `await client.stats()`")
-    return client.get_server_info()
-
-
-def _resolve(backend: Backend | None) -> Backend:
-    backend = backend if backend is not None else global_config.default_backend
-    if backend is None:
-        raise ProgramError("no backend: pass backend=... or call "
-                           "rl.set_default_backend(rl.Engine())")
-    if not isinstance(backend, (Client, AsyncClient)):
-        raise TypeError(f"a backend is an rl.Engine, rl.connect(...), rl.RuntimeEndpoint or "
-                        f"rl.AsyncClient, not {type(backend).__name__}")
-    return backend
 
 
 def _split(options: dict[str, Any], params: frozenset[str] = frozenset()
@@ -110,6 +61,15 @@ def _split(options: dict[str, Any], params: frozenset[str] = frozenset()
 
     sampling = {k: v for k, v in options.items() if sampling_option(k) and v is not None}
     return sampling, {k: v for k, v in options.items() if not sampling_option(k)}
+
+
+def _batch_sampling(where: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A batch's keyword arguments, which are all sampling defaults (the programs'
+    arguments are the batch items): an unknown one is an error naming `where`."""
+    sampling, extra = _split(options)
+    if extra:
+        raise unknown_keyword(f"{where}()", sorted(extra)[0], SAMPLING_FIELDS | GEN_FIELDS)
+    return sampling
 
 
 def _wait(fut: Future[Any], run_cancel: Callable[[], None]) -> None:
@@ -196,7 +156,7 @@ class Program:
         `constant_prefix`) in the engine, so that every later run on `backend` starts
         its session from the pin, and it is never evicted. Returns the pin's name (None:
         the program has no constant prefix); idempotent. ``client.unpin(name)`` ends it."""
-        client = _resolve(backend)
+        client = resolve_backend(backend)
         if isinstance(client, AsyncClient):
             raise ProgramError("cache() needs a synchronous backend (rl.Engine, rl.connect)")
         prefix = self.constant_prefix()
@@ -255,7 +215,7 @@ class Program:
         `namespace`: the cache namespace of its sessions. `use_thread` is SGLang's: its
         programs run in a thread of their own, or not; here every program runs as tasks
         in the backend's event loop either way, and the body in the caller's thread."""
-        client = _resolve(backend)
+        client = resolve_backend(backend)
         sampling, kwargs = _split(kwargs, self.params)
         kwargs = self._body_kwargs("run", kwargs)
         if isinstance(client, AsyncClient):
@@ -312,15 +272,13 @@ class Program:
         its state is read (``state.error()`` returns it). With `generator_style`, an
         iterator that yields each state, in order, once it finished (the batch starts
         when it is first iterated)."""
-        client = _resolve(backend)
+        client = resolve_backend(backend)
         if isinstance(client, AsyncClient):
             raise ProgramError("run_batch() needs a synchronous backend; with an AsyncClient "
                                "use `await program.arun_batch(...)`")
         if max_concurrency is None and isinstance(num_threads, int):
             max_concurrency = num_threads
-        defaults, extra = _split(sampling)
-        if extra:
-            raise unknown_keyword("run_batch()", sorted(extra)[0], SAMPLING_FIELDS | GEN_FIELDS)
+        defaults = _batch_sampling("run_batch", sampling)
         states = self._batch(client, list(batch_kwargs), defaults, max_concurrency,
                              progress_bar, pin, namespace)
         return states if generator_style else list(states)
@@ -375,7 +333,7 @@ class Program:
         On an `AsyncClient` it runs in the current loop; on a synchronous client it runs
         in that client's loop and this coroutine waits for it. Cancelling it aborts the
         program's requests and closes its sessions."""
-        client = _resolve(backend)
+        client = resolve_backend(backend)
         if isinstance(client, Client):
             if client.loop.in_loop_thread():
                 client, _portal = client.aclient, client.portal
@@ -424,7 +382,7 @@ class Program:
                     print(piece, end="")
 
         The program runs in a task group owned by this context; leaving waits for it."""
-        client = _resolve(backend)
+        client = resolve_backend(backend)
         if not isinstance(client, AsyncClient):
             raise ProgramError("astream() needs an AsyncClient; with a synchronous client use "
                                "run(stream=True) and state.text_iter()")
@@ -454,15 +412,13 @@ class Program:
         **sampling: Any,
     ) -> list[ProgramState]:
         """`run_batch` from async code: one task per program, at most `max_concurrency`."""
-        client = _resolve(backend)
+        client = resolve_backend(backend)
         if isinstance(client, Client):
             return await await_future(client.loop.spawn(partial(
                 self.arun_batch, batch_kwargs, backend=client.aclient,
                 max_concurrency=max_concurrency, pin=pin, namespace=namespace,
                 _portal=client.portal, _on_done=_on_done, **sampling)))
-        defaults, extra = _split(sampling)
-        if extra:
-            raise unknown_keyword("arun_batch()", sorted(extra)[0], SAMPLING_FIELDS)
+        defaults = _batch_sampling("arun_batch", sampling)
         limiter = anyio.CapacityLimiter(max_concurrency) if max_concurrency else None
         runs = [self._new_run(client, defaults, stream=False, pin=pin, namespace=namespace,
                               loop_thread=threading.get_ident(), token=current_token(),

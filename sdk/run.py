@@ -28,7 +28,7 @@ from anyio.from_thread import BlockingPortal
 from anyio.lowlevel import EventLoopToken, checkpoint
 from radixlm.runtime.transport.mailbox import Latch
 from radixlm.sdk.errors import EngineDeadError, ProgramError
-from radixlm.sdk.executor import END, StateCore
+from radixlm.sdk.executor import END, StateExecutor
 from radixlm.sdk.options import GenDefaults, protocol_options, sampling_params
 from radixlm.sdk.prefix import CachedPrefix
 from radixlm.sdk.tasks import TaskSet
@@ -70,11 +70,11 @@ class ProgramRun:
         # The loop its executors run in.
         self.loop_thread, self.token, self.portal = loop_thread, token, portal
         self.new_waiter = client.new_waiter
-        self.cores: list[StateCore] = []
+        self.executors: list[StateExecutor] = []
         # Ops appended and not yet handed over, as runs of consecutive ops for one state:
         # each run reaches its state's mailbox in one put (one possible wake-up).
-        self._pending: list[tuple[StateCore, list[Any]]] = []
-        self._early: list[tuple[StateCore, list[Any]]] = []  # handed over before the supervisor ran
+        self._pending: list[tuple[StateExecutor, list[Any]]] = []
+        self._early: list[tuple[StateExecutor, list[Any]]] = []  # handed over before the supervisor ran
         self._sampling: dict[Any, SamplingParams] = {}
         self._tasks: TaskSet | None = None  # the supervisor's, while it runs
         self._body_ended = Latch(self.new_waiter)  # every state got its END
@@ -90,46 +90,46 @@ class ProgramRun:
         self.spawn: Callable[..., Future[None]] | None = None
         from radixlm.sdk.state import ProgramState  # the user-facing side (imports this one)
 
-        self.root = ProgramState(self, self.new_core())
+        self.root = ProgramState(self, self.new_executor())
 
-    def new_core(self, *, forked: bool = False) -> StateCore:
-        core = StateCore(self, forked=forked)
-        self.cores.append(core)
-        return core
+    def new_executor(self, *, forked: bool = False) -> StateExecutor:
+        state = StateExecutor(self, forked=forked)
+        self.executors.append(state)
+        return state
 
     # -- the body's side ------------------------------------------------------------------
 
     def in_loop_thread(self) -> bool:
         return threading.get_ident() == self.loop_thread
 
-    def submit(self, core: StateCore, op: Any) -> None:
-        self.submit_all(core, [op])
+    def submit(self, state: StateExecutor, op: Any) -> None:
+        self.submit_all(state, [op])
 
-    def submit_all(self, core: StateCore, ops: list[Any]) -> None:
-        if core.end_submitted:
+    def submit_all(self, state: StateExecutor, ops: list[Any]) -> None:
+        if state.end_submitted:
             raise ProgramError("this state has ended (its program returned, or it was joined)")
-        self._buffer(core, ops)
-        core.submitted += len(ops)
+        self._buffer(state, ops)
+        state.submitted += len(ops)
 
-    def end(self, core: StateCore) -> None:
-        if not core.end_submitted:
-            self._buffer(core, [END])
-            core.end_submitted = True
+    def end(self, state: StateExecutor) -> None:
+        if not state.end_submitted:
+            self._buffer(state, [END])
+            state.end_submitted = True
 
-    def _buffer(self, core: StateCore, ops: list[Any]) -> None:
+    def _buffer(self, state: StateExecutor, ops: list[Any]) -> None:
         pending = self._pending
-        if pending and pending[-1][0] is core:
+        if pending and pending[-1][0] is state:
             pending[-1][1].extend(ops)
         else:
-            pending.append((core, list(ops)))
+            pending.append((state, list(ops)))
 
     def commit(self, *, final: bool = False) -> None:
         """Hand the buffered ops to the executors (with `final`: end every state)."""
         if self.body_done:
             return
         if final:
-            for core in self.cores:
-                self.end(core)
+            for state in self.executors:
+                self.end(state)
             self.body_done = True
         batch, self._pending = self._pending, []
         if not batch and not final:
@@ -183,21 +183,21 @@ class ProgramRun:
     def first_error(self) -> BaseException | None:
         if self.body_error is not None:
             return self.body_error
-        return next((c.error for c in self.cores if c.error is not None), None)
+        return next((c.error for c in self.executors if c.error is not None), None)
 
     # -- the loop's side ------------------------------------------------------------------
 
-    def _accept(self, batch: list[tuple[StateCore, list[Any]]], final: bool) -> None:
+    def _accept(self, batch: list[tuple[StateExecutor, list[Any]]], final: bool) -> None:
         tasks = self._tasks
         if self.ended:
-            for core, ops in batch:  # the run was cancelled: these never run
+            for state, ops in batch:  # the run was cancelled: these never run
                 for op in ops:
-                    core.reject(op)
+                    state.reject(op)
         elif tasks is None:  # the supervisor has not started yet
             self._early += batch
         else:
-            for core, ops in batch:
-                self._feed(tasks, core, ops)
+            for state, ops in batch:
+                self._feed(tasks, state, ops)
         if final:
             self._body_ended.set()
 
@@ -217,7 +217,7 @@ class ProgramRun:
                 self._changed = Latch(self.new_waiter)
             await self._changed.wait()
 
-    async def _supervise_from(self, batch: list[tuple[StateCore, list[Any]]],
+    async def _supervise_from(self, batch: list[tuple[StateExecutor, list[Any]]],
                               final: bool) -> None:
         self._accept(batch, final)
         await self.supervise()
@@ -225,7 +225,7 @@ class ProgramRun:
     async def supervise(self) -> None:
         """Run every state's executor (the root's in this task); returns when the body
         ended and all states finished."""
-        root = self.cores[0]
+        root = self.executors[0]
         try:
             with anyio.CancelScope() as scope:
                 self._scope = scope
@@ -236,25 +236,25 @@ class ProgramRun:
                     self._tasks = tasks
                     root.started = True
                     early, self._early = self._early, []
-                    for core, ops in early:
-                        self._feed(tasks, core, ops)
+                    for state, ops in early:
+                        self._feed(tasks, state, ops)
                     await root.execute()
                     await self._body_ended.wait()
         finally:
             self._tasks = None
             self.ended = True
             self.notify()
-            for core, ops in self._early:  # handed over as the run ended: never run
+            for state, ops in self._early:  # handed over as the run ended: never run
                 for op in ops:
-                    core.reject(op)
+                    state.reject(op)
 
-    def _feed(self, tasks: TaskSet, core: StateCore, ops: list[Any]) -> None:
-        if not core.ops.put_many(ops):
+    def _feed(self, tasks: TaskSet, state: StateExecutor, ops: list[Any]) -> None:
+        if not state.ops.put_many(ops):
             for op in ops:  # the state failed; its later ops never run
-                core.reject(op)
-        elif not core.started and core.resolved:
-            core.started = True
-            tasks.start(core.execute)
+                state.reject(op)
+        elif not state.started and state.resolved:
+            state.started = True
+            tasks.start(state.execute)
 
     def sampling_for(self, options: dict[str, Any], extra_stop: tuple[str, ...] = ()
                      ) -> SamplingParams:
@@ -277,12 +277,12 @@ class ProgramRun:
             params = msgspec.structs.replace(params, stop=stops)
         return params
 
-    def resolved(self, core: StateCore) -> None:
-        """`core` (a fork child) can run now: start its executor if it has ops."""
+    def resolved(self, state: StateExecutor) -> None:
+        """`state` (a fork child) can run now: start it if it has ops."""
         tasks = self._tasks
-        if not core.started and len(core.ops) and tasks is not None:
-            core.started = True
-            tasks.start(core.execute)
+        if not state.started and len(state.ops) and tasks is not None:
+            state.started = True
+            tasks.start(state.execute)
 
 
 async def await_future(fut: Future[Any]) -> Any:

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 from radixlm.sdk.errors import ProgramError
-from radixlm.sdk.executor import ForkOp, JoinOp, SetVarOp, StateCore
+from radixlm.sdk.executor import ForkOp, JoinOp, StateExecutor
 from radixlm.sdk.lang import RoleScopes, flatten
 from radixlm.sdk.run import await_future
+from radixlm.sdk.state_data import SetVarOp
 
 if TYPE_CHECKING:
     from radixlm.sdk.run import ProgramRun
@@ -29,9 +30,10 @@ class ProgramState(RoleScopes):
     Reads wait for the operations they depend on; the rest runs concurrently.
     """
 
-    def __init__(self, run: ProgramRun, core: StateCore) -> None:
+    def __init__(self, run: ProgramRun, executor: StateExecutor) -> None:
         self._run = run
-        self._core = core
+        self._executor = executor
+        self._data = executor.data  # written by the executor only
         self.ret_value: Any = None
 
     # -- appending --------------------------------------------------------------------------
@@ -39,25 +41,24 @@ class ProgramState(RoleScopes):
     def __iadd__(self, other: Any) -> ProgramState:
         if other is None:
             raise ValueError("tried to append None to a program state")
-        self._run.submit_all(self._core, flatten(other))
+        self._run.submit_all(self._executor, flatten(other))
         return self
 
     def __setitem__(self, name: str, value: Any) -> None:
         """Set variable `name` (``s[name] = value``; SGLang's ``set_var``). After the
         program ended (``state["x"] = int(state["x"])`` on a run's result) it is set at
         once, once the state's last operations ran."""
-        core = self._core
-        if not core.end_submitted:
-            self._run.submit(core, SetVarOp(name, value))
+        executor = self._executor
+        if not executor.end_submitted:
+            self._run.submit(executor, SetVarOp(name, value))
             return
         self.sync()  # its executor is done: nothing else writes the state any more
-        core.variables[name] = value
-        core.var_done.add(name)
+        self._data.set_var(name, value)
 
     set_var = __setitem__
 
     def _append(self, items: list[Any]) -> None:  # what `RoleScopes` appends with
-        self._run.submit_all(self._core, items)
+        self._run.submit_all(self._executor, items)
 
     def fork(self, size: int = 1, position_ids_offset: Any = None) -> ProgramStateGroup:
         """`size` copies of this state continuing independently from here: one engine
@@ -66,9 +67,9 @@ class ProgramState(RoleScopes):
         size = int(size)
         if size < 1:
             raise ValueError(f"fork size must be >= 1, got {size}")
-        new_core = self._run.new_core
-        children = tuple([new_core(forked=True) for _ in range(size)])
-        self._run.submit(self._core, ForkOp(children))
+        new_executor = self._run.new_executor
+        children = tuple([new_executor(forked=True) for _ in range(size)])
+        self._run.submit(self._executor, ForkOp(children))
         return ProgramStateGroup([ProgramState(self._run, c) for c in children], self)
 
     def copy(self, position_ids_offset: Any = None) -> _CopiedState:
@@ -79,29 +80,29 @@ class ProgramState(RoleScopes):
     # -- reading (blocking) --------------------------------------------------------------------
 
     def _target(self) -> int:
-        return self._core.submitted
+        return self._executor.submitted
 
     def _raise_if_failed(self) -> None:
-        error = self._core.error or self._run.body_error
+        error = self._executor.error or self._run.body_error
         if error is not None:
             raise error
 
     def sync(self) -> None:
         """Wait until every operation appended so far has run."""
-        target, core = self._target(), self._core
-        self._run.block_until(lambda: core.settled(target))
+        target, executor = self._target(), self._executor
+        self._run.block_until(lambda: executor.settled(target))
 
     def get_var(self, name: Any) -> Any:
         """``s[name]``: the variable's value, waiting until the gen/select that sets it ran."""
-        core, target = self._core, self._target()
-        self._run.block_until(lambda: name in core.var_done or core.settled(target))
+        executor, data, target = self._executor, self._data, self._target()
+        self._run.block_until(lambda: name in data.var_done or executor.settled(target))
         return self._value(name)
 
     __getitem__ = get_var
 
     def _value(self, name: Any) -> Any:
-        if name in self._core.var_done:
-            return self._core.variables[name]
+        if name in self._data.var_done:
+            return self._data.variables[name]
         self._raise_if_failed()
         raise KeyError(f"the program state has no variable {name!r}")
 
@@ -109,59 +110,60 @@ class ProgramState(RoleScopes):
         """`s[name]` once every operation appended so far ran, or `default` if the program
         never set it."""
         self.sync()
-        return self._value(name) if name in self._core.var_done else default
+        return self._value(name) if name in self._data.var_done else default
 
     def __contains__(self, name: Any) -> bool:
         self.sync()
-        return name in self._core.var_done
+        return name in self._data.var_done
 
     def get_meta_info(self, name: Any) -> Any:
         """SGLang-style meta info of a gen/select: prompt_tokens, cached_tokens,
         completion_tokens, finish_reason (and more; a list after gen(n=k) or join)."""
         self.get_var(name)
-        return self._core.meta.get(name)
+        return self._data.meta.get(name)
 
     def text(self) -> str:
         """The state's whole text so far (waits for every appended operation)."""
         self.sync()
         self._raise_if_failed()
-        return self._core.text
+        return self._data.text
 
     def messages(self) -> list[dict[str, str]]:
         """The chat messages so far, as role/content dicts (waits like `text`)."""
         self.sync()
         self._raise_if_failed()
-        return list(self._core.messages)
+        return list(self._data.messages)
 
     @property
     def variables(self) -> dict[Any, Any]:
         """Every variable set so far (waits like `text`)."""
         self.sync()
-        return {k: v for k, v in self._core.variables.items() if k in self._core.var_done}
+        data = self._data
+        return {k: v for k, v in data.variables.items() if k in data.var_done}
 
     def error(self) -> BaseException | None:
         """The error that stopped this state (or its program), if any."""
         self.sync()
-        return self._core.error or self._run.body_error
+        return self._executor.error or self._run.body_error
 
     # -- reading (async) ------------------------------------------------------------------------
 
     async def wait(self) -> None:
         """Like `sync`, from async code."""
-        target, core = self._target(), self._core
-        await self._run.await_until(lambda: core.settled(target))
+        target, executor = self._target(), self._executor
+        await self._run.await_until(lambda: executor.settled(target))
 
     async def aget(self, name: Any) -> Any:
         """Like ``s[name]``, from async code."""
-        core, target = self._core, self._target()
-        await self._run.await_until(lambda: name in core.var_done or core.settled(target))
+        executor, data, target = self._executor, self._data, self._target()
+        await self._run.await_until(lambda: name in data.var_done or executor.settled(target))
         return self._value(name)
 
     async def atext(self) -> str:
         """Like `text`, from async code."""
         await self.wait()
         self._raise_if_failed()
-        return self._core.text
+        return self._data.text
 
     # -- streaming -------------------------------------------------------------------------
 
@@ -176,7 +178,7 @@ class ProgramState(RoleScopes):
         while True:
             if self._run.in_loop_thread():
                 raise ProgramError("text_iter() would block the event loop: use text_async_iter()")
-            chunk, done = self._run._from_thread(anyio.from_thread.run, self._core.next_text,
+            chunk, done = self._run._from_thread(anyio.from_thread.run, self._executor.next_text,
                                                  var_name, cursor)
             cursor += len(chunk)
             if chunk:
@@ -193,19 +195,19 @@ class ProgramState(RoleScopes):
         `radixlm.sdk.stream_meta`)."""
         if not self._run.stream:
             await self.wait()
-            value = self._core.text if var_name is None else await self.aget(var_name)
-            yield (value, self._core.meta.get(var_name)) if return_meta_data else value
+            value = self._data.text if var_name is None else await self.aget(var_name)
+            yield (value, self._data.meta.get(var_name)) if return_meta_data else value
             return
         self._run.commit()
         with_meta = return_meta_data and var_name is not None  # SGLang: text only for None
         cursor = tokens = 0
-        core = self._core
+        executor = self._executor
         while True:
             if self._run.in_loop_thread():
-                chunk, done, meta, tokens = await core.next_piece(var_name, cursor, tokens)
+                chunk, done, meta, tokens = await executor.next_piece(var_name, cursor, tokens)
             elif self._run.portal is not None:
                 chunk, done, meta, tokens = await await_future(self._run.portal.start_task_soon(
-                    core.next_piece, var_name, cursor, tokens))
+                    executor.next_piece, var_name, cursor, tokens))
             else:
                 raise ProgramError("this program state belongs to another event loop")
             cursor += len(chunk)
@@ -216,9 +218,10 @@ class ProgramState(RoleScopes):
         self._raise_if_failed()
 
     def __repr__(self) -> str:
-        core = self._core
-        state = "finished" if core.finished else "running"
-        return f"<ProgramState {state}, {len(core.text)} chars, session={core.session}>"
+        executor = self._executor
+        state = "finished" if executor.finished else "running"
+        return (f"<ProgramState {state}, {self._data.buffer.length} chars, "
+                f"session={executor.session.id}>")
 
 
 class _CopiedState(ProgramState):
@@ -226,7 +229,7 @@ class _CopiedState(ProgramState):
 
     def __init__(self, group: ProgramStateGroup, parent: ProgramState) -> None:
         only = group[0]
-        super().__init__(only._run, only._core)
+        super().__init__(only._run, only._executor)
         self._group = group
 
     def __enter__(self) -> _CopiedState:
@@ -279,7 +282,7 @@ class ProgramStateGroup:
         each new variable in the parent as a list (one item per fork);
         ``concate_and_append`` appends the forks' new text to the parent."""
         run = self.parent._run
-        cores = tuple(s._core for s in self.states)
-        run.submit(self.parent._core, JoinOp(cores, mode))
-        for core in cores:
-            run.end(core)
+        executors = tuple(s._executor for s in self.states)
+        run.submit(self.parent._executor, JoinOp(executors, mode))
+        for executor in executors:
+            run.end(executor)

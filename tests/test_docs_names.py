@@ -23,7 +23,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]  # the repository root is the `radixlm` package
 DOC = REPO / "docs" / "architecture.md"
-PRODUCT = ("cache", "tokenizer", "runtime", "sdk")  # and the root's own modules
+PRODUCT = ("cache", "tokenizer", "runtime", "sdk", "testing")  # and the root's own modules
 # Dotted names whose head the product imports from another library (`np.ndarray`,
 # `torch.Tensor`, `time.monotonic`) are that library's and skipped. Bare names of other
 # libraries' functions and options that the page mentions:

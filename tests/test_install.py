@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["cache", "tokenizer", "runtime", "sdk"]
+SUBPACKAGES = ["cache", "tokenizer", "runtime", "sdk", "testing"]
 
 
 @pytest.fixture(scope="module")

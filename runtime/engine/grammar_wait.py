@@ -12,7 +12,7 @@ from collections.abc import Callable
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.request import RequestGroup
 from radixlm.runtime.engine.table import RequestTable
-from radixlm.runtime.grammar.compiler import GrammarError, Pending
+from radixlm.runtime.grammar.compiler import CompilingGrammar, GrammarError
 from radixlm.runtime.protocol import ErrorCode
 from radixlm.runtime.rules import RequestError
 
@@ -32,7 +32,7 @@ def release_compiled(table: RequestTable, endings: Endings,
         if loading(g):
             continue
         pending = g.grammar
-        if not isinstance(pending, Pending):
+        if not isinstance(pending, CompilingGrammar):
             table.release(g)
             continue
         if not pending.done():

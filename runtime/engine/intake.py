@@ -28,7 +28,7 @@ from radixlm.runtime.engine.wire import (
     EnginePin,
     TokenOutput,
 )
-from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
+from radixlm.runtime.grammar.compiler import CompiledGrammar, CompilingGrammar
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.protocol import Error, ErrorCode, SamplingParams, Struct, branch_seed
@@ -150,7 +150,7 @@ class MessageHandler:
         ), stop_context=msg.input_ids, calls=msg.grammar)  # fmt: skip
 
     def _grammar(self, spec: GrammarSpec | None, namespace: str | None,
-                 client: bytes) -> CompiledGrammar | Pending | None:
+                 client: bytes) -> CompiledGrammar | CompilingGrammar | None:
         """The compiled grammar, or its compilation in flight (the group then waits in
         `table.compiling`; a grammar that does not compile fails it there). The cache is
         the namespace's own (its tenant's: nothing of one is answered faster for another);

@@ -30,7 +30,7 @@ from radixlm.runtime.protocol import SamplingParams, TopLogprob
 if TYPE_CHECKING:
     from radixlm.runtime.engine.sessions.controller import Turn
     from radixlm.runtime.engine.timings import GroupTimes
-    from radixlm.runtime.grammar.compiler import CompiledGrammar, Pending
+    from radixlm.runtime.grammar.compiler import CompiledGrammar, CompilingGrammar
     from radixlm.runtime.grammar.matcher import GrammarState
     from radixlm.tokenizer import TokenStopMatcher
 
@@ -65,9 +65,9 @@ class RequestGroup:
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[TopLogprob]] | None = None
     prefilled: bool = False  # branch 0 has computed the whole prompt once
-    # Constrained output: the compiled grammar (a `Pending` compilation while the group
+    # Constrained output: the compiled grammar (a `CompilingGrammar` while the group
     # waits in `RequestTable.compiling`); each branch then owns its `Request.grammar`.
-    grammar: CompiledGrammar | Pending | None = None
+    grammar: CompiledGrammar | CompilingGrammar | None = None
     recomputed_tokens: int = 0
     restored_tokens: int = 0
     times: GroupTimes | None = None  # a Generate's moments (timings.py)

@@ -114,7 +114,7 @@ class StateGate:
         self._lock.release()
 
 
-class Intake:
+class IntakeQueue:
     """The intake thread's queue for the loop, with each client's count of queued
     messages (a control request is answered early only when its client has none)."""
 
@@ -202,7 +202,7 @@ class EngineLoop:
         self.stop = stop
         self.on_step = on_step
         self.busy_s = 0.0  # time spent in scheduler steps that ran (for throughput figures)
-        self.intake = Intake()
+        self.intake = IntakeQueue()
         # The loop rings this when a forward starts (the intake thread then answers control
         # requests that were queued while the loop was busy): an inproc pair, one message
         # per forward at most pending.

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from radixlm.runtime.engine.request import Request, RequestGroup
 from radixlm.runtime.engine.state import LIVE_WITH_KV, ReqState, advance
 from radixlm.runtime.engine.timings import Latencies
-from radixlm.runtime.grammar.compiler import Pending
+from radixlm.runtime.grammar.compiler import CompilingGrammar
 
 
 @dataclass
@@ -80,7 +80,7 @@ class RequestTable:
         """A new group: its branches wait (for their grammar first, if it compiles, or
         whatever else holds them back: `held`)."""
         self._groups[g.key] = g
-        queue = self._compiling if held or isinstance(g.grammar, Pending) else self._waiting
+        queue = self._compiling if held or isinstance(g.grammar, CompilingGrammar) else self._waiting
         queue.extend(g.branches)
 
     def release(self, g: RequestGroup) -> None:

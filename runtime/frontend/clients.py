@@ -5,7 +5,7 @@ frontend's parts share; main thread only).
 
 A client is known by its ROUTER identity. Its messages reach the engine in the order it
 sent them even when one of them is tokenized in a worker thread: every message becomes a
-`Pending` item at the back of the client's queue, and items leave from the front only
+`QueuedWork` item at the back of the client's queue, and items leave from the front only
 once their preparation has finished. Different clients never wait for each other.
 
 Disconnects. A ROUTER does not say which peer left, so the frontend remembers the file
@@ -35,7 +35,7 @@ from radixlm.runtime.transport import channel
 log = logging.getLogger("radixlm.frontend")
 
 
-class Pending:
+class QueuedWork:
     """Prepared (or being prepared) work; `then` runs on the main thread with the result."""
 
     __slots__ = ("future", "then")
@@ -55,7 +55,7 @@ class ClientState:
         self.fd = fd
         self.welcomed = False
         self.inflight: dict[str, int] = {}  # rid -> key of this client's Generates
-        self.pending: deque[Pending] = deque()
+        self.pending: deque[QueuedWork] = deque()
         self.touched_engine = False  # the engine may hold state for it (requests, sessions)
         self.awaiting: set[str] = set()  # rids of its commands the engine has yet to answer
         self.abandoned: set[str] = set()  # rids failed while the engine was unavailable

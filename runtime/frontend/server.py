@@ -53,7 +53,7 @@ from radixlm.runtime.engine.wire import (
     EngineReady,
     to_frontend_decoder,
 )
-from radixlm.runtime.frontend.clients import ClientState, Pending, Routes
+from radixlm.runtime.frontend.clients import ClientState, QueuedWork, Routes
 from radixlm.runtime.frontend.frames import FrameError, decode_frame
 from radixlm.runtime.frontend.identities import REFUSED_IDENTITY, assigned_by_server
 from radixlm.runtime.frontend.liveness import PROBE_CLIENT, Change, EngineWatch
@@ -296,7 +296,7 @@ class Frontend:
             future.add_done_callback(lambda _f: self._wake(identity))
         else:
             future = _done_future(_run_job(job) if job is not None else None)
-        client.pending.append(Pending(future, then))
+        client.pending.append(QueuedWork(future, then))
         self._run_pending(client)
 
     def _wake(self, identity: bytes) -> None:  # worker thread

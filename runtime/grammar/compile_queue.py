@@ -4,9 +4,10 @@ Each party (a tenant, or a client on a server with one tenant) has its own queue
 jobs; worker threads take the next job round-robin across parties, and a party may have
 at most `per_party` jobs running at once, so with several workers one party's slow
 grammars never hold them all: another party's tiny grammar starts at once. A job nobody
-waits for any more (its requests aborted, their clients left: the `Pending` handles were
-cancelled or dropped) leaves the queue before it starts. A job that has started runs to
-its end (xgrammar cannot be interrupted) but still counts against its party.
+waits for any more (its requests aborted, their clients left: the `CompilingGrammar`
+handles were cancelled or dropped) leaves the queue before it starts. A job that has
+started runs to its end (xgrammar cannot be interrupted) but still counts against its
+party.
 """
 
 from __future__ import annotations

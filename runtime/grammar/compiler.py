@@ -1,11 +1,11 @@
 """Compiled grammars, cached per tenant and compiled off the scheduler loop.
 
 `GrammarCompiler.get(spec, owner=..., party=...)` returns at once: the `CompiledGrammar`
-when the owner's cache holds it, else a `Pending` handle whose compilation runs on a
-worker thread (xgrammar releases the GIL while it compiles, so a two-second schema does
-not stall the decoding of other requests), queued fairly between parties
+when the owner's cache holds it, else a `CompilingGrammar` handle whose compilation runs
+on a worker thread (xgrammar releases the GIL while it compiles, so a two-second schema
+does not stall the decoding of other requests), queued fairly between parties
 (compile_queue.py). The scheduler keeps the request waiting and polls
-`Pending.result()`, which gives up at the time limit.
+`CompilingGrammar.result()`, which gives up at the time limit.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ if TYPE_CHECKING:  # xgrammar (and transformers, which it imports) load on first
 else:
     CompiledGrammar = Any  # annotations only
 
-__all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError", "GrammarTimeout", "Pending"]
+__all__ = ["CompiledGrammar", "CompilingGrammar", "GrammarCompiler", "GrammarError",
+           "GrammarTimeout"]
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class GrammarTimeout(GrammarError):
     """The grammar did not compile within the compiler's time limit."""
 
 
-class Pending:
+class CompilingGrammar:
     """A compilation in flight: `result()` is None until it is done, then the compiled
     grammar (or raises its `GrammarError`); past its deadline it raises `GrammarTimeout`
     and stops waiting. `cancel()` (or dropping the handle) says nobody waits any more: a
@@ -117,7 +118,7 @@ class GrammarCompiler:
         self.compiled = 0  # compilations started (cache misses)
 
     def get(self, spec: GrammarSpec, *, owner: Hashable = None,
-            party: Hashable = None) -> CompiledGrammar | Pending:
+            party: Hashable = None) -> CompiledGrammar | CompilingGrammar:
         """`owner`: whose cache partition (a tenant's namespace); `party`: whose share
         of the compile threads (a tenant, or a client)."""
         key = (owner, spec)
@@ -136,7 +137,7 @@ class GrammarCompiler:
             future = job.future
             if future.done() and not future.cancelled() and future.exception() is None:
                 return future.result()
-            pending = Pending(future, time.monotonic() + self.timeout_s)
+            pending = CompilingGrammar(future, time.monotonic() + self.timeout_s)
             pending._detach = self._queue.attach(job, pending)
             # Between the lookup and the attach, the last other waiter's handle may have
             # been collected (a finalizer runs at any allocation) and cancelled the queued
@@ -148,7 +149,7 @@ class GrammarCompiler:
     def compile_now(self, spec: GrammarSpec) -> CompiledGrammar:
         """Compile (or fetch) and wait: for tests, benchmarks and the SDK's checks."""
         got = self.get(spec)
-        return got.wait() if isinstance(got, Pending) else got
+        return got.wait() if isinstance(got, CompilingGrammar) else got
 
     def queued(self) -> int:
         """Compilations waiting for a thread."""

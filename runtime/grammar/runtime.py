@@ -13,8 +13,8 @@ from radixlm.runtime.grammar.bitmask import BatchMasker, TokenMask
 from radixlm.runtime.grammar.compiler import (
     DEFAULT_TIMEOUT_S,
     CompiledGrammar,
+    CompilingGrammar,
     GrammarCompiler,
-    Pending,
 )
 from radixlm.runtime.grammar.jump_forward import plan_jump
 from radixlm.runtime.grammar.matcher import GrammarState
@@ -39,7 +39,7 @@ class Grammars:
         self.jump_forward = jump_forward
 
     def get(self, spec: GrammarSpec, *, owner: Hashable = None,
-            party: Hashable = None) -> CompiledGrammar | Pending:
+            party: Hashable = None) -> CompiledGrammar | CompilingGrammar:
         """`owner`: the cache partition (a tenant's namespace); `party`: whose share of
         the compile threads (see `GrammarCompiler.get`)."""
         return self.compiler.get(spec, owner=owner, party=party)

@@ -59,6 +59,18 @@ def resume(c: RawClient, session: str) -> SessionOpened:
     return reply
 
 
+def detached_listing(c: RawClient, session: str, timeout_s: float = 20.0) -> dict:
+    """`c`'s listing once it shows `session` detached (its client's disconnect reaches the
+    engine within the frontend's liveness checks)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = {s.session: s for s in c.list_sessions()}
+        if session in listed and not listed[session].attached:
+            return listed
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.05)
+
+
 def check_second_turn(c: RawClient, hf_tok: Any, session: str, first_reply: list[int],
                       history_len: int, max_tokens: int = 1) -> Done:
     """The next turn's prompt is exactly the conversation so far plus SECOND; returns its
@@ -85,9 +97,9 @@ def test_a_durable_session_outlives_its_connection(tmp_path: Path, tiny_model_di
             plain = a.call(OpenSession(rid="plain"))
             assert isinstance(plain, SessionOpened) and not plain.durable
             done = a.generate(Input(messages=FIRST), session=session, **SAMPLING)
-        with server.client() as b:  # a's connection is gone
-            listed = {s.session: s for s in b.list_sessions()}
-            assert session in listed and not listed[session].attached and listed[session].durable
+        with server.client() as b:  # a's connection is gone (the frontend notices soon)
+            listed = detached_listing(b, session)
+            assert listed[session].durable
             assert plain.session not in listed  # closed with its connection
             gone = b.request(ResumeSession(rid="r0", session=plain.session))
             assert isinstance(gone, Error) and gone.code == ErrorCode.NOT_FOUND

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from radixlm.runtime.engine.wire import EngineAbort
-from radixlm.runtime.grammar.compiler import GrammarCompiler, GrammarTimeout, Pending
+from radixlm.runtime.grammar.compiler import CompilingGrammar, GrammarCompiler, GrammarTimeout
 from radixlm.runtime.grammar.matcher import GrammarState
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.grammar.spec import GrammarSpec
@@ -62,7 +62,7 @@ def _accepts(compiled: object, tok: Tokenizer, text: str) -> bool:
     return all(state.accept(t) for t in tok.encode(text)) and state.accept(EOS_ID)
 
 
-def _wait(pending: Pending, timeout_s: float = 30.0):  # noqa: ANN202
+def _wait(pending: CompilingGrammar, timeout_s: float = 30.0):  # noqa: ANN202
     deadline = time.monotonic() + timeout_s
     while (got := pending.result()) is None:
         assert time.monotonic() < deadline, "the compilation did not finish"
@@ -70,12 +70,12 @@ def _wait(pending: Pending, timeout_s: float = 30.0):  # noqa: ANN202
     return got
 
 
-def _holding(c: Recording) -> Pending:
+def _holding(c: Recording) -> CompilingGrammar:
     """A gated compilation that has taken the (one) compile thread."""
     hold = c.get(regex("slow-hold"), owner="z", party="z")
     while "slow-hold" not in c.started:
         time.sleep(0.005)
-    assert isinstance(hold, Pending)
+    assert isinstance(hold, CompilingGrammar)
     return hold
 
 
@@ -84,11 +84,11 @@ def test_each_tenant_has_its_own_cache(tok: Tokenizer) -> None:
     try:
         spec = regex("[0-9]{4}-[0-9]{2}")
         first = c.get(spec, owner="alice", party="alice")
-        compiled = _wait(first) if isinstance(first, Pending) else first
+        compiled = _wait(first) if isinstance(first, CompilingGrammar) else first
         assert _accepts(compiled, tok, "2024-01") and not _accepts(compiled, tok, "2024")
         assert c.get(spec, owner="alice", party="alice") is compiled  # her own cache
         other = c.get(spec, owner="bob", party="bob")
-        assert isinstance(other, Pending), "bob was answered from alice's compilation"
+        assert isinstance(other, CompilingGrammar), "bob was answered from alice's compilation"
         assert _accepts(_wait(other), tok, "1999-12")
         assert c.compiled == 2 and c.started == [spec.text, spec.text]
         assert c.get(spec, owner="bob/ns", party="bob") is not compiled
@@ -102,7 +102,7 @@ def test_one_partys_slow_grammars_never_hold_every_thread(tok: Tokenizer) -> Non
     try:
         slow = [c.get(regex(f"slow{i}[a-z]+"), owner="a", party="a") for i in range(6)]
         tiny = c.get(regex("ok"), owner="b", party="b")
-        assert isinstance(tiny, Pending)
+        assert isinstance(tiny, CompilingGrammar)
         assert _accepts(_wait(tiny, 20), tok, "ok")  # while all six are held at the gate
         assert sum(s.startswith("slow") for s in c.started) == 1  # one thread for party a
         assert all(p.result() is None for p in slow)
@@ -141,7 +141,7 @@ def test_a_compilation_nobody_waits_for_leaves_the_queue(tok: Tokenizer) -> None
         assert c.queued() == 3
         del dropped  # its request was aborted: nothing holds the handle any more
         gc.collect()
-        assert isinstance(cancelled, Pending)
+        assert isinstance(cancelled, CompilingGrammar)
         cancelled.cancel()
         assert c.queued() == 1
         gate.set()
@@ -160,7 +160,7 @@ def test_a_grammar_that_takes_too_long_fails_at_its_time_limit(tok: Tokenizer) -
     c = Recording(tok, gate, workers=2, timeout_s=0.3)
     try:
         pending = c.get(regex("slow-forever"), owner="a", party="a")
-        assert isinstance(pending, Pending) and not pending.done()
+        assert isinstance(pending, CompilingGrammar) and not pending.done()
         time.sleep(0.4)
         assert pending.done()
         with pytest.raises(GrammarTimeout, match="time limit"):
@@ -212,7 +212,7 @@ def test_a_waiter_collected_while_another_attaches_does_not_cancel_its_compile(
     try:
         hold = _holding(c)
         first = c.get(regex("shared"), owner="a", party="a")
-        assert isinstance(first, Pending) and c.queued() == 1
+        assert isinstance(first, CompilingGrammar) and c.queued() == 1
         queue = c._queue
         real_attach = queue.attach
         dropped = [first]
@@ -226,7 +226,7 @@ def test_a_waiter_collected_while_another_attaches_does_not_cancel_its_compile(
         queue.attach = attach_after_a_collection  # type: ignore[method-assign]
         second = c.get(regex("shared"), owner="a", party="a")
         queue.attach = real_attach  # type: ignore[method-assign]
-        assert isinstance(second, Pending)
+        assert isinstance(second, CompilingGrammar)
         gate.set()
         _wait(hold)
         assert _accepts(_wait(second), tok, "shared")  # on the old code: CancelledError

@@ -16,7 +16,7 @@ import pytest
 import torch
 from radixlm.runtime.engine.sampling import Sampler
 from radixlm.runtime.grammar.bitmask import BatchMasker
-from radixlm.runtime.grammar.compiler import GrammarCompiler, GrammarError, Pending
+from radixlm.runtime.grammar.compiler import CompilingGrammar, GrammarCompiler, GrammarError
 from radixlm.runtime.grammar.jump_forward import plan_jump
 from radixlm.runtime.grammar.matcher import GrammarState
 from radixlm.runtime.grammar.spec import GrammarSpec
@@ -67,7 +67,7 @@ def test_cache_by_spec_and_compiles_off_the_calling_thread(compiler) -> None:
     spec = GrammarSpec(kind="regex", text="(x|y){1,40}z")
     before = compiler.compiled
     first = compiler.get(spec)
-    assert isinstance(first, Pending)  # never compiled inline
+    assert isinstance(first, CompilingGrammar)  # never compiled inline
     compiled = first.wait(30)
     assert compiler.get(spec) is compiled  # cached: returned at once, no new compile
     assert compiler.compiled == before + 1
@@ -75,7 +75,7 @@ def test_cache_by_spec_and_compiles_off_the_calling_thread(compiler) -> None:
     bad = GrammarSpec(kind="regex", text="(")
     for _ in range(2):
         got = compiler.get(bad)
-        assert isinstance(got, Pending)
+        assert isinstance(got, CompilingGrammar)
         with pytest.raises(GrammarError):
             got.wait(30)
     assert compiler.compiled == before + 3

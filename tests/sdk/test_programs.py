@@ -63,6 +63,39 @@ def test_turns_send_only_their_delta_and_hit_the_previous_turn(client, stub) -> 
     assert [m["role"] for m in state.messages()] == ["system"] + ["user", "assistant"] * 5
 
 
+def test_text_and_messages_open_the_session_in_pieces_and_the_gen_carries_the_last(
+        client, stub) -> None:
+    """The delta of a first turn mixing plain text and messages: the session opens with
+    the first piece, each piece of another kind is appended once (messages in a row as
+    one), and the gen's request carries the assistant turn's own text."""
+    @rl.function
+    def mixed(s):
+        s += "Intro. "
+        s += rl.system("Be brief.")
+        s += rl.user("Hi?")
+        s += rl.assistant("Sure: " + rl.gen("a", max_tokens=5, ignore_eos=True))
+        s += rl.user("More?")
+
+    opens, gens = len(sent(stub, OpenSession)), len(sent(stub, Generate))
+    state = mixed.run(backend=client)
+    [opened] = sent(stub, OpenSession, opens)
+    assert opened.input.text == "Intro. " and opened.input.messages is None
+    append, turn = sent(stub, Generate, gens)
+    assert append.sampling.max_tokens == 0 and append.input.add_generation_prompt
+    assert [(m.role, m.content) for m in append.input.messages] == [
+        ("system", "Be brief."), ("user", "Hi?")]
+    assert turn.input.text == "Sure: " and turn.session == append.session
+    messages = [Message(role="system", content="Be brief."), Message(role="user", content="Hi?")]
+    history = chars("Intro. " + render_chatml(messages, True) + "Sure: ")
+    answer = text_of(toy_generate(history, 5, ignore_eos=True))
+    assert state["a"] == answer
+    assert state.text() == "Intro. Be brief.Hi?Sure: " + answer + "More?"
+    assert state.messages() == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Hi?"},
+                                {"role": "assistant", "content": "Sure: " + answer},
+                                {"role": "user", "content": "More?"}]
+
+
 def test_fork_join_gathers_each_branch(client, stub) -> None:
     @rl.function
     def branches(s):

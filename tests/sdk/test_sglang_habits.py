@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import io
 from contextlib import redirect_stdout
+from functools import partial
 
+import anyio
 import pytest
 import radixlm as rl
 from radixlm.runtime.protocol import Generate
@@ -79,6 +81,19 @@ def test_a_misspelt_run_keyword_is_the_sdks_error_before_anything_is_sent(client
     with pytest.raises(TypeError, match=r"'questoin' \(did you mean 'question'\?\)"):
         answer.run(questoin="Why?", backend=client)
     assert len(stub.received) == before  # nothing reached the engine
+
+    # A batch's keywords are all gen defaults: sync and async batches refuse a misspelt
+    # one alike, naming the closest of every option a gen takes.
+    with pytest.raises(TypeError, match=r"run_batch\(\) got an unexpected keyword argument "
+                                        r"'logprob_start_length' \(did you mean "
+                                        r"'logprob_start_len'\?\)"):
+        answer.run_batch([{"question": "Why?"}], backend=client, logprob_start_length=0)
+    with pytest.raises(TypeError, match=r"arun_batch\(\) got an unexpected keyword argument "
+                                        r"'logprob_start_length' \(did you mean "
+                                        r"'logprob_start_len'\?\)"):
+        anyio.run(partial(answer.arun_batch, [{"question": "Why?"}], backend=client,
+                          logprob_start_length=0))
+    assert len(stub.received) == before
 
     @rl.function
     def open_ended(s, **extra):  # a body taking **kwargs accepts any name

@@ -22,7 +22,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_tokens: int = 0  # KV pool capacity in tokens; 0 = derive from kv_memory_fraction
     kv_memory_fraction: float = 0.5  # of free device memory (CUDA) or of RAM (CPU), capped
     kv_dtype: str = "auto"  # KV pool elements: "auto" (CPU + quantized weights: float16, else the model's dtype), "float16", "bfloat16", "float32"
-    schedule_policy: str = "lpm"  # fcfs | lpm | dfs-weight | shortest-prefill-first
+    schedule_policy: str = "lpm"  # fcfs | lpm | dfs-weight | shortest-prefill-first | program
     max_running: int = 64  # running-request cap
     chunked_prefill: int = 2048  # prefill token budget per step
     context_length: int = 0  # 0 = the model's max_position_embeddings

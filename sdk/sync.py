@@ -142,6 +142,7 @@ class ChatSession:
         self.close()
 
     send = blocking(AsyncChatSession.send, "_chat")
+    tool_done_soon = blocking(AsyncChatSession.tool_done_soon, "_chat")
     stream = facing(AsyncChatSession.stream, "_chat", SyncTextStream)
 
     def fork(self, n: int = 1) -> list[ChatSession]:

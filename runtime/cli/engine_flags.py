@@ -14,7 +14,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "int4", "gguf")
 QUANTIZE = ("none", "int8", "int4", "gguf")
 KV_DTYPES = ("auto", "float16", "bfloat16", "float32")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "shortest-prefill-first")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "shortest-prefill-first", "program")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 

@@ -166,6 +166,15 @@ class DiskBackup:
             return
 
     # ------------------------------------------------------------------ loading
+    def covered(self, namespace: Hashable, tokens: np.ndarray, pos: int) -> int:
+        """Where the disk's run of `tokens`' blocks from the one holding `pos` ends (`pos`
+        when it has none): an observer's question, nothing is read."""
+        b = self.block
+        first = pos // b
+        keys = chain_keys(_ns(namespace), tokens, b)
+        n = self.store.present_prefix(keys[first:])
+        return (first + n) * b if n else pos
+
     def plan(self, namespace: Hashable, tokens: np.ndarray, pos: int) -> DiskLoad | None:
         """Start reading the blocks of `tokens` (a history, or a pin's prefix, in
         `namespace`) after `pos` (what the device cache and the host tier give), if the

@@ -5,28 +5,32 @@ A session turn that ends in tool calls (read from its output by the one call par
 `calls.CallNames`) leaves its session *waiting* (`ToolWait`) until its next turn begins,
 which is the tool's result being appended. Each wait that ends is one observed round trip
 (turn end -> next turn's start) of each tool it named, per tenant and tool name, and
-`RoundTrips` keeps a running estimate of them: an exponentially weighted mean of the log
-durations (tool times are heavy-tailed, so the typical time is the geometric one) and of
-their absolute deviation. From it, for one wait:
+`RoundTrips` keeps a running estimate of them: tool times are heavy-tailed, so it fits a
+lognormal -- an exponentially weighted mean of the log durations and of their absolute
+deviation (sigma = sqrt(pi/2) x that deviation; `PRIOR_SIGMA` until `MIN_SAMPLES` trips
+were seen). From it, for one wait (on the slowest of its tools: calls answered together
+come back together):
 
-- `typical` = exp(mean): when the result is expected (the slowest of several tools: calls
-  answered together come back together);
-- `late` = exp(mean + LATE_DEVIATIONS x deviation): past it the tool is *overdue*, and with
-  heavy-tailed durations a tool that is late is likely to stay out the longest.
+- `typical` = exp(mean): the median round trip;
+- `late` = exp(mean + LATE_SIGMAS x sigma): past it the tool is *overdue*;
+- `remaining(elapsed)`: the expected time until the result, given it has not come in
+  `elapsed` (the lognormal's mean residual life). With a heavy tail it grows as the wait
+  goes on: a tool that is late is likely to stay out the longest.
 
 Which idle sessions to demote first under pressure (`demotion_key`, smallest first),
-cheapest to bring back first:
+cheapest to bring back first -- the furthest next use first, so the host and disk tiers
+have the most time to give it back:
 
 1. overdue tool waits, the most overdue (elapsed / late) first;
 2. idle sessions the engine expects nothing of: no tool wait (their client, or a person,
    decides when they return), or a wait on tools never seen return -- least recently used
    first, as before tool awareness;
-3. tool waits whose result is expected, the latest expected first (the furthest next use
-   first, so the host and disk tiers have the most time to give it back: `due_for_prefetch`).
+3. tool waits whose result is expected, the longest expected `remaining` first.
 
-A demoted wait is brought back (prefetch.py) when its result is `PREFETCH_LEAD` of its
-typical time away, when its client says it is near (`tool_done_soon`), and at the latest
-when the result is appended. `counts` are what the stats reply shows.
+A demoted wait is brought back (prefetch.py) when its median round trip is
+`PREFETCH_LEAD` of itself away (`due_for_prefetch`), when its client says the result is
+near (`tool_done_soon`), and at the latest when the result is appended. `counts` are what
+the stats reply shows.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ if TYPE_CHECKING:
     from radixlm.runtime.engine.sessions.records import Session
 
 ALPHA = 0.2  # weight of a new round trip in the running estimate
-LATE_DEVIATIONS = 2.0  # `late` = typical x exp(this many mean absolute log deviations)
+LATE_SIGMAS = 2.0  # `late` = typical x exp(this many sigmas): ~ the 98th percentile
+PRIOR_SIGMA = 1.0  # the log spread assumed until MIN_SAMPLES round trips were seen
+MIN_SAMPLES = 3
+MAD_TO_SIGMA = math.sqrt(math.pi / 2)  # a normal's sigma / its mean absolute deviation
 PREFETCH_LEAD = 0.25  # bring a demoted wait back when this share of its typical time is left
 MIN_LEAD_S = 0.05  # ... and never later than this before it is expected
 MAX_ESTIMATES = 4096  # (tenant, tool) estimates kept, least recently updated dropped first
@@ -57,12 +64,35 @@ class Estimate:
     samples: int = 1
 
     @property
+    def sigma(self) -> float:
+        return MAD_TO_SIGMA * self.deviation if self.samples >= MIN_SAMPLES else PRIOR_SIGMA
+
+    @property
     def typical(self) -> float:
         return math.exp(self.mean)
 
     @property
     def late(self) -> float:
-        return math.exp(self.mean + LATE_DEVIATIONS * self.deviation)
+        return math.exp(self.mean + LATE_SIGMAS * self.sigma)
+
+    def remaining(self, elapsed: float) -> float:
+        """E[T - elapsed | T > elapsed] for T lognormal(mean, sigma): the expected wait
+        left (the typical time left when sigma is ~0)."""
+        mu, sigma = self.mean, self.sigma
+        if sigma < 1e-6:
+            return max(self.typical - elapsed, 0.0)
+        if elapsed <= 0:
+            return math.exp(mu + sigma * sigma / 2)
+        z = (math.log(elapsed) - mu) / sigma
+        tail = _upper(z)  # P(T > elapsed)
+        if tail < 1e-12:  # far past every trip seen: the residual of the far tail
+            return elapsed * sigma / max(z, 1.0)
+        return math.exp(mu + sigma * sigma / 2) * _upper(z - sigma) / tail - elapsed
+
+
+def _upper(z: float) -> float:
+    """P(Z > z) for a standard normal Z."""
+    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 class RoundTrips:
@@ -95,7 +125,7 @@ class RoundTrips:
         found = [self._by_tool.get((tenant, t)) for t in tools]
         if not found or any(e is None for e in found):
             return None
-        return max(found, key=lambda e: e.typical)  # type: ignore[return-value, arg-type]
+        return max(found, key=lambda e: e.late)  # type: ignore[return-value, arg-type]
 
     def items(self, tenant: str | None = None) -> list[tuple[str, Estimate]]:
         """(tool name, estimate), of one tenant's tools, or of all ("tenant/name" for a
@@ -165,7 +195,7 @@ class ToolWaits:
         elapsed = now - wait.since
         if elapsed > e.late:
             return (0, -elapsed / e.late)
-        return (2, -(wait.since + e.typical))
+        return (2, -e.remaining(elapsed))
 
     def expected_back(self, s: Session, now: float) -> bool:
         """Whether `s` waits on tools whose result is expected (not overdue)."""

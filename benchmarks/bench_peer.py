@@ -32,6 +32,9 @@ ids to both servers, so both compute exactly the same tokens):
              --moe`: Qwen3-30B-A3B's layers, 128 experts of which 8 run per token, cut to
              8 layers, Q4_0, ~3.0 GB); a step reads only the chosen experts, so its bytes
              (the limit's denominator) count 8/128 of the expert tensors.
+  decode-gemma3, prefill-gemma3   the same on a random-weight Gemma 3 1B shape
+             (`random_gguf_gemma3.py`: 26 layers x 1152, sliding windows of 512, q/k and
+             sandwich norms, vocabulary 262,144, Q4_1 + Q8_0 embedding, ~764 MB).
   startup    command to ready, median of --starts starts per server and file (llama-server:
              until /health answers 200; radixlm: `radixlm serve` until it has written its
              endpoint file: after its HTTP API's /health answered, and, beside it, with
@@ -74,7 +77,9 @@ BRANCHES, BRANCH_PREFIX, BRANCH_TOKENS = 8, 330, 64
 DECODE_TOKENS, PREFILL_TOKENS = 128, 1024
 RSS_CONTEXT, RSS_PROMPT, RSS_NEW = 8192, 8000, 64
 PAIR_ROWS = ("decode", "prefill", "agents-seq", "agents-par", "branches")
-ALL_ROWS = (*PAIR_ROWS, "decode-1b", "prefill-1b", "decode-moe", "prefill-moe", "startup", "rss")
+GEMMA3_ROWS = ("decode-gemma3", "prefill-gemma3")
+ALL_ROWS = (*PAIR_ROWS, "decode-1b", "prefill-1b", "decode-moe", "prefill-moe", "startup", "rss",
+            *GEMMA3_ROWS)  # fmt: skip
 WORD_TEXT = (
     "cache prefix token session branch agent tool result reply model layer weight engine "
     "request batch decode prefill radix tree node slot page memory thread kernel block "
@@ -626,14 +631,31 @@ def main(argv=None) -> int:
         run_startup(args, binary, {"": gguf, "-1b": big}, res)
     if "rss" in rows:
         run_rss(args, binary, gguf, res)
+    files = {"": gguf, "-1b": big, "-moe": moe, **run_gemma3(rows, args, binary, tok, res)}
     load1 = os.getloadavg()
-    files = {"": gguf, "-1b": big, "-moe": moe}
     text = table(res, args, files, load0, load1)
     print(text)
     if not args.no_write:
         write_section(Path(args.out), text)
         print(f"written to {args.out}")
     return 0
+
+
+def run_gemma3(rows: list[str], args, binary: Path, tok, res: dict) -> dict[str, Path]:
+    """The Gemma 3 1B-shape rows (decode, prefill), if asked; `{"-gemma3": file}`."""
+    pair = [r.removesuffix("-gemma3") for r in rows if r in GEMMA3_ROWS]
+    if not pair:
+        return {}
+    from random_gguf_gemma3 import ensure as random_gemma3
+
+    gguf = random_gemma3()
+    run_pair(pair, args, binary, gguf, tok, res, "-gemma3")
+    return {"-gemma3": gguf}
+
+
+def _file_tag(row: str) -> str:
+    """The file suffix of a row ("-1b", "-moe", "-gemma3" or "" for the small model)."""
+    return next((t for t in ("-1b", "-moe", "-gemma3") if row.endswith(t)), "")
 
 
 def _decode_cell(vals: list[float], limit: float) -> str:
@@ -655,6 +677,8 @@ def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
         "prefill-1b": (f"prefill {PREFILL_TOKENS} tokens, 1B shape (median tok/s)", ">= 1.0x"),
         "decode-moe": (f"decode {DECODE_TOKENS} tokens, batch 1, Qwen3-MoE shape (median tok/s)", ">= 1.0x"),
         "prefill-moe": (f"prefill {PREFILL_TOKENS} tokens, Qwen3-MoE shape (median tok/s)", ">= 1.0x"),
+        "decode-gemma3": (f"decode {DECODE_TOKENS} tokens, batch 1, Gemma 3 1B shape (median tok/s)", ">= 1.0x"),
+        "prefill-gemma3": (f"prefill {PREFILL_TOKENS} tokens, Gemma 3 1B shape (median tok/s)", ">= 1.0x"),
         "startup": (f"start to ready (/health), {small} (median of {args.starts})", "radixlm <= 3 s"),
         "startup-1b": (f"start to ready, 1B shape (median of {args.starts})", "-"),
         "rss": (f"memory serving an {RSS_CONTEXT:,}-token context, {small}: RSS (PSS) after "
@@ -666,7 +690,7 @@ def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
             continue
         name, target = names[row]
         if row.startswith("decode"):
-            nbytes = step_bytes(files[next((t for t in ("-1b", "-moe") if row.endswith(t)), "")])
+            nbytes = step_bytes(files[_file_tag(row)])
             bw = statistics.median(r["bw"])
             limit = bw / nbytes
             a, b = statistics.median(r["llama"]), statistics.median(r["radix"])
@@ -706,6 +730,8 @@ def table(res, args, files: dict[str, Path | None], load0, load1) -> str:
         f"{SDIST_VERSION}'s vendored llama.cpp (Release; ggml x86 options from /proc/cpuinfo, "
         "AMX off), `--parallel 8` (startup and rss: `--parallel 1 -c 8192`; radixlm "
         "`--context-length 8192`)",
+        *[f"- Gemma 3 rows: the random-weight Gemma 3 1B shape `{files['-gemma3'].name}`"
+          for _ in [0] if files.get("-gemma3")],
         *[f"- limit of {x}" for x in limits],
         *[f"- {row}: llama-server's own `predicted_per_second` (no per-token delivery), "
           f"median {statistics.median(r['llama_own']):.1f} ({fmt(r['llama_own'])})"

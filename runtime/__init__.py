@@ -4,7 +4,10 @@ Loose modules, each shared by several processes:
 - `protocol`: the wire protocol (msgspec messages; docs/protocol.md), and
   `protocol_schema`, its JSON Schema;
 - `rules`: every rule a client request can break, and `RequestError`;
-- `config`: the frozen `EngineConfig` and the `Endpoints` a server's processes use;
+- `settings`: how a setting is declared once (help, flags, rule) and what is derived
+  from it (the commands' flags, the check of every value);
+- `config`: the engine's settings (the frozen `EngineConfig`) and the `Endpoints` a
+  server's processes use;
 - `memory`: handing freed heap back to the OS once a process is ready.
 
 Packages, by concern (data flows sdk -> transport -> frontend -> engine -> model and back):

@@ -20,6 +20,7 @@ Errors name keyword arguments as they were given (``kv_tokens=10``, not ``--kv-t
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -31,9 +32,12 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from radixlm.runtime.config import START_TIMEOUT_S, EngineConfig
+from radixlm.runtime.http.config import HttpConfig
 from radixlm.runtime.server.children import child_exit, stop_child
 from radixlm.runtime.server.exits import how_it_ended
 from radixlm.runtime.server.progress import Spinner, starting_label
+from radixlm.runtime.settings import settings_of
 from radixlm.sdk.errors import EngineDeadError, EngineStartError
 from radixlm.sdk.server_args import ServerArgs, engine_options
 from radixlm.sdk.sync import Client
@@ -43,15 +47,26 @@ __all__ = ["Engine", "EngineProcess", "Runtime", "engine_flags"]
 _STOP_GRACE_S = 10.0
 _LOG_TAIL_LINES = 15
 _UP_LINES = ("radixlm serve: ready at", "radixlm serve: HTTP API at")  # not a reason to stop
-# Keyword names that differ from the `serve` flag (EngineConfig field -> flag).
-_FLAG_NAMES = {"default_session_ttl_s": "session-ttl", "session_ttl_s": "session-ttl"}
-
-
-_KEYWORD_NAMES = {flag: key for key, flag in _FLAG_NAMES.items() if not key.startswith("default_")}
 _FLAG = re.compile(r"--([a-z][a-z0-9-]*)")
 _HTTP_LINE = re.compile(r"^radixlm serve: HTTP API at (\S+)$", re.M)
 _UNRECOGNIZED = re.compile(r"unrecognized arguments: (.*)")
 _ARGUMENT = re.compile(r"argument --([a-z][a-z0-9-]*)(?:/[-\w]+)*: ")  # argparse's
+
+
+@functools.cache
+def _declared() -> tuple[dict[str, str], dict[str, str]]:
+    """The settings `radixlm serve` declares (`radixlm.runtime.settings`): the flag of
+    every keyword `rl.Engine` takes for one, and the keyword that names each flag."""
+    flag_of: dict[str, str] = {}
+    keyword_of: dict[str, str] = {}
+    for s in (*settings_of(EngineConfig), *settings_of(HttpConfig)):
+        if s.flag is None:
+            continue
+        for keyword in s.keywords:
+            flag_of.setdefault(keyword, s.flag)
+        for flag in s.declared.flags:
+            keyword_of.setdefault(flag.lstrip("-"), s.keyword)
+    return flag_of, keyword_of
 
 
 def keyword_words(text: str, options: dict[str, Any] | None = None) -> str:
@@ -73,18 +88,22 @@ def keyword_words(text: str, options: dict[str, Any] | None = None) -> str:
 
 
 def _keyword(flag: str) -> str:
-    return _KEYWORD_NAMES.get(flag, flag.replace("-", "_"))
+    return _declared()[1].get(flag, flag.replace("-", "_"))
 
 
 def engine_flags(options: dict[str, Any]) -> list[str]:
-    """``radixlm serve`` flags for keyword options: ``kv_tokens=4096`` -> ``--kv-tokens 4096``;
-    ``True`` gives a bare flag, ``False``/``None`` nothing."""
+    """``radixlm serve`` flags for keyword options: a declared setting's keyword (its
+    field name, or another it declares) becomes its flag (``kv_tokens=4096`` ->
+    ``--kv-tokens 4096``, ``default_session_ttl_s=30`` -> ``--session-ttl 30``); any
+    other name is passed on as a flag of that spelling (``http=...`` -> ``--http ...``),
+    for `serve` to take or refuse. ``True`` gives a bare flag, ``False``/``None``
+    nothing."""
+    flag_of = _declared()[0]
     argv: list[str] = []
     for key, value in options.items():
         if value is None or value is False:
             continue
-        flag = "--" + _FLAG_NAMES.get(key, key.replace("_", "-"))
-        argv.append(flag)
+        argv.append(flag_of.get(key) or "--" + key.replace("_", "-"))
         if value is not True:
             argv.append(str(value))
     return argv
@@ -110,9 +129,12 @@ class EngineProcess:
         # (SIGKILL, a crash), so an engine never outlives the program that started it.
         # No HTTP API unless asked for (`radixlm serve` serves one by default).
         no_http = [] if options.get("http") else ["--no-http"]
+        # No state directory unless asked for (`state_dir=`): a program's own engine is
+        # its own, not the user's default server's state.
+        no_state = [] if options.get("state_dir") else ["--no-state"]
         command = [python, "-m", "radixlm.runtime.cli", "serve", "--model", model,
                    "--endpoint", self.endpoint, "--parent-pid", str(os.getpid()),
-                   *no_http, *engine_flags(options)]
+                   *no_http, *no_state, *engine_flags(options)]
         with open(self.log_path, "wb") as log:
             # A session of its own: the terminal's Ctrl-C is this program's, not the engine's.
             self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
@@ -175,15 +197,16 @@ class Engine(Client):
     `heartbeat_timeout` only covers a process that is alive but stopped answering. Use it
     as a context manager, or call `close` (alias `shutdown`).
     ``http="HOST:PORT"`` also serves the OpenAI-compatible HTTP API there (`http_url` is
-    its ``.../v1`` base URL; ``api_key=`` sets its key). `server_args`: SGLang's
-    `ServerArgs` (see `radixlm.sdk.server_args`).
+    its ``.../v1`` base URL; ``api_key=`` sets its key). ``state_dir=DIR`` keeps durable
+    sessions, pins and their KV there across restarts (none by default: docs/deployment.md).
+    `server_args`: SGLang's `ServerArgs` (see `radixlm.sdk.server_args`).
     """
 
     def __init__(
         self,
         model: str = "default",
         *,
-        startup_timeout: float = 600.0,
+        startup_timeout: float = START_TIMEOUT_S,
         heartbeat_timeout: float = 60.0,
         endpoint: str | None = None,
         server_args: ServerArgs | None = None,
@@ -245,7 +268,7 @@ def _wait_http(timeout_s: float, process: EngineProcess) -> str:
 
 
 def Runtime(model_path: str = "default", log_level: str | None = None,  # noqa: N802 - SGLang's name
-            launch_timeout: float = 600.0, **kwargs: Any) -> Engine:
+            launch_timeout: float = START_TIMEOUT_S, **kwargs: Any) -> Engine:
     """SGLang's ``sgl.Runtime(model_path=..., **server_args)``: an `Engine`. SGLang's
     server arguments are translated (`radixlm.sdk.server_args`); `launch_timeout` is the
     Engine's `startup_timeout`."""

@@ -1,4 +1,5 @@
-"""Tiny random HF checkpoints for tests: Llama, Mistral, Qwen2 and Qwen3 families.
+"""Tiny random HF checkpoints for tests: Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text)
+and Phi-3 families.
 
     from tiny_models import make_tiny_checkpoint
     model_dir = make_tiny_checkpoint(tmp_path, arch="qwen3", tie_word_embeddings=True)
@@ -32,6 +33,37 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# `chat="gemma"`: Gemma's special tokens (the same ids' roles: pad 0, bos 1, end of turn 2)
+# and Gemma 3's chat template (system folded into the first user turn, roles alternating,
+# "model" for the assistant, contents trimmed, BOS written by the template).
+GEMMA_SPECIAL_TOKENS = ("<pad>", "<bos>", "<end_of_turn>", "<start_of_turn>", "<eos>")
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {{- message['content'] | trim -}}\n"
+    "    {{ '<end_of_turn>\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\n'}}\n"
+    "{%- endif -%}\n"
+)
+_CHATS = {"chatml": (SPECIAL_TOKENS, CHAT_TEMPLATE), "gemma": (GEMMA_SPECIAL_TOKENS, GEMMA3_CHAT_TEMPLATE)}
 
 _CORPUS = """\
 The quick brown fox jumps over the lazy dog. A radix tree keeps every prompt prefix.
@@ -90,8 +122,31 @@ MOE_VARIANTS: dict[str, dict[str, Any]] = {
 _MOE_BASE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
 
 
-@lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
+# Gemma 2/3 and Phi-3 with the variations that matter made to bite on short prompts: windows
+# of a few tokens, soft-caps small enough for tanh to bend, a query_pre_attn_scalar other
+# than head_dim, Gemma 3's two RoPE bases (and linear scaling on its global layers), Phi-3's
+# longrope from position 24 on and Phi-4-mini's partial rotary.
+FAMILY_VARIANTS: dict[str, dict[str, Any]] = {
+    "gemma2": dict(arch="gemma2", num_hidden_layers=3, sliding_window=6,
+                   attn_logit_softcapping=4.0, final_logit_softcapping=6.0,
+                   query_pre_attn_scalar=24),
+    "gemma3": dict(arch="gemma3", num_hidden_layers=4, sliding_window=7,
+                   sliding_window_pattern=2, rope_local_base_freq=500.0,
+                   rope_scaling=dict(rope_type="linear", factor=2.0)),
+    "phi3-longrope": dict(arch="phi3", original_max_position_embeddings=24,
+                          rope_scaling=dict(type="longrope",
+                                            long_factor=[1.0, 1.5, 2.0, 3.0, 5.0, 8.0, 9.0, 11.0],
+                                            short_factor=[1.0, 1.1, 1.2, 1.4, 1.6, 1.9, 2.2, 2.5])),
+    "phi4-partial-rotary": dict(arch="phi3", partial_rotary_factor=0.75, sliding_window=9,
+                                original_max_position_embeddings=24,
+                                rope_scaling=dict(type="longrope",
+                                                  long_factor=[1.0, 2.0, 3.0, 4.0, 6.0, 8.0],
+                                                  short_factor=[1.0, 1.0, 1.5, 1.5, 2.0, 2.0])),
+}  # fmt: skip
+
+
+@lru_cache(maxsize=2)
+def _tokenizer_json(specials: tuple[str, ...] = SPECIAL_TOKENS) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -100,7 +155,7 @@ def _tokenizer_json() -> str:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=400,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -108,30 +163,32 @@ def _tokenizer_json() -> str:
     return tok.to_str()
 
 
-def make_tiny_tokenizer(model_dir: str | Path) -> int:
-    """Write tokenizer.json + tokenizer_config.json (ChatML template) into `model_dir`.
+def make_tiny_tokenizer(model_dir: str | Path, chat: str = "chatml") -> int:
+    """Write tokenizer.json + tokenizer_config.json into `model_dir`: ChatML special tokens
+    and template, or (`chat="gemma"`) Gemma's and Gemma 3's template.
 
     Returns the tokenizer's vocabulary size (the model's vocab must be at least that).
     """
     from tokenizers import Tokenizer
 
+    specials, template = _CHATS[chat]
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    text = _tokenizer_json()
+    text = _tokenizer_json(specials)
     (model_dir / "tokenizer.json").write_text(text, encoding="utf-8")
     tok = Tokenizer.from_str(text)
-    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == [0, 1, 2]
+    assert [tok.token_to_id(t) for t in specials] == list(range(len(specials)))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": SPECIAL_TOKENS[1],
-        "eos_token": SPECIAL_TOKENS[2],
-        "pad_token": SPECIAL_TOKENS[0],
+        "bos_token": specials[1],
+        "eos_token": specials[2],
+        "pad_token": specials[0],
         "unk_token": None,
         "add_bos_token": False,
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": _BASE["max_position_embeddings"],
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
     }
     with open(model_dir / "tokenizer_config.json", "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
@@ -152,14 +209,19 @@ def tiny_hf_config(arch: str = "llama", **overrides: Any):
         "qwen3_moe": transformers.Qwen3MoeConfig,
         "qwen2_moe": transformers.Qwen2MoeConfig,
         "mixtral": transformers.MixtralConfig,
+        "gemma2": transformers.Gemma2Config,
+        "gemma3": transformers.Gemma3TextConfig,
+        "phi3": transformers.Phi3Config,
     }
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(classes)}")
     kwargs: dict[str, Any] = dict(_BASE)
     kwargs.update(vocab_size=448, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=0)
     kwargs.setdefault("tie_word_embeddings", False)
-    if arch in ("qwen3", "qwen3_moe"):
+    if arch in ("qwen3", "qwen3_moe", "gemma2", "gemma3"):
         kwargs["head_dim"] = 16
+    if arch in ("gemma2", "gemma3"):
+        kwargs["query_pre_attn_scalar"] = 16
     if arch in ("qwen3_moe", "qwen2_moe"):
         kwargs.update(_MOE_BASE)
     if arch == "mixtral":
@@ -177,6 +239,7 @@ def make_tiny_checkpoint(
     with_tokenizer: bool = True,
     max_shard_size: str | int | None = None,
     init_scale: float = 5.0,
+    chat: str = "chatml",
     **overrides: Any,
 ) -> Path:
     """Write a tiny random `arch` checkpoint into `tmp_path / name` and return that path.
@@ -186,7 +249,8 @@ def make_tiny_checkpoint(
     - `max_shard_size`: e.g. "40KB" to get a sharded checkpoint with an index json.
     - `init_scale`: multiplies HF's random init (std 0.02) so the model is not near-uniform;
       norm weights become `1 + 0.2 * N(0, 1)`.
-    - `with_tokenizer`: also write the byte-level BPE tokenizer (vocab <= 448).
+    - `with_tokenizer`: also write the byte-level BPE tokenizer (vocab <= 448), with the
+      special tokens and chat template of `chat` ("chatml" or "gemma").
     Deterministic for a given `(arch, seed, overrides)`.
     """
     import torch
@@ -212,7 +276,7 @@ def make_tiny_checkpoint(
     model.save_pretrained(out, **kwargs)
     model.generation_config.save_pretrained(out)
     if with_tokenizer:
-        vocab = make_tiny_tokenizer(out)
+        vocab = make_tiny_tokenizer(out, chat)
         assert vocab <= config.vocab_size, (vocab, config.vocab_size)
     return out
 
@@ -334,7 +398,8 @@ _GGUF_LAYER = {
     "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
 }
-_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+_GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+              "gemma3_text": "gemma3"}  # fmt: skip
 _GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
                  "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
 _EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
@@ -379,11 +444,14 @@ def make_tiny_gguf(
     quant: str | None = None,
 ) -> Path:
     """Write the HF checkpoint `model_dir` (from `make_tiny_checkpoint`, arch llama, qwen2,
-    qwen3 or a mixture-of-experts one, with its tokenizer) as a GGUF file the way llama.cpp's converter lays it out:
-    llama Q/K rows permuted, tokenizer as gpt2-style metadata (tokens, types, merges, special
-    ids, chat template). `quant="Q8_0"` (or "Q4_0", ...) quantizes the matrices, experts
-    stacked 3-D as llama.cpp stores them (routers stay F32, as llama.cpp keeps them).
-    Returns the GGUF path (default: `<model_dir>.gguf`)."""
+    qwen3, a mixture-of-experts one, gemma2, gemma3 or phi3, with its tokenizer) as a GGUF
+    file the way llama.cpp's converter lays it out: llama Q/K rows permuted, Gemma's norms
+    with the 1 of (1 + w) added and its metadata (sliding window and pattern, soft-caps,
+    local RoPE base), Phi-3's fused projections, rotary dims and longrope factor tensors;
+    tokenizer as gpt2-style metadata (tokens, types, merges, special ids, chat template).
+    `quant="Q8_0"` (or "Q4_0", ...) quantizes the matrices, experts stacked 3-D as
+    llama.cpp stores them (routers stay F32, as llama.cpp keeps them). Returns the GGUF
+    path (default: `<model_dir>.gguf`)."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -392,7 +460,7 @@ def make_tiny_gguf(
     out = Path(out_path) if out_path else model_dir.with_suffix(".gguf")
     cfg = json.loads((model_dir / "config.json").read_text())
     arch = _GGUF_ARCH.get(cfg["model_type"], cfg["model_type"])
-    if arch not in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe"):
+    if arch not in ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3"):
         raise ValueError(f"no GGUF layout for {arch!r} here")
     rope = cfg.get("rope_parameters") or {}
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -408,8 +476,8 @@ def make_tiny_gguf(
     w.add_head_count_kv(kv_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+    _add_family_metadata(w, arch, cfg, rope)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     _add_moe_metadata(w, cfg)
@@ -444,6 +512,8 @@ def make_tiny_gguf(
     qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
     for name, t in _stack_experts(state).items():
         t = np.ascontiguousarray(t.astype(np.float32))
+        if arch.startswith("gemma") and name.endswith("norm.weight"):
+            t = t + np.float32(1.0)  # llama.cpp stores Gemma's (1 + w)
         if name.startswith("blk."):  # stacked experts
             gname = name
         elif name == "model.embed_tokens.weight":
@@ -456,7 +526,7 @@ def make_tiny_gguf(
             gname = "output.weight"
         else:
             _, _, layer, rest = name.split(".", 3)
-            gname = f"blk.{layer}.{_GGUF_LAYER[rest]}"
+            gname = f"blk.{layer}.{_GGUF_FAMILY_LAYER.get(arch, {}).get(rest) or _GGUF_LAYER[rest]}"
         if arch == "llama" and gname.endswith("attn_q.weight"):
             t = _llama_cpp_permute(t, heads)
         elif arch == "llama" and gname.endswith("attn_k.weight"):
@@ -465,8 +535,52 @@ def make_tiny_gguf(
             w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, t)
+    if rope.get("rope_type") == "longrope":
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+_GGUF_GEMMA_LAYER = {
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
+_GGUF_FAMILY_LAYER = {
+    "gemma2": _GGUF_GEMMA_LAYER,
+    "gemma3": _GGUF_GEMMA_LAYER,
+    "phi3": {"self_attn.qkv_proj.weight": "attn_qkv.weight", "mlp.gate_up_proj.weight": "ffn_up.weight"},
+}
+
+
+def _add_family_metadata(w, arch: str, cfg: dict[str, Any], rope: dict[str, Any]) -> None:
+    """RoPE, window and soft-cap metadata under llama.cpp's keys."""
+    import math
+
+    import gguf
+
+    full = rope.get("full_attention", rope)
+    w.add_rope_freq_base(float(full.get("rope_theta", cfg.get("rope_theta", 10000.0))))
+    if arch.startswith("gemma"):
+        w.add_sliding_window(cfg["sliding_window"])
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg["layer_types"]])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "gemma3":
+        w.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(float(full["factor"]))
+    if arch == "phi3":
+        w.add_sliding_window(cfg.get("sliding_window") or 0)
+        orig = cfg["original_max_position_embeddings"]
+        w.add_rope_scaling_orig_ctx_len(orig)
+        if rope.get("rope_type") == "longrope":
+            scale = cfg["max_position_embeddings"] / orig
+            w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(orig)))

@@ -21,6 +21,7 @@ Nothing here records or replays a graph: that is the runner's, on a device that 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
@@ -45,6 +46,11 @@ class AttentionBackend(ABC):
     head_dim]`) into the pool at `batch.out_slots`, then attends each request's queries
     (`q`: `[T, num_heads, head_dim]`) over its prefix + new tokens, causally within the new
     tokens (new token i sees prefix and new tokens <= i). Returns `[T, num_heads * head_dim]`.
+
+    Per model (Gemma, Mistral, Phi-3): `windows[layer]` is the sliding window of that layer
+    (a query at position i sees keys at i - W + 1 .. i; None: the whole context; `windows`
+    None: no layer slides), `softcap` caps every score as `softcap * tanh(s / softcap)`
+    before the mask and softmax (Gemma 2), and `scale` replaces `head_dim ** -0.5`.
     """
 
     name: str = "abstract"
@@ -60,6 +66,10 @@ class AttentionBackend(ABC):
         head_dim: int,
         device: torch.device,
         dtype: torch.dtype,
+        *,
+        windows: Sequence[int | None] | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
     ):
         self.pool = pool
         self.num_heads = num_heads
@@ -68,7 +78,19 @@ class AttentionBackend(ABC):
         self.group = num_heads // num_kv_heads
         self.device = device
         self.dtype = dtype
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else float(scale)
+        self.softcap = float(softcap) if softcap else None
+        self.windows: tuple[int | None, ...] | None = None
+        if windows is not None and any(w is not None for w in windows):
+            if len(windows) != len(pool.k):
+                raise ValueError(f"{len(windows)} layer windows for a pool of {len(pool.k)} layers")
+            if any(w is not None and w < 1 for w in windows):
+                raise ValueError(f"sliding windows must be >= 1 token: {sorted(set(windows) - {None})}")
+            self.windows = tuple(windows)
+
+    def window(self, layer_id: int) -> int | None:
+        """Layer `layer_id`'s sliding window (None: the whole context)."""
+        return None if self.windows is None else self.windows[layer_id]
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None: ...

@@ -10,6 +10,15 @@ Pure-decode batches use `BatchDecodeWithPagedKVCacheWrapper`; anything with a mu
 request uses `BatchPrefillWithPagedKVCacheWrapper` with `causal=True` (FlashInfer aligns the
 causal mask to the end of the KV sequence, i.e. causal with the prefix as offset).
 Import-guarded: `available()` is False without CUDA or without the `flashinfer` package.
+
+Sliding windows, soft-caps and a scale other than head_dim ** -0.5 (Gemma, Mistral,
+Phi-3) are passed to `plan` as FlashInfer's documented `window_left` (the keys a query
+sees to its left besides its own position: W - 1 for a window of W tokens),
+`logits_soft_cap` (cap * tanh(s / cap)) and `sm_scale`. A wrapper's plan fixes its
+window, so each distinct window of the model's layers has its own pair of wrappers over
+the one workspace (they run one after another on one stream). GPU-unverified: written
+from FlashInfer's API documentation and checked on CPU against a stand-in that follows it
+(tests/model/test_flashinfer_contract.py), never yet run on the real kernels.
 """
 
 from __future__ import annotations
@@ -86,8 +95,9 @@ class FlashInferAttention(AttentionBackend):
         dtype,
         check_pages=None,
         prefill_backend=None,
+        **variations,
     ):
-        super().__init__(pool, num_heads, num_kv_heads, head_dim, device, dtype)
+        super().__init__(pool, num_heads, num_kv_heads, head_dim, device, dtype, **variations)
         if not available():
             raise RuntimeError(f"flashinfer backend unavailable: {unavailable_reason()}")
         if check_pages is None:
@@ -101,14 +111,29 @@ class FlashInferAttention(AttentionBackend):
             "RADIXLM_FLASHINFER_PREFILL_BACKEND", "auto"
         )
         kw = {} if prefill_backend == "auto" else {"backend": prefill_backend}
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", **kw
-        )
-        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.group >= 4
-        )
+        # One (prefill, decode) wrapper pair per distinct layer window (None: full).
+        self.wrappers = {
+            w: (flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", **kw),
+                flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_tensor_cores=self.group >= 4))
+            for w in sorted(set(self.windows or (None,)), key=lambda w: -1 if w is None else w)
+        }  # fmt: skip
+        self.prefill_wrapper, self.decode_wrapper = next(iter(self.wrappers.values()))
         self.paged = [(pool.k_pages(i), pool.v_pages(i)) for i in range(len(pool.k))]
         self.wrapper = None
+        self.planned: dict[int | None, object] = {}  # window -> the wrapper planned for it
+
+    def _plan_options(self, window: int | None) -> dict:
+        """`plan` keywords beyond a plain causal model's (only those that apply, so a plain
+        model's plan is as before). GPU-unverified (see the module docstring)."""
+        extra: dict = {}
+        if window is not None:
+            extra["window_left"] = window - 1  # a window of W tokens: W - 1 to the left
+        if self.softcap is not None:
+            extra["logits_soft_cap"] = self.softcap
+        if self.scale != self.head_dim**-0.5:
+            extra["sm_scale"] = self.scale
+        return extra
 
     def plan(self, batch) -> None:
         kv_cpu = batch.kv_indices_cpu
@@ -125,26 +150,31 @@ class FlashInferAttention(AttentionBackend):
         self.out_slots = batch.out_slots
         self.num_tokens = batch.num_tokens
         H, Hkv, D, P = self.num_heads, self.num_kv_heads, self.head_dim, self.page_size
-        if batch.is_decode:
-            self.decode_wrapper.plan(
-                indptr_t, ids_t, last_t, H, Hkv, D, P,
-                pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
-            )  # fmt: skip
-            self.wrapper = self.decode_wrapper
-        else:
+        if not batch.is_decode:
             qo = np.zeros(batch.batch_size + 1, dtype=np.int64)
             np.cumsum(batch.extend_lens, out=qo[1:])
             qo_t = torch.from_numpy(qo).to(dev, i32)
-            self.prefill_wrapper.plan(
-                qo_t, indptr_t, ids_t, last_t, H, Hkv, D, P,
-                causal=True, pos_encoding_mode="NONE",
-                q_data_type=self.dtype, kv_data_type=self.dtype,
-            )  # fmt: skip
-            self.wrapper = self.prefill_wrapper
+        for window, (prefill, decode) in self.wrappers.items():
+            extra = self._plan_options(window)
+            if batch.is_decode:
+                decode.plan(
+                    indptr_t, ids_t, last_t, H, Hkv, D, P,
+                    pos_encoding_mode="NONE", q_data_type=self.dtype, kv_data_type=self.dtype,
+                    **extra,
+                )  # fmt: skip
+                self.planned[window] = decode
+            else:
+                prefill.plan(
+                    qo_t, indptr_t, ids_t, last_t, H, Hkv, D, P,
+                    causal=True, pos_encoding_mode="NONE",
+                    q_data_type=self.dtype, kv_data_type=self.dtype, **extra,
+                )  # fmt: skip
+                self.planned[window] = prefill
+        self.wrapper = self.planned.get(None)
 
     def forward(self, layer_id, q, k, v):
         kc, vc = self.pool.k[layer_id], self.pool.v[layer_id]
         kc.index_copy_(0, self.out_slots, k)
         vc.index_copy_(0, self.out_slots, v)
-        o = self.wrapper.run(q.contiguous(), self.paged[layer_id])
+        o = self.planned[self.window(layer_id)].run(q.contiguous(), self.paged[layer_id])
         return o.reshape(self.num_tokens, self.num_heads * self.head_dim)

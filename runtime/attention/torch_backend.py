@@ -16,6 +16,10 @@
 - The pool may hold K/V in another dtype than the model computes in (on CPU: float16 or
   bfloat16 rows for a float32 model, `--kv-dtype`): new K/V are rounded into the pool's
   dtype as they are written, rows read back are widened to the compute dtype.
+- Sliding-window layers (Gemma, Mistral, Phi-3) get a plan of their own per window size,
+  made in `plan` from each request's last slots only: a decode row reads its last W
+  slots (no mask needed), a prefill its window's keys under a band mask. Soft-capped
+  scores (Gemma 2) go through the same math by hand (`_attend`), as SDPA has no cap.
 Everything that depends only on the batch is computed once in `plan`.
 
 Capture (`supports_capture`): a captured decode batch is the padded `[bs, max_seq_len]`
@@ -90,62 +94,86 @@ class TorchAttention(AttentionBackend):
         super().__init__(*args, **kwargs)
         self.capture: DecodeBuffers | None = None
         self._captured: dict[int, _Decode] = {}  # by batch size: plans over `capture`
+        self.decode: _Decode | _SharedDecode | None = None
+        self.prefills: list[_Prefill] = []
+        self._windowed: dict[int, tuple] = {}  # by window size: (decode, prefills)
 
     def plan(self, batch) -> None:
-        dev = self.device
         self.out_slots = batch.out_slots
         self.num_tokens = batch.num_tokens
         kv_cpu = batch.kv_indices_cpu
         if kv_cpu is None:
             kv_cpu = batch.kv_indices.cpu()
         kv_np = kv_cpu.numpy()
-        ext, seq = batch.extend_lens, batch.seq_lens
+        ext = np.asarray(batch.extend_lens, dtype=np.int64)
+        seq = np.asarray(batch.seq_lens, dtype=np.int64)
         starts = np.zeros(len(seq) + 1, dtype=np.int64)
         np.cumsum(seq, out=starts[1:])
         q_starts = np.zeros(len(ext) + 1, dtype=np.int64)
         np.cumsum(ext, out=q_starts[1:])
+        self.decode, self.prefills = self._build(kv_np, starts[:-1], seq, ext, q_starts, None)
+        self._windowed = {}
+        for w in sorted({w for w in self.windows or () if w is not None}):
+            if w >= int(seq.max()):  # the window holds every request whole
+                self._windowed[w] = (self.decode, self.prefills)
+                continue
+            # Each request's keys from the first one its earliest new token sees.
+            lo = np.maximum(seq - ext - w + 1, 0)
+            self._windowed[w] = self._build(kv_np, starts[:-1] + lo, seq - lo, ext, q_starts, w)
 
-        dec = [r for r, e in enumerate(ext) if e == 1]
-        self.decode: _Decode | None = None
+    def _build(self, kv_np, first, seq, ext, q_starts, window):
+        """`(decode plan, prefill plans)` of requests whose slots are
+        `kv_np[first[r] : first[r] + seq[r]]` (the last `ext[r]` of them new), attending
+        within `window` tokens (None: causally over all of them)."""
+        dev = self.device
+        dec = [r for r, e in enumerate(ext.tolist()) if e == 1]
+        decode = None
         if dec:
-            self.decode = self._plan_decode(dec, seq, starts, q_starts, kv_np, len(dec) == len(ext))
-
-        self.prefills: list[_Prefill] = []
-        for r, n in enumerate(ext):
+            decode = self._plan_decode(dec, seq, first, q_starts, kv_np, len(dec) == len(ext))
+        prefills: list[_Prefill] = []
+        for r, n in enumerate(ext.tolist()):
             if n == 1:
                 continue
-            s = seq[r]
+            s = int(seq[r])
             prefix = s - n
             qs, qe = int(q_starts[r]), int(q_starts[r + 1])
-            if prefix == 0:
-                self.prefills.append(_Prefill(qs, qe, None, None))
+            banded = window is not None and window < s
+            if prefix == 0 and not banded:
+                prefills.append(_Prefill(qs, qe, None, None))
                 continue
-            slots = kv_np[starts[r] : starts[r + 1]]
-            run = _contiguous_run(slots)
-            kv = run if run is not None else torch.from_numpy(slots).to(dev)
             i = torch.arange(n, device=dev)[:, None]
             j = torch.arange(s, device=dev)[None, :]
-            self.prefills.append(_Prefill(qs, qe, kv, (j <= i + prefix)[None, None]))
+            mask = j <= i + prefix
+            if banded:
+                mask &= j > i + prefix - window
+            if prefix == 0:  # the new tokens are all the keys: no pool read
+                prefills.append(_Prefill(qs, qe, None, mask[None, None]))
+                continue
+            slots = kv_np[first[r] : first[r] + s]
+            run = _contiguous_run(slots)
+            kv = run if run is not None else torch.from_numpy(slots).to(dev)
+            prefills.append(_Prefill(qs, qe, kv, mask[None, None]))
+        return decode, prefills
 
     def release(self) -> None:
-        self.decode, self.prefills = None, []
+        self.decode, self.prefills, self._windowed = None, [], {}
 
     def _plan_decode(
-        self, dec, seq, starts, q_starts, kv_np, all_decode
+        self, dec, seq, first, q_starts, kv_np, all_decode
     ) -> _Decode | _SharedDecode:
         dev = self.device
         lens = np.asarray([seq[r] for r in dec], dtype=np.int64)
         rows = None if all_decode else torch.as_tensor(q_starts[dec], device=dev)
         if len(dec) == 1:
             r = dec[0]
-            slots = kv_np[starts[r] : starts[r + 1]]
+            slots = kv_np[first[r] : first[r] + seq[r]]
             run = _contiguous_run(slots)
             kv = run if run is not None else torch.from_numpy(slots[None, :].copy()).to(dev)
             return _Decode(rows, kv, None)
         lmax = int(lens.max())
         offs = np.arange(lmax, dtype=np.int64)[None, :]
         valid = offs < lens[:, None]
-        pos = np.asarray(starts[dec], dtype=np.int64)[:, None] + np.minimum(offs, lens[:, None] - 1)
+        pos = np.asarray(first[dec], dtype=np.int64)[:, None] + np.minimum(offs, lens[:, None] - 1)
         slots = kv_np[pos]  # [B, Lmax], padded with each request's last slot
         if dev.type == "cpu":
             shared = _common_prefix(slots, lens)
@@ -181,6 +209,8 @@ class TorchAttention(AttentionBackend):
     def init_capture(self, max_bs: int, max_seq_len: int, pad_slot: int) -> None:
         if self.capture is not None:
             raise RuntimeError("init_capture was already called for this backend")
+        if self.windows is not None:
+            raise NotImplementedError("capture of sliding-window layers is not implemented")
         capacity = int(self.pool.k[0].shape[0])
         self.capture = DecodeBuffers.allocate(max_bs, max_seq_len, pad_slot, capacity, self.device)
 
@@ -220,15 +250,16 @@ class TorchAttention(AttentionBackend):
         kc.index_copy_(0, self.out_slots, k.to(kc.dtype))
         vc.index_copy_(0, self.out_slots, v.to(vc.dtype))
         hd = self.num_heads * self.head_dim
-        if not self.prefills:
-            return self._decode(self.decode, q, kc, vc)
-        if self.decode is None and len(self.prefills) == 1:
-            return self._prefill(self.prefills[0], q, k, v, kc, vc)
+        w = self.window(layer_id)
+        decode, prefills = (self.decode, self.prefills) if w is None else self._windowed[w]
+        if not prefills:
+            return self._decode(decode, q, kc, vc)
+        if decode is None and len(prefills) == 1:
+            return self._prefill(prefills[0], q, k, v, kc, vc)
         out = q.new_empty(self.num_tokens, hd)
-        if self.decode is not None:
-            d = self.decode
-            out.index_copy_(0, d.rows, self._decode(d, q.index_select(0, d.rows), kc, vc))
-        for p in self.prefills:
+        if decode is not None:
+            out.index_copy_(0, decode.rows, self._decode(decode, q.index_select(0, decode.rows), kc, vc))
+        for p in prefills:
             out[p.q_start : p.q_end] = self._prefill(p, q, k, v, kc, vc)
         return out
 
@@ -244,7 +275,7 @@ class TorchAttention(AttentionBackend):
         else:
             keys = self._wide(_gather(kc, d.kv)).transpose(1, 2)
             vals = self._wide(_gather(vc, d.kv)).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=d.mask, scale=self.scale)
+        o = _attend(qg, keys, vals, d.mask, False, self.scale, self.softcap, gqa=False)
         return o.reshape(b, hkv * g * hd)
 
     def _shared_decode(self, d: _SharedDecode, q, kc, vc):
@@ -255,11 +286,15 @@ class TorchAttention(AttentionBackend):
         kt = self._wide(kc.view(-1, hd).index_select(0, d.tail)).view(hkv * b, tl, hd)
         vt = self._wide(vc.view(-1, hd).index_select(0, d.tail)).view(hkv * b, tl, hd)
         s_tail = torch.bmm(qh.reshape(hkv * b, g, hd), kt.transpose(1, 2)).view(hkv, b, g, tl)
+        if self.softcap is not None:
+            s_tail = _cap(s_tail, self.softcap)
         if d.bias is not None:
             s_tail.add_(d.bias)
         ks, vs = self._wide(_gather(kc, d.shared)), self._wide(_gather(vc, d.shared))  # [P, Hkv, D]
         n = ks.shape[0]
         s_shared = torch.bmm(qh, ks.permute(1, 2, 0)).view(hkv, b, g, n)
+        if self.softcap is not None:
+            s_shared = _cap(s_shared, self.softcap)
         p = torch.softmax(torch.cat([s_shared, s_tail], -1), -1, dtype=torch.float32).to(q.dtype)
         o = torch.bmm(p[..., :n].reshape(hkv, b * g, n), vs.transpose(0, 1))
         o = o.view(hkv * b, g, hd).baddbmm_(p[..., n:].reshape(hkv * b, g, tl), vt)
@@ -273,16 +308,38 @@ class TorchAttention(AttentionBackend):
         if p.kv is None:
             keys = k[qs:qe].transpose(0, 1).unsqueeze(0)
             vals = v[qs:qe].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qr, keys, vals, is_causal=True, scale=self.scale, enable_gqa=True
-            )
         else:
             keys = self._wide(_gather(kc, p.kv)).transpose(0, 1).unsqueeze(0)
             vals = self._wide(_gather(vc, p.kv)).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qr, keys, vals, attn_mask=p.mask, scale=self.scale, enable_gqa=True
-            )
+        causal = p.kv is None and p.mask is None
+        o = _attend(qr, keys, vals, p.mask, causal, self.scale, self.softcap, gqa=True)
         return o[0].transpose(0, 1).reshape(qe - qs, self.num_heads * self.head_dim)
+
+
+def _cap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    """`cap * tanh(scores / cap)` (Gemma 2's attention soft-cap)."""
+    return torch.tanh(scores / cap).mul_(cap)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            causal: bool, scale: float, softcap: float | None, gqa: bool) -> torch.Tensor:  # fmt: skip
+    """Attention of `q` `[B, H, L, D]` over `k`/`v` `[B, Hkv, S, D]` (`gqa`: H a multiple
+    of Hkv, consecutive query heads sharing a KV head), `mask` `[B or 1, 1, L, S]` (True =
+    attend) or `causal`. SDPA unless the scores are soft-capped (by hand, then)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=gqa)  # fmt: skip
+    b, h, n, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = h // hkv
+    scores = torch.matmul(q.reshape(b, hkv, g * n, d), k.transpose(-1, -2)) * scale
+    scores = _cap(scores, softcap).view(b, hkv, g, n, s)
+    if causal:
+        mask = torch.ones(n, s, dtype=torch.bool, device=q.device).tril(s - n)[None, None]
+    if mask is not None:
+        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    p = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype).view(b, hkv, g * n, s)
+    return torch.matmul(p, v).view(b, h, n, d)
 
 
 def _gather(cache: torch.Tensor, idx: torch.Tensor | slice) -> torch.Tensor:

@@ -2,7 +2,8 @@
 ``python -m radixlm.runtime.cli`` works too).
 
 - `commands`: the parser of every command and `main`;
-- `engine_flags`: the engine's flags and `config_from_args`;
+- `engine_flags`: the engine's flags (generated from `EngineConfig`'s declarations) and
+  `config_from_args`; `state_flags`: serve's state-directory flags and `with_state`;
 - `serve`, `generate`, `top`: the commands that need more than a few lines;
 - `common`: what they share (logging, SIGTERM, finding the server).
 """

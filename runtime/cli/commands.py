@@ -32,14 +32,11 @@ from radixlm.runtime.cli.common import say
 from radixlm.runtime.cli.engine_flags import (
     add_debug_argument,
     add_engine_arguments,
-    add_trust_arguments,
     config_from_args,
-    non_negative_float,
-    non_negative_int,
-    positive_float,
-    positive_int,
 )
-from radixlm.runtime.cli.state_flags import add_state_arguments, with_state
+from radixlm.runtime.cli.state_flags import with_state
+from radixlm.runtime.config import EngineConfig
+from radixlm.runtime.settings import add_settings, number
 from radixlm.runtime.transport.curve import add_key_arguments
 
 REPL_MODULE = "radixlm.sdk.repl"
@@ -77,22 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "default server, which clients find by themselves, unless another "
                     "server already is.",
     )
-    serve.add_argument("--endpoint", default="",
-                       help="client endpoint to bind: ipc:///path or tcp://HOST:PORT (tcp://0.0.0.0:"
-                            "PORT to listen on every interface; tcp://* is refused). Default: "
-                            "the default server's socket (<radixlm dir>/default.sock), or a "
-                            "private ipc socket when another server is the default")
+    add_settings(serve, EngineConfig, only=("endpoint",))
     serve.add_argument("--endpoint-file", default=None, metavar="PATH",
                        help="once ready, write the endpoint (one line) to this file, for scripts")
-    serve.add_argument("--parent-pid", type=positive_int, default=None, metavar="PID",
+    serve.add_argument("--parent-pid", type=number(int, ge=1), default=None, metavar="PID",
                        help="stop (as on SIGTERM) once process PID has exited; the SDK passes "
                             "its own pid, so an engine it started never outlives it")
-    add_engine_arguments(serve)
-    add_state_arguments(serve)
-    add_trust_arguments(serve)
+    engine = add_engine_arguments(serve)
     from radixlm.runtime.http.main import add_http_arguments
 
-    add_http_arguments(serve, insecure=False, serve=True)  # the trust group's --insecure
+    add_http_arguments(serve, serve=True, skip=engine)  # --insecure, --drain-timeout: shared
     from radixlm.runtime.router.cli import add_replicas_argument, add_router_arguments
 
     add_replicas_argument(serve)
@@ -133,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="use the running server at this endpoint (default: "
                           "$RADIXLM_ENDPOINT, else the default server if one runs)")
     add_key_arguments(gen)
-    gen.add_argument("--max-tokens", type=non_negative_int, default=128,
+    gen.add_argument("--max-tokens", type=number(int, ge=0), default=128,
                      help="most tokens to generate (default: %(default)s)")
-    gen.add_argument("--temperature", type=non_negative_float, default=0.0,
+    gen.add_argument("--temperature", type=number(float, ge=0), default=0.0,
                      help="sampling temperature; 0 = greedy (default: %(default)s)")
     gen.add_argument("--top-p", type=float, default=1.0,
                      help="nucleus sampling mass in (0, 1] (default: %(default)s)")
@@ -148,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true",
                      help="use the chat template (the default; a model without one gets the "
                           "plain text)")
-    add_engine_arguments(gen, log_level="warning", model_default=None)
+    add_engine_arguments(gen, serve=False, log_level="warning", model_default=None)
     gen.set_defaults(run=cmd_generate)
 
     sessions = command(
@@ -164,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "tokens/s, cache hit rate and KV pool, refreshed in place.",
     )
     _add_client_arguments(top)
-    top.add_argument("--interval", type=positive_float, default=1.0, metavar="SECONDS",
+    top.add_argument("--interval", type=number(float, gt=0), default=1.0, metavar="SECONDS",
                      help="refresh period; rates are measured over it (default: %(default)s)")
     top.add_argument("--once", action="store_true",
                      help="print one snapshot (rates over one --interval) and exit")
@@ -192,7 +183,7 @@ def _add_client_arguments(p: argparse.ArgumentParser) -> None:
                    help="the server's client endpoint (default: $RADIXLM_ENDPOINT, else the "
                         "default server)")
     add_key_arguments(p)
-    p.add_argument("--timeout", type=positive_float, default=10.0, metavar="SECONDS",
+    p.add_argument("--timeout", type=number(float, gt=0), default=10.0, metavar="SECONDS",
                    help="how long to wait for the server's answers (default: %(default)s)")
     add_debug_argument(p)
 
@@ -204,11 +195,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas != 1:
         from radixlm.runtime.router.cli import serve_replicas
 
-        return serve_replicas(args, with_state(config_from_args(args, endpoint=args.endpoint),
-                                               args))
+        return serve_replicas(args, with_state(config_from_args(args), args))
     from radixlm.runtime.cli.serve import run_serve
 
-    return run_serve(args, with_state(config_from_args(args, endpoint=args.endpoint), args))
+    return run_serve(args, with_state(config_from_args(args), args))
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -220,7 +210,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from radixlm.runtime.cli.generate import run_generate
 
-    return run_generate(args, config_from_args(args))
+    return run_generate(args, config_from_args(args, endpoint=""))  # its --endpoint: a server to use
 
 
 def cmd_keys(args: argparse.Namespace) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -44,6 +43,7 @@ from radixlm.runtime.server.launcher import (
 )
 from radixlm.runtime.server.listeners import Listener, listen_http
 from radixlm.runtime.server.progress import starting_label
+from radixlm.runtime.server.supervise import supervise
 from radixlm.runtime.transport.channel import EndpointError, parse_client_endpoint
 from radixlm.runtime.transport.curve_keys import AuthDirError, check_auth_dir
 from radixlm.runtime.transport.discovery import (
@@ -58,18 +58,19 @@ __all__ = ["run_serve"]
 log = logging.getLogger("radixlm.serve")
 
 
-def _checked_http(args: argparse.Namespace) -> HttpConfig | None:
+def _checked_http(args: argparse.Namespace, config: EngineConfig) -> HttpConfig | None:
     """The HTTP API's config (engine endpoint filled in later), None without one."""
     listen = http_listen(args)
     if listen is None:
         return None
-    if args.auth_dir and not http_asked(args):
+    if config.auth_dir and not http_asked(args):
         # A server of CurveZMQ tenants serves HTTP only when asked: on by default, a
         # loopback API without a key would let any local user in beside the keys.
         return None  # (said once the other checks have passed)
-    if args.served_model_name is None and args.model == "default":
-        args.served_model_name = "SmolLM2-135M-Instruct"  # "default" is accepted too
-    return http_config(args, engine_endpoint="", listen=listen)
+    fixed: dict[str, str] = {}
+    if args.served_model_name is None and config.model == "default":
+        fixed["served_model_name"] = "SmolLM2-135M-Instruct"  # "default" is accepted too
+    return http_config(args, engine_endpoint="", listen=listen, **fixed)
 
 
 def _check(config: EngineConfig) -> None:
@@ -97,12 +98,12 @@ def _claim(config: EngineConfig) -> tuple[EngineConfig, DefaultClaim | None]:
 
 
 def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    setup_logging(args.log_level)
+    setup_logging(config.log_level)
     signal.signal(signal.SIGTERM, stop_on_sigterm)
     if args.parent_pid is not None:
         stop_when_gone(args.parent_pid)
     try:
-        http = _checked_http(args)
+        http = _checked_http(args, config)
         _check(config)
     except HttpConfigError as e:
         say("serve", str(e))
@@ -110,7 +111,7 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
     except (EndpointError, AuthDirError, ServerStartError) as e:
         say("serve", str(e))
         return 1
-    if args.auth_dir and http is None and not args.no_http:
+    if config.auth_dir and http is None and not args.no_http:
         log.info("no HTTP API with --auth-dir unless asked (--http, --host or --port)")
     claim: DefaultClaim | None = None
     http_socket: Listener | None = None
@@ -119,7 +120,7 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         config, claim = _claim(config)
         if http is not None:
             http_socket = listen_http(http.host, http.port)
-            http = dataclasses.replace(http, port=http_socket.port)
+            http = msgspec.structs.replace(http, port=http_socket.port)
         http_url = f"http://{_url_host(http.host)}:{http.port}/v1" if http else ""
         if claim is not None:
             claim.publish(DefaultServer(os.getpid(), claim.endpoint, http_url))
@@ -130,16 +131,15 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
         server = start_server(config, start_timeout_s=args.start_timeout, preflight=False,
                               takeover=claim is not None)
         if http is not None:
-            http = dataclasses.replace(
+            http = msgspec.structs.replace(
                 http, engine_endpoint=connect_address(server.endpoint),
                 gateway_token_file=str(server.runtime_dir / GATEWAY_TOKEN))
-            if args.auth_dir:  # the gateway's own CurveZMQ key, authorized by the frontend
-                http = dataclasses.replace(
-                    http, server_key=os.path.join(args.auth_dir, "server.key"),
+            if config.auth_dir:  # the gateway's own CurveZMQ key, authorized by the frontend
+                http = msgspec.structs.replace(
+                    http, server_key=os.path.join(config.auth_dir, "server.key"),
                     client_key=str(server.runtime_dir / "gateway.key_secret"))
-            server.processes["http"] = start_http(http, log_level=args.log_level,
-                                                  listener=http_socket)
-            http_socket = None  # the HTTP process holds it
+            server.processes["http"] = start_http(http, log_level=config.log_level,
+                                                  listener=http_socket, keep_listener=True)
             say("serve", f"HTTP API at {http_url}")
         if claim is not None:
             claim.publish(DefaultServer(os.getpid(), server.endpoint, http_url, ready=True))
@@ -149,7 +149,12 @@ def run_serve(args: argparse.Namespace, config: EngineConfig) -> int:
             say("serve", f"ready at {server.endpoint}")
         if args.endpoint_file:
             write_endpoint_file(args.endpoint_file, server.endpoint)
-        role, code = server.wait()
+        respawn = {}
+        if http is not None and http_socket is not None:
+            started_http, socket_kept = http, http_socket
+            respawn["http"] = lambda: start_http(started_http, log_level=config.log_level,
+                                                 listener=socket_kept, keep_listener=True)
+        role, code = supervise(server, respawn)  # a dead child is started again
         say("serve", f"the {role} process {how_it_ended(code)}; stopping")
         return 1
     except (ServerStartError, EndpointError, RuntimeDirError, HttpStartError) as e:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import secrets
 import signal
 import threading
 import time
@@ -72,7 +73,8 @@ class Engine:
             self.state.close()
 
 
-def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> Engine:
+def build_engine(config: EngineConfig, model_dir: str | Path | None = None,
+                 boot: str = "") -> Engine:
     """Resolve and load the model, size the pool, and wire cache, sessions and scheduler."""
     t0 = time.perf_counter()
     if config.threads > 0:
@@ -163,8 +165,9 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None) -> E
     ready = EngineReady(
         model=config.model or "default", context_length=context, page_size=config.page_size,
         kv_capacity=capacity, model_dir=str(model_dir), vocab_size=mcfg.vocab_size,
-        state=state.fingerprint if state is not None else "",
+        state=state.fingerprint if state is not None else "", boot=boot or secrets.token_hex(8),
     )  # fmt: skip
+    sched.ready = ready
     return Engine(sched, runner, ready, tp, state)
 
 
@@ -180,9 +183,10 @@ def _load_state(state: EngineState | None, sessions: SessionManager) -> list[Eng
                       namespace=p.namespace) for i, p in enumerate(pins)]
 
 
-def run_engine(config: EngineConfig, endpoints: Endpoints) -> None:
-    """The engine process's main: serve until Shutdown or SIGTERM."""
-    engine = build_engine(config)
+def run_engine(config: EngineConfig, endpoints: Endpoints, boot: str = "") -> None:
+    """The engine process's main: serve until Shutdown or SIGTERM. `boot`: the id it
+    announced as it started (`EngineBoot`), repeated in its `EngineReady`."""
+    engine = build_engine(config, boot=boot)
     sched = engine.scheduler
     # Everything loaded so far (model, tokenizer, libraries: millions of objects) lives as
     # long as the process: out of the collector's way, or every full collection walks it

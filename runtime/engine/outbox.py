@@ -17,6 +17,10 @@ class Outbox:
             return
         self._replies.append(ToClient(client=client, data=encode(msg), ends=ends))
 
+    def send(self, msg: ToFrontend) -> None:
+        """A message for the frontend itself (its `EngineReady`, again), in order."""
+        self._replies.append(msg)
+
     def take(self) -> list[ToFrontend]:
         """Replies so far, then one StepOutputs with every output since the last call."""
         out = self._replies

@@ -37,24 +37,20 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
+from typing import get_args
 
 from radixlm.cache import TreeNode
 from radixlm.cache.pages import align_down
+from radixlm.runtime.config import SchedulePolicy
 from radixlm.runtime.engine.batch import Scheduled
 from radixlm.runtime.engine.request import Request
 from radixlm.runtime.engine.sessions.retention import common_prefix_len
 from radixlm.runtime.engine.state import TERMINAL
 
-POLICIES = ("fcfs", "lpm", "dfs-weight", "shortest-prefill-first", "program")
+POLICIES: tuple[str, ...] = get_args(SchedulePolicy)  # (declared with --schedule-policy)
 PREFIX_AWARE = frozenset({"lpm", "dfs-weight", "shortest-prefill-first"})
 
 MatchFn = Callable[[Request], tuple[TreeNode, int]]  # -> (node, cached length)
-
-
-def check_policy(name: str) -> str:
-    if name not in POLICIES:
-        raise ValueError(f"unknown schedule policy {name!r}; choose one of {', '.join(POLICIES)}")
-    return name
 
 
 class FairShare:

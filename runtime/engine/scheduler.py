@@ -56,7 +56,14 @@ from radixlm.runtime.engine.stats import stats_reply
 from radixlm.runtime.engine.step_budget import StepBudget
 from radixlm.runtime.engine.table import Counters, RequestTable
 from radixlm.runtime.engine.timings import Latencies
-from radixlm.runtime.engine.wire import EngineAbort, EngineCommand, ToFrontend
+from radixlm.runtime.engine.wire import (
+    ClientGone,
+    EngineAbort,
+    EngineCommand,
+    EngineReady,
+    FrontendHello,
+    ToFrontend,
+)
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.model.batch import ForwardBatch
 from radixlm.runtime.protocol import Error, ErrorCode, FlushCache, GetStats, Ok, Struct
@@ -130,6 +137,7 @@ class Scheduler:
         self.slicer = Slicer(model, options)
         self._last_tick = -math.inf
         self.gate: ForwardGate = _NoGate()  # the serving loop installs its StateGate
+        self.ready: EngineReady | None = None  # what a (re)started frontend is told
 
     # ================================================================== messages
     def handle(self, msg: object) -> None:
@@ -138,10 +146,27 @@ class Scheduler:
         if isinstance(msg, Committed):  # a durable write settled: its reply goes now
             self.sessions.answer_committed(msg)
             return
+        if isinstance(msg, FrontendHello):
+            self._frontend_restarted(msg)
+            return
         if self.sessions.defer(msg):
             return
         self.intake.handle(msg)
         self._replay_held()
+
+    def _frontend_restarted(self, msg: FrontendHello) -> None:
+        """A frontend (re)started: every client the engine knows is gone with the old one
+        (requests aborted, sessions closed, durable ones detached); it gets our
+        `EngineReady` again."""
+        clients = {g.client for g in self.table.groups.values()} | self.sessions.clients()
+        clients.discard(b"")  # the engine's own requests (pins restored at start)
+        for client in clients:
+            self.intake.handle(ClientGone(client=client))
+        if clients:
+            log.warning("frontend %s (re)started: %d client(s) of the previous one gone",
+                        msg.boot, len(clients))
+        if self.ready is not None:
+            self.outbox.send(self.ready)
 
     def can_answer_now(self, msg: object) -> bool:
         """Whether `msg` may be handled while a forward runs (called with the state gate

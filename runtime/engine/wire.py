@@ -176,6 +176,14 @@ class Shutdown(_Internal, tag="shutdown"):
     pass
 
 
+class FrontendHello(_Internal, tag="frontend_hello"):
+    """A frontend process (re)started: every client the engine knows is gone (their
+    requests are aborted, their sessions closed or, durable, detached), and the engine
+    answers with its `EngineReady` again (a restarted frontend needs it)."""
+
+    boot: str  # the frontend process's own random id, for the log
+
+
 ToEngine = Union[
     EngineGenerate,
     EngineAbort,
@@ -183,6 +191,7 @@ ToEngine = Union[
     EnginePin,
     EngineCommand,
     ClientGone,
+    FrontendHello,
     Shutdown,
 ]
 
@@ -238,9 +247,20 @@ class EngineReady(_Internal, tag="ready"):
     model_dir: str = ""
     vocab_size: int = 0
     state: str = ""  # the state folder's fingerprint ("" without state): Welcome.state
+    # This engine process's random id: an `EngineReady` with another one while serving
+    # means the engine restarted (the requests it was running are lost).
+    boot: str = ""
 
 
-ToFrontend = Union[StepOutputs, ToClient, EngineReady]
+class EngineBoot(_Internal, tag="boot"):
+    """Sent by an engine process as it starts, before it loads anything: a frontend that
+    sees a boot id other than its engine's knows that engine died, and fails what it was
+    running at once (what is sent from then on waits for the new engine)."""
+
+    boot: str
+
+
+ToFrontend = Union[StepOutputs, ToClient, EngineReady, EngineBoot]
 
 _encoder = msgspec.msgpack.Encoder()
 to_engine_decoder = msgspec.msgpack.Decoder(ToEngine)

@@ -18,6 +18,7 @@ writes to (the engine binds ``endpoints.to_engine``, the frontend ``endpoints.to
 from __future__ import annotations
 
 import logging
+import secrets
 import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +28,12 @@ from typing import Any
 
 import zmq
 from radixlm.runtime.config import Endpoints, EngineConfig
-from radixlm.runtime.engine.wire import EngineReady, to_frontend_decoder
+from radixlm.runtime.engine.wire import (
+    EngineBoot,
+    EngineReady,
+    FrontendHello,
+    to_frontend_decoder,
+)
 from radixlm.runtime.frontend.identities import unpredictable_routing_ids
 from radixlm.runtime.frontend.prepare import TextModel
 from radixlm.runtime.frontend.server import Frontend, welcome_from
@@ -61,7 +67,8 @@ def wait_for_engine(sock: zmq.Socket[Any]) -> EngineReady:
         msg = channel.recv(sock, to_frontend_decoder)
         if isinstance(msg, EngineReady):
             return msg
-        log.warning("ignoring %s before EngineReady", type(msg).__name__)
+        if not isinstance(msg, EngineBoot):  # (the engine announcing itself: expected)
+            log.warning("ignoring %s before EngineReady", type(msg).__name__)
 
 
 def load_text_model(config: EngineConfig, ready: EngineReady) -> TextModel:
@@ -124,6 +131,9 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
         from_engine = open_socket(ctx, zmq.PULL, endpoints.to_frontend, bind=True)
         to_engine = open_socket(ctx, zmq.PUSH, endpoints.to_engine, bind=False)
         sockets += [from_engine, to_engine]
+        # A restarted frontend: the engine forgets the old one's clients and says it is
+        # ready again (a first start gets that EngineReady twice: the same boot).
+        channel.send(to_engine, FrontendHello(boot=secrets.token_hex(8)))
         ready = wait_for_engine(from_engine)
         model = load_text_model(config, ready)
         welcome = welcome_from(ready, server_version(), config.max_message_bytes,
@@ -136,7 +146,7 @@ def run_frontend(config: EngineConfig, endpoints: Endpoints) -> None:
                             engine_timeout_s=config.engine_timeout_s,
                             multi_tenant=bool(config.auth_dir),
                             max_inflight=config.max_inflight_per_client,
-                            max_priority=config.max_priority)
+                            max_priority=config.max_priority, engine_boot=ready.boot)
         bound = channel.bound_endpoint(clients)
         if endpoints.runtime_dir:
             write_ready(Path(endpoints.runtime_dir), bound, welcome)

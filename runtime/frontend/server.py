@@ -49,6 +49,7 @@ from radixlm.runtime import protocol as wire
 from radixlm.runtime.engine.wire import (
     ClientGone,
     EngineAbort,
+    EngineBoot,
     EngineCommand,
     EngineReady,
     to_frontend_decoder,
@@ -110,8 +111,9 @@ class Frontend:
                  to_engine: zmq.Socket[Any], executor: Executor,
                  engine_timeout_s: float = 60.0, multi_tenant: bool = False,
                  max_inflight: int = 0, max_priority: int | None = None,
-                 gateway_token: str | None = None) -> None:
+                 gateway_token: str | None = None, engine_boot: str = "") -> None:
         self.model = model
+        self._engine_boot = engine_boot  # the engine process serving now (EngineReady.boot)
         self._gateway_token = gateway_token  # trusted gateways declare tenants with it
         self._multi_tenant = multi_tenant  # clients authenticate: each key is a tenant
         self._watch = EngineWatch(engine_timeout_s, time.monotonic())
@@ -207,7 +209,22 @@ class Frontend:
         if self._watch.on_message(time.monotonic()) is Change.UP:
             log.warning("the engine answers again")
         for msg in channel.drain(self._from_engine, to_frontend_decoder, BATCH, log):
-            self.replies.on_message(msg)
+            if isinstance(msg, (EngineReady, EngineBoot)):
+                self._engine_boot_seen(msg.boot)
+            else:
+                self.replies.on_message(msg)
+
+    def _engine_boot_seen(self, boot: str) -> None:
+        """An engine process's boot id: ours (its EngineReady again, answering our hello),
+        or a new engine's (it announces itself as it starts, before loading): the old one
+        died, and what it was running is lost. What is sent from now on waits for the
+        new one."""
+        if boot == self._engine_boot:
+            return
+        self._engine_boot = boot
+        failed = self._fail_all("the engine restarted: the requests it was running are lost "
+                                "(durable sessions are kept: resume them)")
+        log.warning("the engine restarted (%s): %d request(s) failed", boot, failed)
 
     def _drain_clients(self) -> None:
         for _ in range(BATCH):

@@ -1,60 +1,111 @@
-"""The HTTP frontend's configuration: one frozen object built from its flags, plus the
+"""The HTTP frontend's settings, each declared once (`radixlm.runtime.settings`): one
+frozen `HttpConfig`, whose flags `radixlm serve` and ``python -m radixlm.runtime.http``
+generate from it; `HttpSpec`, what `radixlm serve` starts its HTTP process with; and the
 bind-address rule (a non-loopback address needs an API key unless told otherwise)."""
 
 from __future__ import annotations
 
 import ipaddress
 import socket
-from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar
 
-DEFAULT_RESPONSE_TTL_S = 3600.0
+import msgspec
+from radixlm.runtime.config import DRAIN_TIMEOUT_S
+from radixlm.runtime.settings import Declaration, LogLevel, Settings, setting
+
+HTTP = "HTTP (OpenAI-compatible API)"  # its --help section
 # The frontend's heartbeat unanswered this long: the engine's requests fail with 503.
 DEFAULT_LINK_TIMEOUT_S = 15.0
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-DEFAULT_MAX_TOKENS = None  # what is left of the context, as vLLM
-API_KEY_ENV = "RADIXLM_API_KEY"  # how `radixlm serve` hands the keys (one a line) to the HTTP process
-DEFAULT_HEALTH_TIMEOUT_S = 5.0
-# Bounds of one request, checked before anything is rendered or sent to the engine.
-DEFAULT_MAX_HEADER_BYTES = 64 * 1024  # the request line and every header, together
-DEFAULT_MAX_HEADERS = 100
-DEFAULT_MAX_MESSAGES = 2048  # chat messages, Responses input items, conversation items
-DEFAULT_MAX_TOOLS = 128  # OpenAI's own limit
-DEFAULT_MAX_PARTS = 4096  # content parts and tool calls, over all messages
+API_KEY_ENV = "RADIXLM_API_KEY"  # the keys (one a line), read where the flags are parsed
 
 
 class HttpConfigError(ValueError):
     """A flag value the HTTP frontend cannot start with (the message says which)."""
 
 
-@dataclass(frozen=True)
-class HttpConfig:
+def _http(help: str, *flags: str, **options: Any) -> Declaration:  # noqa: A002
+    """A setting the HTTP process reads, in the HTTP section of --help."""
+    return setting(help, *flags, read_by="http", group=HTTP, **options)
+
+
+class HttpConfig(Settings, frozen=True):
+    """Everything the HTTP process is told (`engine_endpoint` first: the one without a
+    default); every value is checked as it is built."""
+
+    error: ClassVar[type[ValueError]] = HttpConfigError
+
     engine_endpoint: str  # the engine's protocol endpoint (ipc:// or tcp://)
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: Annotated[str, _http(
+        "address of the HTTP API; a non-loopback one needs --api-key", "--host")] = "127.0.0.1"
+    port: Annotated[int, _http(
+        "port of the HTTP API; 0 = a free one", "--port", ge=0, le=65535)] = 8000  # vLLM's
     api_keys: tuple[str, ...] = ()  # each key a tenant; none: no key asked, one tenant
-    insecure: bool = False  # allow a non-loopback bind without an API key
-    metrics_require_key: bool = False  # /metrics asks for a key (always beyond loopback)
-    response_ttl_s: float = DEFAULT_RESPONSE_TTL_S
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    default_max_tokens: int | None = DEFAULT_MAX_TOKENS
-    served_model_name: str | None = None  # None: the engine's model name
-    connect_timeout_s: float = 60.0
-    health_timeout_s: float = DEFAULT_HEALTH_TIMEOUT_S  # /health: 503 if the engine is slower
-    gateway_token_file: str | None = None  # the frontend's gateway credential (tenants)
-    server_key: str | None = None  # an --auth-dir server: its server.key ...
-    client_key: str | None = None  # ... and the runtime directory's gateway.key_secret
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # 431 beyond, before any route runs
-    max_headers: int = DEFAULT_MAX_HEADERS
-    max_messages: int = DEFAULT_MAX_MESSAGES  # 400 beyond, before rendering
-    max_tools: int = DEFAULT_MAX_TOOLS
-    max_parts: int = DEFAULT_MAX_PARTS
-    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests may finish for this long
-    link_timeout_s: float = DEFAULT_LINK_TIMEOUT_S  # the frontend silent this long: 503
+    metrics_require_key: Annotated[bool, _http(
+        "/metrics asks for an API key on loopback too (beyond loopback it always does when "
+        "keys are set)", "--metrics-require-key")] = False
+    insecure: Annotated[bool, _http(
+        "allow a non-loopback --http address without an API key", "--insecure")] = False
+    response_ttl_s: Annotated[float, _http(
+        "idle time after which a stored response or chat session expires (its id then "
+        "gets 404)", "--response-ttl", gt=0, metavar="SECONDS")] = 3600.0
+    link_timeout_s: Annotated[float, _http(
+        "fail requests with 503 once the server's frontend has not answered the HTTP API's "
+        "heartbeat for this long", "--link-timeout", gt=0,
+        metavar="SECONDS")] = DEFAULT_LINK_TIMEOUT_S
+    # Bounds of one request, checked before anything is rendered or sent to the engine.
+    max_body_bytes: Annotated[int, _http(
+        "largest request body accepted (413 beyond)", "--max-body-bytes", gt=0)] = 4 * 2**20
+    max_header_bytes: Annotated[int, _http(
+        "largest request head (request line and headers) accepted; 431 beyond, before the "
+        "API key is looked at", "--max-header-bytes", gt=0)] = 64 * 1024
+    max_headers: Annotated[int, _http(
+        "most headers in one request (431 beyond)", "--max-headers", gt=0)] = 100
+    max_messages: Annotated[int, _http(
+        "most messages (or input items) in one request", "--max-messages", gt=0)] = 2048
+    max_tools: Annotated[int, _http(
+        "most tool definitions in one request", "--max-tools", gt=0)] = 128  # OpenAI's own
+    max_parts: Annotated[int, _http(
+        "most content parts and tool calls in one request, all messages together",
+        "--max-parts", gt=0)] = 4096
+    default_max_tokens: Annotated[int | None, _http(
+        "output limit of requests that name none", "--default-max-tokens", gt=0,
+        default_text="what is left of the context after the prompt")] = None  # as vLLM
+    served_model_name: Annotated[str | None, _http(
+        "the model id of /v1/models and of requests", "--served-model-name",
+        default_text="the engine's")] = None
+    drain_timeout_s: Annotated[float, _http(
+        "on SIGTERM, how long in-flight requests may finish (a second signal stops at once)",
+        "--drain-timeout", ge=0, metavar="SECONDS")] = DRAIN_TIMEOUT_S
+    # Where the engine is and how to reach it for several tenants (radixlm serve gives them).
+    server_key: Annotated[str | None, setting(
+        "with an --auth-dir server: its public certificate (server.key)", "--server-key",
+        metavar="PATH", read_by="http")] = None
+    client_key: Annotated[str | None, setting(
+        "with an --auth-dir server: the gateway's secret certificate (its runtime "
+        "directory's gateway.key_secret)", "--client-key", metavar="PATH", read_by="http")] = None
+    gateway_token_file: Annotated[str | None, setting(
+        "the server's gateway credential (its runtime directory's gateway.token): each API "
+        "key becomes its own tenant", "--gateway-token-file", metavar="PATH", read_by="http")] = None
+    connect_timeout_s: Annotated[float, setting(
+        "how long the first connection to the engine may take", gt=0, read_by="http")] = 60.0
+    health_timeout_s: Annotated[float, setting(
+        "/health answers 503 when the engine is slower than this", gt=0,
+        read_by="http")] = 5.0
 
     @property
     def metrics_public(self) -> bool:
         """/metrics without a key: on loopback, unless asked otherwise (as vLLM, open)."""
         return not self.api_keys or (not self.metrics_require_key and is_loopback(self.host))
+
+
+class HttpSpec(msgspec.Struct, frozen=True):
+    """What `radixlm serve` starts its HTTP process with, on the child's stdin (the API
+    keys in it never show in an argv or an environment)."""
+
+    config: HttpConfig
+    parent_pid: int | None = None  # the process whose exit stops this one
+    log_level: LogLevel = "warning"
+    fd: int | None = None  # the listening socket bound by the parent, inherited
 
 
 def parse_listen(text: str) -> tuple[str, int]:

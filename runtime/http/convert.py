@@ -21,7 +21,14 @@ from radixlm.runtime.http.schemas import (
     SamplingExtras,
     TextFormat,
 )
-from radixlm.runtime.protocol import Message, NamedToolChoice, SamplingParams, Tool, ToolCall
+from radixlm.runtime.protocol import (
+    MAX_N,
+    Message,
+    NamedToolChoice,
+    SamplingParams,
+    Tool,
+    ToolCall,
+)
 
 # A JSON object of any shape: what response_format json_object constrains to.
 ANY_OBJECT_SCHEMA = {"type": "object"}
@@ -147,9 +154,6 @@ def sampling(req: SamplingExtras, *, max_tokens: int | None, stop: list[str], lo
                               top_logprobs=top_logprobs, json_schema=json_schema, **given)
     except (TypeError, msgspec.ValidationError) as e:
         raise ApiError(400, f"invalid sampling options: {e}") from None
-
-
-MAX_N = 64  # the protocol's limit on branches
 
 
 def n_of(value: int | None) -> int:

@@ -1,4 +1,8 @@
-"""``python -m radixlm.runtime.http``: the HTTP frontend process (uvicorn)."""
+"""``python -m radixlm.runtime.http``: the HTTP frontend process (uvicorn).
+
+Users attach it to a running server with flags (``--engine ENDPOINT --http HOST:PORT``);
+`radixlm serve` starts it with ``--spec-stdin`` and writes its typed `HttpSpec` to its
+stdin (launch.py), so its config is never re-serialised as flags."""
 
 from __future__ import annotations
 
@@ -7,100 +11,58 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
+from typing import Any
 
+import msgspec
 from radixlm.runtime.http.config import (
     API_KEY_ENV,
-    DEFAULT_LINK_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_HEADER_BYTES,
-    DEFAULT_MAX_HEADERS,
-    DEFAULT_MAX_MESSAGES,
-    DEFAULT_MAX_PARTS,
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_MAX_TOOLS,
-    DEFAULT_RESPONSE_TTL_S,
+    HTTP,
     HttpConfig,
     HttpConfigError,
+    HttpSpec,
     check_bind,
     parse_listen,
     read_api_keys,
 )
+from radixlm.runtime.settings import LOG_LEVELS, add_settings, config_from_args
 
-DEFAULT_HOST = "127.0.0.1"
-DEFAULT_PORT = 8000  # vLLM's (llama-server's is 8080, SGLang's 30000)
-
-
-def _port(text: str) -> int:
-    if not text.isdigit() or int(text) > 65535:
-        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: pick a free one), got {text!r}")
-    return int(text)
+SPEC_FLAG = "--spec-stdin"  # radixlm serve's own HTTP child: an `HttpSpec` on stdin
+_DEFAULT = HttpConfig(engine_endpoint="")
 
 
-def add_http_arguments(p: argparse.ArgumentParser, *, insecure: bool = True,
-                       serve: bool = False) -> None:
-    """The HTTP flags, shared by `radixlm serve` (`serve`: the API is on by default, at
-    --host/--port, --no-http turns it off) and this module's own command line
-    (`insecure`: also add --insecure, which `radixlm serve` has already)."""
-    g = p.add_argument_group("HTTP (OpenAI-compatible API)")
-    if serve:
-        g.add_argument("--host", default=None,
-                       help=f"address of the HTTP API; a non-loopback one needs --api-key "
-                            f"(default: {DEFAULT_HOST})")
-        g.add_argument("--port", type=_port, default=None,
-                       help=f"port of the HTTP API; 0 = a free one (default: {DEFAULT_PORT})")
+# Settings whose flags only this module's own command line has: radixlm serve gives its
+# child the gateway's credentials itself, and its --drain-timeout is the server's.
+_ATTACHING = ("server_key", "client_key", "gateway_token_file", "drain_timeout_s")
+
+
+def add_http_arguments(p: argparse.ArgumentParser, *, serve: bool = False,
+                       skip: Collection[str] = ()) -> None:
+    """The HTTP flags (generated from `HttpConfig`'s declarations, less `skip`: those the
+    command has already), shared by `radixlm serve` (`serve`: the API is on by default,
+    at --host/--port; --no-http turns it off) and this module's own command line (the
+    API at --http, the engine's credentials as flags)."""
+    g = p.add_argument_group(HTTP)
+    if serve:  # "not given" (None) is what tells the default address from an asked one
+        add_settings(p, HttpConfig, only=("host", "port"), defaults={"host": None, "port": None})
         g.add_argument("--no-http", action="store_true",
                        help="no HTTP API: serve the ZeroMQ protocol only")
         g.add_argument("--http", default=None, metavar="[HOST:]PORT",
                        help="the HTTP API's address in one flag (8000 = 127.0.0.1:8000)")
     else:
+        add_settings(p, HttpConfig, only=_ATTACHING[:3])
         g.add_argument("--http", default=None, metavar="[HOST:]PORT",
                        help="serve the OpenAI-compatible HTTP API here (e.g. 127.0.0.1:8000)")
         g.add_argument("--fd", type=int, default=None, metavar="FD",
                        help="serve this listening socket (bound by the parent) at --http")
-        g.add_argument("--drain-timeout", type=float, default=HttpConfig.drain_timeout_s,
-                       metavar="SECONDS",
-                       help="on SIGTERM, how long in-flight requests may finish (a second "
-                            "signal stops at once) (default: %(default)s)")
+        add_settings(p, HttpConfig, only=_ATTACHING[3:])
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every HTTP route but /health; "
                         "repeat it for several keys, each its own tenant (also read, one a "
                         f"line, from ${API_KEY_ENV})")
     g.add_argument("--api-key-file", default=None, metavar="PATH",
                    help="read API keys from this file, one a line ('#' comments)")
-    g.add_argument("--metrics-require-key", action="store_true",
-                   help="/metrics asks for an API key on loopback too (beyond loopback it "
-                        "always does when keys are set)")
-    if insecure:
-        g.add_argument("--insecure", action="store_true",
-                       help="allow a non-loopback --http address without an API key")
-    g.add_argument("--response-ttl", type=float, default=DEFAULT_RESPONSE_TTL_S,
-                   metavar="SECONDS",
-                   help="idle time after which a stored response or chat session expires "
-                        "(its id then gets 404) (default: %(default)s)")
-    g.add_argument("--link-timeout", type=float, default=DEFAULT_LINK_TIMEOUT_S,
-                   metavar="SECONDS",
-                   help="fail requests with 503 once the server's frontend has not answered "
-                        "the HTTP API's heartbeat for this long (default: %(default)s)")
-    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="largest request body accepted (413 beyond) (default: %(default)s)")
-    g.add_argument("--max-header-bytes", type=int, default=DEFAULT_MAX_HEADER_BYTES,
-                   help="largest request head (request line and headers) accepted; 431 "
-                        "beyond, before the API key is looked at (default: %(default)s)")
-    g.add_argument("--max-headers", type=int, default=DEFAULT_MAX_HEADERS,
-                   help="most headers in one request (431 beyond) (default: %(default)s)")
-    g.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
-                   help="most messages (or input items) in one request (default: %(default)s)")
-    g.add_argument("--max-tools", type=int, default=DEFAULT_MAX_TOOLS,
-                   help="most tool definitions in one request (default: %(default)s)")
-    g.add_argument("--max-parts", type=int, default=DEFAULT_MAX_PARTS,
-                   help="most content parts and tool calls in one request, all messages "
-                        "together (default: %(default)s)")
-    g.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
-                   help="output limit of requests that name none (default: what is left of "
-                        "the context after the prompt)")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model id of /v1/models and of requests (default: the engine's)")
+    add_settings(p, HttpConfig, skip={*skip, "host", "port", *_ATTACHING})
 
 
 def http_listen(args: argparse.Namespace) -> tuple[str, int] | None:
@@ -116,9 +78,9 @@ def http_listen(args: argparse.Namespace) -> tuple[str, int] | None:
         if args.host is not None or args.port is not None:
             raise HttpConfigError("give --http [HOST:]PORT or --host/--port, not both")
         return parse_listen(args.http)
-    host = DEFAULT_HOST if args.host is None else args.host.strip("[]")
+    host = _DEFAULT.host if args.host is None else args.host.strip("[]")
     return ("127.0.0.1" if host == "localhost" else host), (
-        DEFAULT_PORT if args.port is None else args.port)
+        _DEFAULT.port if args.port is None else args.port)
 
 
 def http_asked(args: argparse.Namespace) -> bool:
@@ -127,36 +89,14 @@ def http_asked(args: argparse.Namespace) -> bool:
 
 
 def http_config(args: argparse.Namespace, engine_endpoint: str,
-                listen: tuple[str, int] | None = None) -> HttpConfig:
+                listen: tuple[str, int] | None = None, **fixed: Any) -> HttpConfig:
     """The HttpConfig for parsed flags (raises HttpConfigError for a bad value); `listen`:
-    the address, when not --http's."""
+    the address, when not --http's; `fixed`: values the command decided."""
     host, port = listen if listen is not None else parse_listen(args.http)
     keys = read_api_keys(args.api_key, args.api_key_file, os.environ.get(API_KEY_ENV))
     check_bind(host, keys, args.insecure)
-    if args.link_timeout <= 0:
-        raise HttpConfigError("--link-timeout must be > 0")
-    if args.response_ttl <= 0 or args.max_body_bytes <= 0 or (
-            args.default_max_tokens is not None and args.default_max_tokens <= 0):
-        raise HttpConfigError("--response-ttl, --max-body-bytes and --default-max-tokens must "
-                              "be > 0")
-    bounds = {"--max-header-bytes": args.max_header_bytes, "--max-headers": args.max_headers,
-              "--max-messages": args.max_messages, "--max-tools": args.max_tools,
-              "--max-parts": args.max_parts}
-    if any(v <= 0 for v in bounds.values()):
-        raise HttpConfigError(f"{', '.join(bounds)} must be > 0")
-    return HttpConfig(engine_endpoint=engine_endpoint, host=host, port=port, api_keys=keys,
-                      insecure=args.insecure, metrics_require_key=args.metrics_require_key,
-                      gateway_token_file=getattr(args, "gateway_token_file", None),
-                      server_key=getattr(args, "server_key", None),
-                      client_key=getattr(args, "client_key", None), response_ttl_s=args.response_ttl,
-                      max_body_bytes=args.max_body_bytes,
-                      default_max_tokens=args.default_max_tokens,
-                      max_header_bytes=args.max_header_bytes, max_headers=args.max_headers,
-                      max_messages=args.max_messages, max_tools=args.max_tools,
-                      max_parts=args.max_parts,
-                      drain_timeout_s=getattr(args, "drain_timeout", HttpConfig.drain_timeout_s),
-                      link_timeout_s=args.link_timeout,
-                      served_model_name=args.served_model_name)
+    return config_from_args(args, HttpConfig, engine_endpoint=engine_endpoint, host=host,
+                            port=port, api_keys=keys, **fixed)
 
 
 def serve(config: HttpConfig, log_level: str = "warning", fd: int | None = None) -> None:
@@ -183,6 +123,9 @@ def serve(config: HttpConfig, log_level: str = "warning", fd: int | None = None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == [SPEC_FLAG]:
+        return _serve_spec(sys.stdin.buffer.read())
     parser = argparse.ArgumentParser(
         prog="python -m radixlm.runtime.http", allow_abbrev=False,
         description="The OpenAI-compatible HTTP frontend of a running radixlm server.")
@@ -190,16 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the server's protocol endpoint (ipc://... or tcp://...)")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="stop once this process has exited")
-    parser.add_argument("--log-level", default="warning",
-                        choices=("debug", "info", "warning", "error"))
-    parser.add_argument("--server-key", default=None, metavar="PATH",
-                        help="with an --auth-dir server: its public certificate (server.key)")
-    parser.add_argument("--client-key", default=None, metavar="PATH",
-                        help="with an --auth-dir server: the gateway's secret certificate "
-                             "(its runtime directory's gateway.key_secret)")
-    parser.add_argument("--gateway-token-file", default=None, metavar="PATH",
-                        help="the server's gateway credential (its runtime directory's "
-                             "gateway.token): each API key becomes its own tenant")
+    parser.add_argument("--log-level", default="warning", choices=LOG_LEVELS)
     add_http_arguments(parser)
     args = parser.parse_args(argv)
     if args.http is None:
@@ -214,11 +148,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HttpConfigError as e:
         print(f"radixlm http: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level.upper(),
+    return _run(HttpSpec(config, args.parent_pid, args.log_level, args.fd))
+
+
+def load_http_spec(data: bytes) -> HttpSpec:
+    """The spec `radixlm serve` wrote (launch.py), typed and every setting checked;
+    `HttpConfigError` for one that is not."""
+    try:
+        return msgspec.json.decode(data, type=HttpSpec)
+    except msgspec.ValidationError as e:
+        raise HttpConfigError(f"a bad spec on stdin: {e}") from None
+
+
+def _serve_spec(data: bytes) -> int:
+    try:
+        spec = load_http_spec(data)
+    except HttpConfigError as e:
+        print(f"radixlm http: {e}", file=sys.stderr)
+        return 2
+    return _run(spec)
+
+
+def _run(spec: HttpSpec) -> int:
+    logging.basicConfig(level=spec.log_level.upper(),
                         format="%(asctime)s radixlm-http %(levelname)s %(name)s: %(message)s")
-    if args.parent_pid is not None:
+    if spec.parent_pid is not None:
         from radixlm.runtime.server.child import stop_when_gone
 
-        stop_when_gone(args.parent_pid)
-    serve(config, args.log_level, args.fd)
+        stop_when_gone(spec.parent_pid)
+    serve(spec.config, spec.log_level, spec.fd)
     return 0

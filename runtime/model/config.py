@@ -5,13 +5,16 @@ Supported families (one decoder, no file per family):
 | `model_type` | what differs                                                   |
 |--------------|----------------------------------------------------------------|
 | `llama`      | reference (Llama 2/3, SmolLM2); optional `attention_bias`/`mlp_bias` |
-| `mistral`    | as llama (dense); `sliding_window` is recorded, not applied      |
+| `mistral`    | as llama (dense); every layer on its `sliding_window`           |
 | `qwen2`      | bias on q/k/v (not o)                                           |
 | `qwen3`      | RMSNorm over each q/k head before RoPE; explicit `head_dim`      |
 | `qwen3_moe`, `qwen2_moe`, `mixtral` | attention as qwen3 / qwen2 / mistral; mixture-of-experts MLPs (`moe`, moe_config.py) |
+| `gemma2`     | `Variations` (variants.py): GeGLU, (1 + w) norms, sandwich norms, soft-caps, alternating sliding layers |
+| `gemma3_text`| as gemma2 without the attention soft-cap, with q/k norms and a local RoPE base for sliding layers (`local_rope`); `gemma3` (multimodal) checkpoints run as their text decoder |
+| `phi3`       | fused qkv/gate_up in the checkpoint; longrope ("su") scaling; partial rotary (Phi-4-mini) |
 
 RoPE parameters are read from either spelling transformers has used: `rope_theta` +
-`rope_scaling` (4.x) or `rope_parameters` (5.x).
+`rope_scaling` (4.x) or `rope_parameters` (5.x), flat or per layer type (Gemma 3).
 """
 
 from __future__ import annotations
@@ -22,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from .moe_config import MOE_MODEL_TYPES, MoeConfig, moe_from_hf
+from .variants import Variations, hidden_act, sliding_window_of, text_config, variations_from_hf
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES,
+                         "gemma2", "gemma3_text", "gemma3", "phi3")  # fmt: skip
 # Mixture-of-experts families: their attention is that of a dense family's.
 _ATTENTION_OF = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen2", "mixtral": "mistral"}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "su")
 
 
 class UnsupportedModelError(ValueError):
@@ -47,8 +52,12 @@ class RopeConfig:
     # yarn
     beta_fast: float = 32.0
     beta_slow: float = 1.0
-    attention_factor: float | None = None
+    attention_factor: float | None = None  # yarn, longrope
     truncate: bool = True
+    # longrope ("su", Phi-3): per-frequency divisors, short below the original context
+    long_factor: tuple[float, ...] | None = None
+    short_factor: tuple[float, ...] | None = None
+    partial_rotary_factor: float = 1.0  # the share of each head's dims RoPE rotates
 
 
 @dataclass(frozen=True)
@@ -76,6 +85,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = ""
+    # Gemma 3: the RoPE of the sliding-window layers (None: `rope` for every layer)
+    local_rope: RopeConfig | None = None
+    variations: Variations = field(default_factory=Variations)
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -85,6 +97,17 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends within (None: the whole context)."""
+        sliding = self.variations.sliding_layers
+        return self.sliding_window if sliding and sliding[layer] else None
+
+    def layer_rope(self, layer: int) -> RopeConfig:
+        """The RoPE of layer `layer` (Gemma 3's sliding layers have their own base)."""
+        if self.local_rope is not None and self.layer_window(layer) is not None:
+            return self.local_rope
+        return self.rope
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -102,10 +125,13 @@ class ModelConfig:
                 f"model_type {model_type!r} is not supported; radixlm runs "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
             )
+        cfg = text_config(cfg)
+        model_type = cfg["model_type"]
         family = _ATTENTION_OF.get(model_type, model_type)
-        act = cfg.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise UnsupportedModelError(f"hidden_act {act!r} is not supported (only silu)")
+        try:
+            hidden_act(cfg)
+        except ValueError as e:
+            raise UnsupportedModelError(str(e)) from None
         hidden = int(cfg["hidden_size"])
         num_heads = int(cfg["num_attention_heads"])
         num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
@@ -122,11 +148,13 @@ class ModelConfig:
             bias = bool(cfg.get("attention_bias", False))
             qkv_bias, o_bias = bias, bias
 
-        sliding = None
-        if family == "mistral" or (
-            family in ("qwen2", "qwen3") and cfg.get("use_sliding_window")
-        ):
-            sliding = cfg.get("sliding_window")
+        sliding = sliding_window_of(cfg, family)
+        num_layers = int(cfg["num_hidden_layers"])
+        try:
+            variations = variations_from_hf(cfg, family, num_layers, sliding)
+        except ValueError as e:
+            raise UnsupportedModelError(str(e)) from None
+        rope, local_rope = _ropes_from_hf(cfg, max_pos, int(head_dim), model_type)
 
         eos = cfg.get("eos_token_id")
         eos_ids: tuple[int, ...] = ()
@@ -136,8 +164,7 @@ class ModelConfig:
             eos_ids = tuple(int(e) for e in eos)
 
         archs = cfg.get("architectures") or []
-        tie = cfg.get("tie_word_embeddings", False)  # every supported family defaults to untied
-        num_layers = int(cfg["num_hidden_layers"])
+        tie = cfg.get("tie_word_embeddings", False)  # Gemma's default (True) is in text_config
         try:
             moe = moe_from_hf(cfg, model_type, num_layers)
         except (KeyError, TypeError, ValueError) as e:
@@ -152,27 +179,49 @@ class ModelConfig:
             num_kv_heads=num_kv_heads,
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(cfg, max_pos),
+            rope=rope,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(tie),
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=family == "qwen3",
-            sliding_window=int(sliding) if sliding else None,
+            qk_norm=family in ("qwen3", "gemma3_text"),
+            sliding_window=sliding,
             moe=moe,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             architecture=archs[0] if archs else "",
             hf_config=dict(cfg),
+            local_rope=local_rope,
+            variations=variations,
         )
 
 
-def _rope_from_hf(cfg: dict[str, Any], max_pos: int) -> RopeConfig:
+def _ropes_from_hf(cfg: dict[str, Any], max_pos: int, head_dim: int,
+                   model_type: str) -> tuple[RopeConfig, RopeConfig | None]:  # fmt: skip
+    """`(rope, local_rope)`: the global RoPE and, for Gemma 3, its sliding layers' own."""
+    params = cfg.get("rope_parameters") or {}
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type
+        unknown = set(params) - {"full_attention", "sliding_attention"}
+        if unknown or "full_attention" not in params:
+            raise UnsupportedModelError(f"per-layer-type rope_parameters {sorted(params)} "
+                                        "are not supported")  # fmt: skip
+        rope = _rope_from_hf({**cfg, "rope_parameters": params["full_attention"]}, max_pos, head_dim)
+        local = params.get("sliding_attention")
+        if local is None or model_type != "gemma3_text":
+            return rope, None
+        return rope, _rope_from_hf({**cfg, "rope_parameters": local, "rope_scaling": None},
+                                   max_pos, head_dim)  # fmt: skip
+    rope = _rope_from_hf(cfg, max_pos, head_dim)
+    if model_type != "gemma3_text":
+        return rope, None
+    base = float(cfg.get("rope_local_base_freq") or 10000.0)
+    return rope, RopeConfig(theta=base)
+
+
+def _rope_from_hf(cfg: dict[str, Any], max_pos: int, head_dim: int) -> RopeConfig:
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling") or {}
-    if params and all(isinstance(v, dict) for v in params.values()):
-        raise UnsupportedModelError("per-layer-type rope_parameters are not supported")
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
@@ -180,16 +229,26 @@ def _rope_from_hf(cfg: dict[str, Any], max_pos: int) -> RopeConfig:
         raise UnsupportedModelError(
             f"rope type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})"
         )
-    if merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UnsupportedModelError("partial_rotary_factor != 1 is not supported")
+    partial = float(merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if not 0 < partial <= 1 or int(head_dim * partial) % 2:
+        raise UnsupportedModelError(f"partial_rotary_factor {partial} does not rotate an even "
+                                    f"number of head_dim={head_dim}'s dims")  # fmt: skip
     orig = merged.get(
         "original_max_position_embeddings", cfg.get("original_max_position_embeddings")
     )
+    if rope_type in ("longrope", "su"):
+        # Phi-3's rule (as transformers): the top-level value wins over the rope dict's.
+        rope_type = "longrope"
+        orig = cfg.get("original_max_position_embeddings") or orig or max_pos
     if rope_type in ("llama3", "yarn") and orig is None:
         orig = max_pos
     factor = merged.get("factor")
     if factor is None:
-        factor = max_pos / orig if (rope_type == "yarn" and orig) else 1.0
+        scaled = rope_type in ("yarn", "longrope") and orig
+        factor = max_pos / orig if scaled else 1.0
+    long_factor = short_factor = None
+    if rope_type == "longrope":
+        long_factor, short_factor = _longrope_factors(merged, int(head_dim * partial))
     return RopeConfig(
         theta=float(theta),
         type=rope_type,
@@ -205,4 +264,20 @@ def _rope_from_hf(cfg: dict[str, Any], max_pos: int) -> RopeConfig:
             else None
         ),
         truncate=bool(merged.get("truncate", True)),
+        long_factor=long_factor,
+        short_factor=short_factor,
+        partial_rotary_factor=partial,
     )
+
+
+def _longrope_factors(merged: dict[str, Any], rotary_dim: int
+                      ) -> tuple[tuple[float, ...], tuple[float, ...]]:  # fmt: skip
+    long_f, short_f = merged.get("long_factor"), merged.get("short_factor")
+    if not long_f or not short_f:
+        raise UnsupportedModelError("longrope scaling needs long_factor and short_factor")
+    if len(long_f) != rotary_dim // 2 or len(short_f) != rotary_dim // 2:
+        raise UnsupportedModelError(
+            f"longrope factors have {len(long_f)} and {len(short_f)} entries; the rotary "
+            f"dims ({rotary_dim}) need {rotary_dim // 2}"
+        )
+    return tuple(float(f) for f in long_f), tuple(float(f) for f in short_f)

@@ -1,4 +1,5 @@
-"""The one decoder: Llama family, Qwen2 and Qwen3 from the same code, driven by `ModelConfig`.
+"""The one decoder: Llama family, Qwen2/3, Gemma 2/3 and Phi-3 from the same code, driven
+by `ModelConfig` (its `Variations` name what a family does differently: variants.py).
 
 Weights are held fused and pre-transposed where that saves ops: one QKV matmul, one
 gate+up matmul, residual adds folded into `addmm`, and RoPE applied to all q and k heads
@@ -7,6 +8,11 @@ fused the same way (rows stacked) and multiply through the quantized kernel, res
 accumulated in place. The per-layer path has no per-request Python loops (those live in the attention
 backend's `plan`, once per forward). A mixture-of-experts layer (`config.moe`) holds an
 `ExpertMlp` (moe.py) in place of the dense MLP's matrices.
+
+Gemma's sandwich norms normalise the attention and MLP outputs before the residual add, so
+those products are not folded into the residual (`_proj`); its (1 + w) norms are stored
+with the 1 added. Fused checkpoint projections (Phi-3's qkv_proj, gate_up_proj) are taken
+as the fused matrices they already are.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from .config import ModelConfig
 from .moe import ExpertMlp, load_experts, weight_nbytes
 from .quant import QuantWeight
 from .rope import Rotary
+from .weights import text_decoder_tensors
 
 Weight = torch.Tensor | QuantWeight  # a dense (transposed) matrix or packed blocks
 
@@ -28,6 +35,7 @@ class DecoderLayer:
     __slots__ = (
         "in_norm", "w_qkv_t", "b_qkv", "qk_norm", "w_o_t", "b_o",
         "post_norm", "w_gu_t", "b_gu", "w_down_t", "b_down", "moe",
+        "attn_out_norm", "mlp_out_norm",  # sandwich norms (Gemma), else None
     )  # fmt: skip
 
     def __init__(self, **tensors: torch.Tensor | ExpertMlp | None):
@@ -83,7 +91,9 @@ class DecoderModel:
         self.device = torch.device(device)
         self.dtype = dtype
         c = config
+        v = c.variations
         self._used: set[str] = set()
+        state = text_decoder_tensors(state)
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = state.get(name)
@@ -118,46 +128,65 @@ class DecoderModel:
         dense_tied = head is self.embed and not isinstance(head, QuantWeight)
         self.lm_head_rows = head if self.device.type == "cpu" and dense_tied else None
         del head
-        self.norm = put(take("model.norm.weight"))
+        def norm(name: str, required: bool = True) -> torch.Tensor | None:
+            t = take(name, required)  # Gemma's (1 + w): the 1 added once, in float32
+            return t if t is None or not v.norm_offset else t.float() + v.norm_offset
+
+        def fused(prefix: str, parts: list[str], fused_name: str, rows: int) -> Weight:
+            """`[part; part; ...]` rows, from the parts or from a checkpoint's fused matrix."""
+            if prefix + fused_name + ".weight" not in state:
+                return _cat_rows([take(prefix + f"{x}.weight") for x in parts])
+            w = take(prefix + fused_name + ".weight")
+            if w.shape[0] != rows:
+                raise ValueError(f"{prefix}{fused_name}.weight has {w.shape[0]} rows, the config "
+                                 f"needs {rows} (tensor parallelism does not split fused "
+                                 "projections)")  # fmt: skip
+            return w
+
+        self.norm = put(norm("model.norm.weight"))
         self.layers: list[DecoderLayer] = []
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             m = p + "mlp."
-            w_qkv = _cat_rows([take(a + f"{x}_proj.weight") for x in "qkv"])
+            w_qkv = fused(a, ["q_proj", "k_proj", "v_proj"], "qkv_proj", c.q_size + 2 * c.kv_size)
             b_qkv = None
             if c.qkv_bias:
                 b_qkv = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"], 0)
             qk_norm = None
             if c.qk_norm:
-                qn = take(a + "q_norm.weight").reshape(1, c.head_dim)
-                kn = take(a + "k_norm.weight").reshape(1, c.head_dim)
+                qn = norm(a + "q_norm.weight").reshape(1, c.head_dim)
+                kn = norm(a + "k_norm.weight").reshape(1, c.head_dim)
                 qk_norm = torch.cat([qn.expand(c.num_heads, -1), kn.expand(c.num_kv_heads, -1)], 0)
             moe = w_gu = w_down = b_gu = b_down = None
             if c.moe is not None and c.moe.sparse_layers[i]:  # mixture of experts (moe.py)
                 moe = load_experts(c.moe, c.model_type, i, take,
                                    lambda w: transposed(put(w), self.device), _cat_rows)  # fmt: skip
             else:
-                w_gu = _cat_rows([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+                w_gu = fused(m, ["gate_proj", "up_proj"], "gate_up_proj", 2 * c.intermediate_size)
                 if c.mlp_bias:
                     b_gu = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")], 0)
                     b_down = take(m + "down_proj.bias")
                 w_down = put(take(m + "down_proj.weight"))
             w_o = put(take(a + "o_proj.weight"))
+            sandwich = v.sandwich_norms
             self.layers.append(
                 DecoderLayer(
-                    in_norm=put(take(p + "input_layernorm.weight")),
+                    in_norm=put(norm(p + "input_layernorm.weight")),
                     w_qkv_t=transposed(put(w_qkv), self.device),
                     b_qkv=put(b_qkv),
                     qk_norm=put(qk_norm),
                     w_o_t=transposed(w_o, self.device),
                     b_o=put(take(a + "o_proj.bias")) if c.o_bias else None,
-                    post_norm=put(take(p + "post_attention_layernorm.weight")),
+                    post_norm=put(norm(p + ("pre_feedforward_layernorm.weight" if sandwich
+                                            else "post_attention_layernorm.weight"))),  # fmt: skip
                     w_gu_t=transposed(put(w_gu), self.device) if w_gu is not None else None,
                     b_gu=put(b_gu),
                     w_down_t=transposed(w_down, self.device) if w_down is not None else None,
                     b_down=put(b_down),
                     moe=moe,
+                    attn_out_norm=put(norm(p + "post_attention_layernorm.weight")) if sandwich else None,
+                    mlp_out_norm=put(norm(p + "post_feedforward_layernorm.weight")) if sandwich else None,
                 )
             )
         unused = sorted(
@@ -166,6 +195,11 @@ class DecoderModel:
         if unused:
             raise KeyError(f"checkpoint has tensors this decoder does not use: {unused[:8]}")
         self.rotary = Rotary(c.rope, c.head_dim, self.device, dtype)
+        # Gemma 3's sliding layers rotate with their own base: one Rotary per RoPE config.
+        self.local_rotary = None
+        if c.local_rope is not None:
+            self.local_rotary = Rotary(c.local_rope, c.head_dim, self.device, dtype)
+        self.embed_scale = v.embed_scale
         # `x + a @ w_t` of o_proj and down_proj; tensor parallelism puts in its place one
         # that sums the ranks' partial products (radixlm.runtime.distributed.linear).
         self.add_out_proj: Callable[[torch.Tensor, torch.Tensor, Weight], torch.Tensor] = _add_mm
@@ -211,24 +245,55 @@ class DecoderModel:
         """Final norm + LM head over `[L, hidden]` rows → float32 `[L, vocab]`."""
         x = F.rms_norm(hidden, (self.config.hidden_size,), self.norm, self.config.rms_norm_eps)
         if self.lm_head_rows is not None and x.shape[0] >= _HEAD_ROWS_MIN:
-            return _mm_by_row_blocks(x, self.lm_head_rows).float()
-        return _mm(x, self.lm_head_t, None).float()
+            logits = _mm_by_row_blocks(x, self.lm_head_rows).float()
+        else:
+            logits = _mm(x, self.lm_head_t, None).float()
+        cap = self.config.variations.final_softcap
+        if cap is not None:  # Gemma 2: cap * tanh(logits / cap)
+            logits = torch.tanh(logits.div_(cap)).mul_(cap)
+        return logits
+
+    def rotary_for(self, layer: int) -> Rotary:
+        """The `Rotary` layer `layer` rotates its q and k with."""
+        if self.local_rotary is not None and self.config.layer_window(layer) is not None:
+            return self.local_rotary
+        return self.rotary
 
     def forward_hidden(self, batch, attn) -> torch.Tensor:
         """The last layer's hidden states of the `batch.logits_indices` rows (pre final norm)."""
         x = self.embed_tokens(batch.input_ids)
-        cos, sin = self.rotary.cos_sin(batch.positions)
+        tables = {id(r): r.cos_sin(batch.positions) for r in (self.rotary, self.local_rotary) if r}
         for i in range(len(self.layers)):
+            cos, sin = tables[id(self.rotary_for(i))]
             x = self.layer_forward(i, x, cos, sin, attn)
         if batch.logits_indices.shape[0] != x.shape[0]:
             x = x.index_select(0, batch.logits_indices)
         return x
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """`[T, hidden]` input embeddings."""
+        """`[T, hidden]` input embeddings (Gemma: times sqrt(hidden), in their dtype)."""
         if isinstance(self.embed, QuantWeight):
-            return self.embed.dequantize(input_ids)
-        return F.embedding(input_ids, self.embed)
+            x = self.embed.dequantize(input_ids)
+        else:
+            x = F.embedding(input_ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def fused_step_blockers(self) -> list[str]:
+        """What keeps the fused C decode step (fused_decode.py) from running this model,
+        which then takes the per-op path (its quantized products included). Sliding
+        windows are checked per batch (`FusedDecode.applies`)."""
+        c, v = self.config, self.config.variations
+        out = [name for name, on in (
+            ("q/k norms", c.qk_norm), ("sandwich norms", v.sandwich_norms),
+            ("a GeGLU MLP", v.mlp_act != "silu"), ("scaled embeddings", v.embed_scale),
+            ("attention soft-capping", v.attn_softcap), ("logit soft-capping", v.final_softcap),
+            ("a local RoPE base", self.local_rotary), ("partial rotary", self.rotary.partial),
+            ("query_pre_attn_scalar", v.query_scale is not None
+             and v.query_scale != c.head_dim**-0.5),
+        ) if on]  # fmt: skip
+        return out
 
     def layer_forward(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       attn, layer: DecoderLayer | None = None) -> torch.Tensor:
@@ -248,20 +313,41 @@ class DecoderModel:
         qk = qkv[:, :hq]
         if layer.qk_norm is not None:
             qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
-        qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)
+        if self.rotary.partial:
+            qk = self.rotary.apply(qk, cos, sin)
+        else:
+            qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)
         o = attn.forward(i, qk[:, :H], qk[:, H:], qkv[:, hq:])
-        x = self.add_out_proj(x, o, layer.w_o_t)
-        if layer.b_o is not None:
-            x = x + layer.b_o
+        if layer.attn_out_norm is not None:
+            x = x + F.rms_norm(self._proj(o, layer.w_o_t, layer.b_o), hidden, layer.attn_out_norm, eps)
+        else:
+            x = self.add_out_proj(x, o, layer.w_o_t)
+            if layer.b_o is not None:
+                x = x + layer.b_o
         h = F.rms_norm(x, hidden, layer.post_norm, eps)
         if layer.moe is not None:
             return self.add_experts(x, h, layer.moe)
         gu = _mm(h, layer.w_gu_t, layer.b_gu)
-        act = F.silu(gu[:, :inter]) * gu[:, inter:]
+        if self.config.variations.mlp_act == "silu":
+            act = F.silu(gu[:, :inter]) * gu[:, inter:]
+        else:
+            act = F.gelu(gu[:, :inter], approximate="tanh") * gu[:, inter:]
+        if layer.mlp_out_norm is not None:
+            y = self._proj(act, layer.w_down_t, layer.b_down)
+            return x + F.rms_norm(y, hidden, layer.mlp_out_norm, eps)
         x = self.add_out_proj(x, act, layer.w_down_t)
         if layer.b_down is not None:
             x = x + layer.b_down
         return x
+
+    def _proj(self, a: torch.Tensor, w_t: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """`a @ w_t (+ bias)` of o_proj / down_proj where the residual add must wait for a
+        norm (sandwich norms); under tensor parallelism, the ranks' sum (`add_out_proj`
+        onto zeros)."""
+        if self.add_out_proj is _add_mm:
+            return _mm(a, w_t, bias)
+        y = self.add_out_proj(a.new_zeros(a.shape[0], self.config.hidden_size), a, w_t)
+        return y if bias is None else y + bias
 
 
 # Rows from which `compute_logits` uses `lm_head_rows`. CPU, 1 thread, SmolLM2's 576 x

@@ -8,7 +8,9 @@ matrix products split across threads, K/V of the new tokens written straight int
 pool (float32, float16 or bfloat16 elements), attention over each request's slots. One
 request takes `decode_layers`; 2 to MAX_ROWS decode rows `decode_rows` (the products take
 all rows per pass over the weights). Everything else (prefill, dense weights) takes the
-ordinary per-op path. The embedding rows stay in Python; so do the final norm and LM head,
+ordinary per-op path, as does any model the step does not implement
+(`DecoderModel.fused_step_blockers`: Gemma's norms, soft-caps, GeGLU, local RoPE; partial
+rotary) and any batch with a sequence past a sliding window. The embedding rows stay in Python; so do the final norm and LM head,
 except for one request with a quantized head, whose step ends with them in the same call
 (`logits`: no second parallel region, no per-op norm).
 """
@@ -61,6 +63,9 @@ class FusedDecode:
                      c.intermediate_size)  # fmt: skip
         self.eps = ctypes.c_float(c.rms_norm_eps)
         self.work = torch.empty(0)
+        # The step attends to whole sequences: a batch longer than a layer's window is not its.
+        windows = [w for w in (c.layer_window(i) for i in range(c.num_layers)) if w is not None]
+        self.longest = min(windows) if windows else None
         head = model.lm_head_t
         self.head = None  # {final norm, head tiles, qtype, vocab} for decode_layers
         if isinstance(head, QuantWeight) and model.norm.dtype == torch.float32 and model.norm.is_contiguous():
@@ -71,7 +76,7 @@ class FusedDecode:
     def supported(model: DecoderModel, pool) -> bool:
         """Quantized layer matrices, no q/k norms, a CPU pool of contiguous layers in float32,
         float16 or bfloat16, head_dim a multiple of 8."""
-        if model.device.type != "cpu" or model.dtype != torch.float32:
+        if model.device.type != "cpu" or model.dtype != torch.float32 or model.fused_step_blockers():
             return False
         for layer in model.layers:
             if layer.moe is not None:  # experts run per op (moe.py), not in the fused step
@@ -86,10 +91,12 @@ class FusedDecode:
             for t in (*pool.k, *pool.v)
         )  # fmt: skip
 
-    @staticmethod
-    def applies(batch) -> bool:
-        """Decode rows only (one new token per request), at most MAX_ROWS of them."""
+    def applies(self, batch) -> bool:
+        """Decode rows only (one new token per request), at most MAX_ROWS of them, none
+        longer than a sliding window."""
         n = batch.input_ids.shape[0]
+        if self.longest is not None and max(batch.seq_lens) > self.longest:
+            return False
         return n <= MAX_ROWS and len(batch.extend_lens) == n
 
     def logits(self, batch) -> torch.Tensor:

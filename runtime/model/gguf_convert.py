@@ -15,8 +15,11 @@ The cache key carries `CONVERTER_VERSION`, so directories written by an older co
 Architectures: llama (Llama/Mistral/SmolLM2; llama.cpp's Q/K row permutation is undone;
 with experts, Mixtral), qwen2, qwen3, and the mixture-of-experts qwen2moe and qwen3moe:
 the experts' 3-D tensors (`ffn_{gate,up,down}_exps`, one `[rows, cols]` slab per expert)
-become HF's per-expert names (`moe_tensors`). Tokenizer: gpt2-style byte-level BPE, rebuilt from the GGUF's tokens, merges,
-token types and special ids the same way transformers' own GGUF loader does.
+become HF's per-expert names (`moe_tensors`); and gemma2, gemma3, phi3 (their names and
+metadata: gguf_families.py). Tokenizer: gpt2-style byte-level BPE, rebuilt from the GGUF's
+tokens, merges, token types and special ids the same way transformers' own GGUF loader
+does, or a SentencePiece vocabulary (`llama`: Gemma, Phi-3) as llama.cpp tokenizes it
+(gguf_spm.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from . import gguf_families
 from .config import UnsupportedModelError
 from .moe_config import EXPERT_NAMES
 
@@ -49,6 +53,7 @@ _ARCHS = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
     "qwen2moe": ("Qwen2MoeForCausalLM", "qwen2_moe"),
     "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    **gguf_families.ARCHS,
 }
 # HF model types whose GGUF (arch "llama") stores Q/K rows in llama.cpp's permuted order.
 QK_PERMUTED = ("llama", "mixtral")
@@ -96,7 +101,10 @@ _PRE_SPLITS = {
 # ---------------------------------------------------------------------------- metadata
 
 
-def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
+def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str],
+                        rope_factors=lambda name: None) -> dict[str, Any]:  # fmt: skip
+    """The HF config of a GGUF's metadata; `rope_factors(name)` reads a factor tensor's
+    values (Phi-3's longrope factors are tensors, not metadata)."""
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise UnsupportedModelError(
@@ -151,9 +159,10 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
         orig = get("rope.scaling.original_context_length")
         if orig:
             rs["original_max_position_embeddings"] = int(orig)
-        if scaling not in ("linear", "yarn"):
+        if scaling not in ("linear", "yarn", "longrope"):
             raise UnsupportedModelError(f"GGUF rope scaling {scaling!r} is not supported")
-        cfg["rope_scaling"] = rs
+        if scaling != "longrope":  # longrope's factors are tensors (gguf_families)
+            cfg["rope_scaling"] = rs
     if "rope_freqs.weight" in tensor_names:
         log.warning(
             "GGUF carries rope_freqs (llama3-style RoPE scaling) whose parameters it does not "
@@ -163,6 +172,8 @@ def hf_config_from_gguf(meta: dict[str, Any], tensor_names: set[str]) -> dict[st
                       ("padding_token_id", "pad_token_id")):  # fmt: skip
         if f"tokenizer.ggml.{key}" in meta:
             cfg[name] = int(meta[f"tokenizer.ggml.{key}"])
+    if arch in gguf_families.ARCHS:
+        cfg = gguf_families.family_config(arch, get, cfg, rope_factors)
     return cfg
 
 
@@ -203,21 +214,18 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def build_tokenizer(meta: dict[str, Any]):
-    """A `tokenizers.Tokenizer` from GGUF tokenizer metadata (gpt2-style BPE only)."""
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
+    """A `tokenizers.Tokenizer` from GGUF tokenizer metadata (gpt2-style BPE or SentencePiece)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        from .gguf_spm import spm_tokenizer
+
+        return _with_bos(spm_tokenizer(meta), meta)
     if kind != "gpt2":
         raise UnsupportedModelError(
-            f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')"
+            f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', "
+            "SentencePiece 'llama')"
         )
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
@@ -258,9 +266,22 @@ def build_tokenizer(meta: dict[str, Any]):
         tok.add_special_tokens(control)
     if user:
         tok.add_tokens(user)
+    return _with_bos(tok, meta)
+
+
+def _adds_bos(meta: dict[str, Any]) -> bool:
+    """`tokenizer.ggml.add_bos_token`; llama.cpp adds one to SentencePiece vocabularies
+    that do not say."""
+    return bool(meta.get("tokenizer.ggml.add_bos_token", meta.get("tokenizer.ggml.model") == "llama"))
+
+
+def _with_bos(tok, meta: dict[str, Any]):
+    """`tok` with a post-processor that puts the BOS token first, if the file asks."""
+    from tokenizers import processors
+
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
-    if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None:
-        bos = tokens[int(bos_id)]
+    if _adds_bos(meta) and bos_id is not None:
+        bos = meta["tokenizer.ggml.tokens"][int(bos_id)]
         tok.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, int(bos_id))]
         )
@@ -280,7 +301,7 @@ def tokenizer_config_from_gguf(meta: dict[str, Any]) -> dict[str, Any]:
         "eos_token": tok("eos_token_id"),
         "unk_token": tok("unknown_token_id"),
         "pad_token": tok("padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_bos_token": _adds_bos(meta),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": int(meta.get(f"{meta['general.architecture']}.context_length", 2048)),
@@ -315,16 +336,20 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def hf_tensor_name(name: str, model_type: str = "") -> str | None:
-    """The HF name of GGUF tensor `name` (None: not used); `model_type` names a
-    mixture-of-experts family's router and shared expert."""
-    if name in _SKIP:
+def hf_tensor_name(name: str, model_type: str = "", arch: str = "llama") -> str | None:
+    """The HF name of GGUF tensor `name` in a file of architecture `arch` (None: not a
+    weight of the decoder's); `model_type` names a mixture-of-experts family's router
+    and shared expert."""
+    if name in _SKIP or name in gguf_families.SKIP.get(arch, ()):
         return None
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    layer_names = gguf_families.LAYER_NAMES.get(arch, {})
+    if len(parts) == 3 and parts[0] == "blk":
+        hf = layer_names.get(parts[2]) or _LAYER_NAMES.get(parts[2])
+        if hf is not None:
+            return f"model.layers.{parts[1]}.{hf}"
     if len(parts) == 3 and parts[0] == "blk" and model_type in EXPERT_NAMES:
         block = EXPERT_NAMES[model_type][0]
         if parts[2] in _MOE_NAMES:
@@ -364,7 +389,14 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
     f = GGUFFile(gguf_path)
     meta = f.metadata()
     names = {t.name for t in f.tensors}
-    config = hf_config_from_gguf(meta, names)
+    infos = {t.name: t for t in f.tensors}
+
+    def rope_factors(name: str) -> list[float] | None:
+        return f.floats(infos[name]).reshape(-1).tolist() if name in infos else None
+
+    config = hf_config_from_gguf(meta, names, rope_factors)
+    if "token_embd.weight" in infos:  # the rows the model has (Gemma 3's files drop unused ones)
+        config["vocab_size"] = int(infos["token_embd.weight"].shape[0])
     n_params = sum(math.prod(t.shape) for t in f.tensors)
     config["torch_dtype"] = "float32" if n_params <= F32_MAX_PARAMS else "bfloat16"
     build_tokenizer(meta).save(str(out_dir / "tokenizer.json"))

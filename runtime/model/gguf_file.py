@@ -73,6 +73,17 @@ class GGUFFile:
         finally:
             view.release()
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """One metadata value (decoded alone), or `default` when the file lacks the key."""
+        if key not in self._offsets:
+            return default
+        vtype, pos = self._offsets[key]
+        view = memoryview(self._map)
+        try:
+            return _read(view, pos, vtype, build=True)[0]
+        finally:
+            view.release()
+
     def data(self, info: TensorInfo) -> np.ndarray:
         """The tensor's bytes, a read-only uint8 view of the mapping (no copy)."""
         return self._buf[info.offset : info.offset + info.nbytes]

@@ -5,9 +5,10 @@ bytes; the mapping then goes with the last reference to it). The rest (norms, F3
 float32 tensors. `dense_state_dict` dequantizes everything to float32 instead, for dense
 weights (`--dtype float32`) straight from the file, no cached float32 copy needed.
 
-Names and the Llama Q/K row order are mapped exactly as `gguf_convert` maps them:
-llama.cpp's Q/K row permutation moves whole rows, so for packed weights it is undone by
-reordering the row addresses (`QuantWeight.take_rows`), never by moving data. A
+Names and the Llama Q/K row order are mapped exactly as `gguf_convert` maps them, by the
+file's architecture: llama.cpp's Q/K row permutation moves whole rows, so for packed
+weights it is undone by reordering the row addresses (`QuantWeight.take_rows`), never by
+moving data; Gemma's norms lose the 1 llama.cpp added to them (gguf_families). A
 mixture-of-experts model's 3-D expert tensors become one weight per expert, over that
 expert's slab of rows (`_expert_weights`): packed where the kernel has the type, no copy.
 """
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from .gguf_convert import hf_expert_names, hf_tensor_name, unpermute_qk
+from .gguf_families import NORM_SHIFT
 from .gguf_file import GGUFFile, TensorInfo
 from .quant import BLOCK_BYTES, QuantWeight
 
@@ -75,12 +77,14 @@ def gguf_state_dict(
     supports the stored type, float32 tensors otherwise (`model_type`: the HF family,
     which names a mixture-of-experts model's expert tensors)."""
     f = GGUFFile(gguf_path)
+    arch = f.get("general.architecture", "llama")
+    shift = NORM_SHIFT.get(arch, 0.0)
     state: dict[str, torch.Tensor | QuantWeight] = {}
     for info in f.tensors:
         if len(info.shape) == 3:
             state.update(_expert_weights(f, info, model_type))
             continue
-        name = hf_tensor_name(info.name, model_type)
+        name = hf_tensor_name(info.name, model_type, arch)
         if name is None:
             continue
         heads = _qk_heads(info, num_heads, num_kv_heads, permute_qk)
@@ -94,6 +98,8 @@ def gguf_state_dict(
             data = _floats(f, info)
             if heads is not None:
                 data = unpermute_qk(data, heads)
+            if shift and name.endswith("norm.weight"):
+                data = data - np.float32(shift)
             state[name] = torch.from_numpy(np.ascontiguousarray(data))
     return state
 

@@ -94,19 +94,21 @@ class ModelRunner:
         self.pool = pool
         self._check_pool(pool)
         c = self.config
-        if c.sliding_window is not None:
-            log.warning(
-                "sliding_window=%s is not applied: attention is full over the context",
-                c.sliding_window,
-            )
+        v = c.variations
         self.attn = create_backend(
             attention, pool, c.num_heads, c.num_kv_heads, c.head_dim, self.device, self.dtype,
-            **backend_kwargs,
+            windows=[c.layer_window(i) for i in range(c.num_layers)], softcap=v.attn_softcap,
+            scale=v.query_scale, **backend_kwargs,
         )  # fmt: skip
         self.attention = self.attn.name
         # Batch-1 decode in one kernel call when the weights allow it (quantized, CPU).
         fused = self.attention == "torch" and FusedDecode.supported(model, pool)
         self.fused = FusedDecode(model, pool) if fused else None
+        blockers = model.fused_step_blockers()
+        quantized = model.weight_format != str(model.dtype).removeprefix("torch.")
+        if self.attention == "torch" and quantized and blockers:
+            log.info("decode runs per op (quantized products), not in the fused step: the "
+                     "model has %s", ", ".join(blockers))  # fmt: skip
 
     def _check_pool(self, pool: KVPoolLike) -> None:
         c = self.config

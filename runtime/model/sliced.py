@@ -73,7 +73,7 @@ class SlicedPrefill:
                 if self._dense is None:
                     self._dense = dense_layer(model.layers[self.layer])
                 attn.plan(sub)
-                cos, sin = model.rotary.cos_sin(sub.positions)
+                cos, sin = model.rotary_for(self.layer).cos_sin(sub.positions)
                 rows = self.x[a:b]
                 out = model.layer_forward(self.layer, rows, cos, sin, attn, self._dense)
                 if out.data_ptr() != rows.data_ptr():

@@ -1,4 +1,5 @@
-"""Reading tensors out of an HF model directory (single or sharded safetensors)."""
+"""Reading tensors out of an HF model directory (single or sharded safetensors), and the
+text decoder's tensors of a multimodal checkpoint (`text_decoder_tensors`)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,29 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return dict(iter_tensors(model_dir))
+
+
+# Gemma 3's multimodal checkpoints hold the text decoder under a prefix (transformers 4:
+# `language_model.model.*`, 5: `model.language_model.*`) beside the vision tower and its
+# projector, which a text decoder does not use.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))  # fmt: skip
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")  # fmt: skip
+
+
+def text_decoder_tensors(state: dict) -> dict:
+    """`state` with a multimodal checkpoint's text-decoder names made plain and its vision
+    tensors left out; other checkpoints' states are returned as they are."""
+    if not any(name.startswith(p) for name in state for p, _ in _TEXT_PREFIXES):
+        return state
+    out = {}
+    for name, t in state.items():
+        if name.startswith(_VISION_PREFIXES):
+            continue
+        for prefix, plain in _TEXT_PREFIXES:
+            if name.startswith(prefix):
+                name = plain + name[len(prefix) :]
+                break
+        out[name] = t
+    return out

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import signal
 import tempfile
@@ -24,69 +23,42 @@ import msgspec
 from radixlm.runtime.cli.common import StopRequested, say, setup_logging, stop_on_sigterm
 from radixlm.runtime.config import EngineConfig
 from radixlm.runtime.frontend.tenants import GATEWAY_TOKEN
-from radixlm.runtime.router.config import ReplicaSpec, RouterConfig, parse_replica
+from radixlm.runtime.router.config import ROUTING, ReplicaSpec, RouterConfig, parse_replica
 from radixlm.runtime.router.main import run_router
-from radixlm.runtime.router.policy import Balance
+from radixlm.runtime.settings import (
+    LOG_LEVELS,
+    add_settings,
+    config_from_args,
+    number,
+    settings_of,
+)
 from radixlm.runtime.transport.channel import EndpointError, make_runtime_dir, parse_client_endpoint
 from radixlm.runtime.transport.curve_keys import AuthDirError, check_auth_dir
 
 __all__ = ["add_router_arguments", "add_replicas_argument", "cmd_router", "serve_replicas"]
 
+_ROUTING = tuple(s.name for s in settings_of(RouterConfig) if s.declared.group == ROUTING)
+
 
 def add_replicas_argument(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument("--replicas", type=int, default=1, metavar="N",
+    serve.add_argument("--replicas", type=number(int, ge=1), default=1, metavar="N",
                        help="start N engines (each with these engine flags) behind a "
                             "session-affine, cache-aware router serving the endpoint "
                             "(docs/deployment.md)")
-    add_balance_arguments(serve)
-
-
-def add_balance_arguments(p: argparse.ArgumentParser) -> None:
-    d = Balance()
-    g = p.add_argument_group("routing (docs/deployment.md)")
-    g.add_argument("--routing-policy", default=d.policy, choices=("cache_aware", "round_robin"),
-                   help="where new sessions, pins and plain requests go")
-    g.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
-                   help="a cached-prefix estimate must cover this fraction of a request to "
-                        "decide its replica")
-    g.add_argument("--balance-abs-tokens", type=int, default=d.abs_tokens,
-                   help="replicas whose loads (in-flight tokens) differ by more than this...")
-    g.add_argument("--balance-new-abs-tokens", type=int, default=d.new_abs_tokens,
-                   help="...or than this, for a request that continues nothing sent before...")
-    g.add_argument("--balance-rel", type=float, default=d.rel,
-                   help="...and by more than this ratio are balanced: the least loaded "
-                        "replica gets new work")
-    g.add_argument("--hot-pin-uses", type=int, default=RouterConfig.hot_pin_uses,
-                   help="sessions opened from a pin before it is placed on every replica")
+    add_settings(serve, RouterConfig, only=_ROUTING)  # (--endpoint, --auth-dir: serve's)
 
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replica", action="append", required=True, metavar="SPEC",
                    help="a replica: ENDPOINT[,server_key=PATH,client_key=PATH]"
                         "[,gateway_token=PATH] (repeat for each; docs/deployment.md)")
-    p.add_argument("--endpoint", default="",
-                   help="client endpoint to bind (ipc:///path or tcp://HOST:PORT; default: "
-                        "a private ipc socket, printed)")
+    add_settings(p, RouterConfig, only=("endpoint",))
     p.add_argument("--endpoint-file", default=None, metavar="PATH",
                    help="once ready, write the endpoint to this file")
-    p.add_argument("--auth-dir", default=None, metavar="DIR",
-                   help="CurveZMQ for the router's clients (keys from 'radixlm keys DIR')")
-    p.add_argument("--insecure", action="store_true",
-                   help="allow a non-loopback endpoint without --auth-dir")
-    p.add_argument("--replica-timeout", type=float, default=RouterConfig.replica_timeout_s,
-                   metavar="SECONDS", help="a replica silent this long is taken out")
-    p.add_argument("--start-timeout", type=float, default=RouterConfig.start_timeout_s,
-                   metavar="SECONDS", help="wait this long for the first replica")
-    p.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error"),
+    add_settings(p, RouterConfig, skip=("endpoint", *_ROUTING))
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="how much the router logs (default: info)")
-    add_balance_arguments(p)
-
-
-def _balance(args: argparse.Namespace) -> Balance:
-    return Balance(policy=args.routing_policy, cache_threshold=args.cache_threshold,
-                   abs_tokens=args.balance_abs_tokens,
-                   new_abs_tokens=args.balance_new_abs_tokens, rel=args.balance_rel)
+    add_settings(p, RouterConfig, only=_ROUTING)
 
 
 def _serve_router(config: RouterConfig, endpoint_file: str | None,
@@ -129,7 +101,7 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _check_endpoint(endpoint: str, auth_dir: str | None, insecure: bool) -> None:
+def _check_endpoint(endpoint: str, auth_dir: str, insecure: bool) -> None:
     if auth_dir:
         check_auth_dir(Path(auth_dir))
     if endpoint:
@@ -140,16 +112,12 @@ def cmd_router(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     signal.signal(signal.SIGTERM, stop_on_sigterm)
     try:
-        replicas = tuple(parse_replica(text) for text in args.replica)
-        _check_endpoint(args.endpoint, args.auth_dir, args.insecure)
+        config = config_from_args(args, RouterConfig, replicas=tuple(
+            parse_replica(text) for text in args.replica))
+        _check_endpoint(config.endpoint, config.auth_dir, config.insecure)
     except (ValueError, EndpointError, AuthDirError) as e:
         say("router", str(e))
         return 2
-    config = RouterConfig(replicas=replicas, endpoint=args.endpoint, auth_dir=args.auth_dir,
-                          insecure=args.insecure, balance=_balance(args),
-                          hot_pin_uses=args.hot_pin_uses,
-                          replica_timeout_s=args.replica_timeout,
-                          start_timeout_s=args.start_timeout)
     return _serve_router(config, args.endpoint_file)
 
 
@@ -159,12 +127,10 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
     from radixlm.runtime.http.main import http_config, http_listen
     from radixlm.runtime.server.children import stop_child
     from radixlm.runtime.server.launcher import RunningServer, ServerStartError, start_server
+    from radixlm.runtime.server.supervise import watch_replicas
 
-    setup_logging(args.log_level)
+    setup_logging(config.log_level)
     signal.signal(signal.SIGTERM, stop_on_sigterm)
-    if args.replicas < 1:
-        say("serve", "--replicas must be at least 1")
-        return 2
     try:
         _check_endpoint(config.endpoint, config.auth_dir, config.insecure)
     except (EndpointError, AuthDirError) as e:
@@ -185,25 +151,23 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
                 return 1
         replicas = tuple(ReplicaSpec(s.endpoint, gateway_token=(
             s.runtime_dir / GATEWAY_TOKEN).read_text().strip()) for s in servers)
-        router = RouterConfig(replicas=replicas, endpoint=config.endpoint,
-                              auth_dir=config.auth_dir or None, insecure=config.insecure,
-                              balance=_balance(args), hot_pin_uses=args.hot_pin_uses,
-                              max_message_bytes=config.max_message_bytes)
-        listen = None if args.auth_dir and not _http_asked(args) else http_listen(args)
+        watch_replicas(servers)  # a replica's process that dies is reaped and started again
+        # The client-facing settings (endpoint, keys, frame size) are serve's own flags.
+        router = config_from_args(args, RouterConfig, replicas=replicas,
+                                  max_message_bytes=config.max_message_bytes)
+        listen = None if config.auth_dir and not _http_asked(args) else http_listen(args)
 
         def start_http_api(endpoint: str, runtime_dir: Path) -> None:
             if listen is None:
                 return
-            if args.tokenizer is None and os.path.isfile(os.path.join(args.model, "tokenizer.json")):
-                args.tokenizer = args.model
-            http = http_config(args, engine_endpoint=endpoint, listen=listen)
-            http = dataclasses.replace(http, gateway_token_file=str(runtime_dir / GATEWAY_TOKEN))
+            keys = {}
             if config.auth_dir:
-                http = dataclasses.replace(
-                    http, server_key=os.path.join(config.auth_dir, "server.key"),
-                    client_key=str(runtime_dir / "gateway.key_secret"))
+                keys = {"server_key": os.path.join(config.auth_dir, "server.key"),
+                        "client_key": str(runtime_dir / "gateway.key_secret")}
+            http = http_config(args, engine_endpoint=endpoint, listen=listen,
+                               gateway_token_file=str(runtime_dir / GATEWAY_TOKEN), **keys)
             try:
-                http_proc.append(start_http(http, log_level=args.log_level))
+                http_proc.append(start_http(http, log_level=config.log_level))
             except HttpStartError as e:
                 say("serve", str(e))
                 raise StopRequested from e
@@ -221,10 +185,14 @@ def serve_replicas(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def replica_config(engine: EngineConfig, index: int) -> EngineConfig:
     """Replica `index`'s engine: ``--device cuda`` means GPUs of its own, from
-    ``cuda:(index * tensor_parallel_size)`` on (its ranks take the next ones)."""
+    ``cuda:(index * tensor_parallel_size)`` on (its ranks take the next ones); a state
+    directory means a folder of its own in it (one server per state directory)."""
     if engine.device == "cuda":
         base = index * max(1, engine.tensor_parallel_size)
-        return msgspec.structs.replace(engine, device=f"cuda:{base}")
+        engine = msgspec.structs.replace(engine, device=f"cuda:{base}")
+    if engine.state_dir:
+        engine = msgspec.structs.replace(
+            engine, state_dir=str(Path(engine.state_dir) / "replicas" / str(index)))
     return engine
 
 

@@ -8,12 +8,18 @@ the router speaks for its own clients' tenants there (docs/deployment.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
+from radixlm.runtime.config import MAX_MESSAGE_BYTES
 from radixlm.runtime.router.policy import Balance
+from radixlm.runtime.settings import Declaration, Settings, setting
 
-__all__ = ["ReplicaSpec", "RouterConfig", "parse_replica"]
+__all__ = ["ROUTING", "ReplicaSpec", "RouterConfig", "parse_replica"]
+
+ROUTING = "routing (docs/deployment.md)"  # its --help section
+_BALANCE = Balance()  # the routing rule's defaults (policy.py)
 
 
 @dataclass(frozen=True)
@@ -24,19 +30,62 @@ class ReplicaSpec:
     gateway_token: str | None = None  # the token itself (read from the file at start)
 
 
-@dataclass(frozen=True)
-class RouterConfig:
-    replicas: tuple[ReplicaSpec, ...]
-    endpoint: str = ""  # the router's client endpoint ("": an ipc socket in runtime_dir)
-    auth_dir: str | None = None  # CurveZMQ for the router's own clients
-    insecure: bool = False
-    balance: Balance = field(default_factory=Balance)
-    hot_pin_uses: int = 8  # sessions opened from a pin before it goes on every replica
-    probe_interval_s: float = 0.5  # a quiet replica is asked for stats this often...
-    replica_timeout_s: float = 5.0  # ...and taken out when silent this long
-    rejoin_interval_s: float = 1.0  # a down replica is dialled afresh at most this often
-    start_timeout_s: float = 120.0  # waiting for the first replica at start
-    max_message_bytes: int = 4 << 20
+def _routing(help: str, *flags: str, **options: Any) -> Declaration:  # noqa: A002
+    return setting(help, *flags, read_by="router", group=ROUTING, **options)
+
+
+class RouterConfig(Settings, frozen=True, kw_only=True):
+    """The router's settings, each declared once (`radixlm.runtime.settings`): the flags
+    of `radixlm router` and of `serve --replicas` are generated from them."""
+
+    replicas: tuple[ReplicaSpec, ...] = ()
+    endpoint: Annotated[str, setting(
+        "client endpoint to bind (ipc:///path or tcp://HOST:PORT; default: a private ipc "
+        "socket, printed)", "--endpoint", read_by="router")] = ""
+    auth_dir: Annotated[str, setting(
+        "CurveZMQ for the router's clients (keys from 'radixlm keys DIR')", "--auth-dir",
+        metavar="DIR", read_by="router")] = ""
+    insecure: Annotated[bool, setting(
+        "allow a non-loopback endpoint without --auth-dir", "--insecure",
+        read_by="router")] = False
+    routing_policy: Annotated[Literal["cache_aware", "round_robin"], _routing(
+        "where new sessions, pins and plain requests go",
+        "--routing-policy")] = _BALANCE.policy  # type: ignore[assignment]
+    cache_threshold: Annotated[float, _routing(
+        "a cached-prefix estimate must cover this fraction of a request to decide its "
+        "replica", "--cache-threshold", ge=0, le=1)] = _BALANCE.cache_threshold
+    balance_abs_tokens: Annotated[int, _routing(
+        "replicas whose loads (in-flight tokens) differ by more than this...",
+        "--balance-abs-tokens", ge=0)] = _BALANCE.abs_tokens
+    balance_new_abs_tokens: Annotated[int, _routing(
+        "...or than this, for a request that continues nothing sent before...",
+        "--balance-new-abs-tokens", ge=0)] = _BALANCE.new_abs_tokens
+    balance_rel: Annotated[float, _routing(
+        "...and by more than this ratio are balanced: the least loaded replica gets new "
+        "work", "--balance-rel", gt=0)] = _BALANCE.rel
+    hot_pin_uses: Annotated[int, _routing(
+        "sessions opened from a pin before it is placed on every replica", "--hot-pin-uses",
+        ge=1)] = 8
+    probe_interval_s: Annotated[float, setting(
+        "a quiet replica is asked for stats this often", gt=0, read_by="router")] = 0.5
+    replica_timeout_s: Annotated[float, setting(
+        "a replica silent this long is taken out", "--replica-timeout", gt=0,
+        metavar="SECONDS", read_by="router")] = 5.0
+    rejoin_interval_s: Annotated[float, setting(
+        "a down replica is dialled afresh at most this often", gt=0, read_by="router")] = 1.0
+    start_timeout_s: Annotated[float, setting(
+        "wait this long for the first replica", "--start-timeout", gt=0, metavar="SECONDS",
+        read_by="router")] = 120.0
+    max_message_bytes: Annotated[int, setting(
+        "largest client frame (serve --replicas: its --max-message-bytes); 0 = no limit",
+        ge=0, read_by="router")] = MAX_MESSAGE_BYTES
+
+    @property
+    def balance(self) -> Balance:
+        """The routing rule's numbers (policy.py)."""
+        return Balance(policy=self.routing_policy, cache_threshold=self.cache_threshold,
+                       abs_tokens=self.balance_abs_tokens,
+                       new_abs_tokens=self.balance_new_abs_tokens, rel=self.balance_rel)
 
 
 def parse_replica(text: str) -> ReplicaSpec:

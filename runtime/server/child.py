@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -81,8 +82,27 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _announce_engine(endpoints: Endpoints) -> str:
+    """Tell the frontend a new engine process is starting (`EngineBoot`), before the
+    imports and the model load that take seconds; returns its boot id."""
+    import zmq
+    from radixlm.runtime.engine.wire import EngineBoot, encode
+
+    boot = secrets.token_hex(8)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    try:
+        sock.connect(endpoints.to_frontend)
+        sock.send(encode(EngineBoot(boot=boot)))
+    finally:
+        sock.close(linger=1000)  # (a frontend not bound yet: a first start, nothing to tell)
+        ctx.term()
+    return boot
+
+
 def _run_role(role: str, config: EngineConfig, endpoints: Endpoints) -> None:
     if role == "engine":
+        boot = _announce_engine(endpoints) if endpoints.to_frontend else ""
         t_import = time.perf_counter()
         if not config.device.startswith("cuda"):
             keep_triton_out()
@@ -95,7 +115,7 @@ def _run_role(role: str, config: EngineConfig, endpoints: Endpoints) -> None:
         # DEBUG: an engine that then fails to start keeps its error to one line.
         logging.getLogger("radixlm.engine").debug(
             "imports (torch, the engine) in %.2fs", time.perf_counter() - t_import)
-        run_engine(config, endpoints)
+        run_engine(config, endpoints, boot=boot)
     else:
         from radixlm.runtime.frontend import run_frontend
 

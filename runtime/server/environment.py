@@ -55,6 +55,6 @@ def engine_environment(config: EngineConfig, base: dict[str, str] | None = None)
     process, 21-27 vs 48-55."""
     env = dict(os.environ if base is None else base)
     policy = config.omp_wait_policy
-    if policy and "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+    if policy != "default" and "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["OMP_WAIT_POLICY"] = policy
     return env

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from radixlm.runtime.config import Endpoints, EngineConfig
+from radixlm.runtime.config import START_TIMEOUT_S, Endpoints, EngineConfig
 from radixlm.runtime.protocol import Welcome
 from radixlm.runtime.server.children import (
     STOP_GRACE_S,
@@ -69,7 +69,6 @@ __all__ = [
 
 log = logging.getLogger("radixlm.launcher")
 
-DEFAULT_START_TIMEOUT_S = 600.0  # first start of the default model converts its GGUF
 _PROBE_INTERVAL_S = 0.1
 
 
@@ -90,6 +89,8 @@ class RunningServer:
     processes: dict[str, subprocess.Popen[bytes]]
     runtime_dir: Path
     state: StateDir | None = None  # the state directory, locked for the server's life
+    spawn: Spawner | None = None  # starts a role's process again (supervise.py)
+    listener: Listener | None = None  # the client socket, kept for a restarted frontend
 
     @property
     def endpoint(self) -> str:
@@ -129,6 +130,9 @@ class RunningServer:
         """Stop every child (SIGTERM, then SIGKILL after `grace_s`), remove the sockets and
         let the state directory go."""
         _stop_processes(self.processes, grace_s)
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
         _remove_runtime_files(self.runtime_dir, self.endpoints.client)
         if self.state is not None:
             self.state.close()
@@ -166,7 +170,7 @@ def make_endpoints(config: EngineConfig, runtime_dir: Path) -> Endpoints:
 def start_server(
     config: EngineConfig,
     *,
-    start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    start_timeout_s: float = START_TIMEOUT_S,
     stdout: Any = None,
     stderr: Any = None,
     engine_command: Sequence[str] | None = None,
@@ -206,18 +210,11 @@ def start_server(
         spec = runtime_dir / "spec.json"
         spec.write_bytes(encode_spec(config, endpoints))
         spec.chmod(stat.S_IRUSR | stat.S_IWUSR)
+        spawn = Spawner(config, spec, listener.fd, stdout, stderr, engine_command)
         for role in ROLES:
-            command = [sys.executable, "-m", "radixlm.runtime.server.child", role]
-            if role == "engine" and engine_command is not None:
-                command = list(engine_command)
-            processes[role] = subprocess.Popen(
-                [*command, str(spec), str(os.getpid())],
-                stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                env=engine_environment(config) if role == "engine" else None,
-                pass_fds=(listener.fd,) if role == "frontend" else (),
-                start_new_session=True,  # a Ctrl-C in the terminal is the parent's to handle
-            )
-        listener.close()  # the frontend holds it now
+            processes[role] = spawn(role)
+        # The launcher keeps its copy of the listening socket: a frontend that dies is
+        # started again on it (runtime/server/supervise.py), and clients reconnect there.
         bound, welcome = _wait_ready(processes, runtime_dir, start_timeout_s)
         endpoints = dataclasses.replace(endpoints, client=bound)
     except BaseException:
@@ -231,7 +228,32 @@ def start_server(
     log.info("serving %s at %s (context %d tokens, KV pool %d tokens, page size %d)",
              welcome.model, endpoints.client, welcome.context_length, welcome.kv_capacity,
              welcome.page_size)
-    return RunningServer(config, endpoints, welcome, processes, runtime_dir, state)
+    return RunningServer(config, endpoints, welcome, processes, runtime_dir, state, spawn,
+                         listener)
+
+
+@dataclasses.dataclass
+class Spawner:
+    """Starts one of a server's processes (again, after it died: the same command)."""
+
+    config: EngineConfig
+    spec: Path
+    listener_fd: int
+    stdout: Any = None
+    stderr: Any = None
+    engine_command: Sequence[str] | None = None
+
+    def __call__(self, role: str) -> subprocess.Popen[bytes]:
+        command = [sys.executable, "-m", "radixlm.runtime.server.child", role]
+        if role == "engine" and self.engine_command is not None:
+            command = list(self.engine_command)
+        return subprocess.Popen(
+            [*command, str(self.spec), str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=self.stdout, stderr=self.stderr,
+            env=engine_environment(self.config) if role == "engine" else None,
+            pass_fds=(self.listener_fd,) if role == "frontend" else (),
+            start_new_session=True,  # a Ctrl-C in the terminal is the parent's to handle
+        )
 
 
 def _open_state(config: EngineConfig) -> tuple[EngineConfig, StateDir | None]:

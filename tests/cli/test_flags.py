@@ -87,8 +87,8 @@ def test_chat_and_generate_take_the_key_options() -> None:
     ("give --kv-tokens 256 or more", {}, "give kv_tokens 256 or more"),
     ("--session-ttl 5 is ...", {"session_ttl_s": 5}, "session_ttl_s=5 is ..."),
     ("argument --dtype: invalid choice: 'int3'", {}, "dtype: invalid choice: 'int3'"),
-    ("argument --context-length/--max-model-len/-c: invalid non_negative_int value: 'x'", {},
-     "context_length: invalid non_negative_int value: 'x'"),
+    ("argument --context-length/--max-model-len/--ctx-size/-c: invalid int value: 'x'", {},
+     "context_length: invalid int value: 'x'"),
     ("unrecognized arguments: --kv-tokns 512", {}, "unknown keyword argument(s) kv_tokns"),
 ])
 def test_engine_errors_name_keywords_not_flags(server_says: str, given: dict[str, object],

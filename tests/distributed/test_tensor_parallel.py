@@ -32,7 +32,7 @@ from radixlm.runtime.distributed import (
 from radixlm.runtime.distributed.load import check_dense
 from radixlm.runtime.distributed.workers import join_process
 from radixlm.runtime.model import ForwardBatch, ModelConfig, ModelRunner
-from tiny_models import MOE_VARIANTS, TINY_VARIANTS, make_tiny_checkpoint
+from tiny_models import FAMILY_VARIANTS, MOE_VARIANTS, TINY_VARIANTS, make_tiny_checkpoint
 
 CLI = [sys.executable, "-m", "radixlm.runtime.cli"]
 CAPACITY = 512
@@ -94,12 +94,15 @@ def test_serve_with_a_size_that_does_not_divide_is_one_line(tiny_model_dir: Path
 # ---------------------------------------------------------------------------- runner
 
 
-@pytest.fixture(scope="module", params=["llama-linear-rope-bias", "qwen3", "qwen2_moe", "mixtral"])
+@pytest.fixture(scope="module",
+                params=["llama-linear-rope-bias", "qwen3", "qwen2_moe", "mixtral", "gemma3"])
 def variant_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """GQA (4 heads, 2 KV heads) with q/k/v, o, gate/up and down biases; Qwen3's
-    per-head q/k norms with an explicit head_dim; and mixtures of experts (Qwen2-MoE's
-    shared expert; Mixtral), each rank holding a slice of every expert."""
-    kw = {**TINY_VARIANTS, **MOE_VARIANTS}[request.param]
+    per-head q/k norms with an explicit head_dim; mixtures of experts (Qwen2-MoE's
+    shared expert; Mixtral), each rank holding a slice of every expert; and Gemma 3's
+    sandwich norms (summed over the ranks before they normalise), sliding windows and two
+    RoPE bases."""
+    kw = {**TINY_VARIANTS, **MOE_VARIANTS, **FAMILY_VARIANTS}[request.param]
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tp"), **kw)
 
 

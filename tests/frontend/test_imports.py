@@ -150,10 +150,12 @@ def test_the_transport_imports_only_the_protocol() -> None:
 
 def test_the_sdk_imports_the_protocol_and_the_transport_only() -> None:
     """... and, for `rl.Engine`, which starts a server process, the torch-free waits on
-    child processes, their exit reasons and the start-up spinner (runtime/server/)."""
+    child processes, their exit reasons and the start-up spinner (runtime/server/), and
+    the declarations of the settings it takes as keywords (runtime/settings.py)."""
     allowed = ("radixlm.runtime.protocol", "radixlm.runtime.transport", "radixlm.sdk",
                "radixlm.runtime.server.children", "radixlm.runtime.server.exits",
-               "radixlm.runtime.server.progress", "radixlm.testing")
+               "radixlm.runtime.server.progress", "radixlm.testing", "radixlm.runtime.settings",
+               "radixlm.runtime.config", "radixlm.runtime.http.config")
     files = [*_sources("sdk"), *_sources("testing")]
 
     def bad(name: str) -> bool:

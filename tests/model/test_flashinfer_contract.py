@@ -4,7 +4,11 @@ The stand-in implements the documented semantics of `BatchPrefillWithPagedKVCach
 and `BatchDecodeWithPagedKVCacheWrapper` (paged NHD cache, page-table CSR arrays,
 `last_page_len`, causal mask aligned to the end of each KV sequence) in plain torch, so
 this test pins down the plan/run arguments our backend passes; the real kernels are
-compared with the torch backend in tests/model/test_gpu_flashinfer.py on a GPU.
+compared with the torch backend in tests/model/test_gpu_flashinfer.py on a GPU. The stand-in
+also follows the documented `window_left` (a query at KV position p sees keys p -
+window_left .. p), `logits_soft_cap` (cap * tanh(s / cap) before the mask) and `sm_scale`,
+for Gemma's and Mistral's layers (not yet run on a GPU: the real wrappers' use of them is
+GPU-unverified).
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 from radixlm.cache import KVPool
 from radixlm.runtime.attention import flashinfer_backend
 from radixlm.runtime.attention.torch_backend import TorchAttention
@@ -27,7 +30,8 @@ class _Wrapper:
     def __init__(self, workspace, kv_layout="NHD", use_tensor_cores=False):
         assert kv_layout == "NHD" and workspace.dtype == torch.uint8
 
-    def _plan(self, qo, indptr, indices, last, H, Hkv, D, P, q_data_type, kv_data_type):
+    def _plan(self, qo, indptr, indices, last, H, Hkv, D, P, q_data_type, kv_data_type,
+              window_left=-1, logits_soft_cap=None, sm_scale=None):  # fmt: skip
         for t in (qo, indptr, indices, last):
             assert t.dtype == torch.int32
         assert q_data_type == kv_data_type
@@ -35,6 +39,8 @@ class _Wrapper:
         self.qo, self.indptr = qo.tolist(), indptr.tolist()
         self.indices, self.last = indices.tolist(), last.tolist()
         self.H, self.Hkv, self.D, self.P = H, Hkv, D, P
+        self.window_left, self.cap = window_left, logits_soft_cap
+        self.scale = D**-0.5 if sm_scale is None else sm_scale
 
     def run(self, q, paged_kv_cache):
         k_pages, v_pages = paged_kv_cache
@@ -48,26 +54,32 @@ class _Wrapper:
             qs, qe = self.qo[r], self.qo[r + 1]
             n = qe - qs
             mask = torch.ones(n, kv_len, dtype=torch.bool).tril(kv_len - n)  # end-aligned causal
-            o = F.scaled_dot_product_attention(
-                q[qs:qe].transpose(0, 1), k, v, attn_mask=mask, enable_gqa=True
-            )
+            if self.window_left >= 0:  # keys from the query's position - window_left on
+                mask &= torch.ones(n, kv_len, dtype=torch.bool).triu(kv_len - n - self.window_left)
+            qh = q[qs:qe].transpose(0, 1)
+            kh = k.repeat_interleave(self.H // self.Hkv, 0)
+            vh = v.repeat_interleave(self.H // self.Hkv, 0)
+            scores = qh @ kh.transpose(1, 2) * self.scale
+            if self.cap:
+                scores = self.cap * torch.tanh(scores / self.cap)
+            o = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vh
             out[qs:qe] = o.transpose(0, 1)
         return out
 
 
 class _Prefill(_Wrapper):
     def plan(self, qo, indptr, indices, last, H, Hkv, D, P, *, causal, pos_encoding_mode,
-             q_data_type, kv_data_type):  # fmt: skip
+             q_data_type, kv_data_type, **documented):  # fmt: skip
         assert causal and pos_encoding_mode == "NONE"
-        self._plan(qo, indptr, indices, last, H, Hkv, D, P, q_data_type, kv_data_type)
+        self._plan(qo, indptr, indices, last, H, Hkv, D, P, q_data_type, kv_data_type, **documented)
 
 
 class _Decode(_Wrapper):
     def plan(self, indptr, indices, last, H, Hkv, D, P, *, pos_encoding_mode, q_data_type,
-             kv_data_type):  # fmt: skip
+             kv_data_type, **documented):  # fmt: skip
         assert pos_encoding_mode == "NONE"
         qo = torch.arange(last.shape[0] + 1, dtype=torch.int32)
-        self._plan(qo, indptr, indices, last, H, Hkv, D, P, q_data_type, kv_data_type)
+        self._plan(qo, indptr, indices, last, H, Hkv, D, P, q_data_type, kv_data_type, **documented)
 
 
 @pytest.fixture
@@ -84,16 +96,26 @@ def _ids(n, seed):
     return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+VARIATIONS = {
+    "plain": {},
+    # Gemma 2: a sliding layer (window 5) beside a global one, soft-capped scores, its own scale.
+    "windows-softcap-scale": dict(windows=[5, None], softcap=3.0, scale=0.3),
+}
+
+
+@pytest.mark.parametrize("variation", sorted(VARIATIONS))
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_backend_drives_flashinfer_api_as_documented(fake_flashinfer, page_size):
+def test_backend_drives_flashinfer_api_as_documented(fake_flashinfer, page_size, variation):
     H, Hkv, D, cap = 4, 2, 8, 1024
+    kw = VARIATIONS[variation]
+    layers = len(kw.get("windows", [None]))
     torch.manual_seed(0)
-    pools = [KVPool(1, Hkv, D, cap, page_size, torch.float32, "cpu") for _ in range(2)]
+    pools = [KVPool(layers, Hkv, D, cap, page_size, torch.float32, "cpu") for _ in range(2)]
     cpu = torch.device("cpu")
     fi = flashinfer_backend.FlashInferAttention(
-        pools[0], H, Hkv, D, cpu, torch.float32, check_pages=True
+        pools[0], H, Hkv, D, cpu, torch.float32, check_pages=True, **kw
     )
-    ref = TorchAttention(pools[1], H, Hkv, D, cpu, torch.float32)
+    ref = TorchAttention(pools[1], H, Hkv, D, cpu, torch.float32, **kw)
     pages = PageSlots(cap, page_size, seed=3)
     shared = pages.extend([], 2 * page_size + 3)
     a = pages.extend([], 5)
@@ -113,9 +135,10 @@ def test_backend_drives_flashinfer_api_as_documented(fake_flashinfer, page_size)
         q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
         fi.plan(batch)
         ref.plan(batch)
-        assert isinstance(fi.wrapper, _Decode if batch.is_decode else _Prefill)
-        got, want = fi.forward(0, q, k, v), ref.forward(0, q, k, v)
-        assert (got - want).abs().max().item() < 1e-5
+        assert all(isinstance(w, _Decode if batch.is_decode else _Prefill) for w in fi.planned.values())
+        for layer in range(layers):
+            got, want = fi.forward(layer, q, k, v), ref.forward(layer, q, k, v)
+            assert (got - want).abs().max().item() < 1e-5
 
 
 def test_page_check_rejects_inconsistent_slots(fake_flashinfer):

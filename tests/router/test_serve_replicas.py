@@ -62,3 +62,45 @@ def test_tenants_are_the_same_on_every_replica(routed: tuple[str, Path]) -> None
         mine = alice.call(ListSessions(rid="l"))
         assert isinstance(mine, SessionList)
         assert sorted(s.session for s in mine.sessions) == sorted(sessions)
+
+
+def test_a_dead_replica_process_is_reaped_and_started_again(tmp_path: Path,
+                                                            tiny_model_dir: Path) -> None:
+    """``serve --replicas 2``: SIGKILL one replica's engine; it is reaped (no zombie is
+    left under serve) and started again, and the router keeps serving throughout."""
+    import os
+    import signal
+    import time
+
+    from tests.conftest import children_of, start_test_server
+
+    def engines(pid: int) -> list[int]:
+        return [p for p in children_of(pid)
+                if b"server.child\x00engine" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+    with start_test_server(tmp_path, tiny_model_dir, "--replicas", "2") as server:
+        before = engines(server.process.pid)
+        assert len(before) == 2
+        os.kill(before[0], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:
+            now = engines(server.process.pid)
+            if before[0] not in now and len(now) == 2:
+                break
+            assert time.monotonic() < deadline, now
+            time.sleep(0.2)
+        assert not Path(f"/proc/{before[0]}").exists()  # reaped, not a zombie
+        from radixlm.runtime.transport.raw_client import ServerError
+
+        with server.client() as c:
+            for i in range(4):  # spread over both replicas; the restarted one may still load
+                while True:
+                    try:
+                        c.generate(Input(text=f"still serving {i}"), max_tokens=2,
+                                   temperature=0.0)
+                        break
+                    except ServerError as e:
+                        assert e.error.code == "engine_unavailable", e
+                        assert time.monotonic() < deadline, e
+                        time.sleep(0.2)
+        assert "replica 0: the engine process was killed by signal 9" in server.log_path.read_text()

@@ -289,3 +289,17 @@ def test_engine_does_not_outlive_a_killed_owner(tmp_path: Path, tiny_model_dir: 
         proc.kill()
         proc.wait()
     wait_until_gone([server_pid, *children], 15, "the engine outlived its killed owner")
+
+
+def test_engine_keeps_state_only_when_asked(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`rl.Engine` runs a server without a state directory unless given `state_dir`."""
+    from radixlm.runtime.transport.raw_client import RawClient
+
+    kw = dict(device="cpu", dtype="float32", kv_tokens=1024, threads=1, startup_timeout=120)
+    with rl.Engine(str(tiny_model_dir), state_dir=str(tmp_path / "state"), **kw) as engine, \
+            RawClient(engine.process.endpoint) as raw:
+        assert raw.welcome is not None and raw.welcome.state
+    assert list((tmp_path / "state" / "models").iterdir())
+    with rl.Engine(str(tiny_model_dir), **kw) as engine, \
+            RawClient(engine.process.endpoint) as raw:
+        assert raw.welcome is not None and raw.welcome.state == ""

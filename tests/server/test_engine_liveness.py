@@ -93,11 +93,21 @@ def test_sdk_gets_engine_unavailable(watched_server: ServerHandle) -> None:
             os.kill(engine, signal.SIGCONT)
 
 
-def test_a_killed_frontend_is_named(tiny_model_dir: Path) -> None:
+def test_a_killed_frontend_is_named_and_started_again(tiny_model_dir: Path) -> None:
+    """The server outlives its frontend (runtime/server/supervise.py): the log names the
+    dead process and its signal, and a new connection is served again."""
     with rl.Engine(str(tiny_model_dir), device="cpu", kv_tokens=512, threads=1) as engine:
-        os.kill(role_pid(engine.pid, "frontend"), signal.SIGKILL)
-        with pytest.raises(rl.EngineDeadError) as dead:
-            for _ in range(50):
-                engine.generate("hello", max_tokens=2)
-                time.sleep(0.1)
-        assert "frontend" in str(dead.value) and "client is closed" not in str(dead.value)
+        old = role_pid(engine.pid, "frontend")
+        os.kill(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with rl.connect(engine.process.endpoint) as again:
+                    assert again.generate("hello", max_tokens=2).text is not None
+                break
+            except rl.EngineError:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+        assert role_pid(engine.pid, "frontend") != old
+        assert "the frontend process was killed by signal 9 (SIGKILL); starting it again" \
+            in engine.process.log_tail(200)

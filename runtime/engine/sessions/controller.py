@@ -398,6 +398,11 @@ class SessionController:
         if self.manager is not None:
             self.manager.client_gone(client)
 
+    def clients(self) -> set[bytes]:
+        """Every client that holds a session."""
+        m = self.manager
+        return set() if m is None else {s.client for s in m.sessions()}
+
     def seed_offset(self, g: RequestGroup) -> int:
         """What `g`'s seed is offset by (`protocol.branch_seed`): forked sessions each
         draw their own stream (see `SessionManager.seed_offset`)."""

@@ -93,7 +93,9 @@ class EngineConfig(Settings, frozen=True, kw_only=True):
 
     schedule_policy: Annotated[SchedulePolicy, setting(
         "order of waiting requests: first come first served, longest prefix match, DFS "
-        "weight, or shortest prefill first", "--schedule-policy", group=SCHEDULING)] = "lpm"
+        "weight, shortest prefill first, or program (the program with the least attained "
+        "service first: a session and its forks are one program)", "--schedule-policy",
+        group=SCHEDULING)] = "lpm"
     max_running: Annotated[int, setting(
         "most requests decoding at once", "--max-running", ge=1, group=SCHEDULING)] = 64
     chunked_prefill: Annotated[int, setting(

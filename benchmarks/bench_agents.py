@@ -285,8 +285,13 @@ def run_radix(args, trace: list[AgentTrace], name: str, pool: int, host: int, po
                     heapq.heappush(ready, (now + trace[a].turns[t].duration, a, t + 1))
             return done
 
+        shown = time.monotonic()
         while left:
             now = time.monotonic()
+            if now - shown >= 60:  # progress, for long runs
+                shown = now
+                print(f"    {name}: {len(res.replies)} of {len(trace) * len(trace[0].turns)} "
+                      f"turns done after {now - t0:.0f}s", file=sys.stderr, flush=True)
             while ready and ready[0][0] <= now:
                 _, a, t = heapq.heappop(ready)
                 ag = trace[a]

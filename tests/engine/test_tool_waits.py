@@ -28,7 +28,16 @@ from radixlm.runtime.engine.wire import EngineCommand
 from radixlm.runtime.grammar.runtime import Grammars
 from radixlm.runtime.grammar.spec import GrammarSpec
 from radixlm.runtime.model import ModelConfig
-from radixlm.runtime.protocol import Error, ErrorCode, GetStats, Ok, StatsReply, ToolDoneSoon
+from radixlm.runtime.protocol import (
+    Error,
+    ErrorCode,
+    ForkSession,
+    GetStats,
+    Ok,
+    SessionsForked,
+    StatsReply,
+    ToolDoneSoon,
+)
 from radixlm.tokenizer import Tokenizer
 from scheduler_harness import hf_greedy
 from tiny_models import EOS_ID
@@ -251,3 +260,22 @@ def test_the_hint_for_an_unknown_or_busy_session(make_harness, grammars, hf_tok)
     h.send(EngineCommand(client=C, msg=ToolDoneSoon(rid="y", session=sid)))
     assert isinstance(h.replies.pop(), Ok)  # waits on nothing: nothing to do
     assert stats(h).prefetch.get("hinted", 0) == 0
+
+
+def test_a_fork_of_a_waiting_session_takes_its_wait(make_harness, grammars, hf_tok, hf):
+    """(An HTTP continuation forks the held history a call ended.) The forks wait on the
+    tool, the parent does not; the result's turn in a fork ends that fork's wait."""
+    h = make_harness(sessions=True, grammars=grammars)
+    first = encode(hf_tok, render(hf_tok, FIRST))
+    sid = open_session(h, first, retention="soft").session
+    call = h.output(call_turn(h, sid, []))
+    h.send(EngineCommand(client=C, msg=ForkSession(rid="f", session=sid, n=2)))
+    forked = h.replies.pop()
+    assert isinstance(forked, SessionsForked)
+    listing = sessions_by_id(h)
+    assert listing[sid].tools is None
+    assert [listing[f].tools for f in forked.sessions] == [["search"], ["search"]]
+    final = check_next_turn(h, hf, hf_tok, forked.sessions[0], first, call)
+    assert final.usage.cached_tokens == len(first) + len(call)
+    assert sessions_by_id(h)[forked.sessions[0]].tools is None
+    assert "search" in stats(h).tool_round_trip_s

@@ -22,6 +22,7 @@ duplicate_id).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -324,17 +325,22 @@ class SessionManager:
     # ------------------------------------------------------- fork / truncate
     def fork(self, session_id: str, client: bytes, n: int) -> list[str]:
         """n new sessions on the same node: no copy, no recompute (a demoted session's
-        forks are demoted too). `n` is the frontend's rule (rules.check_fork)."""
+        forks are demoted too). `n` is the frontend's rule (rules.check_fork). A wait on
+        tools moves to the forks: the result goes on in them (an HTTP continuation forks
+        the held history the call ended), and the parent waits on nothing."""
         s = self.records.idle(session_id, client)
         ids = []
         for i in range(n):
             f = self.records.clone(s, s.history, i)
             f.residency, f.node, f.held_len = s.residency, s.node, s.held_len
             f.kv_len, f.priority_raised = s.kv_len, s.priority_raised
+            if s.tool_wait is not None:
+                f.tool_wait = dataclasses.replace(s.tool_wait, load=None)
             if f.node is not None:
                 self.records.lock_node(f.node)
             self.persist(f)
             ids.append(f.id)
+        self._stop_waiting(s)
         s.last_used = self.clock()
         return ids
 

@@ -109,9 +109,10 @@ class Programs:
 
     def order(self, waiting: Sequence[Request]) -> list[Request]:
         """`waiting` by priority, then the starved (waited `starve_s`) oldest first, then
-        least attained service first, then arrival."""
+        least attained service first, then arrival. A request has waited since the engine
+        took it in (`GroupTimes.queued`, on this clock), else since this first saw it."""
         now = self.clock()
-        since = {r.arrival: self._since.get(r.arrival, now) for r in waiting}
+        since = {r.arrival: self._since.get(r.arrival, _queued(r, now)) for r in waiting}
         self._since = since  # (admitted and aborted requests leave it here)
 
         def key(r: Request) -> tuple[int, int, float, int]:
@@ -121,6 +122,11 @@ class Programs:
             return (-r.group.priority, 1, self.attained(self.of(r)), r.arrival)
 
         return sorted(waiting, key=key)
+
+
+def _queued(r: Request, now: float) -> float:
+    times = getattr(r.group, "times", None)
+    return times.queued if times is not None else now
 
 
 def fair_victims(running: Sequence[Request], waiting: Sequence[Request],

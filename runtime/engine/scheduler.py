@@ -129,6 +129,7 @@ class Scheduler:
         )  # fmt: skip
         self.prefill = PrefillManager(self.table, self.kv, self.sessions, self.endings, options,
                                       self.counters)
+        self.prefill.programs.clock = clock  # (a request's wait is on the scheduler's clock)
         self.budget = StepBudget(options.fair_step_factor, options.max_running)
         self.decode = DecodeManager(self.table, self.kv, self.endings, self.budget)
         self.outputs = OutputProcessor(self.table, self.kv, sampler, self.sessions, self.endings,

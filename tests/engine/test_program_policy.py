@@ -73,7 +73,7 @@ def check_bound(admitted, starve_s: float) -> int:
             continue
         starved += 1
         for other, _, other_at in admitted[:i]:
-            if other_at >= seen + starve_s:
+            if other_at - seen >= starve_s:  # (as the policy measures it)
                 assert other.arrival < r.arrival, (r.arrival, other.arrival, seen, other_at)
     return starved
 

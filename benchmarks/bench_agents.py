@@ -337,6 +337,7 @@ def run_llama(args, trace: list[AgentTrace], replies: dict[tuple[int, int], int]
     import bench_peer as bp
     from radixlm.runtime.model import resolve_model
     from radixlm.runtime.model.resolve import default_gguf_path
+    from radixlm.tokenizer.tools import generic_tool_prompt
     from transformers import AutoTokenizer
 
     binary = bp.ensure_llama_server(bp.peer_dir(), 2)
@@ -351,13 +352,19 @@ def run_llama(args, trace: list[AgentTrace], replies: dict[tuple[int, int], int]
     def agent(a: int) -> None:
         ag = trace[a]
         time.sleep(ag.start)
-        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ag.task}]
-        ids: list[int] = hf.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+        # The conversation radixlm's frontend renders: the tools shown in the system message
+        # (SmolLM2's template knows no tools), then the task.
+        system = f"{SYSTEM}\n\n{generic_tool_prompt(tool_defs())}"
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": ag.task}]
+        ids = hf.encode(hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                        add_special_tokens=False)
+        before = 0  # the history each turn's input is appended to
         for t, turn in enumerate(ag.turns):
-            history[a] += len(ids)
+            history[a] += before
             r = srv.complete(ids, replies.get((a, t), 24), slot=a)
             computed[a] += r["prompt_n"]
             ids = ids + r["ids"]
+            before = len(ids)
             if t + 1 < len(ag.turns):
                 time.sleep(turn.duration)
                 tail = hf.apply_chat_template(

@@ -22,7 +22,9 @@ the thread that holds the engine's state; a hint only marks its wait (`hint`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import numpy as np
 from radixlm.cache import MatchResult, OutOfSlots, PrefixCache
@@ -139,9 +141,13 @@ class Prefetcher:
         host = self.host
         runs = host.find(s.namespace, wanted, pos) if host is not None else []
         total = sum(r.n_tokens for r in runs)
-        if host is not None and total:
+        if host is not None and total and self._room(total):
             host.reserve(runs, True)
-            slots = self._alloc(m, total)
+            with self._locked(m):
+                try:
+                    slots = self.cache.alloc(total)
+                except OutOfSlots:
+                    slots = None
             if slots is None:
                 host.reserve(runs, False)
             else:
@@ -162,24 +168,26 @@ class Prefetcher:
         end = load.start + load.tokens
         if not load.blocks or not load.start <= m.length < end:
             return  # nothing read, or a gap before it (the turn recomputes that)
-        slots = self._alloc(m, end - m.length, restore=lambda: self.disk.restore(load, m.length))
+        if not self._room(end - m.length):
+            return
+        with self._locked(m):
+            slots = self.disk.restore(load, m.length)
         if slots is not None:
             self._insert(s, m, slots)
             self.retention.hold(s)
 
-    def _alloc(self, m: MatchResult, n: int, restore=None) -> np.ndarray | None:
-        """`n` device slots (filled by `restore` when given), with `m`'s path locked while
-        they are found; None when the pool cannot spare them."""
-        cache = self.cache
-        if cache.available() - n < RESERVE_SHARE * cache.capacity:
-            return None
-        cache.lock(m.node)
+    def _room(self, n: int) -> bool:
+        """Whether `n` slots leave the pool `RESERVE_SHARE` available to running requests."""
+        return self.cache.available() - n >= RESERVE_SHARE * self.cache.capacity
+
+    @contextlib.contextmanager
+    def _locked(self, m: MatchResult) -> Iterator[None]:
+        """`m`'s path locked (the allocation in it may evict, never that)."""
+        self.cache.lock(m.node)
         try:
-            return restore() if restore is not None else cache.alloc(n)
-        except OutOfSlots:
-            return None
+            yield
         finally:
-            cache.unlock(m.node)
+            self.cache.unlock(m.node)
 
     def _insert(self, s: Session, m: MatchResult, slots: np.ndarray) -> int:
         """Cache `s`'s history up to the end of `slots` (placed after `m`); returns how

@@ -93,6 +93,13 @@ class DiskBackup:
         self._dirty.setdefault(s.id, 0)
         self._save_some(SAVE_BLOCKS_PER_CALL)
 
+    def save_all(self, s: Session) -> None:
+        """Queue every block of `s`'s cached history that the disk does not have, now
+        (it is about to be evicted: a session waiting on tools, demoted without a host
+        tier to keep it)."""
+        wanted = s.wanted
+        self._save_history(s.namespace, wanted, 0, len(wanted) // self.block + 1)
+
     def save_prefix(self, namespace: Hashable, ids: np.ndarray) -> None:
         """Queue the blocks of a pin's prefix (as many as one call's budget)."""
         self._save_history(namespace, ids, 0, SAVE_BLOCKS_PER_CALL)

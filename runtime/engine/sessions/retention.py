@@ -132,6 +132,9 @@ class Retention:
         self.cap = cap
         self.tools = tools
         self.clock = clock
+        # Told of a session waiting on tools as it is demoted (its history is still in
+        # the pool then): the disk tier keeps it when there is no host tier to.
+        self.on_demote_waiting: Callable[[Session], None] | None = None
         self.per_tenant = per_tenant  # 0: an equal share among the retaining tenants
         self.multi_tenant = multi_tenant
         # The retained counts (O(held tokens)) are memoised against the records' lock
@@ -324,9 +327,11 @@ class Retention:
                 expected = tools is not None and tools.expected_back(s, self.clock())
                 self.cache.set_priority(node, EXPECTED_PRIORITY if expected else DEMOTED_PRIORITY)
                 s.priority_raised = True
+        self.records.unlock(s)
         if s.tool_wait is not None:
             s.tool_wait.demoted = True
-        self.records.unlock(s)
+            if self.on_demote_waiting is not None:
+                self.on_demote_waiting(s)
         log.info("session %s demoted (%s): %d tokens now evictable cache", s.id[:8], reason, held)
 
     def lower_priority(self, s: Session, old: np.ndarray) -> None:

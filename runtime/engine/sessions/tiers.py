@@ -1,5 +1,8 @@
 """The tiers under the KV pool, as sessions use them: the host-memory tier (host_tier.py +
 backup.py), the disk tier (disk_backup.py) and prefetches from both (prefetch.py).
+A demoted history goes to the host tier as it is evicted, and from there to disk as the
+host tier drops it; without a host tier, a session waiting on tools is saved to disk as
+it is demoted (what it will want back soon is not dropped).
 
 A turn of a session whose history is no longer all cached asks the disk for what the
 device and the host tier do not have as it arrives (`plan_load`: the turn waits, holding
@@ -50,6 +53,8 @@ class Tiers:
             if self.host is not None:
                 self.host.on_evict = self.disk.on_host_evict
         self.prefetch = Prefetcher(records, cache, retention, tools, self.host, self.disk)
+        if self.disk is not None and self.host is None:  # demoted to disk, not dropped
+            retention.on_demote_waiting = self.disk.save_all
 
     # ---------------------------------------------------------------- restore
     def restore(self, s: Session, cached_len: int, load: DiskLoad | None) -> np.ndarray | None:

@@ -273,9 +273,9 @@ def routing_cost(sessions: int = 10_000, replicas: int = 64, trials: int = 20_00
     config = RouterConfig(replicas=tuple(ReplicaSpec(f"ipc:///sim/{i}") for i in range(replicas)))
     router = Router(config, ctx, front, monitor, None)
     router.welcome = object()  # type: ignore[assignment]
-    for r in router.replicas:
+    for r in router.replicas.replicas:
         r.up = True
-    router._send = lambda client, replica, msg: None  # type: ignore[method-assign]
+    router.send = lambda client, replica, msg: None  # type: ignore[method-assign]
     client = Client(b"bench", -1, None, welcomed=True)
     router.clients[client.ident] = client
     rng = random.Random(0)
@@ -285,8 +285,8 @@ def routing_cost(sessions: int = 10_000, replicas: int = 64, trials: int = 20_00
         key = f"\x00\x00\x1esystem\x1f{system}\x1euser\x1fagent {i} " + " ".join(
             rng.choice(WORDS) for _ in range(30))
         vid = f"{i:032x}"
-        router.sessions[vid] = SessionRecord(vid, client.ident, None, i % replicas, vid, 500,
-                                             key, [Opened(opened)])
+        router.sessions.records[vid] = SessionRecord(vid, client.ident, None, i % replicas, vid,
+                                                     500, key, [Opened(opened)])
         router.routing.tree.insert(key, i % replicas)
     turn = [encode(Generate(rid=f"t{i}", session=f"{rng.randrange(sessions):032x}",
                             input=Input(messages=[Message(role="user", content="next result")]),
@@ -301,7 +301,7 @@ def routing_cost(sessions: int = 10_000, replicas: int = 64, trials: int = 20_00
         # other processes' turns on the cores too
         start = time.process_time()
         for data in frames:
-            router._dispatch(client, data)
+            router.dispatch(client, data)
         out[name] = (time.process_time() - start) / len(frames) * 1e6
         client.pending.clear()
         router.routing.loads = [0] * replicas

@@ -5,8 +5,9 @@ each is a map whose ``"type"`` field names it (``{"type": "generate", ...}``). T
 are plain integer arrays, so a client needs neither torch nor this package; see
 ``docs/protocol.md`` for the socket pattern, ordering and a worked exchange.
 
-This module is the only one the SDK imports from the runtime: it must stay free of
-torch and of everything else in ``radixlm.runtime``.
+Every process and client imports it (the SDK, the HTTP process and the router through
+``radixlm.runtime.transport``, the frontend and the engine directly): it must stay free
+of torch and of everything else in ``radixlm.runtime``.
 """
 
 from __future__ import annotations
@@ -292,6 +293,9 @@ class Tokenize(Struct, tag="tokenize"):
     rid: str
     input: Input
     token_strs: bool = False  # also the vocabulary's string of each id (`Tokens.token_strs`)
+    # Rendered with `messages` as a Generate's tools are: the prompt a Generate with these
+    # tools would have (an HTTP route counts it, and sends its ids).
+    tools: Union[list[Tool], None] = None
 
 
 class Detokenize(Struct, tag="detokenize"):

@@ -54,6 +54,7 @@ class AsyncChatSession:
         ttl_s: float | None = None,
         namespace: str | None = None,
         sampling: dict[str, Any] | None = None,
+        durable: bool = False,
         _session: str | None = None,
         _history: list[dict[str, str]] | None = None,
         _length: int = 0,
@@ -65,6 +66,7 @@ class AsyncChatSession:
         self._ttl_s = ttl_s
         self._namespace = namespace
         self.sampling: dict[str, Any] = dict(sampling or {})
+        self.durable = durable  # outlives this client: the `with` block leaves it open
         self.id: str | None = _session
         self.history: list[dict[str, str]] = list(_history or [])
         self.length = _length  # tokens of history held by the engine
@@ -80,10 +82,11 @@ class AsyncChatSession:
             messages = [{"role": "system", "content": self._system}]
         opened = await self._client.open_session(
             messages=messages, pin=self._pin, retention=self._retention, ttl_s=self._ttl_s,
-            namespace=self._namespace,
+            namespace=self._namespace, durable=self.durable,
         )
         self.id = opened.session
         self.length = opened.length
+        self.durable = opened.durable  # (granted only by a server that keeps state)
         if self._system is not None:
             self.history.append({"role": "system", "content": self._system})
         return self
@@ -107,7 +110,8 @@ class AsyncChatSession:
         return await self.open()
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        if not self.durable:  # a durable session stays for `resume` (close() ends it)
+            await self.close()
 
     # -- turns ----------------------------------------------------------------------------
 
@@ -171,8 +175,9 @@ class AsyncChatSession:
             ForkSession(rid=self._client.new_rid(), session=self.id, n=n), SessionsForked)
         children = [
             AsyncChatSession(self._client, retention=self._retention, ttl_s=self._ttl_s,
-                             namespace=self._namespace, sampling=self.sampling, _session=sid,
-                             _history=self.history, _length=forked.length)
+                             namespace=self._namespace, sampling=self.sampling,
+                             durable=self.durable, _session=sid, _history=self.history,
+                             _length=forked.length)
             for sid in forked.sessions
         ]
         self._children.extend(children)

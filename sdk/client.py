@@ -16,52 +16,39 @@ same API synchronously.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import anyio
 import msgspec
+from anyio.abc import TaskGroup
 from anyio.from_thread import run_sync as run_sync_from_thread
 from anyio.lowlevel import EventLoopToken, current_token
 from radixlm.runtime.protocol import (
     Chunk,
     CloseSession,
     Done,
-    FlushCache,
-    ForkSession,
     Generate,
-    GetStats,
     Input,
-    ListSessions,
     Ok,
-    OpenSession,
-    Pin,
-    Pinned,
     Retention,
     SamplingParams,
-    SessionList,
     SessionOpened,
-    SessionsForked,
-    StatsReply,
     Struct,
-    Tokenize,
-    Tokens,
-    TruncateSession,
-    Unpin,
     Welcome,
 )
+from radixlm.runtime.transport.client import ProtocolClient
 from radixlm.runtime.transport.connection import Connection, Liveness, Request
 from radixlm.runtime.transport.curve import load_curve_keys
 from radixlm.runtime.transport.discovery import client_endpoint, find_server
 from radixlm.runtime.transport.mailbox import Waiter
-from radixlm.sdk.errors import EngineDeadError, InternalError, InvalidParamsError, ProgramError
-from radixlm.sdk.options import SamplingOptions, sampling_params
+from radixlm.runtime.transport.probe import NoServerError, probe_endpoint
+from radixlm.sdk.errors import EngineDeadError, InvalidParamsError, NotFoundError, ProgramError
+from radixlm.sdk.options import SamplingOptions, TurnOptions, sampling_params
 from radixlm.sdk.results import GenerateResult, StreamDelta, result_from_done, to_messages
 from radixlm.sdk.signatures import same_parameters
 from radixlm.sdk.structured import pop_tool_options
@@ -206,6 +193,9 @@ class EngineFacts:
         _welcome_of, "Tokens per KV page: the cache keeps and shares whole pages.")
     kv_capacity = _Read[int](_welcome_of, "The KV pool's size in tokens.")
     server_version = _Read[str](_welcome_of, "The engine's radixlm version.")
+    state = _Read[str](_welcome_of, "The server's state key (its model fingerprint): sessions "
+                                     "opened with ``durable=True`` outlive disconnects and "
+                                     "restarts; \"\" when it keeps no state.")
 
     def get_model_name(self) -> str:
         """The model the engine serves (SGLang's ``RuntimeEndpoint.get_model_name``)."""
@@ -213,6 +203,13 @@ class EngineFacts:
 
     def _welcome(self) -> Welcome:
         raise NotImplementedError
+
+
+def _wrong_loop() -> ProgramError:
+    return ProgramError(
+        "this AsyncClient belongs to another event loop (or is not open): use it from "
+        "the loop that opened it, or use the synchronous handle's methods"
+    )
 
 
 class AsyncClient(EngineFacts):
@@ -229,6 +226,12 @@ class AsyncClient(EngineFacts):
     `server_key`, `client_key`: CurveZMQ certificate files for a server started with
     ``--auth-dir`` (its ``server.key``; this client's ``NAME.key_secret``); with keys the
     connection uses pyzmq's libzmq socket, which does CURVE.
+
+    Reconnecting: a connection the server dropped (a frontend restarted by `radixlm
+    serve`) fails the requests in flight with `EngineDeadError`; the next call connects
+    again (within `connect_timeout`) and resumes every durable session this client holds
+    (``durable=True``: they outlive disconnects and restarts). After an engine restart,
+    a turn, fork or close naming one of them resumes them all and is sent once more.
     """
 
     def __init__(
@@ -247,14 +250,19 @@ class AsyncClient(EngineFacts):
         # A server this client did not start is looked for before waiting for it (one
         # with a `liveness` hook is being started by the caller, and may not listen yet).
         self._probe = liveness is None
-        self._conn = Connection(endpoint, client_name=name, heartbeat_timeout=heartbeat_timeout,
-                                liveness=liveness, curve=load_curve_keys(server_key, client_key))
+        self._new_core = partial(ProtocolClient, endpoint, client_name=name,
+                                 heartbeat_timeout=heartbeat_timeout, liveness=liveness,
+                                 curve=load_curve_keys(server_key, client_key),
+                                 wrong_loop=_wrong_loop)
+        self._use(self._new_core())
+        self._liveness = liveness
+        self._tg: TaskGroup | None = None  # where the connection's tasks run
+        self._durable: set[str] = set()  # durable sessions this client holds: resumed
+        self._reconnecting: anyio.Lock | None = None
         self._connect_timeout = connect_timeout
         self._stack: AsyncExitStack | None = None
-        self._thread: int | None = None
         self._aloop: asyncio.AbstractEventLoop | None = None  # the client's loop, if asyncio
         self._token: EventLoopToken | None = None
-        self._rids = itertools.count()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -264,16 +272,17 @@ class AsyncClient(EngineFacts):
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
-            stack.callback(self._conn.close)
+            stack.callback(lambda: self._core.close())  # (the core of the moment)
             tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(tg.cancel_scope.cancel)
-            self._thread = threading.get_ident()
+            self._tg = tg
+            self._reconnecting = anyio.Lock()
             self._token = current_token()
             try:
                 self._aloop = asyncio.get_running_loop()
             except RuntimeError:  # trio
                 self._aloop = None
-            await self._conn.open(tg, self._connect_timeout)
+            await self._core.open(tg, self._connect_timeout)
         except BaseException:
             # Unwind without handing the error to the task group (which would wrap it in
             # an ExceptionGroup): the caller gets the typed error itself.
@@ -291,6 +300,56 @@ class AsyncClient(EngineFacts):
         stack, self._stack = self._stack, None
         if stack is not None:
             await stack.__aexit__(*exc)
+
+    def _use(self, core: ProtocolClient) -> None:
+        self._core = core
+        self._conn = core.conn
+        self._new_rid = core.rids.new
+
+    async def _recover(self) -> None:
+        """A new connection if the server dropped this one, then every durable session
+        this client holds resumed as its own (one `not_found` drops that id)."""
+        lock, tg = self._reconnecting, self._tg
+        if lock is None or tg is None:
+            raise ProgramError("the client is not connected (use `async with AsyncClient(...)`)")
+        async with lock:
+            if not self._conn.alive:
+                reason = self._liveness() if self._liveness is not None else None
+                if reason:  # the server process this client watches has exited
+                    raise EngineDeadError(reason)
+                try:  # nothing listening there any more: at once, not after a timeout
+                    await anyio.to_thread.run_sync(probe_endpoint, self.endpoint)
+                except NoServerError as e:
+                    raise EngineDeadError(f"the server at {self.endpoint} is gone: {e}") from None
+                core = self._new_core()
+                await core.open(tg, self._connect_timeout)
+                self._core.close()
+                self._use(core)
+            for session in list(self._durable):
+                try:
+                    await self._core.resume_session(session)
+                except NotFoundError:
+                    self._durable.discard(session)
+
+    async def _recovered(self, again: Callable[[], Coroutine[Any, Any, R]]) -> R:
+        await self._recover()
+        return await again()
+
+    def _durable_retry(self, msg: Struct, first: Coroutine[Any, Any, R],
+                       again: Callable[[], Coroutine[Any, Any, R]]) -> Coroutine[Any, Any, R]:
+        """`first`, and for a request naming a durable session of this client that the
+        engine does not know (it restarted), the sessions resumed and `again()`."""
+        if getattr(msg, "session", None) not in self._durable:
+            return first
+
+        async def run() -> R:
+            try:
+                return await first
+            except NotFoundError:
+                await self._recover()
+                return await again()
+
+        return run()
 
     # -- engine facts (`EngineFacts`, from the Welcome) ------------------------------------
 
@@ -340,7 +399,7 @@ class AsyncClient(EngineFacts):
 
     def new_rid(self) -> str:
         """A request id unused by this client (hex counter)."""
-        return f"{next(self._rids):x}"
+        return self._new_rid()
 
     def request(self, msg: Struct) -> Request:
         """Send one protocol request (a message with a ``rid``, e.g. from
@@ -354,44 +413,30 @@ class AsyncClient(EngineFacts):
         async context manager (or ``await req.aclose()``): leaving it before it finished
         aborts a generation in the engine. `generate`, `stream`, `call` and `run_generate`
         cover the usual cases."""
-        if self._thread != threading.get_ident():
-            raise ProgramError(
-                "this AsyncClient belongs to another event loop (or is not open): use it from "
-                "the loop that opened it, or use the synchronous handle's methods"
-            )
-        if type(msg) is Generate:
-            return self._conn.request(msg, branches=msg.n, generate=True)
-        return self._conn.request(msg)
+        return self._core.request(msg)
 
-    async def call(self, msg: Struct, expect: type[R]) -> R:
-        """Send a request that has exactly one answer and return it (typed errors raise)."""
-        req = self.request(msg)
-        try:
-            reply = await req.receive()
-        finally:
-            req.close()
-        if not isinstance(reply, expect):
-            raise InternalError(
-                f"unexpected {type(reply).__name__} in answer to {type(msg).__name__}",
-                rid=msg.rid,
-            )
-        return reply
+    # `call` and `run_generate` hand back the core's coroutine itself (awaited by the
+    # caller): one coroutine per request on the programs' hot path, not two.
 
-    async def run_generate(self, msg: Generate) -> list[Done]:
-        """Send a Generate and collect one Done per branch (sorted by branch index)."""
-        req = self.request(msg)
-        try:
-            while not req.finished:
-                await req.receive()
-        finally:
-            if req.finished:
-                req.close()
-            else:  # cancelled or failed mid-way: abort it in the engine
-                await req.aclose()
-        dones = req.dones
-        if len(dones) > 1:
-            dones.sort(key=lambda d: d.index)
-        return dones
+    def call(self, msg: Struct, expect: type[R]) -> Coroutine[Any, Any, R]:
+        """Send a request that has exactly one answer and return it (typed errors raise;
+        await it)."""
+        if not self._conn.alive and self._tg is not None:  # dropped: connect again first
+            return self._recovered(lambda: self._core.call(msg, expect))
+        if self._durable:
+            return self._durable_retry(msg, self._core.call(msg, expect),
+                                       lambda: self._core.call(msg, expect))
+        return self._core.call(msg, expect)
+
+    def run_generate(self, msg: Generate) -> Coroutine[Any, Any, list[Done]]:
+        """Send a Generate and collect one Done per branch (sorted by branch index; await
+        it)."""
+        if not self._conn.alive and self._tg is not None:
+            return self._recovered(lambda: self._core.run_generate(msg))
+        if self._durable:
+            return self._durable_retry(msg, self._core.run_generate(msg),
+                                       lambda: self._core.run_generate(msg))
+        return self._core.run_generate(msg)
 
     def generate_message(
         self, inp: Input, sampling: Mapping[str, Any] | SamplingParams, **fields: Any
@@ -466,9 +511,8 @@ class AsyncClient(EngineFacts):
         add_generation_prompt: bool = True,
     ) -> list[int]:
         """The token ids the engine would use for this input as a fresh prompt."""
-        inp = make_input(prompt, input_ids, messages, add_generation_prompt)
-        reply = await self.call(Tokenize(rid=self.new_rid(), input=inp), Tokens)
-        return reply.input_ids
+        return await self._core.tokenize(
+            make_input(prompt, input_ids, messages, add_generation_prompt))
 
     # -- sessions and pins -------------------------------------------------------------------
 
@@ -483,38 +527,57 @@ class AsyncClient(EngineFacts):
         retention: Retention = "hard",
         ttl_s: float | None = None,
         namespace: str | None = None,
+        durable: bool = False,
     ) -> SessionOpened:
-        """Open an engine session (empty, from an input prefilled now, and/or from a pin)."""
+        """Open an engine session (empty, from an input prefilled now, and/or from a pin).
+        `durable`: it outlives this connection and restarts of the server (one with a
+        state directory: ``state``); the reply's ``durable`` says whether it does."""
         inp = None
         if prompt is not None or input_ids is not None or messages is not None:
             inp = make_input(prompt, input_ids, messages, add_generation_prompt)
-        msg = OpenSession(rid=self.new_rid(), input=inp, pinned=pin, retention=retention,
-                          ttl_s=ttl_s, namespace=namespace)
-        return await self.call(msg, SessionOpened)
+        if not self._conn.alive and self._tg is not None:
+            await self._recover()
+        opened = await self._core.open_session(inp, pinned=pin, retention=retention,
+                                               ttl_s=ttl_s, namespace=namespace,
+                                               durable=durable)
+        if opened.durable:
+            self._durable.add(opened.session)
+        return opened
+
+    async def resume_session(self, session: str) -> SessionOpened:
+        """Take a durable session (opened by this or another connection of this tenant,
+        before a disconnect or a restart) as this client's own: `SessionOpened`, its
+        ``length`` the history's; `NotFoundError` for an id that is not a durable session
+        of this tenant."""
+        if not self._conn.alive and self._tg is not None:
+            await self._recover()
+        opened = await self._core.resume_session(session)
+        self._durable.add(opened.session)
+        return opened
 
     async def fork_session(self, session: str, n: int = 1) -> list[str]:
         """`n` new sessions sharing `session`'s history (nothing is copied or recomputed)."""
-        reply = await self.call(ForkSession(rid=self.new_rid(), session=session, n=n),
-                                SessionsForked)
-        return reply.sessions
+        return (await self._core.fork_session(session, n)).sessions
 
     async def truncate_session(self, session: str, length: int) -> None:
         """Cut `session`'s history back to its first `length` tokens."""
-        await self.call(TruncateSession(rid=self.new_rid(), session=session, length=length), Ok)
+        await self._core.truncate_session(session, length)
 
     async def close_session(self, session: str) -> None:
         """Close `session`: its history goes back to the ordinary cache."""
         await self.call(CloseSession(rid=self.new_rid(), session=session), Ok)
+        self._durable.discard(session)
 
     def close_session_unawaited(self, session: str) -> None:
         """Close a session without waiting for the engine's answer (it handles this
-        client's requests in order, so later requests already see it closed)."""
-        self._conn.send_unawaited(CloseSession(rid=self.new_rid(), session=session))
+        client's requests in order, so later requests already see it closed; nothing is
+        sent once the engine is dead: its sessions went with it)."""
+        self._durable.discard(session)
+        self._core.close_sessions_unawaited([session])
 
     async def list_sessions(self) -> list[dict[str, Any]]:
         """This client's open sessions (id, length, idle time, retention, busy)."""
-        reply = await self.call(ListSessions(rid=self.new_rid()), SessionList)
-        return [msgspec.structs.asdict(s) for s in reply.sessions]
+        return [msgspec.structs.asdict(s) for s in await self._core.list_sessions()]
 
     async def pin(
         self,
@@ -528,13 +591,11 @@ class AsyncClient(EngineFacts):
         """Prefill and hold a named prefix (a system or tool prompt) that sessions and
         programs can start from (``pin=name``). Returns its length in tokens."""
         inp = make_input(prompt, input_ids, messages, add_generation_prompt=False)
-        reply = await self.call(Pin(rid=self.new_rid(), name=name, input=inp,
-                                    namespace=namespace), Pinned)
-        return reply.length
+        return await self._core.pin(name, inp, namespace)
 
     async def unpin(self, name: str) -> None:
         """Release the pinned prefix `name` (sessions started from it keep theirs)."""
-        await self.call(Unpin(rid=self.new_rid(), name=name), Ok)
+        await self._core.unpin(name)
 
     def session(
         self,
@@ -544,25 +605,37 @@ class AsyncClient(EngineFacts):
         retention: Retention = "hard",
         ttl_s: float | None = None,
         namespace: str | None = None,
+        durable: bool = False,
         **sampling: Unpack[SamplingOptions],
     ) -> AsyncChatSession:
         """A chat session (``async with client.session(...) as chat``); `sampling` are the
-        defaults of its sends."""
+        defaults of its sends. `durable`: it outlives this client (``chat.id`` names it to
+        `resume`); its ``with`` block then leaves it open, held for a later resume."""
         from radixlm.sdk.chat import AsyncChatSession
 
         return AsyncChatSession(self, system=system, pin=pin, retention=retention,
-                                ttl_s=ttl_s, namespace=namespace, sampling=sampling)
+                                ttl_s=ttl_s, namespace=namespace, sampling=sampling,
+                                durable=durable)
+
+    async def resume(self, session: str, **sampling: Unpack[TurnOptions]) -> AsyncChatSession:
+        """A durable chat session back (after this or another process disconnected, or
+        the server restarted), by its id: ``chat = await client.resume(saved_id)``. Its
+        ``history`` starts empty here (the engine holds the tokens); sends continue it."""
+        from radixlm.sdk.chat import AsyncChatSession
+
+        opened = await self.resume_session(session)
+        return AsyncChatSession(self, sampling=sampling, durable=True, _session=opened.session,
+                                _length=opened.length)
 
     # -- engine state -------------------------------------------------------------------------
 
     async def stats(self) -> dict[str, Any]:
         """The engine's `StatsReply` as a dict (cache sizes, sessions, token counters)."""
-        reply = await self.call(GetStats(rid=self.new_rid()), StatsReply)
-        out = msgspec.structs.asdict(reply)
+        out = msgspec.structs.asdict(await self._core.stats())
         out.pop("rid", None)
         return out
 
     async def flush_cache(self) -> None:
         """Evict everything evictable from the prefix cache; sessions and pins keep
         what they hold."""
-        await self.call(FlushCache(rid=self.new_rid()), Ok)
+        await self._core.flush_cache()

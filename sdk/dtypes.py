@@ -1,5 +1,5 @@
 """``gen(dtype=...)``: a Python type as a regex constraint plus stop strings, as SGLang
-does it (its ``RuntimeEndpoint._handle_dtype_to_regex``).
+does it (``sglang.lang.backend.runtime_endpoint.RuntimeEndpoint._handle_dtype_to_regex``).
 
     int   -> REGEX_INT,   and stops " " and "\\n" added
     float -> REGEX_FLOAT, and stops " " and "\\n" added

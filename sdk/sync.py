@@ -13,7 +13,8 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -24,6 +25,10 @@ from radixlm.sdk.errors import EngineDeadError
 from radixlm.sdk.loop_thread import LoopThread
 from radixlm.sdk.results import GenerateResult, StreamDelta
 from radixlm.sdk.signatures import blocking, constructor_parameters, facing, same_parameters
+
+if TYPE_CHECKING:
+    from radixlm.sdk.options import TurnOptions
+    from typing_extensions import Unpack
 
 __all__ = ["ChatSession", "Client", "SyncTextStream", "connect"]
 
@@ -126,6 +131,11 @@ class ChatSession:
         """Tokens of history the engine holds for this session."""
         return self._chat.length
 
+    @property
+    def durable(self) -> bool:
+        """Whether it outlives this client (then ``with`` leaves it open for `resume`)."""
+        return self._chat.durable
+
     def open(self) -> ChatSession:
         """Open the engine session (``with`` does it); returns this chat."""
         self._loop.call(self._chat.open)
@@ -139,7 +149,7 @@ class ChatSession:
         return self.open()
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._loop.call(self._chat.__aexit__, *exc)  # (a durable session stays open)
 
     send = blocking(AsyncChatSession.send, "_chat")
     tool_done_soon = blocking(AsyncChatSession.tool_done_soon, "_chat")
@@ -263,8 +273,14 @@ class Client(EngineFacts):
     unpin = blocking(AsyncClient.unpin, "aclient")
     stats = blocking(AsyncClient.stats, "aclient")
     flush_cache = blocking(AsyncClient.flush_cache, "aclient")
+    resume_session = blocking(AsyncClient.resume_session, "aclient")
     stream = facing(AsyncClient.stream, "aclient", SyncTextStream)
     session = facing(AsyncClient.session, "aclient", ChatSession)
+
+    def resume(self, session: str, **sampling: Unpack[TurnOptions]) -> ChatSession:
+        """A durable chat session back by its id (`AsyncClient.resume`)."""
+        return ChatSession(self._loop, self._loop.call(partial(self.aclient.resume, session,
+                                                               **sampling)))
 
 
 @constructor_parameters(AsyncClient)

@@ -86,3 +86,17 @@ def accumulate_calls(chunks: Any) -> list[dict[str, Any]]:
                 entry["arguments"] += tc.function.arguments
                 entry["fragments"] += 1
     return [calls[i] for i in sorted(calls)]
+
+
+def real_anthropic():  # noqa: ANN201 - the `anthropic` module
+    """The `anthropic` SDK: pytest (importlib mode) registers a checkout whose folder is
+    named ``anthropic`` under that very name, which would shadow it (as for ``agents``)."""
+    import sys
+
+    repo = str(Path(__file__).resolve().parents[1])
+    for name in [n for n in sys.modules if n == "anthropic" or n.startswith("anthropic.")]:
+        if (getattr(sys.modules[name], "__file__", None) or "").startswith(repo):
+            del sys.modules[name]
+    import anthropic
+
+    return anthropic

@@ -46,6 +46,7 @@ class Harness:
         model=None,
         grammars=None,
         clock=None,
+        state_dir: Path | None = None,
         **options,
     ) -> None:
         cfg = ModelConfig.from_dir(model_dir)
@@ -54,8 +55,14 @@ class Harness:
         self.runner = model or ModelRunner(model_dir, "cpu", torch.float32, self.pool, "torch")
         self.cache = PrefixCache(capacity, page_size, policy="priority")
         manager = None
+        self.durable = None
         if sessions:
-            manager = SessionManager(self.cache, engine_config or EngineConfig(), kv_pool=self.pool)
+            if state_dir is not None:  # durable sessions' rows (no loop: written inline)
+                from radixlm.runtime.engine.sessions.durable import DurableLog
+
+                self.durable = DurableLog(state_dir / "engine.sqlite")
+            manager = SessionManager(self.cache, engine_config or EngineConfig(), kv_pool=self.pool,
+                                     durable=self.durable)
         options.setdefault("context_length", CONTEXT)
         options.setdefault("check_invariants", True)
         self.tokenizer = Tokenizer.load(model_dir)

@@ -109,6 +109,11 @@ def _scan(path: Path, names: Names) -> None:
     scope = names.members[module]  # what `module.name` may name
     scope |= _assigned(tree.body)
     for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            # A module's lazy names (`radixlm.cache.KVPool`): the strings it answers to.
+            scope.update(c.value for c in ast.walk(node)
+                         if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                         and c.value.isidentifier())
         if isinstance(node, ast.ImportFrom | ast.Import):  # re-exports
             scope.update((a.asname or a.name).split(".")[0] for a in node.names)
         if isinstance(node, ast.ImportFrom) and node.module and node.names[0].name == "*":

@@ -253,14 +253,18 @@ def _with_server(args: argparse.Namespace, command: str,
                  run: Callable[[str, dict[int, Any]], int]) -> int:
     """``run(endpoint, key options)`` against the server `command` talks to; one line
     and exit 1 for a server that fails to answer."""
-    from radixlm.runtime.transport.raw_client import ServerError
+    from radixlm.runtime.transport.endpoints import EndpointError
+    from radixlm.runtime.transport.errors import EngineError
 
     found = _client_of(args, command)
     if isinstance(found, int):
         return found
     try:
         return run(*found)
-    except (ServerError, TimeoutError) as e:
+    except EngineError as e:
+        say(command, f"{e.code}: {e.message}")
+        return 1
+    except (EndpointError, TimeoutError) as e:
         say(command, str(e))
         return 1
 
@@ -274,8 +278,7 @@ def cmd_sessions(args: argparse.Namespace) -> int:
         # ("all"), in which other clients' ids come back as prefixes that open nothing.
         with RawClient(endpoint, name="radixlm-cli", timeout_s=args.timeout,
                        options=options) as client:
-            reply = client.call(ListSessions(rid="sessions", all=True))
-        assert isinstance(reply, SessionList)
+            reply = client.call(ListSessions(rid="sessions", all=True), SessionList)
         print(format_sessions(reply))
         return 0
 

@@ -35,8 +35,9 @@ from radixlm.runtime.server.launcher import (
 from radixlm.runtime.server.progress import Spinner, starting_label
 from radixlm.runtime.transport.channel import EndpointError
 from radixlm.runtime.transport.discovery import client_endpoint
+from radixlm.runtime.transport.errors import EngineError
 from radixlm.runtime.transport.probe import NoServerError
-from radixlm.runtime.transport.raw_client import RawClient, ServerError
+from radixlm.runtime.transport.raw_client import RawClient
 
 __all__ = ["run_generate"]
 
@@ -110,7 +111,7 @@ def _abort(client: RawClient, rid: str) -> None:
     """Abort `rid` and wait (briefly) for its end, so the abort is not lost with the
     socket (which closes without lingering)."""
     client.send(Abort(rid=rid))
-    with contextlib.suppress(ServerError, TimeoutError):
+    with contextlib.suppress(EngineError, TimeoutError):
         client.collect(rid, timeout_s=ABORT_WAIT_S)
 
 
@@ -133,7 +134,7 @@ def _generate(endpoint: str, args: argparse.Namespace, options: dict[int, Any]) 
                     client.generate(inp, rid=rid, stream=True, timeout_s=None, on_chunk=show,
                                     max_tokens=args.max_tokens, temperature=args.temperature,
                                     top_p=args.top_p, stop=args.stop)
-                except ServerError as e:
+                except EngineError as e:
                     if e.code == ErrorCode.NO_TEMPLATE and i + 1 < len(inputs):
                         continue  # not a chat model: complete the plain text
                     raise
@@ -145,6 +146,9 @@ def _generate(endpoint: str, args: argparse.Namespace, options: dict[int, Any]) 
                 break
             sys.stdout.write("\n")
         return 0
-    except (ServerError, TimeoutError, OSError, zmq.ZMQError) as e:
+    except EngineError as e:
+        say("generate", f"{e.code}: {e.message}")
+        return 1
+    except (TimeoutError, OSError, zmq.ZMQError) as e:
         say("generate", str(e))
         return 1

@@ -39,8 +39,7 @@ class Sample:
 
 def sample(client: RawClient) -> Sample:
     stats = client.stats()
-    listing = client.call(ListSessions(rid=client.new_rid("ls"), all=True))
-    assert isinstance(listing, SessionList)
+    listing = client.call(ListSessions(rid=client.new_rid("ls"), all=True), SessionList)
     return Sample(time.monotonic(), stats, listing.sessions)
 
 

@@ -112,7 +112,7 @@ def build_engine(config: EngineConfig, model_dir: str | Path | None = None,
         log.info("weights: %s, %.1f MiB held, %.1f MiB read per decode step, loaded in %.2fs",
                  model.weight_format, model.resident_bytes() / 2**20, model.weight_bytes() / 2**20,
                  t_load)  # fmt: skip
-    # "priority": demoted session histories are evicted after plain cache (sessions.py).
+    # "priority": demoted session histories are evicted after plain cache (retention.py).
     cache = PrefixCache(capacity, config.page_size, policy="priority")
     state = open_engine_state(config.state_dir, model_dir, {
         "weights": fmt or str(dtype), "kv_dtype": str(kv_dtype), "page_size": config.page_size,

@@ -250,8 +250,13 @@ class MessageHandler:
 
     # ---------------------------------------------------------------- endings
     def _on_client_gone(self, client: bytes) -> None:
+        self.sessions.forget_held(client)  # its messages held behind a tail: dropped
         for g in [g for g in self.table.groups.values() if g.client == client]:
             for r in g.branches:
-                if r.state not in TERMINAL:
+                if r.state in TERMINAL:
+                    continue
+                if r.reported:  # its Done went out: the turn stands (a durable session
+                    self.endings.end_pending(r)  # keeps it; others are closed below)
+                else:
                     self.endings.end(r, ReqState.ABORTED, "abort")
         self.sessions.client_gone(client)

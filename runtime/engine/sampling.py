@@ -26,7 +26,7 @@ goes through, in this order (the order of transformers' and vLLM's processors):
    and on CUDA, whose generators differ). Unseeded rows share one draw from torch's
    default generator.
 
-Before all of these, a grammar `mask` (``runtime.grammar.TokenMask``: the whole batch's
+Before all of these, a grammar `mask` (``runtime.grammar.bitmask.TokenMask``: the whole batch's
 token bitmask, filled in one pass) sets the tokens a constrained row's grammar forbids
 to -inf, and `banned` tokens (a row below its ``min_tokens``: EOS and stop ids) are set to
 -inf too, unless nothing would be left.
@@ -89,7 +89,7 @@ class SampleOutput(NamedTuple):
 
 
 class LogitsMask(Protocol):
-    """Restricts some rows of a logits batch (``runtime.grammar.TokenMask``)."""
+    """Restricts some rows of a logits batch (``runtime.grammar.bitmask.TokenMask``)."""
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor: ...
 

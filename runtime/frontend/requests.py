@@ -173,6 +173,7 @@ class ClientRequests:
 
     def tokenize(self, client: ClientState, msg: wire.Tokenize) -> None:
         self._check(msg.input)
+        check_tools(msg.tools, self.model.context_length)
         model = self.model
         def then(ids: list[int]) -> None:
             strs = None
@@ -181,7 +182,8 @@ class ClientRequests:
                 strs = [piece(t) or "" for t in ids]
             self.routes.reply(client, wire.Tokens(rid=msg.rid, input_ids=ids, token_strs=strs))
 
-        self._prepare(client, msg.rid, msg.input, lambda: input_ids(model, msg.input), then)
+        self._prepare(client, msg.rid, msg.input, lambda: input_ids(model, msg.input, True, msg.tools),
+                      then)
 
     def detokenize(self, client: ClientState, msg: wire.Detokenize) -> None:
         check_input(wire.Input(input_ids=msg.token_ids), self.model.vocab_size)

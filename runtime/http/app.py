@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import msgspec
 from radixlm.runtime.http import (
+    anthropic,
     chat,
     completions,
     conversations,
@@ -39,6 +40,7 @@ log = logging.getLogger("radixlm.http")
 access_log = logging.getLogger("radixlm.http.access")
 _json = msgspec.json.Encoder()
 Handler = Callable[[HttpContext, Request], Awaitable[Response]]
+Render = Callable[[Request, ApiError], Response]  # an error in the route's API's shape
 SWEEP_INTERVAL_S = 30.0
 
 
@@ -47,32 +49,56 @@ def _json_response(obj: Any, status: int = 200) -> Response:
 
 
 def _unauthorized() -> ApiError:
-    return ApiError(401, "Incorrect API key provided (send Authorization: Bearer <key>)",
-                    type="invalid_request_error", code="invalid_api_key")
+    return ApiError(401, "Incorrect API key provided (send Authorization: Bearer <key>, or "
+                         "x-api-key: <key>)", type="invalid_request_error", code="invalid_api_key")
 
 
-def _route(ctx: HttpContext, name: str, handler: Handler, *,
-           public: bool = False) -> Callable[[Request], Awaitable[Response]]:
-    """A Starlette endpoint: the key's tenant, errors in OpenAI's shape, request counting
-    and the access log (logger ``radixlm.http.access``, level info)."""
+def _tenant(tenants: Tenants, request: Request) -> Tenant | None:
+    """The tenant of the request's key: ``Authorization: Bearer``, or Anthropic's
+    ``x-api-key``."""
+    headers = request.headers
+    tenant = tenants.of(headers.get("authorization", ""))
+    key = headers.get("x-api-key")
+    if tenant is None and key is not None:
+        tenant = tenants.of(f"Bearer {key}")
+    return tenant
+
+
+def _openai_error(request: Request, e: ApiError) -> Response:
+    return e.response()
+
+
+def _anthropic_when_asked(request: Request, e: ApiError) -> Response:
+    """Anthropic's error shape for its clients (an ``anthropic-version`` header) and its
+    routes, OpenAI's otherwise."""
+    if anthropic.asks_anthropic(request) or request.url.path.startswith("/v1/messages"):
+        return anthropic.error_response(e)
+    return e.response()
+
+
+def _route(ctx: HttpContext, name: str, handler: Handler, *, public: bool = False,
+           errors: Render = _openai_error) -> Callable[[Request], Awaitable[Response]]:
+    """A Starlette endpoint: the key's tenant, errors in the route's shape (OpenAI's
+    unless `errors` says otherwise), request counting and the access log (logger
+    ``radixlm.http.access``, level info)."""
     requests = ctx.metrics.requests
     tenants = ctx.tenants
 
     async def endpoint(request: Request) -> Response:
         started = time.perf_counter()
-        tenant = tenants.of(request.headers.get("authorization", ""))
+        tenant = _tenant(tenants, request)
         try:
             if tenant is None and not public:
                 raise _unauthorized()
             response = await handler(ctx.for_tenant(tenant or tenants.control), request)
         except ApiError as e:
-            response = e.response()
+            response = errors(request, e)
         except EngineError as e:
-            response = from_engine(e).response()
+            response = errors(request, from_engine(e))
         except Exception:
             log.exception("unexpected error in %s", name)
-            response = ApiError(500, "internal server error (see the server log)",
-                                type="server_error", code="internal").response()
+            response = errors(request, ApiError(500, "internal server error (see the server log)",
+                                                type="server_error", code="internal"))
         requests.labels(name, str(response.status_code)).inc()
         if access_log.isEnabledFor(logging.INFO):
             client = request.client
@@ -176,16 +202,27 @@ def build_app(config: HttpConfig) -> Starlette:
         link = EngineLink(config.engine_endpoint, tenant=None if key is None else name,
                           gateway_token=token, curve=curve,
                           heartbeat_timeout=config.link_timeout_s)
-        return Tenant(name, link, ConversationStore(config.response_ttl_s, link.close_sessions))
+        store = ConversationStore(config.response_ttl_s, link.close_sessions_unawaited)
+        return Tenant(name, link, store)
 
     tenants = Tenants(config.api_keys, make_tenant)
     ctx = HttpContext(config, tenants, Metrics())
+    messages = anthropic.MessagesApi(tenants)
 
-    def route(path: str, name: str, handler: Handler, methods: list[str], public: bool = False) -> Route:
-        return Route(path, _route(ctx, name, handler, public=public), methods=methods)
+    def route(path: str, name: str, handler: Handler, methods: list[str], public: bool = False,
+              errors: Render = _openai_error) -> Route:
+        return Route(path, _route(ctx, name, handler, public=public, errors=errors),
+                     methods=methods)
 
-    routes = [
+    def anthropic_route(path: str, name: str, handler: Handler) -> Route:
+        return route(path, name, handler, ["POST"],
+                     errors=lambda request, e: anthropic.error_response(e))
+
+    routes = [  # (matched in order: the generation routes first)
         route("/v1/chat/completions", "chat", chat.chat_completions, ["POST"]),
+        anthropic_route("/v1/messages", "messages", messages.create),
+        anthropic_route("/v1/messages/count_tokens", "messages_count_tokens",
+                        messages.count_tokens),
         route("/v1/completions", "completions", completions.completions, ["POST"]),
         route("/v1/responses", "responses", responses.create, ["POST"]),
         route("/v1/responses/{response_id}", "responses_get", responses.get, ["GET"]),
@@ -209,8 +246,10 @@ def build_app(config: HttpConfig) -> Starlette:
               "conversation_items_delete", conversations.delete_item, ["DELETE"]),
         route("/v1/sessions/{session_id}", "sessions_get", _get_session, ["GET"]),
         route("/v1/sessions/{session_id}", "sessions_delete", _delete_session, ["DELETE"]),
-        route("/v1/models", "models", _models, ["GET"]),
-        route("/v1/models/{model:path}", "model", _model, ["GET"]),
+        route("/v1/models", "models", anthropic.models_or(_models), ["GET"],
+              errors=_anthropic_when_asked),
+        route("/v1/models/{model:path}", "model", anthropic.model_or(_model), ["GET"],
+              errors=_anthropic_when_asked),
         route("/get_model_info", "model_info", _model_info, ["GET"]),
         route("/v1/tokenize", "tokenize", tokenize.tokenize, ["POST"]),
         route("/v1/detokenize", "detokenize", tokenize.detokenize, ["POST"]),
@@ -226,6 +265,7 @@ def build_app(config: HttpConfig) -> Starlette:
             for tenant in tenants:
                 await tenant.link.open(tg, config.connect_timeout_s)
             tg.start_soon(_sweep, [t.store for t in tenants])
+            tg.start_soon(messages.cache.sweep_forever)
             log.info("HTTP frontend for %s on http://%s:%d/v1 (%d tenant%s)", ctx.model_name,
                      config.host, config.port, len(list(tenants)),
                      "" if len(list(tenants)) == 1 else "s")
@@ -239,8 +279,8 @@ def build_app(config: HttpConfig) -> Starlette:
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                        type=kind).response()
+        return _anthropic_when_asked(request, ApiError(
+            exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", type=kind))
 
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
 

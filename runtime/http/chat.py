@@ -67,7 +67,7 @@ async def chat_completions(ctx: HttpContext, request: Request) -> Response:
     turn = turns.Turn(None, keep=False)
     if spec is not None:
         turn = await turns.begin(ctx, spec.id, fork=spec.fork, keep=True, kind="session")
-    msg = Generate(rid=ctx.link.rid(), input=Input(messages=messages), sampling=sampling,
+    msg = Generate(rid=ctx.link.new_rid(), input=Input(messages=messages), sampling=sampling,
                    stream=bool(req.stream), session=turn.session, n=n, tools=tools,
                    tool_choice=tool_choice, parallel_tool_calls=parallel,
                    logprob_texts=bool(req.logprobs), program=program_of(request))

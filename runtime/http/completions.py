@@ -114,7 +114,7 @@ async def _message(ctx: HttpContext, prompt: Prompt, sampling: SamplingParams, n
         except EngineError as e:
             raise from_engine(e) from None
     inp = Input(text=prompt) if isinstance(prompt, str) else Input(input_ids=prompt)
-    return Generate(rid=ctx.link.rid(), input=inp, sampling=sampling, stream=stream, n=n,
+    return Generate(rid=ctx.link.new_rid(), input=inp, sampling=sampling, stream=stream, n=n,
                     prompt_logprobs_start=0 if prompt_logprobs else None,
                     logprob_texts=sampling.logprobs, program=program)
 

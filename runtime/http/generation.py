@@ -24,7 +24,7 @@ from radixlm.runtime.transport.errors import EngineError
 async def run(ctx: HttpContext, msg: Generate) -> list[Done]:
     """One Done per branch (by index); engine refusals become `ApiError`s."""
     try:
-        return await ctx.link.generate(msg)
+        return await ctx.link.run_generate(msg)
     except EngineError as e:
         raise from_engine(e) from None
 
@@ -34,7 +34,7 @@ async def replies(ctx: HttpContext, msg: Generate) -> AsyncIterator[Union[Chunk,
     last: Union[float, None] = None
     itl = ctx.metrics.itl.labels(ctx.model_name)
     try:
-        req = ctx.link.start(msg)
+        req = ctx.link.request(msg)
     except EngineError as e:
         raise from_engine(e) from None
     try:

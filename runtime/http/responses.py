@@ -131,7 +131,7 @@ async def create(ctx: HttpContext, request: Request) -> Response:
     turn, held_len = await turns.continue_held(ctx, keys, len(messages), keep=keep)
     send = messages[held_len:] if held_len else turn_info.system + messages
     parallel = req.parallel_tool_calls is not False
-    msg = Generate(rid=ctx.link.rid(), input=Input(messages=send), sampling=sampling,
+    msg = Generate(rid=ctx.link.new_rid(), input=Input(messages=send), sampling=sampling,
                    stream=bool(req.stream), session=turn.session, tools=tools,
                    tool_choice=tool_choice, parallel_tool_calls=parallel,
                    program=program_of(request))

@@ -4,7 +4,7 @@ A tenant has its own engine connection (`EngineLink`) and its own store of respo
 chat sessions and conversations: the engine's sessions belong to the connection that
 opened them (another connection's session ids are unknown to it), and the store is only
 ever reached through the tenant the request's key names. The connection declares its
-tenant to the frontend as a trusted gateway (`EngineLink.gateway`), so the frontend
+tenant to the frontend as a trusted gateway (its hello's `Gateway`), so the frontend
 scopes its cache, namespaces and listings exactly as for a CurveZMQ key
 (`radixlm.runtime.frontend.tenants`): nothing crosses keys, not even by the timing or
 the ``cached_tokens`` of a shared prefix.

@@ -31,7 +31,7 @@ async def tokenize(ctx: HttpContext, request: Request) -> Response:
     else:
         inp = Input(text=req.prompt)
     try:
-        tokens = await ctx.link.call(Tokenize(rid=ctx.link.rid(), input=inp,
+        tokens = await ctx.link.call(Tokenize(rid=ctx.link.new_rid(), input=inp,
                                               token_strs=bool(req.return_token_strs)), Tokens)
     except EngineError as e:
         raise from_engine(e) from None

@@ -35,13 +35,22 @@ def unknown(kind: str, id: str) -> ApiError:
                     type="invalid_request_error", code="not_found")
 
 
+async def _open_session(ctx: HttpContext) -> str:
+    """A new engine session, held softly (the engine may demote it under pressure)."""
+    return (await ctx.link.open_session(retention="soft")).session
+
+
+async def _fork_session(ctx: HttpContext, session: str) -> str:
+    return (await ctx.link.fork_session(session)).sessions[0]
+
+
 async def begin(ctx: HttpContext, previous: str | None, *, fork: bool, keep: bool,
                 kind: str) -> Turn:
     """The engine session for a turn continuing `previous` (None: a new conversation)."""
     if previous is None:
         if not keep:
             return Turn(None, keep=False)
-        return Turn(await ctx.link.open_session(), fresh=True)
+        return Turn(await _open_session(ctx), fresh=True)
     entry = ctx.store.get(previous)
     if entry is None:
         raise unknown(kind, previous)
@@ -51,7 +60,7 @@ async def begin(ctx: HttpContext, previous: str | None, *, fork: bool, keep: boo
                                 "or wait)", type="conflict_error", code="busy")
         entry.busy = True
         return Turn(entry.session, in_place=entry)
-    return Turn(await ctx.link.fork_session(entry.session), fresh=True, keep=keep)
+    return Turn(await _fork_session(ctx, entry.session), fresh=True, keep=keep)
 
 
 def _succeeded(done: Done | None) -> bool:
@@ -64,7 +73,7 @@ def _kept(ctx: HttpContext, turn: Turn, done: Done | None) -> int | None:
     if turn.session is None or not turn.fresh:
         return None
     if not _succeeded(done) or not turn.keep:
-        ctx.link.close_sessions([turn.session])
+        ctx.link.close_sessions_unawaited([turn.session])
         return None
     assert done is not None
     return done.session_length or 0
@@ -91,12 +100,12 @@ async def continue_held(ctx: HttpContext, keys: list[bytes], n_messages: int, *,
     if found is not None:
         k, held = found
         try:
-            return Turn(await ctx.link.fork_session(held.session), fresh=True, keep=keep), k
+            return Turn(await _fork_session(ctx, held.session), fresh=True, keep=keep), k
         except NotFoundError:  # closed meanwhile (expired): compute it afresh
             pass
     if not keep:
         return Turn(None, keep=False), 0
-    return Turn(await ctx.link.open_session(), fresh=True), 0
+    return Turn(await _open_session(ctx), fresh=True), 0
 
 
 def hold(ctx: HttpContext, turn: Turn, done: Done | None, key: bytes, chain: bytes) -> Held | None:

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from radixlm.runtime.config import MAX_MESSAGE_BYTES
 from radixlm.runtime.router.policy import Balance
 from radixlm.runtime.settings import Declaration, Settings, setting
+from radixlm.runtime.transport.endpoints import EndpointError, parse_endpoint
 
 __all__ = ["ROUTING", "ReplicaSpec", "RouterConfig", "parse_replica"]
 
@@ -92,7 +93,11 @@ def parse_replica(text: str) -> ReplicaSpec:
     """``ENDPOINT[,server_key=PATH][,client_key=PATH][,gateway_token=PATH]``; raises
     ValueError saying what is wrong."""
     endpoint, *options = text.split(",")
-    if not endpoint.startswith(("ipc://", "tcp://")):
+    try:
+        scheme = parse_endpoint(endpoint).scheme
+    except EndpointError as e:
+        raise ValueError(f"replica {text!r}: {e}") from None
+    if scheme not in ("ipc", "tcp"):
         raise ValueError(f"replica {text!r}: the endpoint must be ipc://PATH or tcp://HOST:PORT")
     values: dict[str, str] = {}
     for option in options:

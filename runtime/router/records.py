@@ -1,5 +1,5 @@
-"""What the router remembers: each session's home and how to rebuild it, each pin's
-holders, each request in flight.
+"""What the router remembers: each client and its links, each session's home and how to
+rebuild it, each pin's holders, each request in flight.
 
 A session's **log** is how its history was made, in protocol terms: how it was opened
 (`Opened`), the inputs appended (`Appended`, rendered by the replica's frontend exactly as
@@ -13,12 +13,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple, Union
+from typing import Any, NamedTuple, Union
 
+import zmq
 from radixlm.runtime.protocol import Error, Generate, Input, OpenSession, Tool
 
-__all__ = ["Appended", "Cut", "LogEntry", "Opened", "Pending", "PinRecord", "Placement", "Produced",
-           "SessionRecord"]
+__all__ = ["Appended", "Client", "Cut", "LogEntry", "Opened", "Pending", "PinRecord", "Placement",
+           "Produced", "SessionRecord"]
 
 
 class Opened(NamedTuple):
@@ -103,3 +104,16 @@ class Pending:
     n: int = 1
     length: int = 0  # a truncate's
     input_key: str = ""  # a turn's input's key; a plain generate's whole key
+
+
+@dataclass(eq=False)
+class Client:
+    """A client connection of the router: its links to the replicas it uses (one DEALER
+    each, declaring its tenant) and its requests in flight, by its rids."""
+
+    ident: bytes
+    fd: int
+    tenant: str | None
+    welcomed: bool = False
+    links: dict[int, zmq.Socket[Any]] = field(default_factory=dict)
+    pending: dict[str, Pending] = field(default_factory=dict)

@@ -18,7 +18,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from radixlm.runtime.transport.channel import EndpointError, ipc_path
+from radixlm.runtime.transport.endpoints import EndpointError, parse_endpoint
 from radixlm.runtime.transport.probe import NoServerError, probe_endpoint
 
 __all__ = ["Listener", "listen_http", "listen_zmq"]
@@ -60,11 +60,10 @@ def listen_zmq(endpoint: str) -> Listener:
     """Bind a checked client endpoint (``ipc://PATH`` or ``tcp://HOST:PORT``, see
     `channel.check_client_endpoint`) for the frontend's ROUTER. An ipc path where a
     server answers is refused; a dead server's socket file is replaced."""
-    path = ipc_path(endpoint)
-    if path is not None:
-        return _listen_ipc(endpoint, path)
-    host, _, port = endpoint[len("tcp://"):].rpartition(":")
-    sock = _listen_tcp(host.strip("[]"), int(port), ZMQ_BACKLOG, endpoint)
+    parsed = parse_endpoint(endpoint)
+    if parsed.scheme == "ipc":
+        return _listen_ipc(endpoint, Path(parsed.path))
+    sock = _listen_tcp(parsed.host, parsed.port, ZMQ_BACKLOG, endpoint)
     shown = f"[{sock.getsockname()[0]}]" if sock.family == socket.AF_INET6 else sock.getsockname()[0]
     return Listener(sock, f"tcp://{shown}:{sock.getsockname()[1]}")
 

@@ -1,18 +1,19 @@
 """The one ZeroMQ helper every radixlm process uses: endpoints, sockets, framed messages.
 
 - Endpoints: the private runtime directory (0700) that holds the ``ipc://`` sockets, and
-  the checks on a user-given client endpoint, parsed as a URL: no userinfo, a port in
-  0..65535 (0: the system picks one), and nothing that listens beyond this machine (a
-  wildcard such as ``*``, ``0``, ``0.0.0.0``, ``::``, or a non-loopback address) unless
-  clients must authenticate or the user said ``--insecure``.
+  the rules for an endpoint a server binds for its clients (read by
+  `endpoints.parse_endpoint`, as every endpoint is): nothing that listens beyond this
+  machine (a wildcard such as ``*``, ``0``, ``0.0.0.0``, ``::``, or a non-loopback
+  address) unless clients must authenticate or the user said ``--insecure``.
 - `open_socket`: any socket type with the same options everywhere (linger 0 so closing
   never hangs, unbounded high-water marks so a send never blocks or drops on a local
   pipe, ZMTP heartbeats so a stopped peer is noticed, ipc socket files created 0600),
-  and bind errors as `EndpointError` with the reason.
+  and bind errors as `EndpointError` with the reason. Every libzmq socket of radixlm is
+  opened here: the servers', the router's, and the clients' (`ZmqDealer`, `RawClient`);
+  the one socket that is not libzmq's is the native ZMTP link of `zmtp.py`.
 - `send` / `recv`: one msgspec message per frame, optionally behind a ROUTER identity.
 
-Only pyzmq and msgspec. (The SDK imports nothing of the runtime but the protocol, so it
-keeps its own asyncio/anyio socket code.)
+Only pyzmq and msgspec.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import msgspec
 import zmq
+from radixlm.runtime.transport.endpoints import Endpoint, EndpointError, parse_endpoint
 
 __all__ = [
     "ClientEndpoint",
@@ -55,10 +56,6 @@ _HEARTBEAT_IVL_MS = 5_000
 _HEARTBEAT_TIMEOUT_MS = 30_000
 
 _encoder = msgspec.msgpack.Encoder()
-
-
-class EndpointError(ValueError):
-    """An endpoint radixlm will not use, with the reason."""
 
 
 # -- endpoints ---------------------------------------------------------------------------
@@ -125,32 +122,12 @@ def check_client_endpoint(endpoint: str, *, authenticated: bool = False,
 def parse_client_endpoint(endpoint: str, *, authenticated: bool = False,
                           insecure: bool = False) -> ClientEndpoint:
     """`check_client_endpoint`, with what it found out about the address."""
-    if endpoint.startswith("ipc://"):
+    parsed = parse_endpoint(endpoint)
+    if parsed.scheme == "ipc":
         return ClientEndpoint(_check_ipc(endpoint))
-    if not endpoint.startswith("tcp://"):
+    if parsed.scheme != "tcp":
         raise EndpointError(f"endpoint must start with ipc:// or tcp://, got {endpoint!r}")
-    try:
-        parts = urlsplit(endpoint)
-    except ValueError as e:  # unbalanced brackets
-        raise EndpointError(f"bad tcp endpoint {endpoint!r}: {e}") from None
-    if "@" in parts.netloc:
-        raise EndpointError(f"tcp endpoint {endpoint!r} has a user part ('...@'); "
-                            "use tcp://HOST:PORT")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise EndpointError(f"tcp endpoint must be tcp://HOST:PORT, got {endpoint!r}")
-    hostport = parts.netloc
-    host, sep, port_text = hostport.rpartition(":")
-    if not sep or not host or not port_text:
-        raise EndpointError(f"tcp endpoint must be tcp://HOST:PORT, got {endpoint!r}")
-    if not port_text.isdigit() or int(port_text) > 65535:
-        raise EndpointError(f"bad port {port_text!r} in {endpoint!r}: give 0..65535 "
-                            "(0: the system picks a free one)")
-    port = int(port_text)
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:
-        raise EndpointError(f"an IPv6 address needs brackets: tcp://[{host}]:{port}")
-    host = host.lower()
+    host = parsed.host.lower()
     if host == "localhost":
         host = "127.0.0.1"
     wildcard = host in _WILDCARD_HOSTS
@@ -164,8 +141,8 @@ def parse_client_endpoint(endpoint: str, *, authenticated: bool = False,
             "(CurveZMQ keys from 'radixlm keys'), bind tcp://127.0.0.1:PORT, or pass "
             "--insecure to listen publicly without authentication on purpose"
         )
-    shown = f"[{host}]" if ":" in host else host
-    return ClientEndpoint(f"tcp://{shown}:{port}", public=public, wildcard=wildcard)
+    return ClientEndpoint(Endpoint("tcp", host=host, port=parsed.port).address, public=public,
+                          wildcard=wildcard)
 
 
 def _is_loopback(host: str) -> bool:
@@ -184,8 +161,6 @@ def _is_loopback(host: str) -> bool:
 
 def _check_ipc(endpoint: str) -> str:
     path = endpoint[len("ipc://"):]
-    if not path:
-        raise EndpointError("ipc endpoint needs a path: ipc:///path/to/socket")
     if len(os.fsencode(path)) > MAX_IPC_PATH_BYTES:
         raise EndpointError(f"ipc socket path {path!r} is longer than {MAX_IPC_PATH_BYTES} bytes")
     parent = os.path.dirname(os.path.abspath(path))

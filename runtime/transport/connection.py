@@ -10,7 +10,8 @@ slow from dead).
 
 The link is a native ZMTP DEALER on asyncio for ipc:// and tcp:// endpoints (`zmtp`: no
 libzmq I/O thread to wake per message), else a libzmq DEALER (`zmq_dealer`). Both speak
-the same ZeroMQ wire protocol to the engine. The SDK and the HTTP server both use this.
+the same ZeroMQ wire protocol to the engine. The protocol's calls over it are
+`client.ProtocolClient`'s (the SDK's and the HTTP server's client).
 """
 
 from __future__ import annotations
@@ -27,13 +28,11 @@ import msgspec
 from anyio.abc import TaskGroup
 from radixlm.runtime.protocol import (
     MAX_CLOSE,
-    PROTOCOL_VERSION,
     Abort,
     Chunk,
     CloseSession,
     Error,
     Gateway,
-    Hello,
     Input,
     Struct,
     Tokenize,
@@ -42,13 +41,15 @@ from radixlm.runtime.protocol import (
     encode,
 )
 from radixlm.runtime.transport.curve import CurveKeys
+from radixlm.runtime.transport.endpoints import checked_endpoint
 from radixlm.runtime.transport.errors import EngineDeadError, TooLongError, error_from_reply
+from radixlm.runtime.transport.exchange import hello
 from radixlm.runtime.transport.mailbox import EventWaiter, Mailbox, Waiter, waiter_factory
 from radixlm.runtime.transport.request import Failed, Request
 from radixlm.runtime.transport.zmq_dealer import ZmqDealer
-from radixlm.runtime.transport.zmtp import ZmtpDealer, native_endpoint
+from radixlm.runtime.transport.zmtp import ZmtpDealer
 
-__all__ = ["Connection", "Request", "check_endpoint"]
+__all__ = ["Connection", "Request"]
 
 log = logging.getLogger("radixlm.transport")
 
@@ -66,27 +67,6 @@ def _running_asyncio_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-def check_endpoint(endpoint: str) -> None:
-    """Refuse, with a hint, an address that cannot be an engine's: engines speak ZeroMQ at
-    ``ipc://PATH`` or ``tcp://HOST:PORT`` (a bare ``host:port`` or an HTTP URL would reach
-    libzmq as an unexplained "Invalid argument")."""
-    scheme, sep, rest = endpoint.partition("://")
-    if sep and scheme in ("ipc", "inproc") and rest:
-        return
-    host, colon, port = rest.rpartition(":")
-    if sep and scheme == "tcp" and colon and host and port.isdigit():
-        return
-    if scheme in ("http", "https"):
-        hint = "radixlm engines speak ZeroMQ, not HTTP"
-    else:
-        hint = "an engine endpoint is ipc://PATH or tcp://HOST:PORT"
-    bare_host, _, bare_port = endpoint.rpartition(":")
-    if not sep and bare_host and bare_port.isdigit():
-        hint += f" (did you mean 'tcp://{endpoint}'?)"
-    raise ValueError(f"cannot connect to {endpoint!r}: {hint}; pass the endpoint "
-                     f"`radixlm serve` printed")
 
 
 class _Link(Protocol):
@@ -118,7 +98,7 @@ class Connection:
         curve: CurveKeys | None = None,
         gateway: Gateway | None = None,
     ) -> None:
-        check_endpoint(endpoint)
+        self._target = checked_endpoint(endpoint)
         self.gateway = gateway  # sent with Hello: a trusted gateway's tenant
         self.endpoint, self.client_name = endpoint, client_name
         self.native = native and curve is None  # CURVE needs libzmq
@@ -166,8 +146,7 @@ class Connection:
         try:
             with opening, anyio.fail_after(connect_timeout):
                 await self._connect(tg, connect_timeout)
-                self.send(Hello(protocol_version=PROTOCOL_VERSION, client_name=self.client_name,
-                                gateway=self.gateway))
+                self.send(hello(self.client_name, self.gateway))
                 item = await replies.get()
         except TimeoutError:
             hint = ("is the server key right, and is this client's key authorized?"
@@ -193,7 +172,7 @@ class Connection:
         return item
 
     async def _connect(self, tg: TaskGroup, timeout: float) -> None:
-        if self.native and native_endpoint(self.endpoint) and _running_asyncio_loop():
+        if self.native and self._target.native and _running_asyncio_loop():
             link = ZmtpDealer(self._dispatch, self._lost)
             self._native = link
             await link.connect(self.endpoint, timeout)

@@ -14,6 +14,7 @@ import errno
 import os
 import socket
 
+from radixlm.runtime.transport.endpoints import EndpointError, parse_endpoint
 from radixlm.runtime.transport.errors import NoServerError
 
 __all__ = ["NoServerError", "probe_endpoint"]
@@ -24,19 +25,21 @@ HINT = ("start one with `radixlm serve`, or give the endpoint it printed "
 
 def probe_endpoint(endpoint: str, *, timeout_s: float = 3.0, hint: str = HINT) -> None:
     """Return if something accepts connections at `endpoint` (``ipc://PATH`` or
-    ``tcp://HOST:PORT``; other transports are not probed); else raise `NoServerError`.
+    ``tcp://HOST:PORT``; other transports, and what is no endpoint, are left to the
+    connection, which says what is wrong); else raise `NoServerError`.
     A refused or missing endpoint is reported at once; a TCP host that drops packets
     after `timeout_s`."""
-    if endpoint.startswith("ipc://"):
-        _probe_ipc(endpoint, endpoint[len("ipc://"):], hint)
-    elif endpoint.startswith("tcp://"):
-        host, sep, port = endpoint[len("tcp://"):].rpartition(":")
-        if sep and host and port.isdigit():
-            _probe_tcp(endpoint, host.strip("[]"), int(port), timeout_s, hint)
+    try:
+        parsed = parse_endpoint(endpoint)
+    except EndpointError:
+        return
+    if parsed.scheme == "ipc":
+        _probe_ipc(endpoint, parsed.path, parsed.unix_address, hint)
+    elif parsed.scheme == "tcp":
+        _probe_tcp(endpoint, parsed.host, parsed.port, timeout_s, hint)
 
 
-def _probe_ipc(endpoint: str, path: str, hint: str) -> None:
-    address = "\0" + path[1:] if path.startswith("@") else path  # Linux abstract namespace
+def _probe_ipc(endpoint: str, path: str, address: str, hint: str) -> None:
     if not path.startswith("@") and not os.path.exists(path):
         raise NoServerError(f"no radixlm server at {endpoint}: {path} does not exist; {hint}")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,8 +1,12 @@
-"""A tiny synchronous protocol client: one DEALER socket, `protocol.py` messages.
+"""`RawClient`: the blocking protocol client, over one DEALER socket.
 
-For the `radixlm generate` / `radixlm sessions` commands, the launcher's readiness probe,
-tests and scripts. It imports pyzmq, msgspec and the protocol module only. (Programs
-want the async SDK, `import radixlm as rl`.)
+For the `radixlm generate` / `radixlm sessions` / `radixlm top` commands, tests and
+scripts. (Programs want the async SDK, `import radixlm as rl`.) It keeps the protocol's
+rules where every client keeps them (`exchange`: request ids, the hello, when a request
+is finished, errors as typed `EngineError`s, the answer a call expects), reads its
+endpoint with the one parser (`endpoints`), and opens its socket as every radixlm socket
+is opened (`channel.open_socket`: ZMTP heartbeats, no lingering). It imports pyzmq,
+msgspec and the protocol module: no anyio.
 
     with RawClient("ipc:///run/user/1000/radixlm-x/client") as c:
         done = c.generate("Hello", max_tokens=16, temperature=0)
@@ -14,11 +18,10 @@ requests may be in flight at once (`send` them, then `recv_for` each rid).
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import msgspec
 import zmq
@@ -26,10 +29,8 @@ from radixlm.runtime.protocol import (
     PROTOCOL_VERSION,
     Chunk,
     Done,
-    Error,
     Generate,
     GetStats,
-    Hello,
     Input,
     ListSessions,
     SamplingParams,
@@ -42,18 +43,13 @@ from radixlm.runtime.protocol import (
     decode_server,
     encode,
 )
+from radixlm.runtime.transport.channel import open_socket
+from radixlm.runtime.transport.endpoints import checked_endpoint
+from radixlm.runtime.transport.exchange import Replies, Rids, hello, unexpected
 
-__all__ = ["RawClient", "ServerError"]
+__all__ = ["RawClient"]
 
-
-class ServerError(Exception):
-    """The server answered with an `Error`."""
-
-    def __init__(self, error: Error) -> None:
-        super().__init__(f"{error.code}: {error.message}")
-        self.error = error
-        self.code = error.code
-        self.rid = error.rid
+R = TypeVar("R")
 
 
 class RawClient:
@@ -61,25 +57,27 @@ class RawClient:
 
     `timeout_s` bounds every wait for a reply (None: wait forever); a wait that runs out
     raises `TimeoutError`. With ``handshake=True`` the constructor sends `Hello` and keeps
-    the `Welcome` in `welcome`.
+    the `Welcome` in `welcome`. An ``Error`` reply to a call raises its typed
+    `EngineError` (`radixlm.runtime.transport.errors`). `options` are extra socket
+    options (CurveZMQ keys).
     """
 
     def __init__(self, endpoint: str, *, name: str = "radixlm-raw-client",
                  timeout_s: float | None = 60.0, handshake: bool = True,
                  options: dict[int, Any] | None = None) -> None:
+        checked_endpoint(endpoint)
         self.endpoint = endpoint
         self.name = name
         self.timeout_s = timeout_s
         self._ctx: zmq.Context[Any] = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        for option, value in (options or {}).items():  # e.g. CURVE keys
-            self._sock.setsockopt(option, value)
-        self._sock.connect(endpoint)
+        try:
+            self._sock = open_socket(self._ctx, zmq.DEALER, endpoint, bind=False,
+                                     options=options)
+        except BaseException:
+            self._ctx.term()
+            raise
         self._buffer: deque[ServerMessage] = deque()
-        self._rids = itertools.count(1)
+        self._rids = Rids("r", start=1)
         self.welcome: Welcome | None = None
         if handshake:
             try:
@@ -91,7 +89,8 @@ class RawClient:
     # -- plumbing ------------------------------------------------------------------------
 
     def new_rid(self, prefix: str = "r") -> str:
-        return f"{prefix}{next(self._rids)}"
+        """A request id unused by this client, starting with `prefix`."""
+        return self._rids.with_prefix(prefix)
 
     def send(self, msg: Struct) -> None:
         self._sock.send(encode(msg))
@@ -134,28 +133,34 @@ class RawClient:
             self._buffer.append(msg)
 
     def request(self, msg: Struct, timeout_s: float | None = None) -> ServerMessage:
-        """Send `msg` and return the first reply for its rid (an `Error` included)."""
+        """Send `msg` and return the first reply for its rid, as it is (an `Error` too)."""
         self.send(msg)
         return self.recv_for(getattr(msg, "rid", None), timeout_s)
 
-    def call(self, msg: Struct, timeout_s: float | None = None) -> ServerMessage:
-        """`request`, raising `ServerError` for an `Error` reply."""
-        reply = self.request(msg, timeout_s)
-        if isinstance(reply, Error):
-            raise ServerError(reply)
+    @overload
+    def call(self, msg: Struct, expect: type[R], *, timeout_s: float | None = None) -> R: ...
+    @overload
+    def call(self, msg: Struct, expect: None = None, *,
+             timeout_s: float | None = None) -> ServerMessage: ...
+
+    def call(self, msg: Struct, expect: type[R] | None = None, *,
+             timeout_s: float | None = None) -> Any:
+        """A request with one answer: an `Error` raises its typed `EngineError`; with
+        `expect`, an answer of another type raises `InternalError`."""
+        reply = Replies(getattr(msg, "rid", "")).take(self.request(msg, timeout_s))
+        if expect is not None and not isinstance(reply, expect):
+            raise unexpected(reply, msg)
         return reply
 
     # -- protocol --------------------------------------------------------------------------
 
     def hello(self, protocol_version: int = PROTOCOL_VERSION,
               timeout_s: float | None = None) -> Welcome:
-        self.send(Hello(protocol_version=protocol_version, client_name=self.name))
-        reply = self.recv_for(None, timeout_s)
-        if isinstance(reply, Error):
-            raise ServerError(reply)
+        msg = hello(self.name, protocol_version=protocol_version)
+        self.send(msg)
+        reply = Replies("").take(self.recv_for(None, timeout_s))
         if not isinstance(reply, Welcome):
-            raise ServerError(Error(rid=None, code="bad_message",
-                                    message=f"expected welcome, got {type(reply).__name__}"))
+            raise unexpected(reply, msg)
         self.welcome = reply
         return reply
 
@@ -181,7 +186,8 @@ class RawClient:
         """Run one request to its end: the `Done` of each of its `n` branches, by index.
 
         `prompt` is text or an `Input`; `sampling` are `SamplingParams` fields. With
-        ``stream=True`` every `Chunk` goes to `on_chunk`. Raises `ServerError`.
+        ``stream=True`` every `Chunk` goes to `on_chunk`. An `Error` raises its typed
+        `EngineError`.
         """
         rid = rid or self.new_rid("gen")
         inp = prompt if isinstance(prompt, Input) else Input(text=prompt)
@@ -191,28 +197,20 @@ class RawClient:
 
     def collect(self, rid: str, *, n: int = 1, on_chunk: Callable[[Chunk], None] | None = None,
                 timeout_s: float | None = None) -> list[Done]:
-        """Read a sent Generate's replies until its `n` Dones (raises `ServerError`)."""
-        dones: list[Done] = []
-        while len(dones) < n:
-            msg = self.recv_for(rid, timeout_s)
-            if isinstance(msg, Chunk):
-                if on_chunk is not None:
-                    on_chunk(msg)
-            elif isinstance(msg, Done):
-                dones.append(msg)
-            elif isinstance(msg, Error):
-                raise ServerError(msg)
-        return sorted(dones, key=lambda d: d.index)
+        """Read a sent Generate's replies until its `n` Dones, by branch index (an `Error`
+        raises its typed `EngineError`)."""
+        replies = Replies(rid, n)
+        while not replies.finished:
+            msg = replies.take(self.recv_for(rid, timeout_s))
+            if on_chunk is not None and type(msg) is Chunk:
+                on_chunk(msg)
+        return replies.sorted_dones()
 
     def stats(self) -> StatsReply:
-        reply = self.call(GetStats(rid=self.new_rid("stats")))
-        assert isinstance(reply, StatsReply), reply
-        return reply
+        return self.call(GetStats(rid=self.new_rid("stats")), StatsReply)
 
     def list_sessions(self) -> list[SessionInfo]:
-        reply = self.call(ListSessions(rid=self.new_rid("ls")))
-        assert isinstance(reply, SessionList), reply
-        return reply.sessions
+        return self.call(ListSessions(rid=self.new_rid("ls")), SessionList).sessions
 
     # -- lifetime ------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
-"""`Request`: one in-flight request's replies, routed to it by its connection.
+"""`Request`: one in-flight request of a `Connection`, its replies routed to it by rid.
 
-A request is finished after its ``Error``, its single answer, or -- for a ``Generate`` --
-the ``Done`` of each of its ``n`` branches. Closing one that is not finished aborts it.
+It ends as every request does (`exchange.Replies`): after its ``Error``, its single
+answer, or -- for a ``Generate`` -- the ``Done`` of each of its ``n`` branches. Closing one
+that is not finished aborts it.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import anyio
-from radixlm.runtime.protocol import Abort, Chunk, Done, Error, ServerMessage, Struct
-from radixlm.runtime.transport.errors import EngineError, error_from_reply
+from radixlm.runtime.protocol import Abort, ServerMessage, Struct
+from radixlm.runtime.transport.errors import EngineError
+from radixlm.runtime.transport.exchange import Replies
 from radixlm.runtime.transport.mailbox import EMPTY, Mailbox, Waiter
 
 __all__ = ["Failed", "Request"]
@@ -40,54 +42,32 @@ class Failed:
     exc: EngineError
 
 
-class Request:
-    """One in-flight request: its replies, in order, until the last one.
+class Request(Replies):
+    """One in-flight request: its replies, in order, until the last one."""
 
-    A request is finished after its ``Error``, its single answer, or -- for a
-    ``Generate`` -- the ``Done`` of each of its ``n`` branches.
-    """
-
-    __slots__ = ("rid", "_conn", "_box", "_dones_left", "_generate", "started_at", "on_close",
-                 "dones")
+    __slots__ = ("_box", "_conn", "_generate", "on_close", "started_at")
 
     def __init__(self, conn: _Owner, rid: str, *, branches: int, generate: bool) -> None:
-        self.rid = rid
+        Replies.__init__(self, rid, branches)
         self._conn = conn
         self._box: Mailbox[Any] = Mailbox(conn.new_waiter)
-        self._dones_left = max(branches, 1)  # n < 1: wait for the engine's refusal
         self._generate = generate
         self.started_at = time.perf_counter()
         self.on_close: Callable[[], None] | None = None
-        self.dones: list[Done] = []  # every Done received, those drained after an abort too
 
     def deliver(self, reply: Any) -> bool:
         """Hand a reply (or `Failed`) to the request; False, dropping it, once closed."""
         return self._box.put(reply)
-
-    @property
-    def finished(self) -> bool:
-        return self._dones_left <= 0
 
     async def receive(self) -> ServerMessage:
         """The next reply; raises the typed `EngineError` for an ``Error`` reply."""
         item = self._box.poll()  # a queued reply (a streamed burst) is taken at once
         if item is EMPTY:
             item = await self._box.get()
-        cls = type(item)
-        if cls is Done:
-            self._dones_left -= 1
-            self.dones.append(item)
-        elif cls is Chunk:
-            pass
-        elif cls is Failed:
+        if type(item) is Failed:
             self._dones_left = 0
             raise item.exc
-        elif cls is Error:
-            self._dones_left = 0
-            raise error_from_reply(item)
-        else:
-            self._dones_left = 0
-        return item
+        return self.take(item)
 
     async def aclose(self) -> None:
         """Stop routing replies here. A generation still running is aborted first, and its

@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 import zmq
 from anyio.abc import TaskGroup
+from radixlm.runtime.transport.channel import open_socket
 
 __all__ = ["ZmqDealer"]
 
@@ -35,21 +36,23 @@ class ZmqDealer:
     def __init__(self, on_frame: Callable[[bytes], None],
                  options: dict[int, Any] | None = None) -> None:
         self._on_frame = on_frame
+        self._options = options  # CURVE keys
         self._ctx = zmq.Context(io_threads=1)
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SNDHWM, 0)  # local pipe: never block or drop a send
-        self._sock.setsockopt(zmq.RCVHWM, 0)
-        for option, value in (options or {}).items():  # CURVE keys
-            self._sock.setsockopt(option, value)
-        self._fd = self._sock.getsockopt(zmq.FD)
+        self._sock: zmq.Socket[Any] | None = None
+        self._fd = -1
 
     async def connect(self, endpoint: str, tg: TaskGroup) -> None:
         """Connect (libzmq completes it in the background) and start the reader in `tg`."""
-        self._sock.connect(endpoint)
+        # radixlm's socket options (`open_socket`): no lingering, unbounded high-water
+        # marks (a local pipe never blocks or drops a send), ZMTP heartbeats.
+        self._sock = open_socket(self._ctx, zmq.DEALER, endpoint, bind=False,
+                                 options=self._options)
+        self._fd = self._sock.getsockopt(zmq.FD)
         tg.start_soon(self._read_loop, name="radixlm reader")
 
     def send(self, data: bytes) -> None:
+        if self._sock is None:
+            raise ConnectionError("not connected")
         try:
             self._sock.send(data, _NOBLOCK)
         except zmq.Again:  # cannot happen with SNDHWM=0 on a connected socket
@@ -69,7 +72,8 @@ class ZmqDealer:
     def close(self, *, linger: bool) -> None:
         """Close the socket (after the task group running the reader was cancelled);
         with `linger`, messages still queued get a moment to leave."""
-        self._sock.close(linger=_CLOSE_LINGER_MS if linger else 0)
+        if self._sock is not None:
+            self._sock.close(linger=_CLOSE_LINGER_MS if linger else 0)
         self._ctx.term()
 
     async def _read_loop(self) -> None:
@@ -92,7 +96,10 @@ class ZmqDealer:
     def _drain(self) -> None:
         """Dispatch every reply queued on the socket (the fd stays quiet until new ones).
         ``ZMQ_EVENTS`` is asked first: a failed non-blocking recv costs a raised exception."""
-        events, recv, on_frame = self._sock.getsockopt, self._sock.recv, self._on_frame
+        sock = self._sock
+        if sock is None:
+            return
+        events, recv, on_frame = sock.getsockopt, sock.recv, self._on_frame
         try:
             while events(_EVENTS) & _POLLIN:
                 on_frame(recv(_NOBLOCK))

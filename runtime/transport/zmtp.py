@@ -21,7 +21,9 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-__all__ = ["ZmtpDealer", "native_endpoint"]
+from radixlm.runtime.transport.endpoints import parse_endpoint
+
+__all__ = ["ZmtpDealer"]
 
 # Signature, version 3.1, mechanism NULL, as-server 0, filler.
 _GREETING = b"\xff" + b"\x00" * 8 + b"\x7f" + b"\x03\x01" + b"NULL".ljust(20, b"\x00") + b"\x00" * 32
@@ -54,22 +56,6 @@ def _property(name: bytes, value: bytes) -> bytes:
 _READY = _command(b"READY", _property(b"Socket-Type", b"DEALER"))
 
 
-def native_endpoint(endpoint: str) -> tuple[str, str | tuple[str, int]] | None:
-    """``("unix", path)`` or ``("tcp", (host, port))`` for an endpoint this module can
-    reach, else None (left to libzmq)."""
-    if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://"):]
-        if path.startswith("@"):  # Linux abstract namespace, as libzmq spells it
-            path = "\0" + path[1:]
-        return ("unix", path) if path else None
-    if endpoint.startswith("tcp://"):
-        host, sep, port = endpoint[len("tcp://"):].rpartition(":")
-        if not sep or not port.isdigit() or not host or host == "*" or ";" in host:
-            return None
-        return ("tcp", (host.strip("[]"), int(port)))
-    return None
-
-
 class ZmtpDealer(asyncio.BufferedProtocol):
     """One DEALER connection. Frames go to `on_frame` in order; `on_lost` is told (once)
     when the connection goes, with why."""
@@ -93,7 +79,7 @@ class ZmtpDealer(asyncio.BufferedProtocol):
     async def connect(self, endpoint: str, timeout: float) -> None:
         """Connect (retrying while nothing listens yet, up to `timeout` s in all) and
         complete the ZMTP handshake. Raises ``OSError`` or ``TimeoutError``."""
-        target = native_endpoint(endpoint)
+        target = parse_endpoint(endpoint).native
         if target is None:
             raise ValueError(f"not an endpoint for the native transport: {endpoint!r}")
         loop = asyncio.get_running_loop()

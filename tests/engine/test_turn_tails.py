@@ -11,7 +11,7 @@ from radixlm.runtime.engine.wire import ClientGone, EngineAbort, EngineCommand
 from radixlm.runtime.protocol import CloseSession, Error, ForkSession, Ok, SessionsForked
 from scheduler_harness import hf_greedy, random_prompt, stop_inside
 
-from tests.engine.test_sessions_in_scheduler import C, open_session, sessions_by_id
+from tests.engine.test_sessions_in_scheduler import C, command, open_session, sessions_by_id
 
 # The harness fixtures, by name.
 hf, make_harness, tiny_dir = harness.hf, harness.make_harness, harness.tiny_dir
@@ -168,3 +168,23 @@ def test_a_listing_right_after_the_done_shows_the_turn(make_harness):
     listed = h.replies.pop()
     assert isinstance(listed, protocol.SessionList) and listed.sessions[0].length == len(history)
     assert not listed.sessions[0].busy
+
+
+def test_a_client_gone_during_its_tail_keeps_a_durable_turn(make_harness, tmp_path):
+    """The Done of a durable session's turn went out; the client disconnects before the
+    tail row runs. The turn it was told about stands: another connection of the tenant
+    resumes the session at the length that Done reported (it was lost before)."""
+    from radixlm.runtime.protocol import ResumeSession, SessionOpened
+
+    rng = np.random.default_rng(43)
+    h = make_harness(sessions=True, state_dir=tmp_path)
+    sid = open_session(h, random_prompt(rng, 12), durable=True).session
+    key = h.generate(random_prompt(rng, 3), max_tokens=3, client=C, session=sid)
+    steps_until_final(h, key)
+    length = h.final[(key, 0)].session_length
+    assert h.sched.has_work()  # the tail is still to run
+    h.send(ClientGone(client=C))
+    h.run()
+    back = command(h, ResumeSession(rid="r", session=sid), client=b"another")
+    assert isinstance(back, SessionOpened) and back.length == length, back
+    h.send(EngineCommand(client=b"another", msg=CloseSession(rid="c", session=sid)))

@@ -32,7 +32,8 @@ from radixlm.runtime.protocol import (
     Tokens,
     Unpin,
 )
-from radixlm.runtime.transport.raw_client import RawClient, ServerError
+from radixlm.runtime.transport.errors import EngineError, error_from_reply
+from radixlm.runtime.transport.raw_client import RawClient
 
 from tests.transport.test_curve_auth import make_keys, serve
 
@@ -65,7 +66,7 @@ def cached(c: RawClient, text: str, namespace: str | None = None) -> int:
                     sampling=SamplingParams(max_tokens=1, temperature=0.0)))
     while not isinstance(reply := c.recv_for(rid), Done):
         if isinstance(reply, Error):
-            raise ServerError(reply)
+            raise error_from_reply(reply)
     return reply.usage.cached_tokens
 
 
@@ -97,10 +98,10 @@ def test_sessions_pins_and_flush_are_tenant_scoped(shared: tuple[str, Path]) -> 
         mine = alice.call(ListSessions(rid="l", all=True))
         assert isinstance(mine, SessionList)
         assert {s.namespace for s in mine.sessions} >= {"alice-ns2"}  # in A's own terms
-        with pytest.raises(ServerError) as refused:
+        with pytest.raises(EngineError) as refused:
             bob.call(Unpin(rid="u", name="alice-tools"))
-        assert refused.value.error.code == ErrorCode.NOT_FOUND
-        assert "key-" not in refused.value.error.message  # no engine-side names shown
+        assert refused.value.code == ErrorCode.NOT_FOUND
+        assert "key-" not in refused.value.message  # no engine-side names shown
         # The name is free for B (pin names are per tenant: nothing says A has one).
         assert isinstance(bob.call(Pin(rid="p2", name="alice-tools", input=Input(text="x y"))),
                           Pinned)

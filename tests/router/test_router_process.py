@@ -38,7 +38,8 @@ from radixlm.runtime.protocol import (
     TruncateSession,
     Unpin,
 )
-from radixlm.runtime.transport.raw_client import RawClient, ServerError
+from radixlm.runtime.transport.errors import EngineError
+from radixlm.runtime.transport.raw_client import RawClient
 
 START_S = 120.0
 
@@ -113,7 +114,7 @@ def _wait_capacity(client: RawClient, expected: int, log: Path | None = None) ->
     while True:
         try:
             got = client.stats().capacity
-        except ServerError as e:
+        except EngineError as e:
             raise AssertionError(f"{e}\n{said()}") from e
         if got == expected:
             return

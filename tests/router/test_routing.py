@@ -177,14 +177,15 @@ def test_session_ids_never_collide_across_replicas() -> None:
                                         ReplicaSpec("ipc:///nonexistent/b")))
         router = Router(config, ctx, front, monitor, None)
         client = Client(b"c", -1, None)
-        first = router._adopt(client, 0, "f" * 32, [], 1, "")
-        second = router._adopt(client, 1, "f" * 32, [], 2, "")
+        table = router.sessions
+        first = table.adopt(client, 0, "f" * 32, [], 1, "")
+        second = table.adopt(client, 1, "f" * 32, [], 2, "")
         assert first.vid == "f" * 32 != second.vid
-        assert (router.sessions[first.vid].home, router.sessions[second.vid].home) == (0, 1)
-        assert router.sessions[second.vid].inner == "f" * 32
+        assert (table.records[first.vid].home, table.records[second.vid].home) == (0, 1)
+        assert table.records[second.vid].inner == "f" * 32
         info = SessionInfo(session="f" * 32, length=2, idle_s=0.0, retention="hard", busy=False)
-        assert router._session_view(1, info).session == second.vid  # type: ignore[union-attr]
-        assert router._session_view(0, info).session == first.vid  # type: ignore[union-attr]
+        assert table.view(1, info).session == second.vid  # type: ignore[union-attr]
+        assert table.view(0, info).session == first.vid  # type: ignore[union-attr]
         router.close()
     finally:
         front.close(0)
@@ -310,7 +311,7 @@ def test_sigterm_is_never_swallowed_by_the_per_message_guard() -> None:
     try:
         def stop(client: Client, data: bytes) -> None:
             raise StopRequested
-        router._dispatch = stop  # type: ignore[method-assign]
+        router.dispatch = stop  # type: ignore[method-assign]
         with pytest.raises(StopRequested):
             router._dispatch_guarded(Client(b"c", -1, None), b"")
     finally:
@@ -322,16 +323,16 @@ def test_opens_from_a_hot_pin_spread_over_replicas_still_placing_it() -> None:
 
     router, done = _bare_router(3)
     try:
-        for r in router.replicas:
+        for r in router.replicas.replicas:
             r.up = True
-        router._send = lambda client, replica, msg: None  # type: ignore[method-assign]
+        router.send = lambda client, replica, msg: None  # type: ignore[method-assign]
         client = Client(b"c", -1, None)
         pin = PinRecord("p", None, Input(text="x"), None, "\x00\x00x", 1, holders={0})
         pin.uses = router.config.hot_pin_uses  # the next use makes it hot
         homes = []
         for _ in range(6):  # a burst: no placement answered yet
-            home = router._pin_home(client, pin, router.live())
-            router.homed[home] += 1
+            home = router.pins.home(client, pin, router.live())
+            router.sessions.homed[home] += 1
             homes.append(home)
         assert pin.placing == {1, 2} and pin.holders == {0}
         assert sorted(homes) == [0, 0, 1, 1, 2, 2], homes

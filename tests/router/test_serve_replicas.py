@@ -90,7 +90,7 @@ def test_a_dead_replica_process_is_reaped_and_started_again(tmp_path: Path,
             assert time.monotonic() < deadline, now
             time.sleep(0.2)
         assert not Path(f"/proc/{before[0]}").exists()  # reaped, not a zombie
-        from radixlm.runtime.transport.raw_client import ServerError
+        from radixlm.runtime.transport.errors import EngineUnavailableError
 
         with server.client() as c:
             for i in range(4):  # spread over both replicas; the restarted one may still load
@@ -99,8 +99,7 @@ def test_a_dead_replica_process_is_reaped_and_started_again(tmp_path: Path,
                         c.generate(Input(text=f"still serving {i}"), max_tokens=2,
                                    temperature=0.0)
                         break
-                    except ServerError as e:
-                        assert e.error.code == "engine_unavailable", e
+                    except EngineUnavailableError as e:
                         assert time.monotonic() < deadline, e
                         time.sleep(0.2)
         assert "replica 0: the engine process was killed by signal 9" in server.log_path.read_text()

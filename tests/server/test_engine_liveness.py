@@ -23,7 +23,7 @@ from radixlm.runtime.protocol import (
     Tokenize,
     Tokens,
 )
-from radixlm.runtime.transport.raw_client import ServerError
+from radixlm.runtime.transport.errors import EngineError
 
 from tests.conftest import ServerHandle, assert_pool_clean, children_of, start_test_server
 
@@ -64,9 +64,9 @@ def test_a_stopped_engine_fails_requests_then_comes_back(watched_server: ServerH
             assert elapsed < TIMEOUT_S + 10
             tokens = client.call(Tokenize(rid="t", input=Input(text="hi")))  # the frontend lives
             assert isinstance(tokens, Tokens)
-            with pytest.raises(ServerError) as refused:  # new requests: refused at once
+            with pytest.raises(EngineError) as refused:  # new requests: refused at once
                 client.call(GetStats(rid="s2"))
-            assert refused.value.error.code == ErrorCode.ENGINE_UNAVAILABLE
+            assert refused.value.code == ErrorCode.ENGINE_UNAVAILABLE
         finally:
             os.kill(engine, signal.SIGCONT)
         deadline = time.monotonic() + 30
@@ -74,7 +74,7 @@ def test_a_stopped_engine_fails_requests_then_comes_back(watched_server: ServerH
             try:
                 client.call(GetStats(rid=f"s{time.monotonic()}"))
                 break
-            except ServerError:
+            except EngineError:
                 assert time.monotonic() < deadline
                 time.sleep(0.2)
         done = client.generate(Input(text="hello"), max_tokens=3, temperature=0.0)

@@ -27,7 +27,7 @@ from radixlm.runtime.protocol import (
     SessionList,
     SessionOpened,
 )
-from radixlm.runtime.transport.raw_client import ServerError
+from radixlm.runtime.transport.errors import EngineError
 
 CLI = [sys.executable, "-m", "radixlm.runtime.cli"]
 
@@ -150,9 +150,9 @@ def test_cli_generate_and_sessions_against_a_running_server(server: Any) -> None
     with server.client() as stranger:
         mine = stranger.call(ListSessions(rid="ls"))
         assert isinstance(mine, SessionList) and mine.sessions == []  # default: own only
-        with pytest.raises(ServerError) as refused:
+        with pytest.raises(EngineError) as refused:
             stranger.call(CloseSession(rid="c", session=prefix))
-        assert refused.value.error.code == ErrorCode.NOT_FOUND
+        assert refused.value.code == ErrorCode.NOT_FOUND
 
 
 def test_serve_refuses_a_public_wildcard_endpoint() -> None:

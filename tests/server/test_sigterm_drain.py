@@ -23,7 +23,8 @@ from radixlm.runtime.protocol import (
     Input,
     SamplingParams,
 )
-from radixlm.runtime.transport.raw_client import RawClient, ServerError
+from radixlm.runtime.transport.errors import EngineError
+from radixlm.runtime.transport.raw_client import RawClient
 
 from tests.conftest import ServerHandle, start_test_server
 from tests.server.test_engine_liveness import role_pid
@@ -72,11 +73,11 @@ def test_sigterm_lets_running_requests_finish(tmp_path: Path, tiny_model_dir: Pa
         server.process.send_signal(signal.SIGTERM)
         time.sleep(1.0)
         assert server.process.poll() is None, "it stopped without draining"
-        with pytest.raises(ServerError) as refused, \
+        with pytest.raises(EngineError) as refused, \
                 server.client(timeout_s=30) as late:  # new work is refused meanwhile
             late.generate("hello", max_tokens=2)
-        assert refused.value.error.code == ErrorCode.ENGINE_UNAVAILABLE
-        assert "stopping" in refused.value.error.message
+        assert refused.value.code == ErrorCode.ENGINE_UNAVAILABLE
+        assert "stopping" in refused.value.message
         release()
         end = _until_end(running)
         assert isinstance(end, Done) and len(end.token_ids) == MAX_TOKENS, end

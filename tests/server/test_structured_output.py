@@ -29,7 +29,8 @@ from radixlm.runtime.protocol import (
     SessionsForked,
     Tool,
 )
-from radixlm.runtime.transport.raw_client import RawClient, ServerError
+from radixlm.runtime.transport.errors import EngineError
+from radixlm.runtime.transport.raw_client import RawClient
 
 pytestmark = pytest.mark.usefixtures("pool_integrity")
 
@@ -178,5 +179,5 @@ def test_bad_structured_input_is_invalid_params(raw_client: RawClient, sampling:
 
 
 def test_server_error_type_is_raised_for_grammar_errors(raw_client: RawClient) -> None:
-    with pytest.raises(ServerError):
+    with pytest.raises(EngineError):
         raw_client.generate("x", regex="[", max_tokens=4)

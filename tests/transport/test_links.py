@@ -25,8 +25,9 @@ from radixlm.runtime.protocol import (
     Tokens,
     Welcome,
 )
+from radixlm.runtime.transport.endpoints import parse_endpoint
 from radixlm.runtime.transport.zmq_dealer import ZmqDealer
-from radixlm.runtime.transport.zmtp import ZmtpDealer, native_endpoint
+from radixlm.runtime.transport.zmtp import ZmtpDealer
 from radixlm.sdk.loop_thread import LoopThread
 from radixlm.testing import StubServer
 from toy_stub import chars, text_of, toy_generate
@@ -100,12 +101,17 @@ def test_zmtp_refuses_a_peer_that_is_not_zmtp3() -> None:
     assert lost and "ZMTP" in lost[0]
 
 
+def native_endpoint(endpoint: str) -> Any:
+    return parse_endpoint(endpoint).native
+
+
 def test_native_endpoints() -> None:
     assert native_endpoint("ipc:///tmp/x.sock") == ("unix", "/tmp/x.sock")
     assert native_endpoint("ipc://@abstract") == ("unix", "\0abstract")
     assert native_endpoint("tcp://127.0.0.1:5555") == ("tcp", ("127.0.0.1", 5555))
     assert native_endpoint("tcp://[::1]:5555") == ("tcp", ("::1", 5555))
     assert native_endpoint("inproc://x") is None and native_endpoint("tcp://*:5") is None
+    assert native_endpoint("tcp://10.0.0.1;10.0.0.2:5") is None  # libzmq's SOURCE;HOST
 
 
 @pytest.fixture(scope="module")

@@ -179,6 +179,13 @@ class HeldMessages:
                 return True
         return False
 
+    def forget(self, client: bytes) -> None:
+        """`client` is gone: what it sent that waits for a tail is dropped (the tails
+        themselves still finish)."""
+        for session, owner in self._held_by.items():
+            if owner == client:
+                self._held[session] = []
+
     def release(self, session: str, finished: bool) -> None:
         """The tail is done: the held messages become ready (dropped if the turn did not
         finish)."""
@@ -397,6 +404,10 @@ class SessionController:
     def client_gone(self, client: bytes) -> None:
         if self.manager is not None:
             self.manager.client_gone(client)
+
+    def forget_held(self, client: bytes) -> None:
+        """Drop what a gone client's messages wait for (before its tails end)."""
+        self.held.forget(client)
 
     def clients(self) -> set[bytes]:
         """Every client that holds a session."""

@@ -48,6 +48,7 @@ class PrefixCache:
         # (see RadixCache for their contracts).
         tree = self.tree
         self.match: Callable[[Tokens, Hashable], MatchResult] = tree.match
+        self.cached_len: Callable[[Tokens, Hashable], int] = tree.cached_len
         self.insert: Callable[..., InsertResult] = tree.insert
         self.lock: Callable[[TreeNode], None] = tree.lock
         self.unlock: Callable[[TreeNode], None] = tree.unlock

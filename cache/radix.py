@@ -112,6 +112,26 @@ class RadixCache:
             return MatchResult(self.root, 0, EMPTY)
         return MatchResult(node, off // ITEM, _join(values))
 
+    def cached_len(self, tokens: Tokens, namespace: Hashable = None) -> int:
+        """The length `match` would find, without its effects (no access time, hit count
+        or split): for observers, who must not change the eviction order."""
+        node = self.root.children.get(namespace)
+        tokens = as_i64(tokens)
+        n = align_down(len(tokens), self.page_size)
+        if node is None or n == 0:
+            return 0
+        qb = (tokens if n == len(tokens) else tokens[:n]).tobytes()
+        pb, off = self._page_bytes, 0
+        while off < n * ITEM:
+            child = node.children.get(qb[off : off + pb])
+            if child is None:
+                break
+            if not qb.startswith(child.key_bytes, off):
+                return off // ITEM + self._common_len(child, tokens, off // ITEM)
+            off += len(child.key_bytes)
+            node = child
+        return off // ITEM
+
     # ----------------------------------------------------------------- insert
     def insert(
         self,

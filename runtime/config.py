@@ -15,7 +15,7 @@ from radixlm.runtime.settings import LogLevel, Settings, setting
 MODEL, KV, SCHEDULING, TRUST = ("model and engine", "KV cache", "scheduling and sessions",
                                 "clients and trust")
 STATE = "state (what outlives disconnects, crashes and restarts)"
-SchedulePolicy = Literal["fcfs", "lpm", "dfs-weight", "shortest-prefill-first"]
+SchedulePolicy = Literal["fcfs", "lpm", "dfs-weight", "shortest-prefill-first", "program"]
 START_TIMEOUT_S = 600.0  # loading a model (the first start of the default one converts its GGUF)
 DRAIN_TIMEOUT_S = 30.0  # SIGTERM: the server's and its HTTP API's running requests finish
 MAX_MESSAGE_BYTES = 4 * 2**20  # a client frame, at the server's and the router's endpoint
@@ -93,7 +93,9 @@ class EngineConfig(Settings, frozen=True, kw_only=True):
 
     schedule_policy: Annotated[SchedulePolicy, setting(
         "order of waiting requests: first come first served, longest prefix match, DFS "
-        "weight, or shortest prefill first", "--schedule-policy", group=SCHEDULING)] = "lpm"
+        "weight, shortest prefill first, or program (the program with the least attained "
+        "service first: a session and its forks are one program)", "--schedule-policy",
+        group=SCHEDULING)] = "lpm"
     max_running: Annotated[int, setting(
         "most requests decoding at once", "--max-running", ge=1, group=SCHEDULING)] = 64
     chunked_prefill: Annotated[int, setting(

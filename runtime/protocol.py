@@ -185,6 +185,10 @@ class Generate(Struct, tag="generate"):
     parallel_tool_calls: bool = True
     # With logprobs: each token's text rides with them (SGLang's return_text_in_logprobs).
     logprob_texts: bool = False
+    # The program this request is part of (`--schedule-policy program` admits the programs
+    # that have had the least service first). A session's turns belong to its session's
+    # program (the one it was opened with, or forked from), whatever this says.
+    program: Union[str, None] = None
 
 
 class Abort(Struct, tag="abort"):
@@ -215,6 +219,18 @@ class OpenSession(Struct, tag="open_session"):
     # state directory; `SessionOpened.durable` says whether it is): any connection of
     # the same tenant takes it back with `ResumeSession`.
     durable: bool = False
+    # The program its turns belong to (`Generate.program`); nil: the session is a program
+    # of its own, and its forks and branches are part of it.
+    program: Union[str, None] = None
+
+
+class ToolDoneSoon(Struct, tag="tool_done_soon"):
+    """A hint: the result of the tool call that `session`'s last turn ended in is coming
+    soon, so the engine brings the session's history back into its KV cache now (from host
+    memory or disk) rather than when the result is appended. Answered `Ok`."""
+
+    rid: str
+    session: str
 
 
 class ResumeSession(Struct, tag="resume_session"):
@@ -305,6 +321,7 @@ ClientMessage = Union[
     Tokenize,
     Detokenize,
     ResumeSession,
+    ToolDoneSoon,
 ]
 
 
@@ -460,6 +477,18 @@ class StatsReply(Struct, tag="stats_reply"):
     # name: request_queue_time, time_to_first_token, e2e_request_latency,
     # request_prefill_time, request_decode_time, request_time_per_output_token.
     latency: dict[str, Histogram]
+    # Sessions whose last turn ended in tool calls, waiting for the result, by where their
+    # history is: "device" (all in the KV pool), "host", "disk", "recompute" (some of it
+    # in no tier).
+    tool_waits: dict[str, int] = {}
+    # The engine's running estimate of each tool's round trip (the turn ending in its call
+    # -> the result appended), in seconds, by tool name.
+    tool_round_trip_s: dict[str, float] = {}
+    # Tool-paused histories brought back into the KV pool: "started" (prefetches begun:
+    # on a hint, or as the estimate says the result is near), "hinted" (tool_done_soon
+    # received), "hits" (a result appended found its demoted history back in the pool),
+    # "misses" (it had to be copied in or recomputed when the result came).
+    prefetch: dict[str, int] = {}
 
 
 class SessionOpened(Struct, tag="session_opened"):
@@ -491,6 +520,10 @@ class SessionInfo(Struct):
     namespace: Union[str, None] = None
     durable: bool = False
     attached: bool = True  # False: a durable session nobody holds (resume it to use it)
+    # Waiting on the tools its last turn called (their names; nil: not waiting), and where
+    # its history is meanwhile: "device", "host", "disk" or "recompute".
+    tools: Union[list[str], None] = None
+    tier: Union[str, None] = None
 
 
 class SessionList(Struct, tag="session_list"):

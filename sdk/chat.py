@@ -25,8 +25,10 @@ from radixlm.runtime.protocol import (
     Generate,
     Input,
     Message,
+    Ok,
     Retention,
     SessionsForked,
+    ToolDoneSoon,
 )
 from radixlm.sdk.errors import EngineError, ProgramError
 from radixlm.sdk.results import GenerateResult, result_from_done
@@ -156,6 +158,14 @@ class AsyncChatSession:
 
         return TextStream(self._client, self._turn(content, role, True, sampling),
                           on_finish=lambda results: self._record(content, role, results[0]))
+
+    async def tool_done_soon(self) -> None:
+        """A hint that the result of the tool call this session's last reply made is near:
+        the engine brings the conversation's KV back now if memory pressure let it go
+        (from host memory or disk), so the ``send`` of the result finds it. Optional."""
+        if self.id is None:
+            raise ProgramError("the chat session is not open")
+        await self._client.call(ToolDoneSoon(rid=self._client.new_rid(), session=self.id), Ok)
 
     async def fork(self, n: int = 1) -> list[AsyncChatSession]:
         """`n` sessions continuing this conversation independently (closed with this one)."""

@@ -152,6 +152,7 @@ class ChatSession:
         self._loop.call(self._chat.__aexit__, *exc)  # (a durable session stays open)
 
     send = blocking(AsyncChatSession.send, "_chat")
+    tool_done_soon = blocking(AsyncChatSession.tool_done_soon, "_chat")
     stream = facing(AsyncChatSession.stream, "_chat", SyncTextStream)
 
     def fork(self, n: int = 1) -> list[ChatSession]:

@@ -4,8 +4,10 @@ Every ``--interval`` seconds it asks the server for its stats and its session li
 (the operator's view: every client's sessions, others' ids shortened) and redraws, in
 place on a terminal (the alternate screen, as top does): requests running and waiting,
 sessions and pins, decode and prefill tokens/s and the cache hit rate over the last
-interval, the KV pool by state, retained tokens by class, and the sessions. ``--once``
-prints one snapshot (rates over one interval) for scripts and tests.
+interval, the KV pool by state, retained tokens by class, sessions waiting on tools (by
+where their history is, the engine's estimate of each tool's round trip, prefetch hits
+and misses), and the sessions. ``--once`` prints one snapshot (rates over one interval)
+for scripts and tests.
 """
 
 from __future__ import annotations
@@ -80,18 +82,44 @@ def render(welcome: Welcome, endpoint: str, now: Sample, before: Sample | None) 
     retained = "  ".join(f"{k} {v}" for k, v in sorted(s.retained_tokens.items())) or "none"
     host = f"  |  host tier {s.host_used}/{s.host_capacity}" if s.host_capacity else ""
     lines.append(f"retained   {retained}  (cap {s.retained_cap}){host}")
+    lines += tool_lines(s)
     lines.append("")
     busy_first = sorted(now.sessions, key=lambda x: (not x.busy, x.idle_s))
     lines += session_table(busy_first, MAX_SESSION_ROWS)
     return lines
 
 
+MAX_TOOLS_SHOWN = 6
+
+
+def tool_lines(s: StatsReply) -> list[str]:
+    """Sessions waiting on tools by tier, prefetches, and the tools' round trips (none
+    when no session ever waited on one)."""
+    if not (s.tool_waits or s.tool_round_trip_s or s.prefetch):
+        return []
+    waits = sum(s.tool_waits.values())
+    tiers = "  ".join(f"{k} {v}" for k, v in sorted(s.tool_waits.items()))
+    p = s.prefetch
+    hits, misses = p.get("hits", 0), p.get("misses", 0)
+    out = [f"tool waits {waits}" + (f" ({tiers})" if tiers else "")
+           + f"  |  prefetch hits {hits} misses {misses} ({_pct(hits, hits + misses)})  "
+           f"started {p.get('started', 0)}  hinted {p.get('hinted', 0)}"]
+    trips = sorted(s.tool_round_trip_s.items())
+    if trips:
+        shown = "  ".join(f"{name} {t:.2f}s" for name, t in trips[:MAX_TOOLS_SHOWN])
+        more = f"  (+{len(trips) - MAX_TOOLS_SHOWN} more)" if len(trips) > MAX_TOOLS_SHOWN else ""
+        out.append(f"tool trips {shown}{more}")
+    return out
+
+
 def session_table(sessions: Sequence[SessionInfo], limit: int | None = None) -> list[str]:
-    """Sessions as aligned rows under a header (`radixlm sessions` prints the same)."""
-    rows = [("SESSION", "LENGTH", "IDLE", "RETENTION", "BUSY", "NAMESPACE")]
+    """Sessions as aligned rows under a header (`radixlm sessions` prints the same); a
+    session waiting on tools names them and where its history is (TOOLS: name@tier)."""
+    rows = [("SESSION", "LENGTH", "IDLE", "RETENTION", "BUSY", "NAMESPACE", "TOOLS")]
     for x in sessions[:limit]:
+        tools = f"{','.join(x.tools)}@{x.tier or '-'}" if x.tools else "-"
         rows.append((x.session[:12], str(x.length), f"{x.idle_s:.1f}s", x.retention,
-                     "yes" if x.busy else "no", x.namespace or "-"))
+                     "yes" if x.busy else "no", x.namespace or "-", tools))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     if not sessions:

@@ -16,7 +16,12 @@ from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.outbox import Outbox
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
 from radixlm.runtime.engine.sampling import make_generator
-from radixlm.runtime.engine.sessions.controller import Intake, SessionController, Turn
+from radixlm.runtime.engine.sessions.controller import (
+    Intake,
+    SessionController,
+    Turn,
+    client_program,
+)
 from radixlm.runtime.engine.state import TERMINAL, ReqState
 from radixlm.runtime.engine.table import RequestTable
 from radixlm.runtime.engine.wire import (
@@ -147,6 +152,9 @@ class MessageHandler:
             prompt_logprobs_start=None if start is None else history + start,
             priority=msg.priority, grammar=grammar,
             times=self.endings.counters.latency.start(msg.arrived),
+            tools=tuple(msg.tools) if msg.tools else None,
+            program=(intake.program if intake is not None
+                     else client_program(msg.client, msg.program)),
         ), stop_context=msg.input_ids, calls=msg.grammar)  # fmt: skip
 
     def _grammar(self, spec: GrammarSpec | None, namespace: str | None,
@@ -176,8 +184,10 @@ class MessageHandler:
         except RequestError as e:
             self.outbox.reply(msg.client, Error(rid=msg.rid, code=e.code, message=e.message))
             return
-        self._enqueue(self._prefill_only(RequestKind.OPEN_SESSION, msg.client, msg.rid,
-                                         intake.prompt, intake.namespace, intake.turn))
+        g = self._prefill_only(RequestKind.OPEN_SESSION, msg.client, msg.rid, intake.prompt,
+                               intake.namespace, intake.turn)
+        g.program = intake.program
+        self._enqueue(g)
 
     def _on_pin(self, msg: EnginePin) -> None:
         prompt = np.asarray(msg.input_ids, dtype=np.int64)

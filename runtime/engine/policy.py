@@ -7,6 +7,15 @@ Policies (SGLang's names):
 - ``dfs-weight``: walk the tree depth-first, heaviest subtree (most waiting requests)
   first, so requests sharing a prefix run back to back.
 - ``shortest-prefill-first``: least uncached work first.
+- ``program``: programs scheduled as programs (Autellix's least attained service): the
+  requests of the program that has had the least service so far (tokens computed for it:
+  prefill and decode) first, so a short agent program is not queued behind long ones.
+  A session's turns, its forks' and its branches' are one program (the session it was
+  opened as, `Session.program`); other requests name theirs (`Generate.program`) or are
+  programs of their own. Anti-starvation (Autellix's rule): a request that has waited
+  `starve_s` goes before every request that has not, oldest first -- so, within its
+  priority and client, a request is admitted at the first admission after it has waited
+  `starve_s` that does not go to a request that arrived before it.
 
 All orders put higher `priority` first and break ties by arrival. Prefix-aware orders
 match every waiting request each step; above `max_matched` waiting requests they fall
@@ -25,6 +34,7 @@ slot.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Sequence
 from typing import get_args
@@ -32,6 +42,7 @@ from typing import get_args
 from radixlm.cache import TreeNode
 from radixlm.cache.pages import align_down
 from radixlm.runtime.config import SchedulePolicy
+from radixlm.runtime.engine.batch import Scheduled
 from radixlm.runtime.engine.request import Request
 from radixlm.runtime.engine.sessions.retention import common_prefix_len
 from radixlm.runtime.engine.state import TERMINAL
@@ -60,6 +71,62 @@ class FairShare:
 
     def last(self, client: bytes) -> int:
         return self._served.get(client, 0)
+
+
+STARVE_S = 10.0  # the program policy's anti-starvation wait (seconds)
+
+
+class Programs:
+    """Each program's attained service (tokens computed for it), and since when each
+    waiting request has waited: what the ``program`` policy orders by. Bounded: the
+    least recently served programs beyond `remember` are forgotten (counted as new)."""
+
+    def __init__(self, starve_s: float = STARVE_S, clock: Callable[[], float] = time.monotonic,
+                 remember: int = 65536) -> None:
+        self.starve_s = starve_s
+        self.clock = clock
+        self._service: OrderedDict[str, int] = OrderedDict()
+        self._since: dict[int, float] = {}  # a waiting request's arrival -> first seen waiting
+        self._remember = remember
+
+    @staticmethod
+    def of(r: Request) -> str:
+        g = r.group
+        return g.program if g.program is not None else f"request:{g.key}"
+
+    def charge(self, plan: Sequence[Scheduled]) -> None:
+        """Service of one step: each scheduled request's new tokens, to its program."""
+        service = self._service
+        for s in plan:
+            p = self.of(s.req)
+            service[p] = service.get(p, 0) + s.extend
+            service.move_to_end(p)
+        while len(service) > self._remember:
+            service.popitem(last=False)
+
+    def attained(self, program: str) -> int:
+        return self._service.get(program, 0)
+
+    def order(self, waiting: Sequence[Request]) -> list[Request]:
+        """`waiting` by priority, then the starved (waited `starve_s`) oldest first, then
+        least attained service first, then arrival. A request has waited since the engine
+        took it in (`GroupTimes.queued`, on this clock), else since this first saw it."""
+        now = self.clock()
+        since = {r.arrival: self._since.get(r.arrival, _queued(r, now)) for r in waiting}
+        self._since = since  # (admitted and aborted requests leave it here)
+
+        def key(r: Request) -> tuple[int, int, float, int]:
+            waited = since[r.arrival]
+            if now - waited >= self.starve_s:
+                return (-r.group.priority, 0, waited, r.arrival)
+            return (-r.group.priority, 1, self.attained(self.of(r)), r.arrival)
+
+        return sorted(waiting, key=key)
+
+
+def _queued(r: Request, now: float) -> float:
+    times = getattr(r.group, "times", None)
+    return times.queued if times is not None else now
 
 
 def fair_victims(running: Sequence[Request], waiting: Sequence[Request],
@@ -93,10 +160,14 @@ def fair_victims(running: Sequence[Request], waiting: Sequence[Request],
 
 def order_waiting(
     policy: str, waiting: Sequence[Request], match: MatchFn, max_matched: int = 128,
-    fair: FairShare | None = None,
+    fair: FairShare | None = None, programs: Programs | None = None,
 ) -> list[Request]:
     """`waiting` in the order admission should try them."""
-    return round_robin(_policy_order(policy, waiting, match, max_matched), fair or FairShare())
+    if policy == "program":
+        order = (programs or Programs()).order(waiting)
+    else:
+        order = _policy_order(policy, waiting, match, max_matched)
+    return round_robin(order, fair or FairShare())
 
 
 def round_robin(order: list[Request], fair: FairShare) -> list[Request]:

@@ -26,7 +26,13 @@ from radixlm.runtime.engine.batch import Scheduled
 from radixlm.runtime.engine.cache_manager import CacheManager
 from radixlm.runtime.engine.lifecycle import Endings
 from radixlm.runtime.engine.options import SchedulerOptions
-from radixlm.runtime.engine.policy import FairShare, fair_victims, held_back, order_waiting
+from radixlm.runtime.engine.policy import (
+    FairShare,
+    Programs,
+    fair_victims,
+    held_back,
+    order_waiting,
+)
 from radixlm.runtime.engine.request import Request
 from radixlm.runtime.engine.sessions.controller import SessionController
 from radixlm.runtime.engine.state import ReqState
@@ -50,6 +56,8 @@ class PrefillManager:
     _blocked: Request | None = field(init=False, default=None)  # where admission stopped
     # When admission last served each client: round-robin across clients (policy.py).
     fair: FairShare = field(init=False, default_factory=FairShare)
+    # Programs' attained service (the "program" policy: policy.py).
+    programs: Programs = field(init=False, default_factory=Programs)
 
     def __post_init__(self) -> None:
         self.ratio = self.opt.init_new_token_ratio
@@ -94,6 +102,8 @@ class PrefillManager:
             ext = self.chunk(r, grant)
             if self.kv.grow(r, r.kv_len + ext):
                 plan.append(Scheduled(r, ext, self.logits_from(r, ext)))
+        if self.opt.policy == "program":
+            self.programs.charge(plan)  # (this step's decodes and prefill chunks)
 
     @staticmethod
     def _shares(chunked: list[Request], budget: int) -> list[int]:
@@ -137,7 +147,7 @@ class PrefillManager:
             return m.node, m.length
 
         order = order_waiting(opt.policy, table.waiting, match, opt.max_matched_waiting,
-                              self.fair)
+                              self.fair, self.programs)
         running = table.running
         inflight = [r for r in running if r.state is ReqState.PREFILLING]
         reserve = sum(self.future_need(r) for r in running)

@@ -71,6 +71,11 @@ class RequestGroup:
     recomputed_tokens: int = 0
     restored_tokens: int = 0
     times: GroupTimes | None = None  # a Generate's moments (timings.py)
+    # The tools whose calls its output may make (a session turn ending in calls of them
+    # leaves its session waiting on them), and the program it is part of (policy.py's
+    # "program" admits programs by attained service; None: a program of its own).
+    tools: tuple[str, ...] | None = None
+    program: str | None = None
 
     @property
     def prompt_len(self) -> int:

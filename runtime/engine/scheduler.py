@@ -48,6 +48,7 @@ from radixlm.runtime.engine.prefill import PrefillManager
 from radixlm.runtime.engine.request import Request
 from radixlm.runtime.engine.sampling import Sampler
 from radixlm.runtime.engine.sessions import SessionManager
+from radixlm.runtime.engine.sessions.calls import CallNames
 from radixlm.runtime.engine.sessions.controller import Committed, SessionController
 from radixlm.runtime.engine.slicing import Slicer
 from radixlm.runtime.engine.state import ReqState
@@ -116,7 +117,7 @@ class Scheduler:
         self.table = RequestTable()
         self.counters = Counters(latency=Latencies(clock))
         self.outbox = Outbox()
-        self.sessions = SessionController(sessions, self.outbox.reply)
+        self.sessions = SessionController(sessions, self.outbox.reply, CallNames(tokenizer))
         self.kv = CacheManager(cache, self.sessions.make_room)
         self.endings = Endings(self.table, self.kv, self.sessions, self.outbox, self.counters)
         self.intake = MessageHandler(
@@ -128,6 +129,7 @@ class Scheduler:
         )  # fmt: skip
         self.prefill = PrefillManager(self.table, self.kv, self.sessions, self.endings, options,
                                       self.counters)
+        self.prefill.programs.clock = clock  # (a request's wait is on the scheduler's clock)
         self.budget = StepBudget(options.fair_step_factor, options.max_running)
         self.decode = DecodeManager(self.table, self.kv, self.endings, self.budget)
         self.outputs = OutputProcessor(self.table, self.kv, sampler, self.sessions, self.endings,
@@ -186,7 +188,7 @@ class Scheduler:
         msg = cmd.msg
         if isinstance(msg, GetStats):
             return stats_reply(msg.rid, self.cache.sizes(), self.table, self.counters,
-                               self.sessions, self.budget.capped_steps)  # fmt: skip
+                               self.sessions, self.budget.capped_steps, cmd.tenant)  # fmt: skip
         if isinstance(msg, FlushCache):
             if cmd.tenant is None:
                 log.info("cache flushed: %d tokens evicted, %s", self.flush_cache(), self.cache)
@@ -207,11 +209,13 @@ class Scheduler:
 
     def maybe_tick(self, now: float | None = None) -> None:
         """Let the session controller demote idle sessions, at most every
-        `tick_interval_s`."""
+        `tick_interval_s` (and bring back, at every pass, tool-paused histories whose
+        clients said the result is near)."""
         now = self.clock() if now is None else now
         if now - self._last_tick >= self.opt.tick_interval_s:
             self._last_tick = now
             self.sessions.tick(now)
+        self.sessions.poll(now)
 
     def step(self) -> bool:
         """One scheduling step and forward; returns whether a forward ran. A failure in

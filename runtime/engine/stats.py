@@ -9,7 +9,8 @@ from radixlm.runtime.protocol import StatsReply
 
 
 def stats_reply(rid: str, sizes: CacheSizes, table: RequestTable, counters: Counters,
-                sessions: SessionController, capped_steps: int = 0) -> StatsReply:
+                sessions: SessionController, capped_steps: int = 0,
+                tenant: str | None = None) -> StatsReply:
     private = table.private_tokens()
     c = counters
     return StatsReply(
@@ -31,5 +32,5 @@ def stats_reply(rid: str, sizes: CacheSizes, table: RequestTable, counters: Coun
         capped_steps=capped_steps,
         finish_reasons=dict(c.latency.finish_reasons),
         latency=c.latency.wire(),
-        **sessions.stats(),
+        **sessions.stats(tenant),
     )

@@ -28,6 +28,7 @@ from radixlm.runtime.protocol import (
     ListSessions,
     ResumeSession,
     SamplingParams,
+    ToolDoneSoon,
     TopLogprob,
     TruncateSession,
     Unpin,
@@ -113,6 +114,12 @@ class EngineGenerate(_Internal, tag="gen"):
     # When the frontend received the request (`time.monotonic()`, before tokenizing):
     # the start of its time to first token and end-to-end latency (engine/timings.py).
     arrived: Union[float, None] = None
+    # The names of the tools whose calls are read from its output (the request's tools,
+    # unless tool_choice is "none"): a session turn ending in calls of them waits on them.
+    tools: Union[list[str], None] = None
+    # The client's program (`Generate.program`, in the client's scope); a session's turns
+    # belong to the session's program instead.
+    program: Union[str, None] = None
 
 
 class EngineAbort(_Internal, tag="abort"):
@@ -132,6 +139,7 @@ class EngineOpenSession(_Internal, tag="open"):
     assistant_open: bool = False  # as on EngineGenerate
     durable: bool = False
     tenant: Union[str, None] = None  # the client's tenant tag (who may resume it)
+    program: Union[str, None] = None  # as on EngineGenerate
 
 
 class EnginePin(_Internal, tag="pin"):
@@ -148,7 +156,7 @@ class EngineCommand(_Internal, tag="cmd"):
     client: bytes
     msg: Union[
         ForkSession, TruncateSession, CloseSession, Unpin, ListSessions, GetStats, FlushCache,
-        ResumeSession,
+        ResumeSession, ToolDoneSoon,
     ]
     # The client's tenant on a server with several (tenants.py): its engine-side
     # namespaces are this name and names starting with it and "/". A flush is held to

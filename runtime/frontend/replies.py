@@ -123,5 +123,6 @@ def in_tenant_terms(client: ClientState, reply: wire.ServerMessage) -> wire.Serv
         return msgspec.structs.replace(
             reply, sessions=0, pins=0, retained_tokens={}, prompt_tokens_total=0,
             cached_tokens_total=0, hit_rate=0.0, generated_tokens_total=0, retractions=0,
-            fair_preemptions=0, capped_steps=0, finish_reasons={}, latency={})
+            fair_preemptions=0, capped_steps=0, finish_reasons={}, latency={}, tool_waits={},
+            tool_round_trip_s={}, prefetch={})
     return None

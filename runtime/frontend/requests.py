@@ -89,6 +89,7 @@ class ClientRequests:
             wire.Unpin: self.unpin,
             wire.ListSessions: self.command,
             wire.ResumeSession: self.command,  # the engine checks the tenant
+            wire.ToolDoneSoon: self.command,  # a hint about a session: the engine's
             wire.GetStats: self.command,
             wire.FlushCache: self.flush_cache,
         }
@@ -156,6 +157,8 @@ class ClientRequests:
                 grammar=plan.grammar,
                 assistant_open=assistant_flag(msg.input) if msg.session is not None else None,
                 variants=variants, arrived=arrived,
+                tools=[t.name for t in plan.tools] if plan.parse_calls and plan.tools else None,
+                program=msg.program,
             ))
 
         model = self.model
@@ -199,7 +202,7 @@ class ClientRequests:
                 pinned=client.names.pin(msg.pinned), retention=msg.retention, ttl_s=msg.ttl_s,
                 namespace=client.names.namespace(msg.namespace),
                 assistant_open=bool(assistant_flag(msg.input)),
-                durable=msg.durable, tenant=client.names.tenant,
+                durable=msg.durable, tenant=client.names.tenant, program=msg.program,
             ))
 
         model = self.model

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 from radixlm.runtime.http import convert, generation, sse, turns
-from radixlm.runtime.http.context import HttpContext, now, request_body
+from radixlm.runtime.http.context import HttpContext, now, program_of, request_body
 from radixlm.runtime.http.errors import invalid
 from radixlm.runtime.http.logprobs import chat_content
 from radixlm.runtime.http.schemas import ChatCompletionRequest
@@ -72,7 +72,7 @@ async def chat_completions(ctx: HttpContext, request: Request) -> Response:
     msg = Generate(rid=ctx.link.new_rid(), input=Input(messages=messages), sampling=sampling,
                    stream=bool(req.stream), session=turn.session, n=n, tools=tools,
                    tool_choice=tool_choice, parallel_tool_calls=parallel,
-                   logprob_texts=bool(req.logprobs))
+                   logprob_texts=bool(req.logprobs), program=program_of(request))
     cid = f"chatcmpl-{secrets.token_hex(12)}"
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -11,7 +11,7 @@ import anyio
 import msgspec
 from radixlm.runtime.http import convert, generation, sse
 from radixlm.runtime.http.chat import usage_json
-from radixlm.runtime.http.context import HttpContext, now, request_body
+from radixlm.runtime.http.context import HttpContext, now, program_of, request_body
 from radixlm.runtime.http.errors import from_engine, invalid
 from radixlm.runtime.http.logprobs import completion as completion_logprobs
 from radixlm.runtime.http.schemas import CompletionRequest
@@ -62,11 +62,12 @@ async def completions(ctx: HttpContext, request: Request) -> Response:
         req, max_tokens=convert.max_tokens_of(req.max_tokens, ctx.default_max_tokens(), "max_tokens"),
         stop=convert.stop_list(req.stop), logprobs=top is not None, top_logprobs=top or 0)
     echo = bool(req.echo)
+    program = program_of(request)
     cid = f"cmpl-{secrets.token_hex(12)}"
     if req.stream:
         if len(prompts) != 1:
             raise invalid("stream supports a single prompt", "prompt")
-        msg = await _message(ctx, prompts[0], sampling, n, echo, stream=True)
+        msg = await _message(ctx, prompts[0], sampling, n, echo, stream=True, program=program)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         first, rest = await sse.first_then_rest(generation.replies(ctx, msg))
         return sse.response(_stream(ctx, cid, first, rest, include_usage,
@@ -75,7 +76,8 @@ async def completions(ctx: HttpContext, request: Request) -> Response:
     ids: list[list[int] | None] = [None] * len(prompts)  # as sent, when echoing logprobs
 
     async def one(i: int, prompt: Prompt) -> None:
-        msg = await _message(ctx, prompt, sampling, n, echo and top is not None, stream=False)
+        msg = await _message(ctx, prompt, sampling, n, echo and top is not None, stream=False,
+                             program=program)
         ids[i] = msg.input.input_ids
         results[i] = await generation.run(ctx, msg)
 
@@ -102,7 +104,8 @@ async def completions(ctx: HttpContext, request: Request) -> Response:
 
 
 async def _message(ctx: HttpContext, prompt: Prompt, sampling: SamplingParams, n: int,
-                   prompt_logprobs: bool, *, stream: bool) -> Generate:
+                   prompt_logprobs: bool, *, stream: bool, program: str | None = None
+                   ) -> Generate:
     """The Generate for one prompt; echoed logprobs need the prompt's ids, so a text
     prompt is tokenized first (the engine's own tokenization)."""
     if isinstance(prompt, str) and prompt_logprobs:
@@ -113,7 +116,7 @@ async def _message(ctx: HttpContext, prompt: Prompt, sampling: SamplingParams, n
     inp = Input(text=prompt) if isinstance(prompt, str) else Input(input_ids=prompt)
     return Generate(rid=ctx.link.new_rid(), input=inp, sampling=sampling, stream=stream, n=n,
                     prompt_logprobs_start=0 if prompt_logprobs else None,
-                    logprob_texts=sampling.logprobs)
+                    logprob_texts=sampling.logprobs, program=program)
 
 
 async def _echo_text(ctx: HttpContext, prompt: Prompt) -> str:

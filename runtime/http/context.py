@@ -127,5 +127,21 @@ async def request_body(ctx: HttpContext, request: Request, kind: type[S], *,
     return req
 
 
+PROGRAM_HEADER = "x-radixlm-program"
+MAX_PROGRAM_CHARS = 256
+
+
+def program_of(request: Request) -> str | None:
+    """The program a request says it is part of (`x-radixlm-program`: `Generate.program`,
+    scheduled together by `--schedule-policy program`); None without the header."""
+    value = request.headers.get(PROGRAM_HEADER)
+    if value is None:
+        return None
+    if not value or len(value) > MAX_PROGRAM_CHARS:
+        raise ApiError(400, f"the {PROGRAM_HEADER} header must be 1-{MAX_PROGRAM_CHARS} "
+                            "characters", param=PROGRAM_HEADER, code="invalid_value")
+    return value
+
+
 def now() -> int:
     return int(time.time())

@@ -82,8 +82,30 @@ class _EngineCollector:
         for reason, n in sorted(s.finish_reasons.items()):
             success.add_metric([self.model, reason], n)
         yield success
+        yield from _tool_families(s, self.model)
         for name, h in sorted(s.latency.items()):
             yield _histogram(f"radixlm:{name}_seconds", _LATENCY_DOCS.get(name, name), label, h)
+
+
+def _tool_families(s: StatsReply, model: str) -> Iterator[object]:
+    """Sessions waiting on tools (by tier), tools' round trips, prefetches."""
+    waits = GaugeMetricFamily("radixlm:tool_waiting_sessions", "Sessions waiting on tool "
+                              "results, by where their history is", labels=["model_name", "tier"])
+    for tier in ("device", "host", "disk", "recompute"):
+        waits.add_metric([model, tier], s.tool_waits.get(tier, 0))
+    yield waits
+    trips = GaugeMetricFamily("radixlm:tool_round_trip_seconds", "The engine's estimate of "
+                              "each tool's round trip (turn end to result appended)",
+                              labels=["model_name", "tool"])
+    for tool, t in sorted(s.tool_round_trip_s.items()):
+        trips.add_metric([model, tool], t)
+    yield trips
+    prefetch = CounterMetricFamily("radixlm:tool_prefetches", "Tool-paused histories brought "
+                                   "back into the KV pool: started, hinted, hits, misses",
+                                   labels=["model_name", "outcome"])
+    for outcome in ("started", "hinted", "hits", "misses"):
+        prefetch.add_metric([model, outcome], s.prefetch.get(outcome, 0))
+    yield prefetch
 
 
 _LATENCY_DOCS = {

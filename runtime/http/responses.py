@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 from radixlm.runtime.http import convert, generation, sse, turns
 from radixlm.runtime.http import items as item_lists
-from radixlm.runtime.http.context import HttpContext, now, request_body
+from radixlm.runtime.http.context import HttpContext, now, program_of, request_body
 from radixlm.runtime.http.conversations import page
 from radixlm.runtime.http.errors import invalid
 from radixlm.runtime.http.history import MESSAGES_ONLY, chain_keys, root_key
@@ -133,7 +133,8 @@ async def create(ctx: HttpContext, request: Request) -> Response:
     parallel = req.parallel_tool_calls is not False
     msg = Generate(rid=ctx.link.new_rid(), input=Input(messages=send), sampling=sampling,
                    stream=bool(req.stream), session=turn.session, tools=tools,
-                   tool_choice=tool_choice, parallel_tool_calls=parallel)
+                   tool_choice=tool_choice, parallel_tool_calls=parallel,
+                   program=program_of(request))
     if conversation is not None:
         conversation.busy = True
     if req.stream:

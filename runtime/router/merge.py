@@ -20,9 +20,10 @@ from radixlm.runtime.protocol import (
 
 __all__ = ["merge_replies"]
 
-_MAPS = ("retained_tokens", "finish_reasons")  # counts by name: summed name by name
+# Counts by name: summed name by name.
+_MAPS = ("retained_tokens", "finish_reasons", "tool_waits", "prefetch")
 _SUMMED = [f for f in StatsReply.__struct_fields__
-           if f not in ("rid", "hit_rate", "invariant_ok", "latency", *_MAPS)]
+           if f not in ("rid", "hit_rate", "invariant_ok", "latency", "tool_round_trip_s", *_MAPS)]
 
 
 def _histograms(replies: Sequence[StatsReply]) -> dict[str, Histogram]:
@@ -49,7 +50,11 @@ def merge_stats(rid: str, replies: Sequence[StatsReply]) -> StatsReply:
             for k, v in getattr(r, f).items():
                 merged[k] = merged.get(k, 0) + v
     prompt = totals["prompt_tokens_total"]
-    return StatsReply(rid=rid, latency=_histograms(replies), **maps,
+    trips: dict[str, float] = {}  # a tool's round trip: the longest any replica estimates
+    for r in replies:
+        for k, v in r.tool_round_trip_s.items():
+            trips[k] = max(trips.get(k, 0.0), v)
+    return StatsReply(rid=rid, latency=_histograms(replies), **maps, tool_round_trip_s=trips,
                       hit_rate=totals["cached_tokens_total"] / prompt if prompt else 0.0,
                       invariant_ok=all(r.invariant_ok for r in replies), **totals)
 

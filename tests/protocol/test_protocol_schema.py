@@ -202,6 +202,7 @@ VALID_CLIENT = [
     {"type": "open_session", "rid": "r", "pinned": "tools", "namespace": None},
     {"type": "open_session", "rid": "r", "durable": True},
     {"type": "resume_session", "rid": "r", "session": "s"},
+    {"type": "tool_done_soon", "rid": "r", "session": "s"},
     {"type": "fork_session", "rid": "r", "session": "s", "n": 3},
     {"type": "truncate_session", "rid": "r", "session": "s", "length": 4},
     {"type": "close_session", "rid": "r", "session": "s"},

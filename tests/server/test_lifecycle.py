@@ -141,7 +141,8 @@ def test_cli_generate_and_sessions_against_a_running_server(server: Any) -> None
                                 capture_output=True, text=True, timeout=120)
     assert listed.returncode == 0, listed.stderr
     header, *rows = listed.stdout.splitlines()
-    assert header.split() == ["SESSION", "LENGTH", "IDLE", "RETENTION", "BUSY", "NAMESPACE"]
+    assert header.split() == ["SESSION", "LENGTH", "IDLE", "RETENTION", "BUSY", "NAMESPACE",
+                              "TOOLS"]
     # Another client's session shows as an 8-hex prefix: enough for a person, never the id.
     prefix = opened.session[:8]
     assert any(row.split()[0] == prefix for row in rows), listed.stdout

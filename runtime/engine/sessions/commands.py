@@ -1,5 +1,5 @@
 """Session commands the engine answers at once, without running the model: fork,
-truncate, close, unpin, list, resume."""
+truncate, close, unpin, list, resume, and the hint that a tool's result is near."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from radixlm.runtime.protocol import (
     SessionOpened,
     SessionsForked,
     Struct,
+    ToolDoneSoon,
     TruncateSession,
     Unpin,
 )
@@ -25,7 +26,7 @@ from radixlm.runtime.rules import RequestError
 
 def is_session_command(msg: object) -> bool:
     return isinstance(msg, (ForkSession, TruncateSession, CloseSession, Unpin, ListSessions,
-                            ResumeSession))
+                            ResumeSession, ToolDoneSoon))
 
 
 def answer(m: SessionManager, msg: Any, client: bytes, tenant: str | None = None) -> Struct:
@@ -41,6 +42,9 @@ def answer(m: SessionManager, msg: Any, client: bytes, tenant: str | None = None
         return close_sessions(m, msg, client)
     if isinstance(msg, Unpin):
         m.unpin(msg.name)
+        return Ok(rid=msg.rid)
+    if isinstance(msg, ToolDoneSoon):
+        m.tool_done_soon(msg.session, client)
         return Ok(rid=msg.rid)
     if isinstance(msg, ResumeSession):
         s = m.resume(msg.session, client, tenant)

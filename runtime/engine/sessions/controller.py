@@ -11,8 +11,13 @@ through the hooks of `SessionController`, called at fixed points of a request's 
 - the last sampled token: `needs_tail` / `report_early`;
 - endings: `on_finish` (the branch's tokens are in the tree: settle its turn or pin),
   `on_abort`, `on_ended` (the tail is done), `on_group_done` (every branch ended);
-- the pool: `make_room` (demote idle soft sessions), `tick` (idle TTL),
-  `unreclaimable_tokens` (what pins and hard sessions hold), `client_gone`.
+- the pool: `make_room` (demote idle soft sessions), `tick` (idle TTL, prefetches of
+  tool-paused histories as their results near), `poll` (every pass of the loop: the
+  prefetches clients asked for), `unreclaimable_tokens` (what pins and hard sessions
+  hold), `client_gone`.
+
+A turn that carried tools and ends in calls of them leaves its session waiting on them
+(`on_finish`, read by calls.py: tool_waits.py says what follows from that).
 
 A session's view (its length, last token, and whether its last turn is an open
 assistant turn) is the engine's alone: an append arrives rendered for each way a history
@@ -50,6 +55,7 @@ from typing import Any
 
 import numpy as np
 from radixlm.runtime.engine.request import Request, RequestGroup, RequestKind
+from radixlm.runtime.engine.sessions.calls import CallNames
 from radixlm.runtime.engine.sessions.commands import answer, is_session_command
 from radixlm.runtime.engine.sessions.disk_backup import DiskLoad
 from radixlm.runtime.engine.sessions.manager import SessionManager
@@ -113,6 +119,12 @@ class Intake:
     appended: np.ndarray
     namespace: str | None
     turn: Turn
+    program: str | None = None  # the session's program
+
+
+def client_program(client: bytes, program: str | None) -> str | None:
+    """A program a client names, in its own scope (no client can join another's)."""
+    return None if program is None else f"{client.hex()}:{program}"
 
 
 def sessions_of(msg: object) -> list[str]:
@@ -194,9 +206,11 @@ class HeldMessages:
 class SessionController:
     """The hooks the scheduler calls (see the module doc), over one SessionManager."""
 
-    def __init__(self, manager: SessionManager | None, reply: Reply) -> None:
+    def __init__(self, manager: SessionManager | None, reply: Reply,
+                 calls: CallNames | None = None) -> None:
         self.manager = manager
         self._reply = reply
+        self.calls = calls or CallNames(None)  # reads the tools a turn called
         # How a committed write reaches the loop (the serving loop's queue); None: wait
         # for the commit where the reply is made (no loop: tests, tools).
         self.post: Callable[[object], None] | None = None
@@ -251,7 +265,8 @@ class SessionController:
         prompt = m.begin_turn(msg.session, msg.client, appended, msg.namespace)
         turn = Turn(session=msg.session, open=True, assistant_open=msg.assistant_open,
                     kv_load=m.plan_load(msg.session))
-        return Intake(np.asarray(prompt, dtype=np.int64), appended, s.namespace, turn)
+        return Intake(np.asarray(prompt, dtype=np.int64), appended, s.namespace, turn,
+                      s.program)
 
     def abort_intake(self, intake: Intake, client: bytes, opened: bool = False) -> None:
         """The request was refused after its turn began: idle again (an opening turn's
@@ -268,7 +283,8 @@ class SessionController:
         caller prefills it), without, answer SessionOpened now and return None."""
         m = self._m()
         s = m.open(msg.client, msg.namespace, msg.retention, msg.ttl_s, msg.pinned, msg.input_ids,
-                   durable=msg.durable, tenant=msg.tenant)
+                   durable=msg.durable, tenant=msg.tenant,
+                   program=client_program(msg.client, msg.program))
         if not msg.input_ids:
             self._reply_opened(msg.client, msg.rid, s.id, s.length, s.held_len)
             return None
@@ -281,7 +297,7 @@ class SessionController:
                     kv_load=m.plan_prefix_load(np.asarray(prompt, dtype=np.int64),
                                                s.namespace))
         return Intake(np.asarray(prompt, dtype=np.int64),
-                      np.asarray(msg.input_ids, dtype=np.int64), s.namespace, turn)
+                      np.asarray(msg.input_ids, dtype=np.int64), s.namespace, turn, s.program)
 
     def begin_pin(self, msg: EnginePin, prompt: np.ndarray) -> Turn:
         """Refuse a pin before it is prefilled: name taken, or beyond the retention cap."""
@@ -365,11 +381,18 @@ class SessionController:
         if self.manager is not None:
             self.manager.tick(now)
 
-    def stats(self) -> dict[str, Any]:
-        """The StatsReply fields about retention, sessions and pins."""
+    def poll(self, now: float) -> None:
+        """(Every pass of the serving loop.) Prefetches clients asked for."""
+        if self.manager is not None:
+            self.manager.prefetch.poll(now)
+
+    def stats(self, tenant: str | None = None) -> dict[str, Any]:
+        """The StatsReply fields about retention, sessions, pins and tool waits (those of
+        `tenant` only, for a tenant)."""
         m = self.manager
         retained = m.retained_tokens() if m is not None else {}
         return {
+            **(m.tool_stats(tenant) if m is not None else {}),
             "retained_tokens": {k: retained.get(k, 0) for k in ("pinned", "hard", "soft")},
             "retained_cap": m.retained_cap if m is not None else 0,
             "host_capacity": m.host_capacity if m is not None else 0,
@@ -416,6 +439,8 @@ class SessionController:
                 turn.open = False
                 m.end_turn(session, history, turn.assistant_open)
                 turn.ended_in[r.index] = session
+                if g.tools and g.kind is RequestKind.GENERATE:
+                    m.wait_on_tools(session, self.calls.names(r.output, g.tools))
             else:
                 turn.ended_in[r.index] = m.branch(session, history, r.index, turn.assistant_open)
         except Exception as e:  # noqa: BLE001 - the output stands; the session keeps its history

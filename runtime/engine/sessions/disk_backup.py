@@ -93,6 +93,13 @@ class DiskBackup:
         self._dirty.setdefault(s.id, 0)
         self._save_some(SAVE_BLOCKS_PER_CALL)
 
+    def save_all(self, s: Session) -> None:
+        """Queue every block of `s`'s cached history that the disk does not have, now
+        (it is about to be evicted: a session waiting on tools, demoted without a host
+        tier to keep it)."""
+        wanted = s.wanted
+        self._save_history(s.namespace, wanted, 0, len(wanted) // self.block + 1)
+
     def save_prefix(self, namespace: Hashable, ids: np.ndarray) -> None:
         """Queue the blocks of a pin's prefix (as many as one call's budget)."""
         self._save_history(namespace, ids, 0, SAVE_BLOCKS_PER_CALL)
@@ -166,6 +173,15 @@ class DiskBackup:
             return
 
     # ------------------------------------------------------------------ loading
+    def covered(self, namespace: Hashable, tokens: np.ndarray, pos: int) -> int:
+        """Where the disk's run of `tokens`' blocks from the one holding `pos` ends (`pos`
+        when it has none): an observer's question, nothing is read."""
+        b = self.block
+        first = pos // b
+        keys = chain_keys(_ns(namespace), tokens, b)
+        n = self.store.present_prefix(keys[first:])
+        return (first + n) * b if n else pos
+
     def plan(self, namespace: Hashable, tokens: np.ndarray, pos: int) -> DiskLoad | None:
         """Start reading the blocks of `tokens` (a history, or a pin's prefix, in
         `namespace`) after `pos` (what the device cache and the host tier give), if the

@@ -22,6 +22,7 @@ duplicate_id).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -32,10 +33,8 @@ import numpy as np
 from radixlm.cache import KVPool, PrefixCache
 from radixlm.cache.disk_kv import DiskKV
 from radixlm.runtime.config import EngineConfig
-from radixlm.runtime.engine.sessions.backup import HostBackup
-from radixlm.runtime.engine.sessions.disk_backup import DiskBackup, DiskLoad
+from radixlm.runtime.engine.sessions.disk_backup import DiskLoad
 from radixlm.runtime.engine.sessions.durable import DurableLog, PinRow, SessionRow
-from radixlm.runtime.engine.sessions.host_tier import HostTier
 from radixlm.runtime.engine.sessions.records import (
     DETACHED,
     EMPTY_IDS,
@@ -48,7 +47,9 @@ from radixlm.runtime.engine.sessions.records import (
     Session,
     frozen_ids,
 )
-from radixlm.runtime.engine.sessions.retention import Retention, common_prefix_len
+from radixlm.runtime.engine.sessions.retention import Retention, common_prefix_len, tenant_of
+from radixlm.runtime.engine.sessions.tiers import Tiers
+from radixlm.runtime.engine.sessions.tool_waits import ToolWaits
 from radixlm.runtime.protocol import ErrorCode, SessionInfo
 from radixlm.runtime.rules import RequestError, check_truncate
 
@@ -79,23 +80,15 @@ class SessionManager:
         self.durable_expiry_s = config.durable_session_expiry_s or None
         self.default_ttl_s = config.default_session_ttl_s or None
         self.records = Records(cache, clock)
+        # Sessions waiting on tools: the order they are let go in, and when they come back.
+        self.tools = ToolWaits()
         self.retention = Retention(self.records, cache, config.retained_cap or cache.capacity // 2,
                                    per_tenant=config.max_retained_per_tenant,
-                                   multi_tenant=bool(config.auth_dir))
-        self.host: HostTier | None = None
-        self._backup: HostBackup | None = None
-        if config.host_kv_tokens > 0:
-            if kv_pool is None:
-                log.warning("host_kv_tokens set but no KV pool given: host tier off")
-            else:
-                self.host = HostTier(kv_pool, config.host_kv_tokens)
-                self._backup = HostBackup(self.records, cache, self.host)
-        # The disk tier (the state directory's KV): under the host tier, when both are on.
-        self.disk: DiskBackup | None = None
-        if disk is not None and kv_pool is not None:
-            self.disk = DiskBackup(self.records, cache, kv_pool, disk, self.host)
-            if self.host is not None:
-                self.host.on_evict = self.disk.on_host_evict
+                                   multi_tenant=bool(config.auth_dir), tools=self.tools,
+                                   clock=clock)
+        # The host and disk tiers under the pool, and prefetches from them (tiers.py).
+        self.tiers = Tiers(self.records, cache, self.retention, self.tools, config, kv_pool, disk)
+        self.host, self.disk, self.prefetch = self.tiers.host, self.tiers.disk, self.tiers.prefetch
         log.info(
             "sessions: retained cap %d of %d tokens, default ttl %s, host tier %s, disk tier %s",
             self.retained_cap,
@@ -116,6 +109,7 @@ class SessionManager:
         input_ids: np.ndarray | Sequence[int] = (),
         durable: bool = False,
         tenant: str | None = None,
+        program: str | None = None,
     ) -> Session:
         """A new idle session with an empty history or the pin's.
 
@@ -123,6 +117,8 @@ class SessionManager:
         a 0-token generation: `begin_turn` … `end_turn`); it is checked against the
         retention cap here, before anything is prefilled. `durable` is granted only with
         a state directory (then the caller saves it with `persist` before it answers).
+        `program` (scoped by the caller) names the program its turns belong to; by default
+        the session is a program of its own.
         """
         if retention not in (HARD, SOFT):
             raise RequestError(
@@ -146,8 +142,9 @@ class SessionManager:
             self.retention.admit(reserved)
         if node is not None:
             self.records.lock_node(node)
+        sid = self.records.new_id()
         s = Session(
-            id=self.records.new_id(),
+            id=sid,
             client=client,
             namespace=namespace,
             retention=retention,
@@ -161,6 +158,7 @@ class SessionManager:
             reserved=reserved,
             durable=durable and self.durable is not None,
             tenant=tenant,
+            program=program or f"session:{sid}",
         )
         self.records.sessions[s.id] = s
         log.debug("session %s opened (%s, %d tokens)", s.id[:8], retention, s.length)
@@ -197,57 +195,33 @@ class SessionManager:
         s.busy = True
         s.turn_kv_len = s.kv_len
         s.last_used = self.clock()
+        if s.tool_wait is not None:  # the result of its calls (or whatever comes next)
+            self.prefetch.forget(s)
+            self.tools.returned(s, s.last_used, self.prefetch.on_device(s))
         return prompt
 
     def restore_from_host(self, session_id: str, cached_len: int,
                           load: DiskLoad | None = None) -> np.ndarray | None:
         """Device slots now holding the K/V of the history the host tier kept after
         `cached_len` (the prompt's device match, already locked by the caller), and after
-        that of what `load` read from the disk tier, or None.
-
-        The slots are the caller's, like freshly allocated ones: it treats those tokens as
-        cached (no compute), inserts them with the prompt, and frees them if the request
-        dies before that. None when the tiers are off, have nothing, or the pool cannot
-        hold the restore (the tokens are then recomputed).
-        """
+        that of what `load` read from the disk tier, or None (`Tiers.restore`)."""
         s = self.records.sessions.get(session_id)
-        if s is None:
-            return None
-        host = self._backup.restore(s, cached_len) if self._backup is not None else None
-        return self._then_disk(host, cached_len, load)
+        return None if s is None else self.tiers.restore(s, cached_len, load)
 
     def restore_prefix(self, cached_len: int, load: DiskLoad | None) -> np.ndarray | None:
         """A pin's prefix: the slots `load` fills after `cached_len`, or None."""
-        return self._then_disk(None, cached_len, load)
-
-    def _then_disk(self, host: np.ndarray | None, cached_len: int,
-                   load: DiskLoad | None) -> np.ndarray | None:
-        if self.disk is None or load is None:
-            return host
-        pos = cached_len + (len(host) if host is not None else 0)
-        disk = self.disk.restore(load, pos)
-        if disk is None:
-            return host
-        return disk if host is None else np.concatenate([host, disk])
+        return self.tiers.then_disk(None, cached_len, load)
 
     def plan_load(self, session_id: str) -> DiskLoad | None:
         """Start reading from the disk tier what a turn of `session_id` will not find in
         the device cache or the host tier (the turn waits for it: `DiskLoad.done`);
         None when all is there or the disk has none of it."""
         s = self.records.sessions.get(session_id)
-        if self.disk is None or s is None or s.kv_len <= s.held_len:
-            return None
-        wanted = s.wanted
-        pos = self.cache.match(wanted, s.namespace).length
-        if self.host is not None:
-            pos += sum(r.n_tokens for r in self.host.find(s.namespace, wanted, pos))
-        return self.disk.plan(s.namespace, wanted, pos)
+        return None if s is None else self.tiers.plan_load(s)
 
     def plan_prefix_load(self, ids: np.ndarray, namespace: str | None) -> DiskLoad | None:
         """As `plan_load`, for a pin's prefix."""
-        if self.disk is None:
-            return None
-        return self.disk.plan(namespace, ids, self.cache.match(ids, namespace).length)
+        return self.tiers.plan_prefix_load(ids, namespace)
 
     def recomputed_tokens(self, session_id: str, reused_len: int) -> int:
         """History tokens the running turn recomputes because they were evicted since the
@@ -289,6 +263,22 @@ class SessionManager:
         self._advance_lock(s)
         self.persist(s)
         return s
+
+    def wait_on_tools(self, session_id: str, tools: Sequence[str]) -> None:
+        """The turn that just ended called `tools` (none: it waits on nothing): the
+        session waits for their results (tool_waits.py)."""
+        s = self.records.sessions.get(session_id)
+        if s is not None:
+            self.tools.mark(s, tools, self.clock(),
+                            tenant_of(s.namespace, self.retention.multi_tenant))
+
+    def tool_done_soon(self, session_id: str, client: bytes) -> None:
+        """The client says the result its session waits for is near: bring the history
+        back now (at the loop's next pass: `Prefetcher.poll`). A session that waits on
+        nothing, or is busy, is left as it is; another client's is NOT_FOUND."""
+        s = self.get(session_id, client)
+        if not s.busy:
+            self.prefetch.hint(s)
 
     def abort_turn(self, session_id: str) -> None:
         """The turn died (abort, error): idle again, history unchanged."""
@@ -335,17 +325,22 @@ class SessionManager:
     # ------------------------------------------------------- fork / truncate
     def fork(self, session_id: str, client: bytes, n: int) -> list[str]:
         """n new sessions on the same node: no copy, no recompute (a demoted session's
-        forks are demoted too). `n` is the frontend's rule (rules.check_fork)."""
+        forks are demoted too). `n` is the frontend's rule (rules.check_fork). A wait on
+        tools moves to the forks: the result goes on in them (an HTTP continuation forks
+        the held history the call ended), and the parent waits on nothing."""
         s = self.records.idle(session_id, client)
         ids = []
         for i in range(n):
             f = self.records.clone(s, s.history, i)
             f.residency, f.node, f.held_len = s.residency, s.node, s.held_len
             f.kv_len, f.priority_raised = s.kv_len, s.priority_raised
+            if s.tool_wait is not None:
+                f.tool_wait = dataclasses.replace(s.tool_wait, load=None)
             if f.node is not None:
                 self.records.lock_node(f.node)
             self.persist(f)
             ids.append(f.id)
+        self._stop_waiting(s)
         s.last_used = self.clock()
         return ids
 
@@ -355,6 +350,7 @@ class SessionManager:
         (its point is the client's, who sees tokens, not turns)."""
         s = self.records.idle(session_id, client)
         check_truncate(length, s.length)
+        self._stop_waiting(s)  # (a rewound history waits on nothing)
         old = s.wanted
         s.history = s.history[:length]
         s.assistant_open = False
@@ -403,7 +399,13 @@ class SessionManager:
         log.debug("session %s resumed", s.id[:8])
         return s
 
+    def _stop_waiting(self, s: Session) -> None:
+        self.prefetch.forget(s)
+        self.prefetch.drop(s.id)
+        s.tool_wait = None
+
     def _release(self, s: Session) -> None:
+        self._stop_waiting(s)
         self.records.unlock(s)
         del self.records.sessions[s.id]
         self.retention.lower_priority(s, s.wanted)
@@ -439,8 +441,7 @@ class SessionManager:
         return len(sessions)
 
     def _prune_host(self) -> None:
-        if self._backup is not None:
-            self._backup.prune()
+        self.tiers.prune()
 
     # ------------------------------------------------------------------ pins
     def check_pin(
@@ -500,7 +501,9 @@ class SessionManager:
                 self._release(s)
         if self.disk is not None:
             self.disk.tick()
-        return self.retention.tick(now)
+        demoted = self.retention.tick(now)
+        self.prefetch.run(now)
+        return demoted
 
     def make_room(self, n_tokens: int) -> int:
         """Demote idle soft sessions (LRU) until `n_tokens` more are evictable; returns
@@ -545,4 +548,14 @@ class SessionManager:
              tenant: str | None = None) -> list[SessionInfo]:
         """`client`'s sessions and its `tenant`'s detached durable ones (every client's
         with `everyone`, others' ids cut short)."""
-        return self.records.list(client, everyone, tenant)
+        return self.records.list(client, everyone, tenant, self.prefetch.tier)
+
+    def tool_stats(self, tenant: str | None = None) -> dict[str, dict]:
+        """The StatsReply fields about tool waits (`tenant`: its own tools only)."""
+        tiers: dict[str, int] = {}
+        for s in self.records.sessions.values():
+            if s.tool_wait is not None and (tenant is None or s.tool_wait.tenant == tenant):
+                tier = self.prefetch.tier(s)
+                tiers[tier] = tiers.get(tier, 0) + 1
+        return {"tool_waits": tiers, "tool_round_trip_s": self.tools.round_trips(tenant),
+                "prefetch": dict(self.tools.counts)}

@@ -13,12 +13,15 @@ import enum
 import secrets
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from radixlm.cache import MatchResult, PrefixCache, TreeNode
 from radixlm.runtime.protocol import ErrorCode, SessionInfo
 from radixlm.runtime.rules import RequestError
+
+if TYPE_CHECKING:
+    from radixlm.runtime.engine.sessions.tool_waits import ToolWait
 
 HARD, SOFT = "hard", "soft"
 # The owner of a durable session whose client is gone: nobody's until a client of its
@@ -91,6 +94,11 @@ class Session:
     # client goes and across restarts (durable.py), resumed by a client of `tenant`.
     durable: bool = False
     tenant: str | None = None  # the frontend's tenant tag of the client that opened it
+    # The program its turns belong to (scheduling: policy.py's "program"): its own id, or
+    # the one it was opened with; forks and branches inherit it.
+    program: str = ""
+    # Waiting for the results of the tool calls its last turn ended in (tool_waits.py).
+    tool_wait: ToolWait | None = None
 
     @property
     def length(self) -> int:
@@ -178,6 +186,7 @@ class Records:
             assistant_open=parent.assistant_open,
             durable=parent.durable,
             tenant=parent.tenant,
+            program=parent.program,
         )
         self.sessions[s.id] = s
         return s
@@ -215,12 +224,13 @@ class Records:
                 yield s.retention, s.held
 
     # ------------------------------------------------------------------ list
-    def list(self, client: bytes, everyone: bool = False,
-             tenant: str | None = None) -> list[SessionInfo]:
+    def list(self, client: bytes, everyone: bool = False, tenant: str | None = None,
+             tier_of: Callable[[Session], str] | None = None) -> list[SessionInfo]:
         """`client`'s sessions (all namespaces) and the detached durable sessions of its
         `tenant` (which it may resume), oldest activity first; with `everyone`, every
         client's, other clients' ids cut to a prefix (ids are the access control: a
-        prefix opens nothing)."""
+        prefix opens nothing). A session waiting on tools names them, and where its
+        history is (`tier_of`)."""
         now = self.clock()
 
         def listed(s: Session) -> bool:
@@ -240,6 +250,8 @@ class Records:
                 namespace=s.namespace,
                 durable=s.durable,
                 attached=s.client != DETACHED,
+                tools=list(s.tool_wait.tools) if s.tool_wait is not None else None,
+                tier=tier_of(s) if s.tool_wait is not None and tier_of is not None else None,
             )
             for s in rows
         ]

@@ -19,11 +19,19 @@ Tenants. On a server with several tenants each also has a quota of the cap (`quo
 retaining tokens, a quarter of it at least), so one tenant cannot fill the cap for all:
 an admission beyond its own quota demotes only its own idle soft sessions and is
 otherwise refused, and refusals name only the tenant's own figures.
+
+Tools. Which idle soft sessions go first (`_soft_victims`: for the cap, a quota or the
+pool) is the tool-aware order of tool_waits.py when its `ToolWaits` is on: overdue tool
+waits first, then sessions nothing is expected of (least recently used first), then
+tool waits whose result is expected, the latest expected first; off, least recently used
+first. A demoted session whose tool result is expected keeps its path one priority above
+other demoted histories (`EXPECTED_PRIORITY`), so the pool evicts it last.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
@@ -31,12 +39,14 @@ import numpy as np
 from radixlm.cache import PrefixCache
 from radixlm.cache.pages import align_down
 from radixlm.runtime.engine.sessions.records import SOFT, Held, Records, Residency, Session
+from radixlm.runtime.engine.sessions.tool_waits import ToolWaits
 from radixlm.runtime.protocol import ErrorCode
 from radixlm.runtime.rules import RequestError
 
 log = logging.getLogger(__name__)
 
 DEMOTED_PRIORITY = 1  # eviction priority of demoted histories; plain cache is 0
+EXPECTED_PRIORITY = 2  # of a demoted history whose tool result is expected back
 
 
 # ----------------------------------------------------------------- accounting
@@ -114,10 +124,17 @@ class Retention:
     """The cap over `records`' holders, and the releases it and the pool ask for."""
 
     def __init__(self, records: Records, cache: PrefixCache, cap: int, *,
-                 per_tenant: int = 0, multi_tenant: bool = False) -> None:
+                 per_tenant: int = 0, multi_tenant: bool = False,
+                 tools: ToolWaits | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.records = records
         self.cache = cache
         self.cap = cap
+        self.tools = tools
+        self.clock = clock
+        # Told of a session waiting on tools as it is demoted (its history is still in
+        # the pool then): the disk tier keeps it when there is no host tier to.
+        self.on_demote_waiting: Callable[[Session], None] | None = None
         self.per_tenant = per_tenant  # 0: an equal share among the retaining tenants
         self.multi_tenant = multi_tenant
         # The retained counts (O(held tokens)) are memoised against the records' lock
@@ -154,7 +171,8 @@ class Retention:
         return distinct_tokens([*held, candidate], self.cache.page_size)
 
     def _soft_victims(self, exclude: Session | None = None) -> list[Session]:
-        """Idle held soft sessions, least recently used first."""
+        """Idle held soft sessions, in the order they are demoted: tool-aware (module doc)
+        when the tools' order is on, else least recently used first."""
         victims = [
             s
             for s in self.records.sessions.values()
@@ -163,7 +181,12 @@ class Retention:
             and not s.busy
             and s is not exclude
         ]
-        victims.sort(key=lambda s: s.last_used)
+        tools = self.tools
+        if tools is not None and tools.enabled:
+            now = self.clock()
+            victims.sort(key=lambda s: tools.demotion_key(s, now))
+        else:
+            victims.sort(key=lambda s: s.last_used)
         return victims
 
     # --------------------------------------------------------------- tenants
@@ -279,6 +302,18 @@ class Retention:
         )  # fmt: skip
         return False
 
+    def hold(self, s: Session) -> bool:
+        """Lock the part of `s`'s wanted history the pool has again (a prefetch brought it
+        back) if the cap allows, demoting idle soft sessions for it; the history it wants
+        (`kv_len`) stays what it was. True when it is held now."""
+        m = self.cache.match(s.wanted, s.namespace)
+        if m.length <= s.held_len:
+            return False
+        if not self.fits(Held(s.namespace, s.wanted[: m.length]), replacing=s):
+            return False
+        self.records.lock_at(s, m)
+        return True
+
     # -------------------------------------------------------------- releases
     def demote(self, s: Session, reason: str) -> None:
         """Release the session's lock; its cached history is kept after plain cache."""
@@ -288,9 +323,15 @@ class Retention:
         if s.kv_len:
             node = s.node if s.kv_len == held else self.cache.match(s.wanted, s.namespace).node
             if node is not None and node.length:
-                self.cache.set_priority(node, DEMOTED_PRIORITY)
+                tools = self.tools
+                expected = tools is not None and tools.expected_back(s, self.clock())
+                self.cache.set_priority(node, EXPECTED_PRIORITY if expected else DEMOTED_PRIORITY)
                 s.priority_raised = True
         self.records.unlock(s)
+        if s.tool_wait is not None:
+            s.tool_wait.demoted = True
+            if self.on_demote_waiting is not None:
+                self.on_demote_waiting(s)
         log.info("session %s demoted (%s): %d tokens now evictable cache", s.id[:8], reason, held)
 
     def lower_priority(self, s: Session, old: np.ndarray) -> None:

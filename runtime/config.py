@@ -65,11 +65,13 @@ class EngineConfig(Settings, frozen=True, kw_only=True):
         "split the model's heads and MLP over N ranks (torch.distributed: gloo on CPU, NCCL "
         "on CUDA, one GPU per rank); dense weights only", "--tensor-parallel-size", "--tp",
         "--tp-size", "-tp", ge=1, metavar="N", group=MODEL)] = 1
-    omp_wait_policy: Annotated[Literal["passive", "active", "default"], setting(
+    omp_wait_policy: Annotated[Literal["auto", "passive", "active", "default"], setting(
         "how the engine's OpenMP threads wait between steps of a forward: passive (sleep: "
-        "best when the cores are shared), active (spin), or default (OpenMP's own); "
-        "OMP_WAIT_POLICY / GOMP_SPINCOUNT in the environment win", "--omp-wait-policy",
-        group=MODEL, read_by="serve")] = "passive"
+        "best when the cores are shared), active (spin), default (OpenMP's own: spin a "
+        "while, then sleep), or auto (passive where decode runs the fused C step, whose "
+        "threads are its own: quantized Llama/Mistral/Qwen2 on CPU; default for models run "
+        "op by op); OMP_WAIT_POLICY / GOMP_SPINCOUNT in the environment win",
+        "--omp-wait-policy", group=MODEL, read_by="serve")] = "auto"
     seed: Annotated[int, setting(
         "seed of the engine's default random generator", "--seed", group=MODEL)] = 0
 

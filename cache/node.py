@@ -1,11 +1,13 @@
-"""The radix tree node: one path-compressed edge of token ids and their KV slots."""
+"""The radix tree node: one path-compressed edge of token ids and their KV slots, and the
+one change of an edge's shape, `TreeNode.split` (metadata only: no KV moves)."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 
 import numpy as np
-from radixlm.cache.tokens import EMPTY_VAL, KEY
+from radixlm.cache.pages import align_down
+from radixlm.cache.tokens import EMPTY_VAL, ITEM, KEY
 
 
 class TreeNode:
@@ -77,6 +79,48 @@ class TreeNode:
     def prefix_len(self) -> int:
         """Tokens on the path above this node."""
         return self.depth - self.length
+
+    def shared_len(self, tokens: np.ndarray, pos: int, page_size: int) -> int:
+        """Page-aligned number of leading tokens `tokens[pos:]` shares with this edge (at
+        least one page when its first page matched this node's key in its parent)."""
+        edge = np.frombuffer(self.key_bytes, dtype=KEY)
+        n = min(len(edge), len(tokens) - pos)
+        neq = edge[:n] != tokens[pos : pos + n]
+        i = int(neq.argmax())
+        m = i if neq[i] else n
+        return align_down(m, page_size)
+
+    def split(self, m: int, page_bytes: int) -> TreeNode:
+        """Cut this edge after `m` tokens; the new upper node is returned (one more node
+        for the tree to count; `page_bytes`: the bytes of one page of keys).
+
+        The lower part keeps this node's identity (handles ending here stay valid) and its
+        heap entry; the upper node inherits the ref count (every lock through this node
+        passes through it) and the usage stats. Slots are views: no KV moves.
+        """
+        parent = self.parent
+        assert parent is not None
+        mb = m * ITEM
+        kb = self.key_bytes
+        upper = TreeNode(
+            parent,
+            kb[:mb],
+            self.value[:m],
+            self.depth - self.length + m,
+            self.namespace,
+            self.access_tick,
+            self.last_access,
+            self.priority,
+        )
+        upper.ref_count = self.ref_count
+        upper.hit_count = self.hit_count
+        parent.children[kb[:page_bytes]] = upper
+        self.key_bytes = kb[mb:]
+        self.value = self.value[m:]
+        self.length -= m
+        self.parent = upper
+        upper.children[kb[mb : mb + page_bytes]] = self
+        return upper
 
     def __repr__(self) -> str:
         toks = self.tokens

@@ -14,6 +14,9 @@ Accounting: every cached token is either *evictable* (its node has ref_count 0) 
 *protected* (ref_count > 0). `lock`/`unlock` move whole nodes between the two along the
 path to the root. Unlocked leaves sit in a lazily invalidated heap ordered by the
 eviction policy, so evicting k tokens costs O(nodes evicted · log heap), not a tree scan.
+
+Reading a path without touching anything (`path_tokens`, `path_slots`) is paths.py's;
+splitting an edge is the node's own (`TreeNode.split`).
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from radixlm.cache.errors import LockError, StaleHandle
 from radixlm.cache.leaves import LeafHeap
 from radixlm.cache.node import TreeNode
 from radixlm.cache.pages import align_down
+from radixlm.cache.paths import evicted_segment, join_slots, path_slots, path_tokens
 from radixlm.cache.policy import EvictionPolicy, make_policy
 from radixlm.cache.results import EvictedSegment, InsertResult, MatchResult
-from radixlm.cache.tokens import EMPTY, EMPTY_VAL, ITEM, KEY, VAL, as_i64, frozen_values
+from radixlm.cache.tokens import EMPTY, EMPTY_VAL, ITEM, as_i64, frozen_values
 
 Tokens = np.ndarray | Sequence[int]
 OnEvict = Callable[[EvictedSegment], None]
@@ -110,7 +114,7 @@ class RadixCache:
         node, off, values = self._walk(ns, tokens, qb, self.clock(), True)
         if not values:
             return MatchResult(self.root, 0, EMPTY)
-        return MatchResult(node, off // ITEM, _join(values))
+        return MatchResult(node, off // ITEM, join_slots(values))
 
     def cached_len(self, tokens: Tokens, namespace: Hashable = None) -> int:
         """The length `match` would find, without its effects (no access time, hit count
@@ -127,7 +131,7 @@ class RadixCache:
             if child is None:
                 break
             if not qb.startswith(child.key_bytes, off):
-                return off // ITEM + self._common_len(child, tokens, off // ITEM)
+                return off // ITEM + child.shared_len(tokens, off // ITEM, self.page_size)
             off += len(child.key_bytes)
             node = child
         return off // ITEM
@@ -213,7 +217,8 @@ class RadixCache:
             whole = qb.startswith(kb, off)
             if not whole:
                 # The walk ends inside this edge: split it at the last shared page.
-                child = self._split(child, self._common_len(child, tokens, off // ITEM))
+                child = child.split(child.shared_len(tokens, off // ITEM, self.page_size), pb)
+                self._num_nodes += 1
                 kb = child.key_bytes
             child.access_tick = tick
             child.last_access = now
@@ -228,49 +233,6 @@ class RadixCache:
                 break
             children = child.children
         return node, off, values
-
-    def _common_len(self, child: TreeNode, tokens: np.ndarray, pos: int) -> int:
-        """Page-aligned number of leading tokens `tokens[pos:]` shares with `child`'s edge
-        (at least one page: the first page matched the child's dict key)."""
-        edge = np.frombuffer(child.key_bytes, dtype=KEY)
-        n = min(len(edge), len(tokens) - pos)
-        neq = edge[:n] != tokens[pos : pos + n]
-        i = int(neq.argmax())
-        m = i if neq[i] else n
-        return align_down(m, self.page_size)
-
-    def _split(self, child: TreeNode, m: int) -> TreeNode:
-        """Cut `child`'s edge after `m` tokens; the new upper node is returned.
-
-        The lower part keeps `child`'s identity (handles ending there stay valid) and its
-        heap entry; the upper node inherits the ref count (every lock through `child`
-        passes through it) and the usage stats. Slots are views: no KV moves.
-        """
-        parent = child.parent
-        assert parent is not None
-        mb = m * ITEM
-        kb = child.key_bytes
-        upper = TreeNode(
-            parent,
-            kb[:mb],
-            child.value[:m],
-            child.depth - child.length + m,
-            child.namespace,
-            child.access_tick,
-            child.last_access,
-            child.priority,
-        )
-        upper.ref_count = child.ref_count
-        upper.hit_count = child.hit_count
-        pb = self._page_bytes
-        parent.children[kb[:pb]] = upper
-        child.key_bytes = kb[mb:]
-        child.value = child.value[m:]
-        child.length -= m
-        child.parent = upper
-        upper.children[kb[mb : mb + pb]] = child
-        self._num_nodes += 1
-        return upper
 
     # ------------------------------------------------------------ lock/unlock
     def lock(self, node: TreeNode) -> None:
@@ -363,13 +325,13 @@ class RadixCache:
                     continue
                 if on_evict is not None:
                     try:
-                        on_evict(self._segment(node))
+                        on_evict(evicted_segment(node))
                     except BaseException as e:
                         # This node stays (and stays evictable); what was already removed
                         # rides on the exception so the caller can still free it.
                         self._leaves.push(node)
                         self._evictable -= got
-                        e.evicted_slots = _join(freed)  # type: ignore[attr-defined]
+                        e.evicted_slots = join_slots(freed)  # type: ignore[attr-defined]
                         raise
                 parent = node.parent
                 assert parent is not None
@@ -388,40 +350,12 @@ class RadixCache:
             for node in skipped:
                 self._leaves.push(node)
         self._evictable -= got
-        return _join(freed)
-
-    def _segment(self, node: TreeNode) -> EvictedSegment:
-        parts: list[bytes] = []
-        up = node.parent
-        while up is not None and up.length:
-            parts.append(up.key_bytes)
-            up = up.parent
-        prefix = np.frombuffer(b"".join(reversed(parts)), dtype=KEY)
-        return EvictedSegment(
-            node.namespace, node.depth - node.length, node.tokens, node.slots, prefix
-        )
+        return join_slots(freed)
 
     # ---------------------------------------------------------------- reading
-    def path_tokens(self, node: TreeNode) -> np.ndarray:
-        """All token ids (read-only int64) from the namespace root to the end of `node`."""
-        parts: list[bytes] = []
-        while node is not None and node.length:
-            parts.append(node.key_bytes)
-            node = node.parent  # type: ignore[assignment]
-        return np.frombuffer(b"".join(reversed(parts)), dtype=KEY)
-
-    def path_slots(self, node: TreeNode, start: int = 0, end: int | None = None) -> np.ndarray:
-        """KV slots (read-only int64) of positions `[start, end)` on the path ending at `node`
-        (`end` defaults to `node.depth`). Does not touch access times."""
-        end = node.depth if end is None else min(end, node.depth)
-        parts: list[np.ndarray] = []
-        while node is not None and node.length and node.depth > start:
-            lo = node.depth - node.length
-            if lo < end:
-                parts.append(node.value[max(start - lo, 0) : min(end, node.depth) - lo])
-            node = node.parent  # type: ignore[assignment]
-        parts.reverse()
-        return _join(parts)
+    # (paths.py: they read nodes only, never the tree's accounting or access times)
+    path_tokens = staticmethod(path_tokens)
+    path_slots = staticmethod(path_slots)
 
     def check_integrity(self) -> None:
         """Walk the whole tree and verify structure, sizes, ref counts and the evictable
@@ -437,12 +371,3 @@ class RadixCache:
             f"protected={self._protected})"
         )
 
-
-def _join(values: list[np.ndarray]) -> np.ndarray:
-    """Node slot arrays as one read-only int64 array: the node's own array when there is
-    one, else one join of the raw buffers (cheaper than np.concatenate here)."""
-    if len(values) == 1:
-        return values[0]
-    if not values:
-        return EMPTY
-    return np.frombuffer(b"".join(values), dtype=VAL)

@@ -13,7 +13,7 @@ from radixlm.sdk.backend import (
     set_default_backend,
 )
 from radixlm.sdk.choices import ChoicesDecision, ChoicesSamplingMethod
-from radixlm.sdk.client import AsyncClient, TextStream
+from radixlm.sdk.client import AsyncClient
 from radixlm.sdk.engine import Engine, Runtime
 from radixlm.sdk.errors import *  # noqa: F403 - every typed error (errors.__all__)
 from radixlm.sdk.global_config import GlobalConfig, global_config
@@ -24,6 +24,7 @@ from radixlm.sdk.runtime_endpoint import RuntimeEndpoint
 from radixlm.sdk.server_args import ServerArgs
 from radixlm.sdk.state import ProgramState, ProgramStateGroup
 from radixlm.sdk.sync import ChatSession, Client, SyncTextStream, connect
+from radixlm.sdk.text_stream import TextStream
 from radixlm.sdk.unsupported import *  # noqa: F403 - hosted backends, vision: clear errors
 
 __all__ = [

@@ -32,9 +32,10 @@ from radixlm.runtime.protocol import (
 )
 from radixlm.sdk.errors import EngineError, ProgramError
 from radixlm.sdk.results import GenerateResult, result_from_done
+from radixlm.sdk.text_stream import TextStream
 
 if TYPE_CHECKING:
-    from radixlm.sdk.client import AsyncClient, TextStream
+    from radixlm.sdk.client import AsyncClient
     from radixlm.sdk.options import TurnOptions
     from typing_extensions import Unpack
 
@@ -154,8 +155,6 @@ class AsyncChatSession:
     def stream(self, content: str, *, role: str = "user",
                **sampling: Unpack[TurnOptions]) -> TextStream:
         """Like `send`, streaming the reply; the history is updated when it finishes."""
-        from radixlm.sdk.client import TextStream
-
         return TextStream(self._client, self._turn(content, role, True, sampling),
                           on_finish=lambda results: self._record(content, role, results[0]))
 

@@ -15,7 +15,6 @@ same API synchronously.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -25,11 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import anyio
 import msgspec
-from anyio.abc import TaskGroup
-from anyio.from_thread import run_sync as run_sync_from_thread
-from anyio.lowlevel import EventLoopToken, current_token
 from radixlm.runtime.protocol import (
-    Chunk,
     CloseSession,
     Done,
     Generate,
@@ -46,12 +41,14 @@ from radixlm.runtime.transport.connection import Connection, Liveness, Request
 from radixlm.runtime.transport.curve import load_curve_keys
 from radixlm.runtime.transport.discovery import client_endpoint, find_server
 from radixlm.runtime.transport.mailbox import Waiter
-from radixlm.runtime.transport.probe import NoServerError, probe_endpoint
-from radixlm.sdk.errors import EngineDeadError, InvalidParamsError, NotFoundError, ProgramError
+from radixlm.sdk.errors import InvalidParamsError, ProgramError
+from radixlm.sdk.loop_entry import LoopEntry
 from radixlm.sdk.options import SamplingOptions, TurnOptions, sampling_params
-from radixlm.sdk.results import GenerateResult, StreamDelta, result_from_done, to_messages
+from radixlm.sdk.reconnect import NOT_CONNECTED, Reconnect
+from radixlm.sdk.results import result_from_done, to_messages
 from radixlm.sdk.signatures import same_parameters
 from radixlm.sdk.structured import pop_tool_options
+from radixlm.sdk.text_stream import TextStream
 
 if TYPE_CHECKING:
     from radixlm.sdk.chat import AsyncChatSession
@@ -83,77 +80,6 @@ def make_input(
     if input_ids is not None:
         return Input(input_ids=list(input_ids))
     return Input(messages=to_messages(messages), add_generation_prompt=add_generation_prompt)
-
-
-class TextStream:
-    """A streamed generation: iterate it for `StreamDelta`s; afterwards ``result`` (and
-    ``results`` when ``n > 1``) hold the finished generation.
-
-    Use it as an async context manager (``async with client.stream(...) as s``) so that
-    leaving early aborts the generation in the engine.
-    """
-
-    def __init__(
-        self,
-        client: AsyncClient,
-        msg: Generate,
-        on_finish: Callable[[list[GenerateResult]], None] | None = None,
-    ) -> None:
-        self._client = client
-        self._msg = msg
-        self._on_finish = on_finish
-        self._req: Request | None = None
-        self._dones: list[Done] = []
-        self._results: list[GenerateResult] | None = None
-
-    @property
-    def results(self) -> list[GenerateResult]:
-        """Every branch's finished generation, by branch index (once the stream ended)."""
-        if self._results is None:
-            raise RuntimeError("the stream has not finished yet")
-        return self._results
-
-    @property
-    def result(self) -> GenerateResult:
-        """The finished generation (branch 0), once the stream ended."""
-        return self.results[0]
-
-    def __aiter__(self) -> TextStream:
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if self._req is None:
-            self._req = self._client.request(self._msg)
-        req = self._req
-        while not req.finished:
-            try:
-                reply = await req.receive()
-            except BaseException:
-                await self.aclose()
-                raise
-            if isinstance(reply, Chunk):
-                return StreamDelta(reply.text, reply.token_ids, reply.index, reply.logprobs)
-            if isinstance(reply, Done):
-                self._dones.append(reply)
-        if self._results is None:
-            latency = time.perf_counter() - req.started_at
-            self._dones.sort(key=lambda d: d.index)
-            self._results = [result_from_done(d, latency) for d in self._dones]
-            await self.aclose()
-            if self._on_finish is not None:
-                self._on_finish(self._results)
-        raise StopAsyncIteration
-
-    async def aclose(self) -> None:
-        """Stop the stream: a generation still running is aborted in the engine."""
-        if self._req is not None:
-            await self._req.aclose()
-
-    async def __aenter__(self) -> TextStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
 
 class _Read(Generic[T]):
@@ -227,11 +153,12 @@ class AsyncClient(EngineFacts):
     ``--auth-dir`` (its ``server.key``; this client's ``NAME.key_secret``); with keys the
     connection uses pyzmq's libzmq socket, which does CURVE.
 
-    Reconnecting: a connection the server dropped (a frontend restarted by `radixlm
-    serve`) fails the requests in flight with `EngineDeadError`; the next call connects
-    again (within `connect_timeout`) and resumes every durable session this client holds
-    (``durable=True``: they outlive disconnects and restarts). After an engine restart,
-    a turn, fork or close naming one of them resumes them all and is sent once more.
+    Reconnecting (reconnect.py): a connection the server dropped (a frontend restarted
+    by `radixlm serve`) fails the requests in flight with `EngineDeadError`; the next call
+    connects again (within `connect_timeout`) and resumes every durable session this
+    client holds (``durable=True``: they outlive disconnects and restarts). After an
+    engine restart, a turn, fork or close naming one of them resumes them all and is sent
+    once more.
     """
 
     def __init__(
@@ -250,19 +177,16 @@ class AsyncClient(EngineFacts):
         # A server this client did not start is looked for before waiting for it (one
         # with a `liveness` hook is being started by the caller, and may not listen yet).
         self._probe = liveness is None
-        self._new_core = partial(ProtocolClient, endpoint, client_name=name,
-                                 heartbeat_timeout=heartbeat_timeout, liveness=liveness,
-                                 curve=load_curve_keys(server_key, client_key),
-                                 wrong_loop=_wrong_loop)
-        self._use(self._new_core())
-        self._liveness = liveness
-        self._tg: TaskGroup | None = None  # where the connection's tasks run
-        self._durable: set[str] = set()  # durable sessions this client holds: resumed
-        self._reconnecting: anyio.Lock | None = None
+        new_core = partial(ProtocolClient, endpoint, client_name=name,
+                           heartbeat_timeout=heartbeat_timeout, liveness=liveness,
+                           curve=load_curve_keys(server_key, client_key),
+                           wrong_loop=_wrong_loop)
+        self._use(new_core())
+        self._reconnect = Reconnect(endpoint, new_core, lambda: self._core, self._use,
+                                    connect_timeout, liveness)
         self._connect_timeout = connect_timeout
         self._stack: AsyncExitStack | None = None
-        self._aloop: asyncio.AbstractEventLoop | None = None  # the client's loop, if asyncio
-        self._token: EventLoopToken | None = None
+        self._loop = LoopEntry(NOT_CONNECTED)  # the loop it was opened on, for `post`
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -275,13 +199,8 @@ class AsyncClient(EngineFacts):
             stack.callback(lambda: self._core.close())  # (the core of the moment)
             tg = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(tg.cancel_scope.cancel)
-            self._tg = tg
-            self._reconnecting = anyio.Lock()
-            self._token = current_token()
-            try:
-                self._aloop = asyncio.get_running_loop()
-            except RuntimeError:  # trio
-                self._aloop = None
+            self._reconnect.start(tg)
+            self._loop.bind()
             await self._core.open(tg, self._connect_timeout)
         except BaseException:
             # Unwind without handing the error to the task group (which would wrap it in
@@ -306,56 +225,11 @@ class AsyncClient(EngineFacts):
         self._conn = core.conn
         self._new_rid = core.rids.new
 
-    async def _recover(self) -> None:
-        """A new connection if the server dropped this one, then every durable session
-        this client holds resumed as its own (one `not_found` drops that id)."""
-        lock, tg = self._reconnecting, self._tg
-        if lock is None or tg is None:
-            raise ProgramError("the client is not connected (use `async with AsyncClient(...)`)")
-        async with lock:
-            if not self._conn.alive:
-                reason = self._liveness() if self._liveness is not None else None
-                if reason:  # the server process this client watches has exited
-                    raise EngineDeadError(reason)
-                try:  # nothing listening there any more: at once, not after a timeout
-                    await anyio.to_thread.run_sync(probe_endpoint, self.endpoint)
-                except NoServerError as e:
-                    raise EngineDeadError(f"the server at {self.endpoint} is gone: {e}") from None
-                core = self._new_core()
-                await core.open(tg, self._connect_timeout)
-                self._core.close()
-                self._use(core)
-            for session in list(self._durable):
-                try:
-                    await self._core.resume_session(session)
-                except NotFoundError:
-                    self._durable.discard(session)
-
-    async def _recovered(self, again: Callable[[], Coroutine[Any, Any, R]]) -> R:
-        await self._recover()
-        return await again()
-
-    def _durable_retry(self, msg: Struct, first: Coroutine[Any, Any, R],
-                       again: Callable[[], Coroutine[Any, Any, R]]) -> Coroutine[Any, Any, R]:
-        """`first`, and for a request naming a durable session of this client that the
-        engine does not know (it restarted), the sessions resumed and `again()`."""
-        if getattr(msg, "session", None) not in self._durable:
-            return first
-
-        async def run() -> R:
-            try:
-                return await first
-            except NotFoundError:
-                await self._recover()
-                return await again()
-
-        return run()
-
     # -- engine facts (`EngineFacts`, from the Welcome) ------------------------------------
 
     def _welcome(self) -> Welcome:
         if self._conn.welcome is None:
-            raise ProgramError("the client is not connected (use `async with AsyncClient(...)`)")
+            raise ProgramError(NOT_CONNECTED)
         return self._conn.welcome
 
     # -- the connection's counters ----------------------------------------------------------
@@ -379,18 +253,7 @@ class AsyncClient(EngineFacts):
     def post(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run ``fn(*args)`` in this client's event loop soon, from another thread; on
         asyncio without waiting for it (one wake-up of the loop, not a round trip)."""
-        if self._aloop is not None:
-            try:
-                self._aloop.call_soon_threadsafe(fn, *args)
-            except RuntimeError:  # the loop is closed
-                raise EngineDeadError("the client is closed") from None
-            return
-        if self._token is None:
-            raise ProgramError("the client is not connected (use `async with AsyncClient(...)`)")
-        try:
-            run_sync_from_thread(fn, *args, token=self._token)
-        except anyio.RunFinishedError:
-            raise EngineDeadError("the client is closed") from None
+        self._loop.post(fn, *args)
 
     def cork(self) -> None:
         """Batch the requests sent until the callbacks already scheduled in the loop have
@@ -416,27 +279,22 @@ class AsyncClient(EngineFacts):
         return self._core.request(msg)
 
     # `call` and `run_generate` hand back the core's coroutine itself (awaited by the
-    # caller): one coroutine per request on the programs' hot path, not two.
+    # caller): one coroutine per request on the programs' hot path, not two. A dropped
+    # connection, or durable sessions held, go through `Reconnect.send`.
 
     def call(self, msg: Struct, expect: type[R]) -> Coroutine[Any, Any, R]:
         """Send a request that has exactly one answer and return it (typed errors raise;
         await it)."""
-        if not self._conn.alive and self._tg is not None:  # dropped: connect again first
-            return self._recovered(lambda: self._core.call(msg, expect))
-        if self._durable:
-            return self._durable_retry(msg, self._core.call(msg, expect),
-                                       lambda: self._core.call(msg, expect))
-        return self._core.call(msg, expect)
+        if self._conn.alive and not self._reconnect.durable:
+            return self._core.call(msg, expect)
+        return self._reconnect.send(msg, lambda: self._core.call(msg, expect))
 
     def run_generate(self, msg: Generate) -> Coroutine[Any, Any, list[Done]]:
         """Send a Generate and collect one Done per branch (sorted by branch index; await
         it)."""
-        if not self._conn.alive and self._tg is not None:
-            return self._recovered(lambda: self._core.run_generate(msg))
-        if self._durable:
-            return self._durable_retry(msg, self._core.run_generate(msg),
-                                       lambda: self._core.run_generate(msg))
-        return self._core.run_generate(msg)
+        if self._conn.alive and not self._reconnect.durable:
+            return self._core.run_generate(msg)
+        return self._reconnect.send(msg, lambda: self._core.run_generate(msg))
 
     def generate_message(
         self, inp: Input, sampling: Mapping[str, Any] | SamplingParams, **fields: Any
@@ -535,13 +393,13 @@ class AsyncClient(EngineFacts):
         inp = None
         if prompt is not None or input_ids is not None or messages is not None:
             inp = make_input(prompt, input_ids, messages, add_generation_prompt)
-        if not self._conn.alive and self._tg is not None:
-            await self._recover()
+        if self._reconnect.dropped:
+            await self._reconnect.recover()
         opened = await self._core.open_session(inp, pinned=pin, retention=retention,
                                                ttl_s=ttl_s, namespace=namespace,
                                                durable=durable)
         if opened.durable:
-            self._durable.add(opened.session)
+            self._reconnect.durable.add(opened.session)
         return opened
 
     async def resume_session(self, session: str) -> SessionOpened:
@@ -549,10 +407,10 @@ class AsyncClient(EngineFacts):
         before a disconnect or a restart) as this client's own: `SessionOpened`, its
         ``length`` the history's; `NotFoundError` for an id that is not a durable session
         of this tenant."""
-        if not self._conn.alive and self._tg is not None:
-            await self._recover()
+        if self._reconnect.dropped:
+            await self._reconnect.recover()
         opened = await self._core.resume_session(session)
-        self._durable.add(opened.session)
+        self._reconnect.durable.add(opened.session)
         return opened
 
     async def fork_session(self, session: str, n: int = 1) -> list[str]:
@@ -566,13 +424,13 @@ class AsyncClient(EngineFacts):
     async def close_session(self, session: str) -> None:
         """Close `session`: its history goes back to the ordinary cache."""
         await self.call(CloseSession(rid=self.new_rid(), session=session), Ok)
-        self._durable.discard(session)
+        self._reconnect.durable.discard(session)
 
     def close_session_unawaited(self, session: str) -> None:
         """Close a session without waiting for the engine's answer (it handles this
         client's requests in order, so later requests already see it closed; nothing is
         sent once the engine is dead: its sessions went with it)."""
-        self._durable.discard(session)
+        self._reconnect.durable.discard(session)
         self._core.close_sessions_unawaited([session])
 
     async def list_sessions(self) -> list[dict[str, Any]]:

@@ -20,11 +20,12 @@ import anyio
 from anyio.from_thread import BlockingPortal
 from radixlm.runtime.protocol import Welcome
 from radixlm.sdk.chat import AsyncChatSession
-from radixlm.sdk.client import AsyncClient, EngineFacts, TextStream
+from radixlm.sdk.client import AsyncClient, EngineFacts
 from radixlm.sdk.errors import EngineDeadError
 from radixlm.sdk.loop_thread import LoopThread
 from radixlm.sdk.results import GenerateResult, StreamDelta
 from radixlm.sdk.signatures import blocking, constructor_parameters, facing, same_parameters
+from radixlm.sdk.text_stream import TextStream
 
 if TYPE_CHECKING:
     from radixlm.sdk.options import TurnOptions

@@ -180,7 +180,7 @@ def _load_state(state: EngineState | None, sessions: SessionManager) -> list[Eng
     if state is None:
         return []
     rows, pins = state.log.load()
-    sessions.load_state(rows)
+    sessions.durability.load_state(rows)
     log.info("state: %s: %d durable session(s) and %d pin(s) read back", state.folder,
              len(rows), len(pins))
     return [EnginePin(client=b"", rid=f"restore-{i}", name=p.name, input_ids=p.ids.tolist(),

@@ -101,7 +101,7 @@ class FakeEngine:
         kv_len = len(full) - (1 if len(output) and session is None else 0)
         m = cache.match(prompt, ns)
         cache.lock(m.node)
-        restored = self.sm.restore_from_host(session, m.length) if session else None
+        restored = self.sm.tiers.restore(session, m.length) if session else None
         if restored is None:
             restored = np.zeros(0, dtype=np.int64)
         reused = m.length + len(restored)
@@ -162,9 +162,9 @@ class FakeEngine:
         return s.id
 
     def pin(self, name: str, ids_: np.ndarray, ns: str | None = None) -> None:
-        self.sm.check_pin(name, ids_, ns)
+        self.sm.pinned.check(name, ids_, ns)
         self.run(ids_, ns=ns)
-        self.sm.pin(name, ids_, ns)
+        self.sm.pinned.pin(name, ids_, ns)
 
     def history(self, sid: str, client: bytes = ALICE) -> np.ndarray:
         return self.sm.get(sid, client).history
@@ -393,7 +393,7 @@ def test_bad_parameters_are_refused_with_their_codes(make):
     with refused(ErrorCode.INVALID_PARAMS):
         e.sm.truncate(sid, ALICE, -1)
     with refused(ErrorCode.NOT_FOUND):
-        e.sm.unpin("nope")
+        e.sm.pinned.unpin("nope")
 
 
 # --------------------------------------------------------------------- pins
@@ -412,7 +412,7 @@ def test_pins_are_shared_named_and_namespaced(make):
     assert e.history(a).tolist() == tools.tolist()
     assert e.turn(a, ids(rng, 4)).cached == 80
     assert e.sm.retained_tokens() == {"pinned": 80, "hard": 4, "soft": 5}
-    e.sm.unpin("tools")  # the sessions keep their own locks on the prefix
+    e.sm.pinned.unpin("tools")  # the sessions keep their own locks on the prefix
     assert e.sm.retained_tokens() == {"pinned": 0, "hard": 84, "soft": 5}
     e.sm.close(a, ALICE)
     e.sm.close(b, ALICE)
@@ -642,7 +642,7 @@ def test_random_operations_keep_every_invariant(make, page_size, seed):
                 e.pin(name, ids(rng, rng.randrange(8, 60)))
                 pins.append(name)
             elif op < 0.78 and pins:
-                e.sm.unpin(pins.pop(rng.randrange(len(pins))))
+                e.sm.pinned.unpin(pins.pop(rng.randrange(len(pins))))
             elif op < 0.85:
                 e.sm.tick()
             elif op < 0.97:

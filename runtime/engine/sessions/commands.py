@@ -41,13 +41,13 @@ def answer(m: SessionManager, msg: Any, client: bytes, tenant: str | None = None
     if isinstance(msg, CloseSession):
         return close_sessions(m, msg, client)
     if isinstance(msg, Unpin):
-        m.unpin(msg.name)
+        m.pinned.unpin(msg.name)
         return Ok(rid=msg.rid)
     if isinstance(msg, ToolDoneSoon):
-        m.tool_done_soon(msg.session, client)
+        m.waits.tool_done_soon(msg.session, client)
         return Ok(rid=msg.rid)
     if isinstance(msg, ResumeSession):
-        s = m.resume(msg.session, client, tenant)
+        s = m.durability.resume(msg.session, client, tenant)
         return SessionOpened(rid=msg.rid, session=s.id, length=s.length,
                              cached_tokens=s.held_len, durable=True)
     assert isinstance(msg, ListSessions)

@@ -29,7 +29,7 @@ A session request's own state lives in its group's `Turn`, which only this modul
 and writes. Without a SessionManager every session or pin request gets a clear error.
 
 Turn protocol with the manager (docs/architecture.md): `begin_turn` at intake;
-`restore_from_host` after the match is locked; `recomputed_tokens` at first admission. At
+`Tiers.restore` after the match is locked; `recomputed_tokens` at first admission. At
 finish, after the insert: `end_turn(session, prompt + output)` (n == 1) or, per branch of
 an n > 1 turn, `branch(session, prompt + output_i)` and, once every branch is done,
 `end_turn(session, prompt)` (the history grows by the input only). On abort or error:
@@ -264,7 +264,7 @@ class SessionController:
             appended = np.asarray(ids, dtype=np.int64)
         prompt = m.begin_turn(msg.session, msg.client, appended, msg.namespace)
         turn = Turn(session=msg.session, open=True, assistant_open=msg.assistant_open,
-                    kv_load=m.plan_load(msg.session))
+                    kv_load=m.tiers.plan_load(msg.session))
         return Intake(np.asarray(prompt, dtype=np.int64), appended, s.namespace, turn,
                       s.program)
 
@@ -294,16 +294,16 @@ class SessionController:
             m.close(s.id, msg.client)
             raise
         turn = Turn(session=s.id, open=True, assistant_open=msg.assistant_open,
-                    kv_load=m.plan_prefix_load(np.asarray(prompt, dtype=np.int64),
-                                               s.namespace))
+                    kv_load=m.tiers.plan_prefix_load(np.asarray(prompt, dtype=np.int64),
+                                                     s.namespace))
         return Intake(np.asarray(prompt, dtype=np.int64),
                       np.asarray(msg.input_ids, dtype=np.int64), s.namespace, turn, s.program)
 
     def begin_pin(self, msg: EnginePin, prompt: np.ndarray) -> Turn:
         """Refuse a pin before it is prefilled: name taken, or beyond the retention cap."""
         m = self._m()
-        m.check_pin(msg.name, prompt, msg.namespace)
-        return Turn(pin_name=msg.name, kv_load=m.plan_prefix_load(prompt, msg.namespace))
+        m.pinned.check(msg.name, prompt, msg.namespace)
+        return Turn(pin_name=msg.name, kv_load=m.tiers.plan_prefix_load(prompt, msg.namespace))
 
     def unreclaimable_tokens(self) -> int:
         """Tokens pins and hard sessions hold (soft ones can be demoted on demand)."""
@@ -356,8 +356,8 @@ class SessionController:
             return None
         load, turn.kv_load = turn.kv_load, None  # (once: a retracted request recomputes)
         if turn.session is None:
-            return m.restore_prefix(cached_len, load)
-        return m.restore_from_host(turn.session, cached_len, load)
+            return m.tiers.restore_prefix(cached_len, load)
+        return m.tiers.restore(turn.session, cached_len, load)
 
     @staticmethod
     def loading(g: RequestGroup) -> bool:
@@ -392,7 +392,7 @@ class SessionController:
         m = self.manager
         retained = m.retained_tokens() if m is not None else {}
         return {
-            **(m.tool_stats(tenant) if m is not None else {}),
+            **(m.waits.stats(tenant) if m is not None else {}),
             "retained_tokens": {k: retained.get(k, 0) for k in ("pinned", "hard", "soft")},
             "retained_cap": m.retained_cap if m is not None else 0,
             "host_capacity": m.host_capacity if m is not None else 0,
@@ -440,7 +440,7 @@ class SessionController:
                 m.end_turn(session, history, turn.assistant_open)
                 turn.ended_in[r.index] = session
                 if g.tools and g.kind is RequestKind.GENERATE:
-                    m.wait_on_tools(session, self.calls.names(r.output, g.tools))
+                    m.waits.wait_on_tools(session, self.calls.names(r.output, g.tools))
             else:
                 turn.ended_in[r.index] = m.branch(session, history, r.index, turn.assistant_open)
         except Exception as e:  # noqa: BLE001 - the output stands; the session keeps its history
@@ -463,7 +463,7 @@ class SessionController:
         m = self.manager
         assert m is not None
         s = m.records.sessions.get(session)
-        write = m.persist(s) if s is not None and s.durable else None
+        write = m.durability.persist(s) if s is not None and s.durable else None
 
         def make(saved: bool) -> Struct:
             if not saved and s is not None:
@@ -476,11 +476,11 @@ class SessionController:
     def _finish_pin(self, g: RequestGroup, name: str) -> None:
         assert self.manager is not None
         try:
-            pin = self.manager.pin(name, g.prompt, g.namespace)
+            pin = self.manager.pinned.pin(name, g.prompt, g.namespace)
         except RequestError as e:
             self._reply(g.client, Error(rid=g.rid, code=e.code, message=e.message))
             return
-        self.reply_when_saved(g.client, self.manager.persist_pin(pin),
+        self.reply_when_saved(g.client, self.manager.durability.persist_pin(pin),
                               lambda saved: Pinned(rid=g.rid, name=name, length=g.prompt_len))
 
     def on_abort(self, r: Request) -> None:

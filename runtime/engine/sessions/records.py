@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 HARD, SOFT = "hard", "soft"
 # The owner of a durable session whose client is gone: nobody's until a client of its
-# tenant resumes it (`SessionManager.resume`).
+# tenant resumes it (`Durability.resume`).
 DETACHED = b""
 EMPTY_IDS = np.zeros(0, dtype=np.int64)
 EMPTY_IDS.flags.writeable = False

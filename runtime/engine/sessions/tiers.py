@@ -8,6 +8,9 @@ A turn of a session whose history is no longer all cached asks the disk for what
 device and the host tier do not have as it arrives (`plan_load`: the turn waits, holding
 nothing, while it is read), and its admission copies back the host tier's part and then
 the disk's (`restore`). A prefetch may have started that read already: the turn takes it.
+A pin's prefix, or an opening turn's prompt, is read the same way (`plan_prefix_load`,
+`restore_prefix`). The controller calls these with the turn's session id (a session
+closed meanwhile has nothing to restore).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from radixlm.runtime.engine.sessions.backup import HostBackup
 from radixlm.runtime.engine.sessions.disk_backup import DiskBackup, DiskLoad
 from radixlm.runtime.engine.sessions.host_tier import HostTier
 from radixlm.runtime.engine.sessions.prefetch import Prefetcher
-from radixlm.runtime.engine.sessions.records import Records, Session
+from radixlm.runtime.engine.sessions.records import Records
 from radixlm.runtime.engine.sessions.retention import Retention
 from radixlm.runtime.engine.sessions.tool_waits import ToolWaits
 
@@ -57,18 +60,26 @@ class Tiers:
             retention.on_demote_waiting = self.disk.save_all
 
     # ---------------------------------------------------------------- restore
-    def restore(self, s: Session, cached_len: int, load: DiskLoad | None) -> np.ndarray | None:
-        """Device slots now holding the K/V of the history the host tier kept after
-        `cached_len` (the prompt's device match, already locked by the caller), and after
-        that of what `load` read from the disk tier, or None.
+    def restore(self, session_id: str, cached_len: int,
+                load: DiskLoad | None = None) -> np.ndarray | None:
+        """Device slots now holding the K/V of the history of `session_id` the host tier
+        kept after `cached_len` (the prompt's device match, already locked by the
+        caller), and after that of what `load` read from the disk tier, or None.
 
         The slots are the caller's, like freshly allocated ones: it treats those tokens as
         cached (no compute), inserts them with the prompt, and frees them if the request
-        dies before that. None when the tiers are off, have nothing, or the pool cannot
-        hold the restore (the tokens are then recomputed).
+        dies before that. None when the tiers are off, have nothing, the pool cannot hold
+        the restore (the tokens are then recomputed) or the session was closed.
         """
+        s = self.records.sessions.get(session_id)
+        if s is None:
+            return None
         host = self.backup.restore(s, cached_len) if self.backup is not None else None
         return self.then_disk(host, cached_len, load)
+
+    def restore_prefix(self, cached_len: int, load: DiskLoad | None) -> np.ndarray | None:
+        """A pin's prefix: the slots `load` fills after `cached_len`, or None."""
+        return self.then_disk(None, cached_len, load)
 
     def then_disk(self, host: np.ndarray | None, cached_len: int,
                   load: DiskLoad | None) -> np.ndarray | None:
@@ -81,10 +92,14 @@ class Tiers:
             return host
         return disk if host is None else np.concatenate([host, disk])
 
-    def plan_load(self, s: Session) -> DiskLoad | None:
-        """Start reading from the disk what a turn of `s` will not find in the device
-        cache or the host tier (or take the read a prefetch started); None when all is
-        there or the disk has none of it."""
+    def plan_load(self, session_id: str) -> DiskLoad | None:
+        """Start reading from the disk what a turn of `session_id` will not find in the
+        device cache or the host tier (or take the read a prefetch started; the turn
+        waits for it: `DiskLoad.done`); None when all is there, the disk has none of it
+        or the session was closed."""
+        s = self.records.sessions.get(session_id)
+        if s is None:
+            return None
         started = self.prefetch.take_load(s)
         if self.disk is None or s.kv_len <= s.held_len:
             return None
@@ -97,7 +112,7 @@ class Tiers:
         return self.disk.plan(s.namespace, wanted, pos)
 
     def plan_prefix_load(self, ids: np.ndarray, namespace: str | None) -> DiskLoad | None:
-        """As `plan_load`, for a pin's prefix."""
+        """As `plan_load`, for a pin's prefix (or an opening turn's prompt)."""
         if self.disk is None:
             return None
         return self.disk.plan(namespace, ids, self.cache.match(ids, namespace).length)

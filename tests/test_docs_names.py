@@ -153,9 +153,11 @@ def names() -> Names:
     found = Names()
     for path in _product_files():
         _scan(path, found)
-    skip = {".venv", ".git", "node_modules", "__pycache__"}
+    # (setuptools' build/ keeps copies of modules that have since moved: they are not ours)
+    skip = {".venv", ".venv-instructor", ".git", "node_modules", "__pycache__", "build", "dist"}
     found.files = {p.relative_to(REPO).as_posix() for p in REPO.rglob("*")
-                   if not skip & set(p.relative_to(REPO).parts)}
+                   if not skip & set(p.relative_to(REPO).parts)
+                   and not any(part.endswith(".egg-info") for part in p.relative_to(REPO).parts)}
     return found
 
 

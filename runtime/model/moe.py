@@ -5,7 +5,8 @@ A token's router logits pick `top_k` of the layer's experts, with weights, as it
 defines it (`route`); its output is the weighted sum of those experts' SwiGLU MLPs. The
 rows of a forward are grouped by expert: each chosen expert multiplies all of its rows at
 once, and an expert no row chose is not touched, so its weights are not read. A one-row
-step (batch-1 decode) skips the grouping and runs its `top_k` experts one by one.
+step (batch-1 decode) skips the grouping: its `top_k` experts' gate+up rows are one product
+(`quant.matmul_stacked`), their down projections one by one.
 
 Each expert's matrices are its own weights, as the decoder's are: gate+up stacked into one
 `[in, out]` operand and down, dense (float32/bfloat16, CPU or CUDA: torch's matmul per
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .moe_config import EXPERT_NAMES, MoeConfig
-from .quant import DEQUANT_MIN_ROWS, QuantWeight
+from .quant import DEQUANT_MIN_ROWS, QuantWeight, matmul_stacked
 
 Weight = torch.Tensor | QuantWeight  # as decoder.Weight: an `[in, out]` operand or packed blocks
 # Rows per call of the kernel's integer products. A packed expert multiplies more rows in
@@ -97,9 +98,7 @@ class ExpertMlp:
         c = self.config
         weights, chosen = route(_product(h, self.router_t), c.top_k, c.routing, c.norm_topk_prob)
         if h.shape[0] == 1:
-            for e, w in zip(chosen[0].tolist(), weights[0].tolist(), strict=True):
-                act = _swiglu(_product(h, self.gu[e]), c.intermediate_size).mul_(w)
-                _accumulate(out, act, self.down[e])
+            self._one_row(h, out, weights[0], chosen[0].tolist())
         else:
             self._grouped(h, out, weights, chosen)
         if self.shared_gu is not None:
@@ -107,6 +106,22 @@ class ExpertMlp:
             act.mul_(torch.sigmoid(_product(h, self.shared_gate_t)))
             _accumulate(out, act, self.shared_down)
         return out
+
+    def _one_row(self, h: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+                 chosen: list[int]) -> None:  # fmt: skip
+        """A one-row step (batch-1 decode): the chosen experts' gate+up rows as one
+        product of packed weights (one kernel call where there were `top_k`), their
+        downs one by one (each has its own input)."""
+        width = self.config.intermediate_size
+        gus = [self.gu[e] for e in chosen]
+        if all(isinstance(w, QuantWeight) for w in gus):
+            acts = _swiglu(matmul_stacked(h, gus).view(len(chosen), 2 * width), width)
+            acts.mul_(weights.to(acts.dtype).unsqueeze(1))
+        else:
+            acts = torch.cat([_swiglu(_product(h, w), width) for w in gus]).mul_(
+                weights.to(h.dtype).unsqueeze(1))
+        for i, e in enumerate(chosen):
+            _accumulate(out, acts[i : i + 1], self.down[e])
 
     def _grouped(self, h: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
                  chosen: torch.Tensor) -> None:  # fmt: skip

@@ -230,25 +230,7 @@ class QuantWeight:
     ) -> torch.Tensor:
         """`x @ W.T (+ bias)` for float32 `x [M, cols]`; with `accumulate`, added into `out`
         (a residual stream updated in place) and `out` returned."""
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols:
-            raise ValueError(f"expected float32 [M, {self.cols}] input, got {x.dtype} {tuple(x.shape)}")
-        if accumulate and out is None:
-            raise ValueError("accumulate needs out")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        m = x.shape[0]
-        if out is None:
-            out = x.new_empty(m, self.rows)
-        if m == 0:
-            return out
-        k, min8 = kernel(), GEMM8_MIN_ROWS
-        scratch = torch.empty(k.q_matmul_scratch_bytes8(m, self.cols, int(m >= min8)), dtype=torch.uint8)
-        k.q_matmul_rows(
-            x.data_ptr(), m, x.stride(0), self.cols, self.desc_ptr(), self.nparts,
-            out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(),
-            int(accumulate), scratch.data_ptr(), min8,
-        )  # fmt: skip
-        return out
+        return _rows_product(x, self.desc(), self.rows, self.cols, bias, out, accumulate)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 weights: all rows `[rows, cols]`, or the rows listed in `rows` (int64)."""
@@ -299,6 +281,40 @@ class QuantWeight:
             raise ValueError(f"a stacked weight may hold at most {MAX_PARTS} runs of one type")
         merged = [_cat_one_type(run) for run in runs]
         return merged[0] if len(merged) == 1 else QuantWeight._stack(merged)
+
+
+def matmul_stacked(x: torch.Tensor, weights: list[QuantWeight]) -> torch.Tensor:
+    """`x @ [w_0; w_1; ...].T` for weights of one width chosen per call (a token's experts):
+    one kernel call, so `x` is quantized once and the threads are woken once, instead of a
+    call per weight. Nothing is copied: the weights' descriptions are joined."""
+    desc = torch.cat([w.desc() for w in weights])
+    return _rows_product(x, desc, sum(w.rows for w in weights), weights[0].cols)
+
+
+def _rows_product(x: torch.Tensor, desc: torch.Tensor, rows: int, cols: int,
+                  bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                  accumulate: bool = False) -> torch.Tensor:  # fmt: skip
+    """The kernel's product of float32 `x [M, cols]` with the matrix `desc` describes
+    (`QuantWeight.desc`: runs of packed rows, `rows` in all)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols:
+        raise ValueError(f"expected float32 [M, {cols}] input, got {x.dtype} {tuple(x.shape)}")
+    if accumulate and out is None:
+        raise ValueError("accumulate needs out")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    if out is None:
+        out = x.new_empty(m, rows)
+    if m == 0:
+        return out
+    k, min8 = kernel(), GEMM8_MIN_ROWS
+    scratch = torch.empty(k.q_matmul_scratch_bytes8(m, cols, int(m >= min8)), dtype=torch.uint8)
+    k.q_matmul_rows(
+        x.data_ptr(), m, x.stride(0), cols, desc.data_ptr(), desc.shape[0],
+        out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(),
+        int(accumulate), scratch.data_ptr(), min8,
+    )  # fmt: skip
+    return out
 
 
 def _cat_one_type(parts: list[QuantWeight]) -> QuantWeight:

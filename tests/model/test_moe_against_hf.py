@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from radixlm.runtime.model import BatchRequest, ModelConfig
+from radixlm.runtime.model import moe as moe_module
 from radixlm.runtime.model.config import UnsupportedModelError
 from radixlm.runtime.model.loader import quantize_state
 from radixlm.runtime.model.moe import route
@@ -222,21 +223,26 @@ def _hf_choices(hf, ids: list[int]) -> dict[int, torch.Tensor]:
 
 def _record_products(model, monkeypatch) -> list[tuple[int, int]]:
     """(layer, expert) of every expert product the model runs from now on (gate+up and
-    down each count)."""
+    down each count; a stacked product counts each weight in it)."""
     owner = {}
     for i, layer in enumerate(model.layers):
         if layer.moe is not None:
             for e, (gu, down) in enumerate(zip(layer.moe.gu, layer.moe.down, strict=True)):
                 owner[id(gu)] = owner[id(down)] = (i, e)
     seen: list[tuple[int, int]] = []
-    matmul = QuantWeight.matmul
+    matmul, stacked = QuantWeight.matmul, moe_module.matmul_stacked
 
     def counting(self, *args, **kwargs):
         if id(self) in owner:
             seen.append(owner[id(self)])
         return matmul(self, *args, **kwargs)
 
+    def counting_stacked(x, weights):  # a one-row step's gate+up rows in one call
+        seen.extend(owner[id(w)] for w in weights if id(w) in owner)
+        return stacked(x, weights)
+
     monkeypatch.setattr(QuantWeight, "matmul", counting)
+    monkeypatch.setattr(moe_module, "matmul_stacked", counting_stacked)
     return seen
 
 

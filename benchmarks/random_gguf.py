@@ -137,9 +137,10 @@ class MoeShape:
                 f".{'Q4_0' if self.qtype == Q4_0 else 'Q4_1'}.gguf")  # fmt: skip
 
 
-def _writer(path: Path, arch: str, tokenizer_gguf: Path):
-    """A GGUFWriter for `path` with `tokenizer_gguf`'s tokenizer and chat template; and
-    its vocabulary size."""
+def _writer(path: Path, arch: str, tokenizer_gguf: Path, pad_to: int = 0):
+    """A GGUFWriter for `path` with `tokenizer_gguf`'s tokenizer and chat template (its
+    token list padded with unused tokens to `pad_to` rows, if more); and its vocabulary
+    size."""
     import gguf
 
     src = gguf.GGUFReader(str(tokenizer_gguf))
@@ -148,12 +149,16 @@ def _writer(path: Path, arch: str, tokenizer_gguf: Path):
         if not name.startswith("tokenizer."):
             continue
         value = field.contents()
+        if name == "tokenizer.ggml.tokens":
+            value = list(value) + [f"[PAD{i}]" for i in range(len(value), pad_to)]
+        elif name == "tokenizer.ggml.token_type":
+            value = list(value) + [int(gguf.TokenType.UNUSED)] * (pad_to - len(value))
         vtype = gguf.GGUFValueType(field.types[0])
         if vtype == gguf.GGUFValueType.ARRAY:
             w.add_array(name, value)
         else:
             w.add_key_value(name, value, vtype)
-    return w, len(src.fields["tokenizer.ggml.tokens"].data)
+    return w, max(pad_to, len(src.fields["tokenizer.ggml.tokens"].data))
 
 
 def _finish(w, tmp: Path, out: Path) -> Path:

@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-from random_gguf import Q4_1, Q8_0, _blocks  # (benchmarks/ is the script's own directory)
 
-UNUSED = 5  # gguf TokenType.UNUSED
+# (benchmarks/ is the script's own directory)
+from random_gguf import Q4_1, Q8_0, _blocks, _finish, _writer
 
 
 @dataclass(frozen=True)
@@ -48,32 +48,12 @@ class Gemma3Shape:
                 f"d{self.head_dim}-ffn{self.ffn}-v{self.vocab}-s{self.seed}.Q4_1.gguf")  # fmt: skip
 
 
-def _copy_tokenizer(w, src, vocab: int) -> None:
-    """SmolLM2's tokenizer fields, the token list (and its types) padded to `vocab`."""
-    import gguf
-
-    for name, field in src.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
-        value = field.contents()
-        if name == "tokenizer.ggml.tokens":
-            value = list(value) + [f"[PAD{i}]" for i in range(len(value), vocab)]
-        elif name == "tokenizer.ggml.token_type":
-            value = list(value) + [UNUSED] * (vocab - len(value))
-        vtype = gguf.GGUFValueType(field.types[0])
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_array(name, value)
-        else:
-            w.add_key_value(name, value, vtype)
-
-
 def write(shape: Gemma3Shape, out: Path, tokenizer_gguf: Path) -> Path:
     """Write the random Gemma 3 of `shape` to `out` (atomically)."""
     import gguf
 
-    src = gguf.GGUFReader(str(tokenizer_gguf))
     tmp = out.with_name(f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
-    w = gguf.GGUFWriter(str(tmp), "gemma3")
+    w, _ = _writer(tmp, "gemma3", tokenizer_gguf, pad_to=shape.vocab)
     w.add_name(out.stem)
     w.add_block_count(shape.layers)
     w.add_context_length(shape.context)
@@ -89,7 +69,6 @@ def write(shape: Gemma3Shape, out: Path, tokenizer_gguf: Path) -> Path:
     w.add_sliding_window_pattern(shape.pattern)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
-    _copy_tokenizer(w, src, shape.vocab)
     rng = np.random.default_rng(shape.seed)
     h, d = shape.hidden, shape.head_dim
     ones = np.ones(h, dtype=np.float32)  # llama.cpp's Gemma norms hold 1 + w: w = 0
@@ -114,15 +93,7 @@ def write(shape: Gemma3Shape, out: Path, tokenizer_gguf: Path) -> Path:
         quant(p + "ffn_up.weight", shape.ffn, h, Q4_1)
         quant(p + "ffn_down.weight", h, shape.ffn, Q4_1)
         w.add_tensor(p + "post_ffw_norm.weight", ones)
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return out
+    return _finish(w, tmp, out)
 
 
 def ensure(shape: Gemma3Shape | None = None, directory: Path | None = None) -> Path:

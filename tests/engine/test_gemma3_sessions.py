@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import scheduler_harness as harness
 import torch
 from conftest import assert_pool_clean, start_test_server
 from radixlm.runtime.protocol import (
@@ -54,12 +55,7 @@ QUESTIONS = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = harness.one_thread  # tiny models run single-threaded (autouse)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import scheduler_harness as harness
 import torch
 from radixlm.cache import KVPool
 from radixlm.runtime.model import BatchRequest, ForwardBatch, ModelConfig, ModelRunner
@@ -29,12 +30,7 @@ CAPACITY = 1024
 FIRST = 20  # reference: tokens of the first forward (below the longrope switch at 24)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+one_thread = harness.one_thread  # tiny models run single-threaded (autouse)
 
 
 class Reference:

@@ -356,6 +356,21 @@ def runner_greedy(runner, prompt, n: int) -> list[int]:
     return out
 
 
+
+def random_ids(n: int, seed: int) -> list[int]:
+    """`n` token ids in [3, 400), the same for the same `seed`."""
+    import torch
+
+    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_close(got, want, atol: float = 1e-4) -> None:  # noqa: ANN001 - torch tensors
+    """Same shape, and no element further than `atol` from the reference's."""
+    assert got.shape == want.shape
+    err = (got - want).abs().max().item()
+    assert err < atol, f"max abs diff {err}"
+
+
 def load_hf_model(model_dir: str | Path):
     """The transformers reference model for a checkpoint (float32, eager attention, eval)."""
     import torch

@@ -23,9 +23,15 @@ import scheduler_harness as harness
 import torch
 from radixlm.cache import KVPool
 from radixlm.runtime.model import BatchRequest, ForwardBatch, ModelConfig, ModelRunner
-from tiny_models import FAMILY_VARIANTS, PageSlots, load_hf_model, make_tiny_checkpoint
+from tiny_models import (
+    FAMILY_VARIANTS,
+    PageSlots,
+    assert_close,
+    load_hf_model,
+    make_tiny_checkpoint,
+    random_ids,
+)
 
-ATOL = 1e-4
 CAPACITY = 1024
 FIRST = 20  # reference: tokens of the first forward (below the longrope switch at 24)
 
@@ -85,16 +91,6 @@ def family(request, tmp_path_factory):
     return model_dir, Reference(model_dir)
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape
-    err = (got - want).abs().max().item()
-    assert err < ATOL, f"max abs diff {err}"
-
-
 def test_the_variations_are_read(family):
     model_dir, _ = family
     c = ModelConfig.from_dir(model_dir)
@@ -114,49 +110,49 @@ def test_the_variations_are_read(family):
 def test_prompt_then_token_by_token(family, page_size):
     model_dir, ref = family
     env = Env(model_dir, page_size)
-    ids = _ids(40, 1)
+    ids = random_ids(40, 1)
     slots = env.pages.extend([], FIRST)
     (first,) = env.run([BatchRequest(ids[:FIRST], 0, slots, all_logits=True)])
-    _close(first, ref.logits(ids)[:FIRST])
+    assert_close(first, ref.logits(ids)[:FIRST])
     for pos in range(FIRST, len(ids)):
         slots = env.pages.extend(slots, 1)
         (row,) = env.run([([ids[pos]], pos, slots)])
-        _close(row, ref.logits(ids)[pos : pos + 1])
+        assert_close(row, ref.logits(ids)[pos : pos + 1])
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_cached_prefix_plus_suffix_longer_than_the_window(family, page_size):
     model_dir, ref = family
     env = Env(model_dir, page_size)
-    ids = _ids(FIRST, 2)
+    ids = random_ids(FIRST, 2)
     cut = 9  # not page aligned; the suffix (11 tokens) is longer than every window
     prefix_slots = env.pages.extend([], cut)
     (p,) = env.run([(ids[:cut], 0, prefix_slots, True)])
-    _close(p, ref.logits(ids)[:cut])
+    assert_close(p, ref.logits(ids)[:cut])
     (s,) = env.run([(ids[cut:], cut, env.pages.extend(prefix_slots, FIRST - cut), True)])
-    _close(s, ref.logits(ids)[cut:])
+    assert_close(s, ref.logits(ids)[cut:])
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_ragged_batch_of_prefills_and_decodes(family, page_size):
     model_dir, ref = family
     env = Env(model_dir, page_size)
-    shared = _ids(16, 4)
+    shared = random_ids(16, 4)
     shared_slots = env.pages.extend([], len(shared))
     env.run([(shared, 0, shared_slots)])
-    running = _ids(31, 5)  # a request past the longrope switch, decoding its next token
+    running = random_ids(31, 5)  # a request past the longrope switch, decoding its next token
     run_slots = env.pages.extend([], FIRST)
     env.run([(running[:FIRST], 0, run_slots)])
     for pos in range(FIRST, 30):
         run_slots = env.pages.extend(run_slots, 1)
         env.run([([running[pos]], pos, run_slots)])
-    seqs = [shared + _ids(4, 6), shared + _ids(1, 7), _ids(13, 9), running]
+    seqs = [shared + random_ids(4, 6), shared + random_ids(1, 7), random_ids(13, 9), running]
     starts = [16, 16, 0, 30]
     bases = [shared_slots, shared_slots, [], run_slots]
     reqs = [BatchRequest(seq[start:], start, env.pages.extend(base, len(seq) - start), i % 2 == 0)
             for i, (seq, start, base) in enumerate(zip(seqs, starts, bases, strict=True))]  # fmt: skip
     for i, (seq, start, out) in enumerate(zip(seqs, starts, env.run(reqs), strict=True)):
-        _close(out, ref.logits(seq)[start:] if i % 2 == 0 else ref.logits(seq)[-1:])
+        assert_close(out, ref.logits(seq)[start:] if i % 2 == 0 else ref.logits(seq)[-1:])
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -166,11 +162,11 @@ def test_batched_decode_across_the_window(family, page_size, shared_prompt):
     common cached prompt) the shared-prefix path."""
     model_dir, ref = family
     env = Env(model_dir, page_size)
-    prompt = _ids(16, 12) if shared_prompt else []
+    prompt = random_ids(16, 12) if shared_prompt else []
     prompt_slots = env.pages.extend([], len(prompt))
     if prompt:
         env.run([(prompt, 0, prompt_slots)])
-    seqs = [prompt + _ids(n, 20 + n) for n in (3, 2, 4, 1)] if prompt else [_ids(n, 20 + n) for n in (5, 17, 19, 12)]  # fmt: skip
+    seqs = [prompt + random_ids(n, 20 + n) for n in (3, 2, 4, 1)] if prompt else [random_ids(n, 20 + n) for n in (5, 17, 19, 12)]  # fmt: skip
     slot_lists = []
     for seq in seqs:
         slots = env.pages.extend(prompt_slots, len(seq) - len(prompt))
@@ -179,11 +175,11 @@ def test_batched_decode_across_the_window(family, page_size, shared_prompt):
     for step in range(3):
         reqs = []
         for k, seq in enumerate(seqs):
-            seq.append(_ids(1, 50 + 4 * step + k)[0])
+            seq.append(random_ids(1, 50 + 4 * step + k)[0])
             slot_lists[k] = env.pages.extend(slot_lists[k], 1)
             reqs.append(([seq[-1]], len(seq) - 1, slot_lists[k]))
         for seq, out in zip(seqs, env.run(reqs), strict=True):
-            _close(out, ref.logits(seq)[-1:])
+            assert_close(out, ref.logits(seq)[-1:])
 
 
 def test_sliced_prefill_gives_the_same_logits(family):
@@ -191,7 +187,7 @@ def test_sliced_prefill_gives_the_same_logits(family):
     sliced.py) attends within the windows and rotates with each layer's RoPE too."""
     model_dir, ref = family
     env = Env(model_dir, 16)
-    ids = _ids(FIRST, 13)
+    ids = random_ids(FIRST, 13)
     tokens = np.asarray(ids, dtype=np.int64)
     for kv_len in (0, 7):
         slots = np.asarray(env.pages.extend([], FIRST), dtype=np.int64)
@@ -201,7 +197,7 @@ def test_sliced_prefill_gives_the_same_logits(family):
         got = None
         while got is None:
             got = task.advance(0.0)
-        _close(got, ref.logits(ids)[kv_len:])
+        assert_close(got, ref.logits(ids)[kv_len:])
 
 
 def _greedy(env: Env, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -220,7 +216,7 @@ def _greedy(env: Env, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 def test_greedy_tokens_alone_and_in_a_mixed_batch(family):
     model_dir, ref = family
-    prompts = [_ids(n, 30 + n) for n in (FIRST, 7, 12)]
+    prompts = [random_ids(n, 30 + n) for n in (FIRST, 7, 12)]
     want = [ref.greedy(p, 14) for p in prompts]
     assert _greedy(Env(model_dir, 1), prompts[:1], 14) == want[:1]
     assert _greedy(Env(model_dir, 16), prompts, 14) == want
@@ -238,7 +234,7 @@ def test_fused_step_is_refused_where_it_cannot_run(family):
         assert env.runner.fused is None
     if c.rope.partial_rotary_factor < 1:
         assert "partial rotary" in blockers and env.runner.fused is None
-    ids = _ids(FIRST, 3)
+    ids = random_ids(FIRST, 3)
     slots = env.pages.extend([], FIRST)
     (out,) = env.run([(ids, 0, slots)])
     want = ref.logits(ids)[-1:]
@@ -312,7 +308,7 @@ def test_multimodal_gemma3_checkpoint_runs_its_text_decoder(tmp_path):
     (mm / "config.json").write_text(json.dumps({
         "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
         "text_config": text, "eos_token_id": cfg["eos_token_id"]}))  # fmt: skip
-    ids = _ids(FIRST, 8)
+    ids = random_ids(FIRST, 8)
     outs = []
     for d in (src, mm):
         env = Env(d, 1)
@@ -374,21 +370,21 @@ def test_gguf_gives_the_same_logits_and_tokens(tmp_path, name):
     ours, theirs = ModelConfig.from_dir(converted), ModelConfig.from_dir(src)
     assert (ours.variations, ours.local_rope) == (theirs.variations, theirs.local_rope)
     assert ours.rope == _f32_factors(theirs.rope)  # GGUF keeps longrope factors as float32
-    ids = _ids(30, 40)
+    ids = random_ids(30, 40)
     env = Env(converted, 16)
     slots = env.pages.extend([], FIRST)
     (got,) = env.run([(ids[:FIRST], 0, slots, True)])
-    _close(got, ref.logits(ids)[:FIRST])
+    assert_close(got, ref.logits(ids)[:FIRST])
     for pos in range(FIRST, len(ids)):
         slots = env.pages.extend(slots, 1)
         (row,) = env.run([([ids[pos]], pos, slots)])
-        _close(row, ref.logits(ids)[pos : pos + 1])
+        assert_close(row, ref.logits(ids)[pos : pos + 1])
 
     q8 = resolve_model(make_tiny_gguf(src, tmp_path / f"{name}-q8.gguf", quant="Q8_0"), progress=False)
     dequantized = Reference(ensure_dense_weights(q8, progress=False))
     env = Env(q8, 16, dtype="gguf")
     assert "Q8_0" in env.runner.model.weight_format
-    prompts = [_ids(FIRST, 41), _ids(9, 42)]
+    prompts = [random_ids(FIRST, 41), random_ids(9, 42)]
     assert _greedy(env, prompts, 10) == [dequantized.greedy(p, 10) for p in prompts]
 
 

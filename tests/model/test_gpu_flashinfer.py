@@ -16,7 +16,7 @@ from radixlm.cache import KVPool
 from radixlm.runtime.attention import flashinfer_backend
 from radixlm.runtime.attention.torch_backend import TorchAttention
 from radixlm.runtime.model import BatchRequest, ForwardBatch, ModelConfig, ModelRunner
-from tiny_models import PageSlots, make_tiny_checkpoint
+from tiny_models import PageSlots, make_tiny_checkpoint, random_ids
 
 _REASON = flashinfer_backend.unavailable_reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(_REASON is not None, reason=f"{_REASON}")]
@@ -26,19 +26,15 @@ CAPACITY = 4096
 DEV = "cuda"
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 def _scenarios(pages: PageSlots):
     """Yield lists of BatchRequest; slots evolve like a real engine's (shared prefix too)."""
-    shared = _ids(32, 1)
+    shared = random_ids(32, 1)
     shared_slots = pages.extend([], 32)
     yield [BatchRequest(shared, 0, shared_slots, True)]  # plain prefill
-    a = shared + _ids(45, 2)  # prefix hit + 45-token suffix
+    a = shared + random_ids(45, 2)  # prefix hit + 45-token suffix
     a_slots = pages.extend(shared_slots, 45)
     yield [BatchRequest(a[32:], 32, a_slots, True)]
-    seqs = [_ids(n, 10 + n) for n in (7, 33, 70)]
+    seqs = [random_ids(n, 10 + n) for n in (7, 33, 70)]
     slot_lists = [pages.extend([], len(s)) for s in seqs]
     yield [BatchRequest(s, 0, sl) for s, sl in zip(seqs, slot_lists, strict=True)]
     for step in range(3):  # batched decode, ragged lengths
@@ -48,13 +44,13 @@ def _scenarios(pages: PageSlots):
             reqs.append(BatchRequest([s[step]], len(slot_lists[k]) - 1, slot_lists[k]))
         yield reqs
     # mixed: a decode, a prefill on the shared prefix, a fresh prefill, another decode
-    b = shared + _ids(20, 3)
+    b = shared + random_ids(20, 3)
     slot_lists[0] = pages.extend(slot_lists[0], 1)
     slot_lists[2] = pages.extend(slot_lists[2], 1)
     yield [
         BatchRequest([5], len(slot_lists[0]) - 1, slot_lists[0]),
         BatchRequest(b[32:], 32, pages.extend(shared_slots, 20), True),
-        BatchRequest(_ids(17, 4), 0, pages.extend([], 17), True),
+        BatchRequest(random_ids(17, 4), 0, pages.extend([], 17), True),
         BatchRequest([9], len(slot_lists[2]) - 1, slot_lists[2]),
     ]
 

@@ -11,16 +11,12 @@ import pytest
 import torch
 from radixlm.cache import KVPool
 from radixlm.runtime.model import BatchRequest, ForwardBatch, ModelConfig, ModelRunner
-from tiny_models import MOE_VARIANTS, PageSlots, load_hf_model, make_tiny_checkpoint
+from tiny_models import MOE_VARIANTS, PageSlots, load_hf_model, make_tiny_checkpoint, random_ids
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]  # fmt: skip
 CAPACITY = 1024
 DEV = "cuda"
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -33,7 +29,7 @@ def test_moe_on_cuda_matches_transformers(tmp_path, name, dtype):
                   DEV)  # fmt: skip
     runner = ModelRunner(model_dir, DEV, dtype, pool, attention="torch")
     pages = PageSlots(CAPACITY, 16)
-    a, b = _ids(40, 1), _ids(23, 2)
+    a, b = random_ids(40, 1), random_ids(23, 2)
     a_slots, b_slots = pages.extend([], 30), pages.extend([], len(b))
     runner.forward(ForwardBatch.build([BatchRequest(a[:30], 0, a_slots)], DEV))
     a_slots = pages.extend(a_slots, 1)

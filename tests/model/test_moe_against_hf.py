@@ -26,15 +26,17 @@ from radixlm.runtime.model.moe import route
 from radixlm.runtime.model.quant import QuantWeight
 from radixlm.runtime.model.weights import load_state_dict
 from safetensors.torch import save_file
-from tiny_models import MOE_VARIANTS, ModelEnv, load_hf_model, make_tiny_checkpoint
+from tiny_models import (
+    MOE_VARIANTS,
+    ModelEnv,
+    assert_close,
+    load_hf_model,
+    make_tiny_checkpoint,
+    random_ids,
+)
 
-ATOL = 1e-4
 DECODE_ATOL = 5e-3  # the kernel's int16 activations (as test_model_quant_tiny.py)
 CAPACITY = 1024
-
-
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def Env(model_dir, page_size: int = 16, **kw) -> ModelEnv:  # noqa: N802 - makes a ModelEnv
@@ -59,12 +61,6 @@ def variant(request, tmp_path_factory):
     return model_dir, ref, hf
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, atol: float = ATOL) -> None:
-    assert got.shape == want.shape
-    err = (got - want).abs().max().item()
-    assert err < atol, f"max abs diff {err}"
-
-
 def test_config_reads_each_familys_experts(variant):
     model_dir, _, hf = variant
     c = ModelConfig.from_dir(model_dir).moe
@@ -85,53 +81,53 @@ def test_config_reads_each_familys_experts(variant):
 def test_whole_prompt_and_token_by_token_decode(variant):
     model_dir, ref, _ = variant
     env = Env(model_dir)
-    ids = _ids(37, 1)
+    ids = random_ids(37, 1)
     (rows,) = env.run([BatchRequest(ids, 0, env.pages.extend([], len(ids)), all_logits=True)])
-    _close(rows, ref(ids))
+    assert_close(rows, ref(ids))
     slots = env.pages.extend([], 1)
     (first,) = env.run([(ids[:1], 0, slots)])
-    _close(first, ref(ids)[:1])
+    assert_close(first, ref(ids)[:1])
     for pos in range(1, 20):
         slots = env.pages.extend(slots, 1)
         (row,) = env.run([([ids[pos]], pos, slots)])
-        _close(row, ref(ids)[pos : pos + 1])
+        assert_close(row, ref(ids)[pos : pos + 1])
 
 
 def test_a_ragged_batch_of_prefills_prefix_hits_and_decodes(variant):
     model_dir, ref, _ = variant
     env = Env(model_dir)
-    shared = _ids(32, 4)
+    shared = random_ids(32, 4)
     shared_slots = env.pages.extend([], len(shared))
     env.run([(shared, 0, shared_slots)])
-    running = _ids(11, 5)
+    running = random_ids(11, 5)
     running_slots = env.pages.extend([], 10)
     env.run([(running[:10], 0, running_slots)])
-    seqs = [shared + _ids(9, 6), shared + _ids(1, 7), _ids(13, 9), running]
+    seqs = [shared + random_ids(9, 6), shared + random_ids(1, 7), random_ids(13, 9), running]
     starts = [32, 32, 0, 10]
     bases = [shared_slots, shared_slots, [], running_slots]
     reqs = [BatchRequest(seq[start:], start, env.pages.extend(base, len(seq) - start), all_logits=True)
             for seq, start, base in zip(seqs, starts, bases, strict=True)]  # fmt: skip
     for seq, start, out in zip(seqs, starts, env.run(reqs), strict=True):
-        _close(out, ref(seq)[start:])
+        assert_close(out, ref(seq)[start:])
 
 
 def test_a_prefill_in_pieces_equals_one_forward(variant):
     model_dir, _, _ = variant
     env = Env(model_dir, page_size=1)
-    ids = _ids(40, 13)
+    ids = random_ids(40, 13)
     (whole,) = env.run([BatchRequest(ids, 0, list(range(40)), all_logits=False)])
     task = env.runner.start_sliced(np.array(ids), np.arange(100, 140), 0, 40, 39, rows=8)
     logits = None
     while logits is None:
         logits = task.advance(0.0)
     assert task.pieces_run == 5 * len(env.runner.model.layers)
-    _close(logits, whole)
+    assert_close(logits, whole)
 
 
 def test_bfloat16_experts_track_float32(variant):
     model_dir, ref, _ = variant
     env = Env(model_dir, dtype="bfloat16")
-    ids = _ids(24, 14)
+    ids = random_ids(24, 14)
     (rows,) = env.run([BatchRequest(ids, 0, env.pages.extend([], len(ids)), all_logits=True)])
     want = ref(ids)
     assert rows.dtype == torch.float32
@@ -164,7 +160,7 @@ def test_int8_experts_match_transformers_on_the_dequantized_weights(variant, tmp
     state = quantize_state(load_state_dict(model_dir), "int8")
     save_file({n: w.dequantize() if isinstance(w, QuantWeight) else w for n, w in state.items()},
               str(ref_dir / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
-    ids = _ids(250, 15)
+    ids = random_ids(250, 15)
     hf = load_hf_model(ref_dir)
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]
@@ -172,14 +168,14 @@ def test_int8_experts_match_transformers_on_the_dequantized_weights(variant, tmp
                           for c in _hf_choices(hf, ids).values())  # fmt: skip
     assert rows_per_expert > 64
     (rows,) = env.run([BatchRequest(ids, 0, env.pages.extend([], len(ids)), all_logits=True)])
-    _close(rows, want, DECODE_ATOL)
+    assert_close(rows, want, DECODE_ATOL)
     slots = env.pages.extend([], 1)
     (first,) = env.run([(ids[:1], 0, slots)])
     steps = [first]
     for pos in range(1, 30):
         slots = env.pages.extend(slots, 1)
         steps += env.run([([ids[pos]], pos, slots)])
-    _close(torch.cat(steps), want[:30], DECODE_ATOL)
+    assert_close(torch.cat(steps), want[:30], DECODE_ATOL)
 
 
 # ------------------------------------------------------------------ routing and reads
@@ -250,7 +246,7 @@ def test_a_step_multiplies_only_the_selected_experts_once_each(tmp_path, monkeyp
     model_dir = make_tiny_checkpoint(tmp_path, name="qwen3_moe", **MOE_VARIANTS["qwen3_moe"])
     env = Env(model_dir, page_size=1, quantize="int8")
     hf = load_hf_model(model_dir)
-    ids = _ids(20, 16)
+    ids = random_ids(20, 16)
     choices = _hf_choices(hf, ids)
     seen = _record_products(env.runner.model, monkeypatch)
     env.run([(ids[:19], 0, list(range(19)))])  # a prefill: 19 rows, 38 (row, expert) pairs
@@ -312,12 +308,12 @@ def test_the_scheduler_runs_prefills_beside_decodes(variant):
 
     model_dir, _, hf = variant
     h = Harness(model_dir, page_size=4, chunked_prefill=16, capacity=1024)
-    first = _ids(20, 30)
+    first = random_ids(20, 30)
     a = h.generate(first, max_tokens=12)
     for _ in range(4):
         h.step()
     assert h.tokens[(a, 0)] and (a, 0) not in h.final  # decoding now
-    later = [_ids(37, 31), _ids(9, 32)]
+    later = [random_ids(37, 31), random_ids(9, 32)]
     keys = [h.generate(p, max_tokens=6) for p in later]
     h.run()
     assert h.output(a) == hf_greedy(hf, first, 12)

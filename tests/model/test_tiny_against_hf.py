@@ -14,10 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 from radixlm.runtime.model import BatchRequest, ModelConfig, ModelRunner
-from tiny_models import TINY_VARIANTS, load_hf_model, make_tiny_checkpoint
+from tiny_models import TINY_VARIANTS, assert_close, load_hf_model, make_tiny_checkpoint, random_ids
 from tiny_models import ModelEnv as Env
 
-ATOL = 1e-4
 PAGE_SIZES = [1, 16]
 CAPACITY = 1024  # ModelEnv's pool
 
@@ -40,70 +39,60 @@ def variant(request, tmp_path_factory):
     return model_dir, ref
 
 
-def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape
-    err = (got - want).abs().max().item()
-    assert err < ATOL, f"max abs diff {err}"
-
-
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_a_whole_prompt_prefill(variant, page_size):
     model_dir, ref = variant
     env = Env(model_dir, page_size)
-    ids = _ids(37, 1)
+    ids = random_ids(37, 1)
     slots = env.pages.extend([], len(ids))
     (all_rows,) = env.run([BatchRequest(ids, 0, slots, all_logits=True)])
-    _close(all_rows, ref(ids))
+    assert_close(all_rows, ref(ids))
     (last,) = env.run([BatchRequest(ids, 0, env.pages.extend([], len(ids)))])
-    _close(last, ref(ids)[-1:])
+    assert_close(last, ref(ids)[-1:])
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_b_cached_prefix_plus_suffix(variant, page_size):
     model_dir, ref = variant
     env = Env(model_dir, page_size)
-    ids = _ids(45, 2)
+    ids = random_ids(45, 2)
     cut = 21  # not page aligned: the suffix continues the prefix's last page
     prefix_slots = env.pages.extend([], cut)
     (p,) = env.run([(ids[:cut], 0, prefix_slots, True)])
-    _close(p, ref(ids)[:cut])
+    assert_close(p, ref(ids)[:cut])
     slots = env.pages.extend(prefix_slots, len(ids) - cut)
     (s,) = env.run([(ids[cut:], cut, slots, True)])
-    _close(s, ref(ids)[cut:])
+    assert_close(s, ref(ids)[cut:])
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_c_token_by_token_decode(variant, page_size):
     model_dir, ref = variant
     env = Env(model_dir, page_size)
-    ids = _ids(40, 3)
+    ids = random_ids(40, 3)
     slots = env.pages.extend([], 4)
     (first,) = env.run([(ids[:4], 0, slots)])
-    _close(first, ref(ids)[3:4])
+    assert_close(first, ref(ids)[3:4])
     for pos in range(4, len(ids)):
         slots = env.pages.extend(slots, 1)
         (row,) = env.run([([ids[pos]], pos, slots)])
-        _close(row, ref(ids)[pos : pos + 1])
+        assert_close(row, ref(ids)[pos : pos + 1])
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_d_ragged_batch_sharing_prefix_slots(variant, page_size):
     model_dir, ref = variant
     env = Env(model_dir, page_size)
-    shared = _ids(32, 4)  # page aligned at 1 and 16
+    shared = random_ids(32, 4)  # page aligned at 1 and 16
     shared_slots = env.pages.extend([], len(shared))
     (s,) = env.run([(shared, 0, shared_slots, True)])
-    _close(s, ref(shared))
+    assert_close(s, ref(shared))
     # A request that has been running: its own prompt is cached, it now decodes one token.
-    run_ids = _ids(11, 5)
+    run_ids = random_ids(11, 5)
     run_slots = env.pages.extend([], 10)
     env.run([(run_ids[:10], 0, run_slots)])
 
-    seqs = [shared + _ids(9, 6), shared + _ids(1, 7), shared + _ids(23, 8), _ids(13, 9), run_ids]
+    seqs = [shared + random_ids(9, 6), shared + random_ids(1, 7), shared + random_ids(23, 8), random_ids(13, 9), run_ids]
     reqs, starts = [], [32, 32, 32, 0, 10]
     for i, (seq, start) in enumerate(zip(seqs, starts, strict=True)):
         base = shared_slots if start == 32 else (run_slots if i == 4 else [])
@@ -112,7 +101,7 @@ def test_d_ragged_batch_sharing_prefix_slots(variant, page_size):
     outs = env.run(reqs)
     for i, (seq, start, out) in enumerate(zip(seqs, starts, outs, strict=True)):
         want = ref(seq)[start:] if i % 2 == 0 else ref(seq)[-1:]
-        _close(out, want)
+        assert_close(out, want)
 
 
 def _decode_rest(env, ref, seqs, slot_lists, steps: int) -> None:
@@ -126,14 +115,14 @@ def _decode_rest(env, ref, seqs, slot_lists, steps: int) -> None:
             reqs.append(([seq[pos]], pos, slot_lists[k]))
         for seq, out in zip(seqs, env.run(reqs), strict=True):
             pos = len(seq) - back
-            _close(out, ref(seq)[pos : pos + 1])
+            assert_close(out, ref(seq)[pos : pos + 1])
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_e_batched_decode_ragged_lengths(variant, page_size):
     model_dir, ref = variant
     env = Env(model_dir, page_size)
-    seqs = [_ids(n, 10 + n) for n in (5, 17, 30, 4)]
+    seqs = [random_ids(n, 10 + n) for n in (5, 17, 30, 4)]
     slot_lists = []
     for seq in seqs:
         slots = env.pages.extend([], len(seq) - 3)
@@ -147,14 +136,14 @@ def test_e_batched_decode_ragged_lengths(variant, page_size):
 def test_f_batched_decode_sharing_a_cached_prompt(variant, page_size, contiguous):
     model_dir, ref = variant
     env = Env(model_dir, page_size)
-    shared = _ids(32, 12)  # page aligned at 1 and 16
+    shared = random_ids(32, 12)  # page aligned at 1 and 16
     if contiguous:  # the prompt on consecutive slots: read as a view of the pool
         shared_slots = list(range(CAPACITY - 32, CAPACITY))
         env.pages.free = [p for p in env.pages.free if (p + 1) * page_size <= CAPACITY - 32]
     else:
         shared_slots = env.pages.extend([], len(shared))
     env.run([(shared, 0, shared_slots)])
-    seqs = [shared + _ids(n, 20 + n) for n in (3, 2, 7, 4)]
+    seqs = [shared + random_ids(n, 20 + n) for n in (3, 2, 7, 4)]
     slot_lists = []
     for seq in seqs:  # each request's own cached tokens after the prompt, then 2 decodes
         slots = env.pages.extend(shared_slots, len(seq) - 2 - len(shared))
@@ -167,7 +156,7 @@ def test_f_batched_decode_sharing_a_cached_prompt(variant, page_size, contiguous
 def test_logits_are_editable_and_float32(variant):
     model_dir, _ = variant
     env = Env(model_dir, 1)
-    (out,) = env.run([(_ids(5, 11), 0, env.pages.extend([], 5))])
+    (out,) = env.run([(random_ids(5, 11), 0, env.pages.extend([], 5))])
     assert out.dtype == torch.float32 and out.shape == (1, env.cfg.vocab_size)
     out[:, 0] = -float("inf")  # a sampler may mask in place
 
@@ -176,7 +165,7 @@ def test_sharded_checkpoint_loads_identically(tmp_path):
     whole = make_tiny_checkpoint(tmp_path, "qwen3", name="whole")
     sharded = make_tiny_checkpoint(tmp_path, "qwen3", name="sharded", max_shard_size="20KB")
     assert (sharded / "model.safetensors.index.json").exists()
-    ids = _ids(12, 12)
+    ids = random_ids(12, 12)
     outs = []
     for d in (whole, sharded):
         env = Env(d, 1)

@@ -276,7 +276,7 @@ class DecoderModel:
         windows are checked per batch (`FusedDecode.applies`)."""
         c, v = self.config, self.config.variations
         out = [name for name, on in (
-            ("q/k norms", c.qk_norm), ("sandwich norms", v.sandwich_norms),
+            ("sandwich norms", v.sandwich_norms),
             ("a GeGLU MLP", v.mlp_act != "silu"), ("scaled embeddings", v.embed_scale),
             ("attention soft-capping", v.attn_softcap), ("logit soft-capping", v.final_softcap),
             ("a local RoPE base", self.local_rotary), ("partial rotary", self.rotary.partial),

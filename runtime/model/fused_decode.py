@@ -2,12 +2,15 @@
 
 A one-token step of one request is a few hundred tiny operations; dispatched one by one
 from Python their overhead outweighs the arithmetic (profiled: ~370 torch ops a step on
-SmolLM2). When every layer's matrices are quantized (`QuantWeight`) and the layers have no
-q/k norms, `FusedDecode` runs the whole stack in one kernel call: one OpenMP region, the
+SmolLM2). When every layer's matrices are quantized (`QuantWeight`), `FusedDecode` runs the
+whole stack in one kernel call (Qwen3's per-head q/k norms included): one OpenMP region, the
 matrix products split across threads, K/V of the new tokens written straight into the
 pool (float32, float16 or bfloat16 elements), attention over each request's slots. One
 request takes `decode_layers`; 2 to MAX_ROWS decode rows `decode_rows` (the products take
-all rows per pass over the weights). Everything else (prefill, dense weights) takes the
+all rows per pass over the weights). Mixture-of-experts layers (Qwen3-MoE, Mixtral: no
+shared expert) run in the one-request step (kernels/moe_step.c: router, choice, the chosen
+experts' products; `moe_desc`); several rows of such a model take moe.py's grouped per-op
+path. Everything else (prefill, dense weights) takes the
 ordinary per-op path, as does any model the step does not implement
 (`DecoderModel.fused_step_blockers`: Gemma's norms, soft-caps, GeGLU, local RoPE; partial
 rotary) and any batch with a sequence past a sliding window. The embedding rows stay in Python; so do the final norm and LM head,
@@ -22,11 +25,14 @@ import ctypes
 import torch
 
 from .decoder import DecoderModel
+from .moe import ExpertMlp
 from .qkernel import kernel
 from .quant import QuantWeight
 
 MAX_ROWS = 64  # decode rows the batched one-call step (`decode_rows`) takes
 KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # the kernel's codes
+ROUTINGS = {"softmax_topk": 0, "topk_softmax": 1}  # moe_step.h's ROUTE_* codes
+MAX_TOP_K = 16  # moe_step.h's MOE_MAX_K
 _NORMS = ("in_norm", "post_norm")
 _MATS = (("w_qkv_t", "b_qkv"), ("w_o_t", "b_o"), ("w_gu_t", "b_gu"), ("w_down_t", "b_down"))
 
@@ -39,14 +45,44 @@ def _ptr(t: torch.Tensor | None) -> int:
     return t.data_ptr()
 
 
-def _layer_row(layer) -> list[int]:
+def _layer_row(layer, moe: torch.Tensor | None) -> list[int]:
     """The layer's `table` entries: norms, then per matrix its part descriptor (row blocks
-    of one type each, `QuantWeight.desc`), part count and bias."""
+    of one type each, `QuantWeight.desc`), part count and bias (a layer of experts has no
+    gate_up and down: zeros), then its q/k norm weights and its experts' descriptor."""
     row = [_ptr(getattr(layer, name)) for name in _NORMS]
     for mat, bias in _MATS:
-        w: QuantWeight = getattr(layer, mat)
-        row += [w.desc_ptr(), w.nparts, _ptr(getattr(layer, bias))]
-    return row
+        w: QuantWeight | None = getattr(layer, mat)
+        row += [0, 0, 0] if w is None else [w.desc_ptr(), w.nparts, _ptr(getattr(layer, bias))]
+    return row + [_ptr(layer.qk_norm), 0 if moe is None else moe.data_ptr()]
+
+
+def moe_desc(moe: ExpertMlp, keep: list[torch.Tensor]) -> torch.Tensor:
+    """The experts' descriptor the kernel reads (kernels/moe_step.h); a float router is
+    copied as `[E, hidden]` rows into `keep` (which must outlive the descriptor)."""
+    c = moe.config
+    router = moe.router_t
+    if isinstance(router, QuantWeight):
+        head = [1, router.desc_ptr(), router.nparts]
+    else:
+        rows = router.t().contiguous()
+        keep.append(rows)
+        head = [0, rows.data_ptr(), 0]
+    experts = [v for gu, down in zip(moe.gu, moe.down, strict=True)
+               for v in (gu.desc_ptr(), gu.nparts, down.desc_ptr(), down.nparts)]  # fmt: skip
+    routing = ROUTINGS[c.routing]
+    return torch.tensor([c.num_experts, c.top_k, routing, int(c.norm_topk_prob), c.intermediate_size,
+                         *head, *experts], dtype=torch.int64)  # fmt: skip
+
+
+def _moe_supported(moe: ExpertMlp) -> bool:
+    """Experts the kernel's step takes: all packed, one part per down projection, a packed or
+    float32 router, no shared expert, at most MAX_TOP_K chosen, a routing it knows."""
+    c = moe.config
+    router = moe.router_t
+    return (moe.shared_gu is None and c.top_k <= MAX_TOP_K and c.routing in ROUTINGS
+            and all(isinstance(w, QuantWeight) for w in (*moe.gu, *moe.down))
+            and all(w.nparts == 1 for w in moe.down)
+            and (isinstance(router, QuantWeight) or router.dtype == torch.float32))  # fmt: skip
 
 
 class FusedDecode:
@@ -55,13 +91,21 @@ class FusedDecode:
     def __init__(self, model: DecoderModel, pool):
         c = model.config
         self.model = model
-        self.table = torch.tensor([_layer_row(layer) for layer in model.layers], dtype=torch.int64)
+        self.keep: list[torch.Tensor] = []  # what the table's pointers name
+        moes = [None if layer.moe is None else moe_desc(layer.moe, self.keep) for layer in model.layers]
+        self.keep += [m for m in moes if m is not None]
+        self.table = torch.tensor([_layer_row(layer, m) for layer, m in zip(model.layers, moes, strict=True)],
+                                  dtype=torch.int64)  # fmt: skip
+        self.has_experts = any(m is not None for m in moes)
         self.kv = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(pool.k, pool.v, strict=True)],
                                dtype=torch.int64)  # fmt: skip
         self.pool = pool  # keeps the buffers the pointers name alive
         self.kv_type = KV_TYPES[pool.k[0].dtype]
-        self.dims = (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
-                     c.intermediate_size)  # fmt: skip
+        # the experts' activations use the step's widest per-thread buffer (`inter` counts)
+        inter = max(c.intermediate_size, c.moe.intermediate_size if c.moe is not None else 0)
+        self.dims = (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, inter)
+        self.moe_floats = 0 if not self.has_experts else kernel().moe_work_floats(
+            c.moe.num_experts, c.moe.top_k, c.moe.intermediate_size)
         self.eps = ctypes.c_float(c.rms_norm_eps)
         self.work = torch.empty(0)
         # The step attends to whole sequences: a batch longer than a layer's window is not its.
@@ -75,15 +119,19 @@ class FusedDecode:
 
     @staticmethod
     def supported(model: DecoderModel, pool) -> bool:
-        """Quantized layer matrices, no q/k norms, a CPU pool of contiguous layers in float32,
+        """Quantized layer matrices (experts the kernel takes), a CPU pool of contiguous layers in float32,
         float16 or bfloat16, head_dim a multiple of 8."""
         if model.device.type != "cpu" or model.dtype != torch.float32 or model.fused_step_blockers():
             return False
         for layer in model.layers:
-            if layer.moe is not None:  # experts run per op (moe.py), not in the fused step
+            if layer.moe is not None and not _moe_supported(layer.moe):
                 return False
-            mats = (layer.w_qkv_t, layer.w_o_t, layer.w_gu_t, layer.w_down_t)
-            if not all(isinstance(w, QuantWeight) for w in mats) or layer.qk_norm is not None:
+            mats = (layer.w_qkv_t, layer.w_o_t) if layer.moe is not None else (
+                layer.w_qkv_t, layer.w_o_t, layer.w_gu_t, layer.w_down_t)
+            if not all(isinstance(w, QuantWeight) for w in mats):
+                return False
+            if layer.qk_norm is not None and (layer.qk_norm.dtype != torch.float32
+                                              or not layer.qk_norm.is_contiguous()):
                 return False
         c = model.config
         return c.head_dim <= 512 and c.head_dim % 8 == 0 and all(
@@ -93,9 +141,11 @@ class FusedDecode:
         )  # fmt: skip
 
     def applies(self, batch) -> bool:
-        """Decode rows only (one new token per request), at most MAX_ROWS of them, none
-        longer than a sliding window."""
+        """Decode rows only (one new token per request), at most MAX_ROWS of them (one for
+        a model with experts), none longer than a sliding window."""
         n = batch.input_ids.shape[0]
+        if self.has_experts and n > 1:
+            return False
         if self.longest is not None and max(batch.seq_lens) > self.longest:
             return False
         return n <= MAX_ROWS and len(batch.extend_lens) == n
@@ -135,7 +185,7 @@ class FusedDecode:
                 indptr.data_ptr(), self.work.data_ptr(),
             )  # fmt: skip
         else:
-            self._grow(k.decode_work_floats(hidden, nh, nkv, hd, inter, slots.numel()))
+            self._grow(k.decode_work_floats(hidden, nh, nkv, hd, inter, slots.numel()) + self.moe_floats)
             rc = k.decode_layers(
                 x.data_ptr(), hidden, n_layers, self.table.data_ptr(), self.kv.data_ptr(),
                 self.kv_type, nh, nkv, hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),

@@ -32,8 +32,8 @@ from .gguf_convert import cache_root
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
-SOURCES = (KERNEL_DIR / "qmatmul.c", KERNEL_DIR / "gemm8.c", KERNEL_DIR / "decode.c")
-HEADERS = (KERNEL_DIR / "common.h",)
+SOURCES = tuple(KERNEL_DIR / n for n in ("qmatmul.c", "gemm8.c", "decode.c", "moe_step.c"))
+HEADERS = tuple(KERNEL_DIR / n for n in ("common.h", "team.h", "vec.h", "moe_step.h"))
 _BASE = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 CFLAGS = ("-march=native", *_BASE)
 # The portable path: plain C, no AVX2 (on x86 the x86-64-v2 baseline, elsewhere the default).
@@ -120,6 +120,7 @@ class Kernel:
         self.decode_rows = fn("decode_rows", [vp, i64, i64, i64, vp, vp, c_int, i64, i64, i64, i64,
                                               f32, vp, vp, vp, vp, vp], c_int)  # fmt: skip
         self.decode_work_floats = fn("decode_work_floats", [i64] * 6, i64)
+        self.moe_work_floats = fn("moe_work_floats", [i64] * 3, i64)
         self.decode_layers = fn("decode_layers", [vp, i64, i64, vp, vp, c_int, i64, i64, i64, i64,
                                                   f32, vp, vp, vp, i64, vp, vp, vp], c_int)  # fmt: skip
 

@@ -6,8 +6,10 @@ expert), token-by-token decode (one row: the selected experts one by one), a rag
 mixing prefills with and without a cached prefix and decodes, a prefill in pieces
 (sliced.py), bfloat16 experts; the routing of each family as HF defines it; that a step
 multiplies exactly the experts HF's router selects (each once per layer, however many rows
-chose it) and no other; int8 experts (quantized at load, routers dense) within the
-kernel's tolerance of transformers on the dequantized weights.
+chose it) and no other, per op and in the fused C step (kernels/moe_step.c: the other
+experts' blocks poisoned); int8 experts (quantized at load, routers dense) within the
+kernel's tolerance of transformers on the dequantized weights, decoded in the fused step
+and per op.
 """
 
 from __future__ import annotations
@@ -154,7 +156,8 @@ def test_int8_experts_match_transformers_on_the_dequantized_weights(variant, tmp
     moe = next(layer.moe for layer in env.runner.model.layers if layer.moe is not None)
     assert all(isinstance(w, QuantWeight) and w.packed for w in (*moe.gu, *moe.down))
     assert isinstance(moe.router_t, torch.Tensor)
-    assert env.runner.fused is None  # MoE steps run per op, not in the fused C step
+    # batch-1 decode in the fused C step, but for Qwen2-MoE's shared expert (per op)
+    assert (env.runner.fused is None) == (moe.shared_gu is not None)
     ref_dir = tmp_path / "dequantized"
     shutil.copytree(model_dir, ref_dir)
     state = quantize_state(load_state_dict(model_dir), "int8")
@@ -169,13 +172,15 @@ def test_int8_experts_match_transformers_on_the_dequantized_weights(variant, tmp
     assert rows_per_expert > 64
     (rows,) = env.run([BatchRequest(ids, 0, env.pages.extend([], len(ids)), all_logits=True)])
     assert_close(rows, want, DECODE_ATOL)
-    slots = env.pages.extend([], 1)
-    (first,) = env.run([(ids[:1], 0, slots)])
-    steps = [first]
-    for pos in range(1, 30):
-        slots = env.pages.extend(slots, 1)
-        steps += env.run([([ids[pos]], pos, slots)])
-    assert_close(torch.cat(steps), want[:30], DECODE_ATOL)
+    for fused in {env.runner.fused, None}:  # the fused step (where it runs), then per op
+        env.runner.fused = fused
+        slots = env.pages.extend([], 1)
+        (first,) = env.run([(ids[:1], 0, slots)])
+        steps = [first]
+        for pos in range(1, 30):
+            slots = env.pages.extend(slots, 1)
+            steps += env.run([([ids[pos]], pos, slots)])
+        assert_close(torch.cat(steps), want[:30], DECODE_ATOL)
 
 
 # ------------------------------------------------------------------ routing and reads
@@ -255,12 +260,42 @@ def test_a_step_multiplies_only_the_selected_experts_once_each(tmp_path, monkeyp
         assert sorted(e for i, e in seen if i == layer) == sorted(experts * 2)  # once each
     assert {i for i, _ in seen} == set(choices)
     seen.clear()
+    env.runner.fused = None  # the per-op step (the fused one: the next test)
     env.run([([ids[19]], 19, list(range(20)))])  # a decode step: top-2 of 8 per layer
     for layer, chosen in choices.items():
         assert sorted(e for i, e in seen if i == layer) == sorted(chosen[19].tolist() * 2)
     assert len(seen) == 2 * 2 * len(choices)
     total = sum(len(layer.moe.gu) for layer in env.runner.model.layers if layer.moe is not None)
     assert len({key for key in seen}) == 2 * len(choices) < total
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_fused_step_reads_only_the_chosen_experts(tmp_path, monkeypatch, family):
+    """The fused C step (kernels/moe_step.c) chooses the experts the per-op step chooses and
+    reads no other: with every other expert's packed blocks overwritten by NaN scales, its
+    logits are finite and those of the per-op step."""
+    model_dir = make_tiny_checkpoint(tmp_path, name=family, **MOE_VARIANTS[family])
+    env = Env(model_dir, page_size=1, quantize="int8")
+    fused = env.runner.fused
+    assert fused is not None
+    ids = random_ids(20, 17)
+    env.run([(ids[:19], 0, list(range(19)))])
+    seen = _record_products(env.runner.model, monkeypatch)
+    env.runner.fused = None
+    (want,) = env.run([([ids[19]], 19, list(range(20)))])
+    assert seen
+    for i, layer in enumerate(env.runner.model.layers):
+        if layer.moe is None:
+            continue
+        for e, (gu, down) in enumerate(zip(layer.moe.gu, layer.moe.down, strict=True)):
+            if (i, e) not in seen:
+                with torch.inference_mode():  # (the packed tiles are inference tensors)
+                    gu.tiles.fill_(0xFF)  # every fp16 scale 0xFFFF: NaN
+                    down.tiles.fill_(0xFF)
+    env.runner.fused = fused
+    (got,) = env.run([([ids[19]], 19, list(range(20)))])  # the same step, the same slots
+    assert torch.isfinite(got).all()
+    assert_close(got, want, DECODE_ATOL)  # (its attention and activations as the kernel rounds them)
 
 
 def test_bytes_read_per_step_count_only_the_active_experts(tmp_path):

@@ -22,91 +22,18 @@
  * rope(v)[j] = v[j] cos[j] + v[(j + hd/2) mod hd] sin[j].
  */
 #define _GNU_SOURCE /* syscall (futex) and clock_gettime under -std=c11 */
-#include "common.h"
-#include <omp.h>
-#include <stdatomic.h>
-#include <time.h>
-#if defined(__linux__)
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#include <sched.h>
-#endif
+#include "team.h"
+#include "vec.h"
+#include "moe_step.h"
 
-#define LAYER_FIELDS 14
+#define LAYER_FIELDS 16
+#define QK_NORM_FIELD 14 /* [nh + nkv, hd] float32 per-head q/k RMS-norm weights, or 0 */
+#define MOE_FIELD 15     /* the layer's experts (moe_step.h), or 0: the dense MLP */
 #define MAT_FIELDS 3
 #define ATT_CHUNK 64      /* positions per attention work item */
 #define MAX_GROUP 32      /* query heads per KV head */
 #define MAX_HD 512        /* head_dim the attention buffers allow */
 #define MAX_ROWS 64       /* rows of one decode_rows call */
-#define MAX_PARTS 8       /* row blocks of different types in one matrix */
-
-/* ------------------------------------------------------------------------------------------
- * The barrier: spin a while, then sleep on a futex. A step has ~6 barriers a layer;
- * libgomp's own sleep at once under OMP_WAIT_POLICY=passive (the engine's default, so that
- * idle threads and threads waiting for a pre-empted one leave the cores to others), and a
- * futex sleep + wake-up costs tens of us. Threads that arrive together meet within a few
- * us, so a short spin catches them. The spin budget adapts per thread within a step: a
- * spin that runs out (the other thread lost its core) quarters it, a spin that succeeds
- * wins some back, so on a busy machine the threads soon sleep at once again.
- * ---------------------------------------------------------------------------------------- */
-#define BAR_SPIN_NS 50000 /* the budget a step starts with, and its ceiling */
-#define BAR_SPIN_MIN_NS 1000
-
-typedef struct {
-    atomic_int arrived, gen, sleepers;
-} team_bar;
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-/* All `n` threads of the team call it; none returns before the last has arrived, and each
- * then sees every write the others made before arriving (acquire/release on gen). `spin`:
- * the calling thread's spin budget (ns), adapted here. */
-static void team_wait(team_bar *b, int n, int64_t *spin) {
-    if (n <= 1) return;
-    const int gen = atomic_load_explicit(&b->gen, memory_order_relaxed);
-    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == n - 1) {
-        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_store(&b->gen, gen + 1); /* seq_cst: ordered before reading sleepers */
-        if (atomic_load(&b->sleepers)) {
-#if defined(__linux__)
-            syscall(SYS_futex, &b->gen, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
-#endif
-        }
-        return;
-    }
-    const int64_t until = now_ns() + *spin;
-    for (int i = 1;; i++) {
-        if (atomic_load_explicit(&b->gen, memory_order_acquire) != gen) {
-            *spin = *spin + BAR_SPIN_NS / 16 < BAR_SPIN_NS ? *spin + BAR_SPIN_NS / 16 : BAR_SPIN_NS;
-            return;
-        }
-        cpu_relax();
-        if ((i & 63) == 0 && now_ns() > until) break;
-    }
-    *spin = *spin / 4 > BAR_SPIN_MIN_NS ? *spin / 4 : BAR_SPIN_MIN_NS;
-    atomic_fetch_add(&b->sleepers, 1);
-    while (atomic_load_explicit(&b->gen, memory_order_acquire) == gen) {
-#if defined(__linux__)
-        /* returns at once if gen moved on since the load (the kernel compares it) */
-        syscall(SYS_futex, &b->gen, FUTEX_WAIT_PRIVATE, gen, NULL, NULL, 0);
-#else
-        sched_yield();
-#endif
-    }
-    atomic_fetch_sub(&b->sleepers, 1);
-}
 
 /* ------------------------------------------------------------------------------ weights */
 
@@ -114,170 +41,6 @@ static qmat mat_at(const int64_t *t, int i) {
     const int64_t *f = t + 2 + i * MAT_FIELDS;
     qmat w = {(const int64_t *)f[0], (int)f[1], (const float *)f[2]};
     return w;
-}
-
-/* ------------------------------------------------------------------------------------------
- * A product's rows shared out with stealing. Each thread owns a contiguous range of claims
- * (the static split, so it streams its own weights in order, prefetching ahead) and takes
- * them one by one from a counter on its own cache line; a thread done with its range takes
- * what is left of the others'. On a 2-core machine that also runs the frontend and the
- * client, one thread often loses its core for a while: with a fixed split the other
- * finished its half and waited at the barrier; now it does the rest.
- *
- * Each product uses one of two sets of counters, alternating (`phase`), and a thread resets
- * its own counter of the other set during it: that set's last users passed the barrier
- * that ended the previous product, its next ones start after the barrier that ends this one.
- * ---------------------------------------------------------------------------------------- */
-#define MAX_TEAM 64 /* threads with counters (more: the plain static split) */
-#ifndef CLAIM_BYTES
-/* Weight bytes a claim covers at least: the counter's cost small against the claim's work
- * on narrow rows (SmolLM2's 576-wide ones). A build with -DCLAIM_BYTES=1 (one chunk a
- * claim) makes stealing common in the tests' tiny models. */
-#define CLAIM_BYTES 32768
-#endif
-
-typedef struct {
-    _Alignas(64) atomic_long next;
-} claim_counter;
-
-typedef struct {
-    team_bar bar;
-    claim_counter claim[2][MAX_TEAM];
-} team;
-
-typedef struct { /* one thread's own state inside the parallel region */
-    int64_t spin; /* team_wait's spin budget */
-    int phase;    /* products done: which counter set the next one uses */
-} member;
-
-static void team_init(team *tm) {
-    memset(tm, 0, sizeof(*tm));
-}
-
-/* The rows one claim covers: whole chunks, and at least CLAIM_BYTES of weights. */
-static int64_t claim_rows(int64_t K, int qtype) {
-    const int64_t row_bytes = row_bytes_of(qtype, K);
-    int64_t chunks = (CLAIM_BYTES + PRODUCT_CHUNK * row_bytes - 1) / (PRODUCT_CHUNK * row_bytes);
-    return (chunks < 1 ? 1 : chunks) * PRODUCT_CHUNK;
-}
-
-/* A matrix's claims, part after part: claim i of the matrix is claim i - first of the
- * part it falls in. */
-typedef struct {
-    int64_t first[MAX_PARTS + 1], rows[MAX_PARTS], out[MAX_PARTS];
-} claim_map;
-
-static int64_t map_claims(qmat w, int64_t K, claim_map *cm) {
-    int64_t total = 0, out = 0;
-    for (int p = 0; p < w.nparts; p++) {
-        const int64_t N = w.desc[3 * p];
-        cm->rows[p] = claim_rows(K, (int)w.desc[3 * p + 1]);
-        cm->first[p] = total;
-        cm->out[p] = out;
-        total += (N + cm->rows[p] - 1) / cm->rows[p];
-        out += N;
-    }
-    cm->first[w.nparts] = total;
-    return total;
-}
-
-/* Claim i (of map_claims' sequence) computed: its rows of its part. */
-static void run_claim(const qact *acts, int64_t B, int64_t K, qmat w, const claim_map *cm, int64_t i,
-                      float *y, int64_t ldy, int accumulate) {
-    int p = 0;
-    while (i >= cm->first[p + 1]) p++;
-    const int64_t N = w.desc[3 * p], n0 = (i - cm->first[p]) * cm->rows[p];
-    const int64_t n1 = n0 + cm->rows[p] < N ? n0 + cm->rows[p] : N, off = cm->out[p];
-    rows_product(acts, B, K, (const uint8_t *)w.desc[3 * p + 2], (int)w.desc[3 * p + 1], n0, n1, y + off, ldy,
-                 w.bias ? w.bias + off : NULL, accumulate);
-}
-
-/* Inside a parallel region: y[B, N] (row stride ldy) from B quantized rows, the rows shared
- * out by claims (above), then the team's barrier. */
-static void par_product(const qact *acts, int64_t B, int64_t K, qmat w, float *y, int64_t ldy,
-                        int accumulate, team *tm, member *me) {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    claim_map cm;
-    const int64_t claims = map_claims(w, K, &cm);
-    if (nt == 1 || nt > MAX_TEAM) {
-        for (int64_t i = claims * t / nt; i < claims * (t + 1) / nt; i++) run_claim(acts, B, K, w, &cm, i, y, ldy, accumulate);
-        team_wait(&tm->bar, nt, &me->spin);
-        return;
-    }
-    const int set = me->phase & 1;
-    me->phase++;
-    atomic_store_explicit(&tm->claim[set ^ 1][t].next, 0, memory_order_relaxed);
-    for (int k = 0; k < nt; k++) { /* own range first, then the others' leftovers */
-        const int o = (t + k) % nt;
-        const int64_t c0 = claims * o / nt, n_o = claims * (o + 1) / nt - c0;
-        for (;;) {
-            const int64_t i = atomic_fetch_add_explicit(&tm->claim[set][o].next, 1, memory_order_relaxed);
-            if (i >= n_o) break;
-            run_claim(acts, B, K, w, &cm, c0 + i, y, ldy, accumulate);
-        }
-    }
-    team_wait(&tm->bar, nt, &me->spin);
-}
-
-/* ----------------------------------------------------------------------- vector helpers */
-
-#if defined(QAVX2)
-/* exp by range reduction (x = k ln2 + r, |r| <= ln2/2) and a degree-6 polynomial, scaled
- * by 2^k: within ~2 ulp of expf (libm's scalar expf for every SiLU was ~0.7 ms a step). */
-static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-static inline float hsum8f(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
-
-/* out[i] = silu(gate[i]) * up[i] (SwiGLU). */
-static void swiglu(const float *gate, const float *up, int64_t n, float *out) {
-    int64_t i = 0;
-#if defined(QAVX2)
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (; i + 8 <= n; i += 8) {
-        const __m256 g = _mm256_loadu_ps(gate + i);
-        const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)),
-                                                _mm256_loadu_ps(up + i)));
-    }
-#endif
-    for (; i < n; i++) out[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
-}
-
-static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *out) {
-    float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    const float r = 1.0f / sqrtf(ss / (float)n + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
-}
-
-static void rope(const float *v, const float *cos, const float *sin, int64_t hd, float *out) {
-    const int64_t half = hd / 2;
-#pragma omp simd
-    for (int64_t j = 0; j < half; j++) out[j] = v[j] * cos[j] + v[j + half] * sin[j];
-#pragma omp simd
-    for (int64_t j = half; j < hd; j++) out[j] = v[j] * cos[j] + v[j - half] * sin[j];
 }
 
 /* ------------------------------------------------------------------------ KV pool rows */
@@ -370,17 +133,6 @@ static inline const float *kv_rounded(const float *src, int kvt, int64_t hd, flo
 
 /* -------------------------------------------------------------------------- attention */
 
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
-    int64_t j = 0;
-    float s = 0.0f;
-#if defined(QAVX2)
-    __m256 acc = _mm256_setzero_ps();
-    for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-    s = hsum8f(acc);
-#endif
-    for (; j < n; j++) s += a[j] * b[j];
-    return s;
-}
 
 /* out[i] = scale * q . rows[i] for i < n. With AVX2 four rows at a time, their four sums
  * reduced together (a dot product's own horizontal sum cost as much as its FMAs). */
@@ -546,6 +298,20 @@ static void decode_attention(const float *q, const float *k_new, const float *v_
     att_combine(parts, L, nh, hd, out);
 }
 
+/* out[i] = rope(head i of v) for n heads; with qkn ([n, hd]), each head RMS-normed first
+ * (Qwen3's q/k norms) into buf [hd]. */
+static void norm_rope(const float *v, const float *qkn, int64_t n, int64_t hd, float eps, const float *cos,
+                      const float *sin, float *buf, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        const float *head = v + i * hd;
+        if (qkn) {
+            rms_norm(head, qkn + i * hd, hd, eps, buf);
+            head = buf;
+        }
+        rope(head, cos, sin, hd, out + i * hd);
+    }
+}
+
 static int bad_shapes(int64_t hidden, int64_t nh, int64_t nkv, int64_t hd, int64_t inter, int kvt) {
     return nkv < 1 || nh % nkv || hidden % QK || inter % QK || (nh * hd) % QK ||
            nh / nkv > MAX_GROUP || hd % 8 || hd > MAX_HD || kvt < KV_F32 || kvt > KV_BF16;
@@ -594,8 +360,13 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
                   const int64_t *slots, int64_t L, float *work, const int64_t *head,
                   float *logits) {
     if (bad_shapes(hidden, nh, nkv, hd, inter, kvt)) return -1;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const int64_t *moe = (const int64_t *)table[l * LAYER_FIELDS + MOE_FIELD];
+        if (moe && (moe_check(moe, hidden) || moe[MOE_INTER] > wide_of(hidden, inter, nh, hd))) return -2;
+    }
     const int64_t nqkv = (nh + 2 * nkv) * hd, es = kv_elem_bytes(kvt);
     const float scale = 1.0f / sqrtf((float)hd);
+    float *moe_area = work + decode_work_floats(hidden, nh, nkv, hd, inter, L); /* moe_work_floats' */
     float *qkv = work;                /* shared: [nqkv] QKV product (unroped) */
     float *gu = qkv + nqkv + nh * hd; /* [2 * inter] */
     float *parts = gu + 2 * inter;    /* attention partials */
@@ -624,7 +395,7 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
             if (first < last) /* this thread's first attention rows */
                 prefetch_item(kp, vp, kvt, slots, L, nkv, hd, first / nchunk, first % nchunk);
             par_product(&a, 1, hidden, mat_at(t, 0), qkv, 0, 0, &tm, &me);
-            for (int64_t i = 0; i < nh + nkv; i++) rope(qkv + i * hd, cos, sin, hd, qk + i * hd);
+            norm_rope(qkv, (const float *)t[QK_NORM_FIELD], nh + nkv, hd, eps, cos, sin, kvbuf, qk);
             const float *k_new = qk + nh * hd, *v_new = qkv + (nh + nkv) * hd;
             decode_attention(qk, k_new, v_new, kp, vp, kvt, slots, L, nh, nkv, hd, scale, parts,
                              kvbuf, att, &tm.bar, &me.spin);
@@ -637,6 +408,10 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
             par_product(&a, 1, nh * hd, mat_at(t, 1), x, 0, 1, &tm, &me);
             rms_norm(x, (const float *)t[1], hidden, eps, h);
             quantize_act(h, hidden, &a);
+            if (t[MOE_FIELD]) {
+                moe_step((const int64_t *)t[MOE_FIELD], h, &a, hidden, x, moe_area, h, &tm, &me);
+                continue;
+            }
             par_product(&a, 1, hidden, mat_at(t, 2), gu, 0, 0, &tm, &me);
             swiglu(gu, gu + inter, inter, h);
             quantize_act(h, inter, &a);
@@ -685,6 +460,8 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 int64_t inter, float eps, const float *cos, const float *sin,
                 const int64_t *kv_indices, const int64_t *kv_indptr, float *work) {
     if (bad_shapes(hidden, nh, nkv, hd, inter, kvt) || B < 1 || B > MAX_ROWS) return -1;
+    for (int64_t l = 0; l < n_layers; l++) /* experts: decode_layers' only (one row) */
+        if (table[l * LAYER_FIELDS + MOE_FIELD]) return -2;
     const int64_t nqkv = (nh + 2 * nkv) * hd, nqk = (nh + nkv) * hd, es = kv_elem_bytes(kvt);
     const int64_t wide = wide_of(hidden, inter, nh, hd);
     const float scale = 1.0f / sqrtf((float)hd);
@@ -733,8 +510,8 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
             par_product(acts, B, hidden, mat_at(t, 0), qkv, nqkv, 0, &tm, &me);
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < B; b++)
-                for (int64_t i = 0; i < nh + nkv; i++)
-                    rope(qkv + b * nqkv + i * hd, cos + b * hd, sin + b * hd, hd, qk + b * nqk + i * hd);
+                norm_rope(qkv + b * nqkv, (const float *)t[QK_NORM_FIELD], nh + nkv, hd, eps, cos + b * hd,
+                          sin + b * hd, kvbuf, qk + b * nqk);
             team_wait(&tm.bar, nt, &me.spin);
             /* attention items: (row, KV head, chunk); K/V of the new token from the row's copy */
 #pragma omp for schedule(dynamic, 1) nowait

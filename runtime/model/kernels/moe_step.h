@@ -1,0 +1,36 @@
+/* The mixture-of-experts MLP of one layer in the batch-1 fused step (moe_step.c, called by
+ * decode.c's decode_layers inside its parallel region).
+ *
+ * A layer's experts are described by int64 values (pointers as integers):
+ *   MOE_E experts, MOE_K chosen per token, MOE_ROUTING (ROUTE_SOFTMAX_TOPK: softmax over all
+ *   experts, the top k probabilities, renormalised to sum 1 when MOE_NORM; ROUTE_TOPK_SOFTMAX:
+ *   the top k logits, softmax over those), MOE_INTER (each expert's width), the router
+ *   (MOE_ROUTER_Q 1: a part descriptor with MOE_ROUTER_PARTS parts; 0: float32 [E, hidden]),
+ *   then per expert MOE_EXPERT_FIELDS: gate+up part descriptor and part count (rows 0..inter-1
+ *   the gate, inter..2 inter-1 the up), down part descriptor and part count (one part).
+ */
+#ifndef RADIXLM_KERNEL_MOE_STEP_H
+#define RADIXLM_KERNEL_MOE_STEP_H
+
+#include "team.h"
+
+enum { MOE_E, MOE_K, MOE_ROUTING, MOE_NORM, MOE_INTER, MOE_ROUTER_Q, MOE_ROUTER, MOE_ROUTER_PARTS, MOE_EXPERTS };
+enum { ROUTE_SOFTMAX_TOPK = 0, ROUTE_TOPK_SOFTMAX = 1 };
+#define MOE_EXPERT_FIELDS 4
+#define MOE_MAX_K 16 /* experts chosen per token */
+
+/* Floats of the shared scratch one layer's step needs (router logits, gate+up outputs, the
+ * chosen experts' quantized activations). */
+int64_t moe_work_floats(int64_t E, int64_t k, int64_t inter);
+
+/* 0 if the descriptor is one moe_step takes for a residual of width `hidden`, else < 0. */
+int moe_check(const int64_t *moe, int64_t hidden);
+
+/* Inside the parallel region, every thread: x[hidden] += the layer's expert MLP of h (the
+ * post-attention norm of x, `a` this thread's quantized copy of it). `area`: moe_work_floats
+ * floats shared by the team; `tmp`: this thread's own, at least max(hidden, inter) floats
+ * (h may be passed: the step reads h only before it writes tmp). Ends at a barrier. */
+void moe_step(const int64_t *moe, const float *h, const qact *a, int64_t hidden, float *x,
+              float *area, float *tmp, team *tm, member *me);
+
+#endif

@@ -54,8 +54,8 @@ def engine_environment(config: EngineConfig, base: dict[str, str] | None = None)
     Measured on 2 cores (SmolLM2 Q4_1, batch-1 decode, tok/s): quiet machine, libgomp's
     default 88-97 vs passive 78-90 (within run-to-run noise); with one other busy
     process, 21-27 vs 48-55.
-    Why OpenMP's default elsewhere: a model run op by op (q/k norms, Gemma's norms and
-    soft-caps, experts, float32 weights) opens a parallel region per op, hundreds a step,
+    Why OpenMP's default elsewhere: a model run op by op (Gemma's norms and soft-caps,
+    Qwen2-MoE's shared expert, float32 weights) opens a parallel region per op, hundreds a step,
     and a sleeping team is woken for each: 2 cores, quiet, batch-1 step of the Qwen3-MoE
     shape 18.8 ms passive vs 10.7 ms default; of the Gemma 3 1B shape 33.7 vs 20.0 ms."""
     env = dict(os.environ if base is None else base)
@@ -68,28 +68,29 @@ def engine_environment(config: EngineConfig, base: dict[str, str] | None = None)
 
 
 # Architectures whose quantized batch-1 decode runs the fused step (fused_decode.py), by
-# GGUF `general.architecture` and by HF `model_type`; Qwen3 has q/k norms, so it is not one.
-FUSED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2"})
+# GGUF `general.architecture` and by HF `model_type` (a Mixtral GGUF is "llama" with
+# experts); Qwen2-MoE's shared expert and Gemma's and Phi's layers run per op.
+FUSED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3moe", "qwen3_moe", "mixtral"})
 QUANTIZED = frozenset({"int8", "int4", "gguf"})
 
 
 def fused_decode_expected(config: EngineConfig) -> bool:
     """Whether the engine will decode with the fused C step, read from the model's header
-    without torch (the launcher has not imported it): a quantized dense Llama, Mistral or
-    Qwen2 on CPU. Anything this cannot read counts as not."""
+    without torch (the launcher has not imported it): a quantized Llama, Mistral, Qwen2,
+    Qwen3, Qwen3-MoE or Mixtral on CPU. Anything this cannot read counts as not."""
     if config.device.startswith(("cuda", "mps")):
         return False
     try:
-        arch, experts, is_gguf = _model_header(config.model)
+        arch, is_gguf = _model_header(config.model)
     except (OSError, ValueError, KeyError, ImportError):
         return False
     quantized = config.quantize in QUANTIZED or config.dtype in QUANTIZED or (
         is_gguf and config.dtype == "auto" and config.quantize == "none")
-    return quantized and arch in FUSED_ARCHITECTURES and not experts
+    return quantized and arch in FUSED_ARCHITECTURES
 
 
-def _model_header(spec: str) -> tuple[str, int, bool]:
-    """(architecture, expert count, is a GGUF) of the model `spec` names."""
+def _model_header(spec: str) -> tuple[str, bool]:
+    """(architecture, is a GGUF) of the model `spec` names."""
     import json
 
     path = Path(spec).expanduser() if spec not in ("", "default") else _default_gguf()
@@ -97,8 +98,7 @@ def _model_header(spec: str) -> tuple[str, int, bool]:
         if (path / "config.json").is_file():
             cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
             cfg = cfg.get("text_config", cfg)
-            experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-            return str(cfg.get("model_type", "")), experts, False
+            return str(cfg.get("model_type", "")), False
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) != 1:
             raise ValueError(f"{path}: no config.json and not exactly one .gguf")
@@ -111,8 +111,8 @@ _GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12:
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def _gguf_architecture(path: Path) -> tuple[str, int, bool]:
-    """`general.architecture` and `<arch>.expert_count` from a GGUF's metadata, walked in
+def _gguf_architecture(path: Path) -> tuple[str, bool]:
+    """`general.architecture` from a GGUF's metadata, walked in
     place over a map of the file (gguf-py's reader builds every array first: seconds for a
     262k-token vocabulary; this skips them, ~40 ms)."""
     import mmap
@@ -147,13 +147,11 @@ def _gguf_architecture(path: Path) -> tuple[str, int, bool]:
             off += 4
             if kind == _GGUF_STRING and key == "general.architecture":
                 values[key] = string(off)[0]
-            elif kind in (4, 5, 10, 11) and key.endswith(".expert_count"):
-                values[key] = int.from_bytes(m[off:off + _GGUF_SIZES[kind]], "little")
             off = skip(kind, off)
     arch = values.get("general.architecture")
     if not arch:
         raise ValueError(f"{path}: no general.architecture")
-    return arch, int(values.get(f"{arch}.expert_count", 0)), True
+    return arch, True
 
 
 def _default_gguf() -> Path:

@@ -269,11 +269,25 @@ def test_a_step_multiplies_only_the_selected_experts_once_each(tmp_path, monkeyp
     assert len({key for key in seen}) == 2 * len(choices) < total
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-def test_the_fused_step_reads_only_the_chosen_experts(tmp_path, monkeypatch, family):
+@pytest.mark.parametrize(("family", "build"), [
+    ("qwen3_moe", "native"), ("mixtral", "native"), ("qwen3_moe", "portable")])  # fmt: skip
+def test_the_fused_step_reads_only_the_chosen_experts(tmp_path, monkeypatch, family, build):
     """The fused C step (kernels/moe_step.c) chooses the experts the per-op step chooses and
     reads no other: with every other expert's packed blocks overwritten by NaN scales, its
-    logits are finite and those of the per-op step."""
+    logits are finite and those of the per-op step; on the native build and the plain-C one
+    (RADIXLM_KERNEL=portable, the path of machines without AVX2)."""
+    from radixlm.runtime.model import qkernel
+
+    monkeypatch.setenv(qkernel.ENV_SWITCH, build)
+    qkernel.kernel.cache_clear()
+    try:
+        assert build == "native" or qkernel.kernel().simd == 0
+        _fused_reads_only_the_chosen(tmp_path, monkeypatch, family)
+    finally:
+        qkernel.kernel.cache_clear()  # (the next test loads the process's own build)
+
+
+def _fused_reads_only_the_chosen(tmp_path, monkeypatch, family: str) -> None:
     model_dir = make_tiny_checkpoint(tmp_path, name=family, **MOE_VARIANTS[family])
     env = Env(model_dir, page_size=1, quantize="int8")
     fused = env.runner.fused
@@ -296,6 +310,41 @@ def test_the_fused_step_reads_only_the_chosen_experts(tmp_path, monkeypatch, fam
     (got,) = env.run([([ids[19]], 19, list(range(20)))])  # the same step, the same slots
     assert torch.isfinite(got).all()
     assert_close(got, want, DECODE_ATOL)  # (its attention and activations as the kernel rounds them)
+
+
+def _fused_moe_steps(model_dir, threads: int) -> list[torch.Tensor]:
+    """Logits of 12 fused decode steps after a 40-token prompt, on `threads` threads."""
+    env = Env(model_dir, page_size=1, quantize="int8")
+    assert env.runner.fused is not None
+    ids = random_ids(52, 19)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        env.run([(ids[:40], 0, list(range(40)))])
+        return [env.run([([ids[p]], p, list(range(p + 1)))])[0] for p in range(40, 52)]
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_fused_moe_steps_are_the_same_on_any_thread_count_and_with_stealing(tmp_path, monkeypatch):
+    """Every output row of the step's products is one thread's whole sum (the gate+up
+    claims; the down claims add all k experts of their rows in order), so the logits are
+    bit-identical on 1, 2 and 3 threads, and with a kernel that claims one chunk of rows at
+    a time (-DCLAIM_BYTES=1: the threads steal each other's claims on every product)."""
+    from radixlm.runtime.model import qkernel
+
+    model_dir = make_tiny_checkpoint(tmp_path, name="qwen3_moe", **MOE_VARIANTS["qwen3_moe"])
+    one = _fused_moe_steps(model_dir, 1)
+    for threads in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(one, _fused_moe_steps(model_dir, threads), strict=True))
+    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(qkernel, "CFLAGS", (*qkernel.CFLAGS, "-DCLAIM_BYTES=1"))
+    qkernel.kernel.cache_clear()
+    try:
+        stolen = _fused_moe_steps(model_dir, 3)
+    finally:
+        qkernel.kernel.cache_clear()
+    assert all(torch.equal(a, b) for a, b in zip(one, stolen, strict=True))
 
 
 def test_bytes_read_per_step_count_only_the_active_experts(tmp_path):

@@ -45,8 +45,9 @@ def _gguf_header(path: Path, arch: str, experts: int = 0, vocab: int = 3000) -> 
 
 
 @pytest.mark.parametrize("arch,experts,fused", [
-    ("llama", 0, True), ("qwen2", 0, True), ("llama", 8, False),  # Mixtral: Llama with experts
-    ("qwen3", 0, False), ("qwen3moe", 128, False), ("gemma3", 0, False), ("phi3", 0, False),
+    ("llama", 0, True), ("qwen2", 0, True), ("llama", 8, True),  # Mixtral: Llama with experts
+    ("qwen3", 0, True), ("qwen3moe", 128, True), ("qwen2moe", 60, False), ("gemma3", 0, False),
+    ("phi3", 0, False),
 ])
 def test_auto_reads_the_gguf_header(tmp_path: Path, arch: str, experts: int, fused: bool) -> None:
     path = _gguf_header(tmp_path / "m.gguf", arch, experts)

@@ -8,9 +8,8 @@ matrix products split across threads, K/V of the new tokens written straight int
 pool (float32, float16 or bfloat16 elements), attention over each request's slots. One
 request takes `decode_layers`; 2 to MAX_ROWS decode rows `decode_rows` (the products take
 all rows per pass over the weights). Mixture-of-experts layers (Qwen3-MoE, Mixtral: no
-shared expert) run in the one-request step (kernels/moe_step.c: router, choice, the chosen
-experts' products; `moe_desc`); several rows of such a model take moe.py's grouped per-op
-path. Everything else (prefill, dense weights) takes the
+shared expert) run in both (kernels/moe_step.c: the router, each row's choice, the chosen
+experts' products, an expert's rows together; `moe_desc`). Everything else (prefill, dense weights) takes the
 ordinary per-op path, as does any model the step does not implement
 (`DecoderModel.fused_step_blockers`: Gemma's norms, soft-caps, GeGLU, local RoPE; partial
 rotary) and any batch with a sequence past a sliding window. The embedding rows stay in Python; so do the final norm and LM head,
@@ -101,11 +100,8 @@ class FusedDecode:
                                dtype=torch.int64)  # fmt: skip
         self.pool = pool  # keeps the buffers the pointers name alive
         self.kv_type = KV_TYPES[pool.k[0].dtype]
-        # the experts' activations use the step's widest per-thread buffer (`inter` counts)
-        inter = max(c.intermediate_size, c.moe.intermediate_size if c.moe is not None else 0)
-        self.dims = (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, inter)
-        self.moe_floats = 0 if not self.has_experts else kernel().moe_work_floats(
-            c.moe.num_experts, c.moe.top_k, c.moe.intermediate_size)
+        self.dims = (c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim,
+                     c.intermediate_size)  # fmt: skip
         self.eps = ctypes.c_float(c.rms_norm_eps)
         self.work = torch.empty(0)
         # The step attends to whole sequences: a batch longer than a layer's window is not its.
@@ -141,11 +137,9 @@ class FusedDecode:
         )  # fmt: skip
 
     def applies(self, batch) -> bool:
-        """Decode rows only (one new token per request), at most MAX_ROWS of them (one for
-        a model with experts), none longer than a sliding window."""
+        """Decode rows only (one new token per request), at most MAX_ROWS of them, none
+        longer than a sliding window."""
         n = batch.input_ids.shape[0]
-        if self.has_experts and n > 1:
-            return False
         if self.longest is not None and max(batch.seq_lens) > self.longest:
             return False
         return n <= MAX_ROWS and len(batch.extend_lens) == n
@@ -178,14 +172,14 @@ class FusedDecode:
         if rows > 1:
             indptr = batch.kv_indptr.to(torch.int64).contiguous()
             need = k.decode_rows_work_floats(rows, hidden, nh, nkv, hd, inter, indptr.data_ptr())
-            self._grow(need)
+            self._grow(need + self._moe_floats(rows))
             rc = k.decode_rows(
                 x.data_ptr(), rows, hidden, n_layers, self.table.data_ptr(), self.kv.data_ptr(),
                 self.kv_type, nh, nkv, hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                 indptr.data_ptr(), self.work.data_ptr(),
             )  # fmt: skip
         else:
-            self._grow(k.decode_work_floats(hidden, nh, nkv, hd, inter, slots.numel()) + self.moe_floats)
+            self._grow(k.decode_work_floats(hidden, nh, nkv, hd, inter, slots.numel()) + self._moe_floats(1))
             rc = k.decode_layers(
                 x.data_ptr(), hidden, n_layers, self.table.data_ptr(), self.kv.data_ptr(),
                 self.kv_type, nh, nkv, hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
@@ -197,6 +191,14 @@ class FusedDecode:
         if batch.logits_indices.shape[0] != rows:  # e.g. a session turn's tail row
             x = x.index_select(0, batch.logits_indices)
         return x
+
+    def _moe_floats(self, rows: int) -> int:
+        """The experts' scratch after the step's own (moe_step.h's moe_work_floats)."""
+        moe = self.model.config.moe
+        if not self.has_experts:
+            return 0
+        return kernel().moe_work_floats(rows, moe.num_experts, moe.top_k, moe.intermediate_size,
+                                        self.dims[0])  # fmt: skip
 
     def _grow(self, floats: int) -> None:
         if self.work.numel() < floats:

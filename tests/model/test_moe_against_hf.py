@@ -312,25 +312,60 @@ def _fused_reads_only_the_chosen(tmp_path, monkeypatch, family: str) -> None:
     assert_close(got, want, DECODE_ATOL)  # (its attention and activations as the kernel rounds them)
 
 
+LENS = (40, 7, 90)  # three requests' prompts, in slots 0.., 200.., 400..
+
+
+def _prefill(env: ModelEnv, prompts: list[list[int]]) -> None:
+    env.run([(p, 0, list(range(200 * r, 200 * r + len(p)))) for r, p in enumerate(prompts)])
+
+
+def _decode(env: ModelEnv, prompts: list[list[int]], rows: list[int], step: int) -> list[torch.Tensor]:
+    """Decode step `step` (its tokens and positions after the prompts) of the requests `rows`."""
+    return env.run([([5 + step], len(prompts[r]) + step,
+                     list(range(200 * r, 200 * r + len(prompts[r]) + step + 1))) for r in rows])  # fmt: skip
+
+
 def _fused_moe_steps(model_dir, threads: int) -> list[torch.Tensor]:
-    """Logits of 12 fused decode steps after a 40-token prompt, on `threads` threads."""
+    """Logits of 12 fused decode steps after three prompts, alternately of the first request
+    alone (decode_layers) and of all three (decode_rows), on `threads` threads."""
     env = Env(model_dir, page_size=1, quantize="int8")
     assert env.runner.fused is not None
-    ids = random_ids(52, 19)
+    prompts = [random_ids(n, 19 + n) for n in LENS]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        env.run([(ids[:40], 0, list(range(40)))])
-        return [env.run([([ids[p]], p, list(range(p + 1)))])[0] for p in range(40, 52)]
+        _prefill(env, prompts)
+        return [torch.cat(_decode(env, prompts, [0] if s % 2 else [0, 1, 2], s)) for s in range(12)]
     finally:
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_fused_moe_rows_match_the_per_op_path_and_each_row_alone(tmp_path, family):
+    """Three decode rows in one fused call (decode_rows: each expert's rows multiplied
+    together) give each row what moe.py's grouped per-op step gives it, and what the fused
+    one-request step gives it alone."""
+    model_dir = make_tiny_checkpoint(tmp_path, name=family, **MOE_VARIANTS[family])
+    env = Env(model_dir, page_size=1, quantize="int8")
+    fused = env.runner.fused
+    assert fused is not None
+    prompts = [random_ids(n, 23 + n) for n in LENS]
+    _prefill(env, prompts)
+    together = torch.cat(_decode(env, prompts, [0, 1, 2], 0))
+    env.runner.fused = None
+    per_op = torch.cat(_decode(env, prompts, [0, 1, 2], 0))
+    env.runner.fused = fused
+    alone = torch.cat([_decode(env, prompts, [r], 0)[0] for r in range(3)])
+    assert_close(together, per_op, DECODE_ATOL)
+    assert_close(together, alone, 2e-3)  # (float sums in another order; as test_quant_tiny's rows)
+
+
 def test_fused_moe_steps_are_the_same_on_any_thread_count_and_with_stealing(tmp_path, monkeypatch):
-    """Every output row of the step's products is one thread's whole sum (the gate+up
-    claims; the down claims add all k experts of their rows in order), so the logits are
-    bit-identical on 1, 2 and 3 threads, and with a kernel that claims one chunk of rows at
-    a time (-DCLAIM_BYTES=1: the threads steal each other's claims on every product)."""
+    """Every output value of the step's products is one thread's whole sum (the gate+up
+    claims; the down claims add every chosen expert of their columns in order), so the
+    logits of one row and of three are bit-identical on 1, 2 and 3 threads, and with a
+    kernel that claims one chunk of rows at a time (-DCLAIM_BYTES=1: the threads steal each
+    other's claims on every product)."""
     from radixlm.runtime.model import qkernel
 
     model_dir = make_tiny_checkpoint(tmp_path, name="qwen3_moe", **MOE_VARIANTS["qwen3_moe"])

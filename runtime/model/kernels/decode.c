@@ -33,7 +33,7 @@
 #define ATT_CHUNK 64      /* positions per attention work item */
 #define MAX_GROUP 32      /* query heads per KV head */
 #define MAX_HD 512        /* head_dim the attention buffers allow */
-#define MAX_ROWS 64       /* rows of one decode_rows call */
+#define MAX_ROWS MOE_MAX_ROWS /* rows of one decode_rows call */
 
 /* ------------------------------------------------------------------------------ weights */
 
@@ -362,7 +362,7 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
     if (bad_shapes(hidden, nh, nkv, hd, inter, kvt)) return -1;
     for (int64_t l = 0; l < n_layers; l++) {
         const int64_t *moe = (const int64_t *)table[l * LAYER_FIELDS + MOE_FIELD];
-        if (moe && (moe_check(moe, hidden) || moe[MOE_INTER] > wide_of(hidden, inter, nh, hd))) return -2;
+        if (moe && moe_check(moe, hidden)) return -2;
     }
     const int64_t nqkv = (nh + 2 * nkv) * hd, es = kv_elem_bytes(kvt);
     const float scale = 1.0f / sqrtf((float)hd);
@@ -409,7 +409,7 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
             rms_norm(x, (const float *)t[1], hidden, eps, h);
             quantize_act(h, hidden, &a);
             if (t[MOE_FIELD]) {
-                moe_step((const int64_t *)t[MOE_FIELD], h, &a, hidden, x, moe_area, h, &tm, &me);
+                moe_step((const int64_t *)t[MOE_FIELD], 1, h, 0, &a, hidden, x, moe_area, &tm, &me);
                 continue;
             }
             par_product(&a, 1, hidden, mat_at(t, 2), gu, 0, 0, &tm, &me);
@@ -460,8 +460,11 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 int64_t inter, float eps, const float *cos, const float *sin,
                 const int64_t *kv_indices, const int64_t *kv_indptr, float *work) {
     if (bad_shapes(hidden, nh, nkv, hd, inter, kvt) || B < 1 || B > MAX_ROWS) return -1;
-    for (int64_t l = 0; l < n_layers; l++) /* experts: decode_layers' only (one row) */
-        if (table[l * LAYER_FIELDS + MOE_FIELD]) return -2;
+    for (int64_t l = 0; l < n_layers; l++) {
+        const int64_t *moe = (const int64_t *)table[l * LAYER_FIELDS + MOE_FIELD];
+        if (moe && moe_check(moe, hidden)) return -2;
+    }
+    float *moe_area = work + decode_rows_work_floats(B, hidden, nh, nkv, hd, inter, kv_indptr); /* moe_work_floats' */
     const int64_t nqkv = (nh + 2 * nkv) * hd, nqk = (nh + nkv) * hd, es = kv_elem_bytes(kvt);
     const int64_t wide = wide_of(hidden, inter, nh, hd);
     const float scale = 1.0f / sqrtf((float)hd);
@@ -546,6 +549,10 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 quantize_act(h + b * wide, hidden, &acts[b]);
             }
             team_wait(&tm.bar, nt, &me.spin);
+            if (t[MOE_FIELD]) {
+                moe_step((const int64_t *)t[MOE_FIELD], B, h, wide, acts, hidden, x, moe_area, &tm, &me);
+                continue;
+            }
             par_product(acts, B, hidden, mat_at(t, 2), gu, 2 * inter, 0, &tm, &me);
 #pragma omp for schedule(static) nowait
             for (int64_t b = 0; b < B; b++) {

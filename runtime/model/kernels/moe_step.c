@@ -1,27 +1,74 @@
-/* The batch-1 step of a mixture-of-experts MLP (moe_step.h), inside the fused decode step's
- * parallel region: the router, the choice of experts, the chosen experts' gate+up products as
- * one sequence of claims, and their down projections summed into the residual.
+/* The decode step of a mixture-of-experts MLP (moe_step.h) over B rows, inside a fused
+ * decode step's parallel region: the router, each row's choice of experts, the chosen
+ * experts' gate+up products, their down projections added into the residual.
  *
- * Only the chosen experts' weights are read. Every thread chooses the same experts from
- * the shared logits (the same code on the same floats), so no thread waits for a choice.
- * The down projections share their output rows: a claim covers some rows of x for all k
- * experts in turn, so no two threads add to the same row and no partial sums need adding
- * up afterwards. As moe.py's per-op step, the routing weight scales an expert's activations
- * before its down projection (the same sum: the projection is linear).
+ * Only the chosen experts' weights are read, each once a step: the (row, expert) pairs are
+ * grouped by expert (a counting sort) and an expert multiplies all of its rows per pass
+ * over its weights; the experts' gate+up products are one sequence of claims. The down
+ * projections share the residual's columns out: a claim covers some columns of every row
+ * for all chosen experts (an expert with one row adds straight into x; one with several
+ * writes its rows to `ys`, added in order), so no two threads add to one value, no
+ * partial sums need adding up afterwards, and the bits do not depend on the thread count.
+ * As moe.py's per-op step, the routing weight scales an expert's activations before its
+ * down projection (the same sum: the projection is linear).
  */
 #define _GNU_SOURCE /* syscall (futex) and clock_gettime under -std=c11 */
 #include "moe_step.h"
 #include "vec.h"
 
-int64_t moe_work_floats(int64_t E, int64_t k, int64_t inter) {
-    return E + 2 * k * inter + k * (qact_bytes(inter) / (int64_t)sizeof(float) + 16) + 32;
+static const int64_t *expert_at(const int64_t *moe, int64_t e) { return moe + MOE_EXPERTS + e * MOE_EXPERT_FIELDS; }
+
+/* The shared scratch, carved from `area` in 64-byte aligned pieces. */
+typedef struct {
+    float *logits;     /* [B, E] */
+    float *weights;    /* [B, k] the chosen experts' routing weights */
+    int32_t *chosen;   /* [B, k] */
+    int32_t *order;    /* [B k] pair ids (b k + j) grouped by expert */
+    int32_t *starts;   /* [E + 1] each expert's first place in `order` */
+    int32_t *fill;     /* [E + 1] the counting sort's next places */
+    int64_t *plan;     /* {products, their claims} */
+    product_job *jobs; /* [E] the gate+up products, one per expert with rows */
+    qact *rows_in;     /* [B k] the pairs' quantized rows, grouped (gate+up inputs) */
+    float *gu;         /* [B k, 2 inter] gate+up outputs, grouped; then the activations */
+    char *down_in;     /* [B k] quantized activations (qact_bytes(inter) + 64 bytes each) */
+    float *ys;         /* [B k, hidden] outputs of experts with several rows */
+    char *end;
+} moe_area;
+
+static char *carve(char **p, int64_t bytes) {
+    char *at = (char *)(((uintptr_t)*p + 63) & ~(uintptr_t)63);
+    *p = at + bytes;
+    return at;
 }
 
-static const int64_t *expert_at(const int64_t *moe, int64_t e) { return moe + MOE_EXPERTS + e * MOE_EXPERT_FIELDS; }
+static moe_area layout(void *base, int64_t B, int64_t E, int64_t k, int64_t inter, int64_t hidden) {
+    char *p = (char *)base;
+    moe_area a;
+    const int64_t P = B * k;
+    a.logits = (float *)carve(&p, B * E * 4);
+    a.weights = (float *)carve(&p, P * 4);
+    a.chosen = (int32_t *)carve(&p, P * 4);
+    a.order = (int32_t *)carve(&p, P * 4);
+    a.starts = (int32_t *)carve(&p, (E + 1) * 4);
+    a.fill = (int32_t *)carve(&p, (E + 1) * 4);
+    a.plan = (int64_t *)carve(&p, 2 * 8);
+    a.jobs = (product_job *)carve(&p, E * (int64_t)sizeof(product_job));
+    a.rows_in = (qact *)carve(&p, P * (int64_t)sizeof(qact));
+    a.gu = (float *)carve(&p, P * 2 * inter * 4);
+    a.down_in = carve(&p, P * (qact_bytes(inter) + 64));
+    a.ys = (float *)carve(&p, P * hidden * 4);
+    a.end = p;
+    return a;
+}
+
+int64_t moe_work_floats(int64_t B, int64_t E, int64_t k, int64_t inter, int64_t hidden) {
+    const moe_area a = layout(NULL, B, E, k, inter, hidden);
+    return (int64_t)(uintptr_t)a.end / 4 + 16; /* + 16: the area itself may start unaligned */
+}
 
 int moe_check(const int64_t *moe, int64_t hidden) {
     const int64_t E = moe[MOE_E], k = moe[MOE_K], inter = moe[MOE_INTER];
-    if (E < 1 || k < 1 || k > MOE_MAX_K || k > E || inter < QK || inter % QK) return -1;
+    if (E < 1 || E > MOE_MAX_E || k < 1 || k > MOE_MAX_K || k > E || inter < QK || inter % QK) return -1;
     if (moe[MOE_ROUTING] != ROUTE_SOFTMAX_TOPK && moe[MOE_ROUTING] != ROUTE_TOPK_SOFTMAX) return -1;
     for (int64_t e = 0; e < E; e++) {
         const int64_t *x = expert_at(moe, e);
@@ -34,11 +81,10 @@ int moe_check(const int64_t *moe, int64_t hidden) {
     return 0;
 }
 
-/* The k chosen experts (largest first) and their weights, from the router's logits[E]. */
-static void choose(const int64_t *moe, const float *logits, int64_t *chosen, float *weights) {
+/* One row's k chosen experts (largest logit first, the lower index on ties) and their
+ * routing weights, from its router logits[E]. */
+static void choose(const int64_t *moe, const float *logits, int32_t *chosen, float *weights) {
     const int64_t E = moe[MOE_E], k = moe[MOE_K];
-    float m = logits[0];
-    for (int64_t e = 1; e < E; e++) m = logits[e] > m ? logits[e] : m;
     for (int64_t j = 0; j < k; j++) { /* k passes: k is small (2 to 8) */
         int64_t best = -1;
         for (int64_t e = 0; e < E; e++) {
@@ -46,75 +92,114 @@ static void choose(const int64_t *moe, const float *logits, int64_t *chosen, flo
             for (int64_t i = 0; i < j; i++) taken |= chosen[i] == e;
             if (!taken && (best < 0 || logits[e] > logits[best])) best = e;
         }
-        chosen[j] = best;
+        chosen[j] = (int32_t)best;
     }
+    const float top = logits[chosen[0]];
     float sum = 0.0f;
     if (moe[MOE_ROUTING] == ROUTE_TOPK_SOFTMAX) { /* softmax over the k chosen logits */
-        for (int64_t j = 0; j < k; j++) sum += weights[j] = expf(logits[chosen[j]] - logits[chosen[0]]);
+        for (int64_t j = 0; j < k; j++) sum += weights[j] = expf(logits[chosen[j]] - top);
         for (int64_t j = 0; j < k; j++) weights[j] /= sum;
         return;
     }
-    for (int64_t e = 0; e < E; e++) sum += expf(logits[e] - m); /* softmax over all, top k */
-    float top = 0.0f;
-    for (int64_t j = 0; j < k; j++) top += weights[j] = expf(logits[chosen[j]] - m) / sum;
+    for (int64_t e = 0; e < E; e++) sum += expf(logits[e] - top); /* softmax over all, top k */
+    float kept = 0.0f;
+    for (int64_t j = 0; j < k; j++) kept += weights[j] = expf(logits[chosen[j]] - top) / sum;
     if (moe[MOE_NORM])
-        for (int64_t j = 0; j < k; j++) weights[j] /= top;
+        for (int64_t j = 0; j < k; j++) weights[j] /= kept;
 }
 
-typedef struct { /* the down projections' claims: rows of x, all k experts each */
-    const qact *acts;
-    const int64_t *const *desc;
-    int64_t k, K, hidden, rows;
+/* One thread: the pairs grouped by expert and the experts' gate+up products planned. */
+static void group(const int64_t *moe, int64_t B, const qact *acts, int64_t hidden, const moe_area *a) {
+    const int64_t E = moe[MOE_E], k = moe[MOE_K], inter = moe[MOE_INTER], P = B * k;
+    memset(a->starts, 0, (size_t)(E + 1) * sizeof(int32_t));
+    for (int64_t p = 0; p < P; p++) a->starts[a->chosen[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) a->starts[e + 1] += a->starts[e];
+    memcpy(a->fill, a->starts, (size_t)(E + 1) * sizeof(int32_t));
+    for (int64_t p = 0; p < P; p++) a->order[a->fill[a->chosen[p]]++] = (int32_t)p;
+    int n = 0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t s = a->starts[e], c = a->starts[e + 1] - s;
+        if (c == 0) continue;
+        for (int64_t i = s; i < s + c; i++) a->rows_in[i] = acts[a->order[i] / k];
+        const int64_t *ex = expert_at(moe, e);
+        const qmat w = {(const int64_t *)ex[0], (int)ex[1], NULL};
+        a->jobs[n++] = (product_job){.acts = a->rows_in + s, .B = c, .K = hidden, .w = w,
+                                     .y = a->gu + s * 2 * inter, .ldy = 2 * inter};
+    }
+    a->plan[0] = n;
+    a->plan[1] = plan_products(a->jobs, n);
+}
+
+typedef struct { /* the down projections' claims: columns of x, every chosen expert each */
+    const int64_t *moe;
+    const moe_area *a;
+    int64_t B, hidden, cols;
     float *x;
 } down_sum;
 
-static void run_down_claim(const void *ctx, int64_t i) {
-    const down_sum *d = (const down_sum *)ctx;
-    const int64_t n0 = i * d->rows, n1 = n0 + d->rows < d->hidden ? n0 + d->rows : d->hidden;
-    for (int64_t j = 0; j < d->k; j++)
-        rows_product(&d->acts[j], 1, d->K, (const uint8_t *)d->desc[j][2], (int)d->desc[j][1], n0, n1, d->x, 0,
-                     NULL, 1);
+static qact down_act(const moe_area *a, int64_t inter, int64_t i) {
+    return qact_at(a->down_in + i * (qact_bytes(inter) + 64), inter);
 }
 
-void moe_step(const int64_t *moe, const float *h, const qact *a, int64_t hidden, float *x,
-              float *area, float *tmp, team *tm, member *me) {
-    const int64_t E = moe[MOE_E], k = moe[MOE_K], inter = moe[MOE_INTER];
+static void run_down_claim(const void *ctx, int64_t i) {
+    const down_sum *d = (const down_sum *)ctx;
+    const moe_area *a = d->a;
+    const int64_t E = d->moe[MOE_E], k = d->moe[MOE_K], inter = d->moe[MOE_INTER], hidden = d->hidden;
+    const int64_t n0 = i * d->cols, n1 = n0 + d->cols < hidden ? n0 + d->cols : hidden;
+    qact in[MOE_MAX_ROWS];
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t s = a->starts[e], c = a->starts[e + 1] - s;
+        if (c == 0) continue;
+        const int64_t *down = (const int64_t *)expert_at(d->moe, e)[2];
+        const uint8_t *tiles = (const uint8_t *)down[2];
+        for (int64_t r = 0; r < c; r++) in[r] = down_act(a, inter, s + r);
+        if (c == 1) { /* straight into its row */
+            rows_product(in, 1, inter, tiles, (int)down[1], n0, n1, d->x + a->order[s] / k * hidden, 0, NULL, 1);
+            continue;
+        }
+        float *ys = a->ys + s * hidden;
+        rows_product(in, c, inter, tiles, (int)down[1], n0, n1, ys, hidden, NULL, 0);
+        for (int64_t r = 0; r < c; r++) {
+            float *xr = d->x + a->order[s + r] / k * hidden;
+            const float *yr = ys + r * hidden;
+            for (int64_t n = n0; n < n1; n++) xr[n] += yr[n];
+        }
+    }
+}
+
+void moe_step(const int64_t *moe, int64_t B, const float *h, int64_t ldh, const qact *acts, int64_t hidden,
+              float *x, float *area, team *tm, member *me) {
+    const int64_t E = moe[MOE_E], k = moe[MOE_K], inter = moe[MOE_INTER], P = B * k;
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    float *logits = area, *gu = area + E;
-    char *qbase = (char *)(gu + 2 * k * inter);
+    const moe_area a = layout(area, B, E, k, inter, hidden);
 
     if (moe[MOE_ROUTER_Q]) {
         const qmat r = {(const int64_t *)moe[MOE_ROUTER], (int)moe[MOE_ROUTER_PARTS], NULL};
-        par_product(a, 1, hidden, r, logits, 0, 0, tm, me);
-    } else { /* float32 [E, hidden]: a share of the experts' rows each */
+        par_product(acts, B, hidden, r, a.logits, E, 0, tm, me);
+    } else { /* float32 [E, hidden]: a share of the (row, expert) logits each */
         const float *r = (const float *)moe[MOE_ROUTER];
-        for (int64_t e = E * t / nt; e < E * (t + 1) / nt; e++) logits[e] = dot_f32(h, r + e * hidden, hidden);
+        for (int64_t i = B * E * t / nt; i < B * E * (t + 1) / nt; i++)
+            a.logits[i] = dot_f32(h + i / E * ldh, r + i % E * hidden, hidden);
         team_wait(&tm->bar, nt, &me->spin);
     }
-    int64_t chosen[MOE_MAX_K];
-    float weights[MOE_MAX_K];
-    choose(moe, logits, chosen, weights);
+    for (int64_t b = B * t / nt; b < B * (t + 1) / nt; b++)
+        choose(moe, a.logits + b * E, a.chosen + b * k, a.weights + b * k);
+    team_wait(&tm->bar, nt, &me->spin);
+    if (t == 0) group(moe, B, acts, hidden, &a);
+    team_wait(&tm->bar, nt, &me->spin);
+    run_products(a.jobs, (int)a.plan[0], a.plan[1], tm, me);
 
-    product_job jobs[MOE_MAX_K];
-    const int64_t *down[MOE_MAX_K];
-    qact acts[MOE_MAX_K];
-    for (int64_t j = 0; j < k; j++) {
-        const int64_t *ex = expert_at(moe, chosen[j]);
-        const qmat w = {(const int64_t *)ex[0], (int)ex[1], NULL};
-        jobs[j] = (product_job){.acts = a, .B = 1, .K = hidden, .w = w, .y = gu + j * 2 * inter};
-        down[j] = (const int64_t *)ex[2];
-        acts[j] = qact_at(qbase + j * (qact_bytes(inter) + 64), inter);
-    }
-    par_products(jobs, (int)k, tm, me);
-
-    for (int64_t j = t; j < k; j += nt) { /* each expert's activations, scaled by its weight */
-        const float *g = gu + j * 2 * inter;
-        swiglu(g, g + inter, inter, tmp);
-        for (int64_t i = 0; i < inter; i++) tmp[i] *= weights[j];
-        quantize_act(tmp, inter, &acts[j]);
+    for (int64_t i = P * t / nt; i < P * (t + 1) / nt; i++) { /* activations, weighted, in place */
+        float *g = a.gu + i * 2 * inter;
+        const float w = a.weights[a.order[i]];
+        swiglu(g, g + inter, inter, g);
+        for (int64_t n = 0; n < inter; n++) g[n] *= w;
+        qact q = down_act(&a, inter, i);
+        quantize_act(g, inter, &q);
     }
     team_wait(&tm->bar, nt, &me->spin);
 
-    const down_sum d = {acts, down, k, inter, hidden, claim_rows(inter, (int)down[0][1]), x};
-    share_claims((hidden + d.rows - 1) / d.rows, run_down_claim, &d, tm, me);
+    const int64_t *down0 = (const int64_t *)expert_at(moe, a.chosen[0])[2];
+    const down_sum d = {moe, &a, B, hidden, claim_rows(inter, (int)down0[1]), x};
+    share_claims((hidden + d.cols - 1) / d.cols, run_down_claim, &d, tm, me);
 }

@@ -1,5 +1,5 @@
-/* The mixture-of-experts MLP of one layer in the batch-1 fused step (moe_step.c, called by
- * decode.c's decode_layers inside its parallel region).
+/* The mixture-of-experts MLP of one layer in the fused decode steps (moe_step.c, called by
+ * decode.c's decode_layers and decode_rows inside their parallel region).
  *
  * A layer's experts are described by int64 values (pointers as integers):
  *   MOE_E experts, MOE_K chosen per token, MOE_ROUTING (ROUTE_SOFTMAX_TOPK: softmax over all
@@ -17,20 +17,21 @@
 enum { MOE_E, MOE_K, MOE_ROUTING, MOE_NORM, MOE_INTER, MOE_ROUTER_Q, MOE_ROUTER, MOE_ROUTER_PARTS, MOE_EXPERTS };
 enum { ROUTE_SOFTMAX_TOPK = 0, ROUTE_TOPK_SOFTMAX = 1 };
 #define MOE_EXPERT_FIELDS 4
-#define MOE_MAX_K 16 /* experts chosen per token */
+#define MOE_MAX_K 16    /* experts chosen per token */
+#define MOE_MAX_E 4096  /* experts per layer */
+#define MOE_MAX_ROWS 64 /* rows of one step (decode.c's MAX_ROWS) */
 
-/* Floats of the shared scratch one layer's step needs (router logits, gate+up outputs, the
- * chosen experts' quantized activations). */
-int64_t moe_work_floats(int64_t E, int64_t k, int64_t inter);
+/* Floats of the shared scratch one layer's step over B rows needs. */
+int64_t moe_work_floats(int64_t B, int64_t E, int64_t k, int64_t inter, int64_t hidden);
 
 /* 0 if the descriptor is one moe_step takes for a residual of width `hidden`, else < 0. */
 int moe_check(const int64_t *moe, int64_t hidden);
 
-/* Inside the parallel region, every thread: x[hidden] += the layer's expert MLP of h (the
- * post-attention norm of x, `a` this thread's quantized copy of it). `area`: moe_work_floats
- * floats shared by the team; `tmp`: this thread's own, at least max(hidden, inter) floats
- * (h may be passed: the step reads h only before it writes tmp). Ends at a barrier. */
-void moe_step(const int64_t *moe, const float *h, const qact *a, int64_t hidden, float *x,
-              float *area, float *tmp, team *tm, member *me);
+/* Inside the parallel region, every thread: x[b] += the layer's expert MLP of h[b] for the B
+ * rows (h: the post-attention norms of x, row stride ldh; acts: their quantized copies,
+ * read by every thread: shared, or for B = 1 each thread's own identical one). `area`:
+ * moe_work_floats(B, ...) floats shared by the team. Ends at a barrier. */
+void moe_step(const int64_t *moe, int64_t B, const float *h, int64_t ldh, const qact *acts, int64_t hidden,
+              float *x, float *area, team *tm, member *me);
 
 #endif

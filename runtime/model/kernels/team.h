@@ -206,22 +206,37 @@ typedef struct {
 
 static inline void run_job_claim(const void *ctx, int64_t i) {
     const job_list *jl = (const job_list *)ctx;
-    int j = 0;
-    while (j + 1 < jl->n && i >= jl->jobs[j + 1].first) j++;
-    const product_job *p = &jl->jobs[j];
+    int lo = 0, hi = jl->n - 1; /* the last job whose first claim is <= i */
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (jl->jobs[mid].first <= i) lo = mid;
+        else hi = mid - 1;
+    }
+    const product_job *p = &jl->jobs[lo];
     run_claim(p->acts, p->B, p->K, p->w, &p->cm, i - p->first, p->y, p->ldy, p->accumulate);
 }
 
-/* Inside a parallel region: n products with distinct outputs, their rows shared out as one
- * sequence of claims (no barrier between them), then the team's barrier. */
-static inline void par_products(product_job *jobs, int n, team *tm, member *me) {
+/* Number the claims of n products one after the other (their claim maps and firsts); the
+ * total. */
+static inline int64_t plan_products(product_job *jobs, int n) {
     int64_t total = 0;
     for (int j = 0; j < n; j++) {
         jobs[j].first = total;
         total += map_claims(jobs[j].w, jobs[j].K, &jobs[j].cm);
     }
+    return total;
+}
+
+/* Inside a parallel region: n products with distinct outputs, planned (plan_products,
+ * `total` claims), their rows shared out as one sequence of claims, then the barrier. */
+static inline void run_products(product_job *jobs, int n, int64_t total, team *tm, member *me) {
     const job_list jl = {jobs, n};
     share_claims(total, run_job_claim, &jl, tm, me);
+}
+
+/* Inside a parallel region, every thread with its own `jobs`: plan and run them. */
+static inline void par_products(product_job *jobs, int n, team *tm, member *me) {
+    run_products(jobs, n, plan_products(jobs, n), tm, me);
 }
 
 /* Inside a parallel region: y[B, N] (row stride ldy) from B quantized rows, the rows shared

@@ -16,6 +16,13 @@
 #include "moe_step.h"
 #include "vec.h"
 
+#ifndef CHOOSE_ALONE
+/* Router logits up to which one thread makes every row's choice (a barrier fewer: one
+ * row of 128 experts takes ~1 us); above, the rows are shared out first. A build with
+ * -DCHOOSE_ALONE=0 shares them out always (the tests' tiny models). */
+#define CHOOSE_ALONE 4096
+#endif
+
 static const int64_t *expert_at(const int64_t *moe, int64_t e) { return moe + MOE_EXPERTS + e * MOE_EXPERT_FIELDS; }
 
 /* The shared scratch, carved from `area` in 64-byte aligned pieces. */
@@ -182,10 +189,16 @@ void moe_step(const int64_t *moe, int64_t B, const float *h, int64_t ldh, const 
             a.logits[i] = dot_f32(h + i / E * ldh, r + i % E * hidden, hidden);
         team_wait(&tm->bar, nt, &me->spin);
     }
-    for (int64_t b = B * t / nt; b < B * (t + 1) / nt; b++)
-        choose(moe, a.logits + b * E, a.chosen + b * k, a.weights + b * k);
-    team_wait(&tm->bar, nt, &me->spin);
-    if (t == 0) group(moe, B, acts, hidden, &a);
+    if (B * E > CHOOSE_ALONE) { /* the rows' choices shared out, then grouped by one thread */
+        for (int64_t b = B * t / nt; b < B * (t + 1) / nt; b++)
+            choose(moe, a.logits + b * E, a.chosen + b * k, a.weights + b * k);
+        team_wait(&tm->bar, nt, &me->spin);
+    }
+    if (t == 0) {
+        if (B * E <= CHOOSE_ALONE)
+            for (int64_t b = 0; b < B; b++) choose(moe, a.logits + b * E, a.chosen + b * k, a.weights + b * k);
+        group(moe, B, acts, hidden, &a);
+    }
     team_wait(&tm->bar, nt, &me->spin);
     run_products(a.jobs, (int)a.plan[0], a.plan[1], tm, me);
 

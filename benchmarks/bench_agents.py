@@ -21,15 +21,17 @@ Trace (seeded: `--seed`), SmolLM2-135M-Instruct on CPU, greedy:
 Each radixlm run drives one engine in this process (the scheduler loop, no sockets: the
 frontend's own preparation renders and tokenizes every input, so the engine gets what
 `radixlm serve` would give it), KV pool at 40% of the trace's working set (`--pool-share`;
-the working set is the agents' final histories), host tier of the whole working set and a
-disk tier in a temporary state directory ("while host and disk have room"). Rows:
+the working set is the agents' final histories), host tier of the whole working set
+(`--host-share`, 1.0; below 1 the host tier overflows and its evictions spill to disk; 0:
+no host tier) and a disk tier in a temporary state directory ("while host and disk have
+room"). Rows:
   today          the engine without tool awareness: idle soft sessions demoted least
                  recently used first, nothing brought back before the result comes; the
                  default schedule policy (lpm);
   + tool-aware   tool-aware retention: overdue waits demoted first, then the ones expected
                  back last; demoted waits prefetched as their estimates say the result
                  is near, and at the append;
-  + program      the same with `--schedule-policy program` (least attained service);
+  + program      the same with `--schedule-policy program` (discretised attained service);
   llama-server   (`--peer`) one slot per agent (`id_slot`, `cache_prompt`), context enough
                  for every history: each agent's turns are sent as the whole token history
                  (its own replies, n_predict = radixlm's reply lengths), with the same tool
@@ -423,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token-scale", type=float, default=1.0, help="x the tool output tokens")
     ap.add_argument("--time-scale", type=float, default=0.25, help="x the tool durations")
     ap.add_argument("--pool-share", type=float, default=0.4, help="KV pool / working set")
+    ap.add_argument("--host-share", type=float, default=1.0, help="host KV tier / working set")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--rows", default="today,tool-aware,program",
@@ -431,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="4 agents x 3 turns, 0.1x tokens")
     ap.add_argument("--out", default="", help="write the report (markdown) here")
     args = ap.parse_args(argv)
+    if args.host_share < 0:
+        ap.error("--host-share must be >= 0")
     if args.quick:
         args.agents, args.turns, args.token_scale = 4, 3, 0.1
     import torch
@@ -448,16 +453,17 @@ def main(argv: list[str] | None = None) -> int:
         len(tok.encode(t.output)) + 80 for t in ag.turns) for ag in trace)
     # (at least twice the longest history: a turn must fit beside the others running)
     pool = max(int(working * args.pool_share), 2 * longest)
+    host = int(working * args.host_share)
     load0 = os.getloadavg()[0]
     print(f"trace: {args.agents} agents x {args.turns} turns, working set ~{working:,} tokens, "
-          f"pool {pool:,}, host tier {working:,}; tool durations x{args.time_scale} "
+          f"pool {pool:,}, host tier {host:,}; tool durations x{args.time_scale} "
           f"(unscaled median {median:.1f}s, p99 {p99:.1f}s)", flush=True)
     configs = {"today": ("today", "lpm", False), "tool-aware": ("+ tool-aware", "lpm", True),
                "program": ("+ program", "program", True)}
     rows: list[RunResult] = []
     for key in args.rows.split(","):
         name, policy, aware = configs[key]
-        r = run_radix(args, trace, name, pool, working, policy, aware)
+        r = run_radix(args, trace, name, pool, host, policy, aware)
         rows.append(r)
         print(f"  {r.name}: mean {r.mean:.1f}s p99 {r.p99:.1f}s, recomputed {r.recomputed:,}, "
               f"hits {r.hits}/{r.hits + r.misses}, wall {r.wall:.0f}s (forward {r.forward:.0f}s, "
@@ -472,8 +478,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{', '.join(f'{k} {v}s' for k, v in TOOLS.items())}, sigma {TOOL_SIGMA}: over the "
              f"trace median {median:.1f}s, p99 {p99:.0f}s) x {args.time_scale}; working set "
              f"~{working:,} tokens, KV pool {pool:,} ({args.pool_share:.0%}), host tier "
-             f"{working:,}, disk tier on; {args.threads} threads; load average {load0:.1f} at the "
-             f"start, {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs).", "",
+             f"{host:,} ({args.host_share:.0%}), disk tier on; {args.threads} threads; load "
+             f"average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end ({os.cpu_count()} CPUs).", "",
              *table(rows, base), "", *targets(rows)]
     print("\n".join(lines))
     if args.out:

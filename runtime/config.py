@@ -95,8 +95,8 @@ class EngineConfig(Settings, frozen=True, kw_only=True):
 
     schedule_policy: Annotated[SchedulePolicy, setting(
         "order of waiting requests: first come first served, longest prefix match, DFS "
-        "weight, shortest prefill first, or program (the program with the least attained "
-        "service first: a session and its forks are one program)", "--schedule-policy",
+        "weight, shortest prefill first, or program (programs by levels of attained service, "
+        "first come first served within a level: a session and its forks are one program)", "--schedule-policy",
         group=SCHEDULING)] = "lpm"
     max_running: Annotated[int, setting(
         "most requests decoding at once", "--max-running", ge=1, group=SCHEDULING)] = 64

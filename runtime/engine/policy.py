@@ -7,9 +7,12 @@ Policies (SGLang's names):
 - ``dfs-weight``: walk the tree depth-first, heaviest subtree (most waiting requests)
   first, so requests sharing a prefix run back to back.
 - ``shortest-prefill-first``: least uncached work first.
-- ``program``: programs scheduled as programs (Autellix's least attained service): the
-  requests of the program that has had the least service so far (tokens computed for it:
-  prefill and decode) first, so a short agent program is not queued behind long ones.
+- ``program``: programs scheduled as programs (Autellix's program-level attained service,
+  in its discretised form): a program's level is how many doublings of `quantum` tokens
+  of service (prompt and output tokens computed for it) it has had, capped at `levels` -
+  1; the lowest level first, and within a level first come, first served by *program*
+  arrival (its first request's), so a short agent program passes long ones across levels
+  while programs of one level finish in the order they came instead of all together.
   A session's turns, its forks' and its branches' are one program (the session it was
   opened as, `Session.program`); other requests name theirs (`Generate.program`) or are
   programs of their own. Anti-starvation (Autellix's rule): a request that has waited
@@ -74,18 +77,30 @@ class FairShare:
 
 
 STARVE_S = 10.0  # the program policy's anti-starvation wait (seconds)
+# The program policy's first level: programs served less than one scheduler step's prompt
+# budget (the default --chunked-prefill, 2048 tokens). Finer differences cannot change
+# how admission fills a step, and a program's first turn (system prompt, tools, task)
+# mostly fits in it, so every program starts level with every other new one.
+QUANTUM = 2048
+LEVELS = 12  # levels beyond the first double up to 2048 * 2**10 (~2M tokens), then one
 
 
 class Programs:
-    """Each program's attained service (tokens computed for it), and since when each
-    waiting request has waited: what the ``program`` policy orders by. Bounded: the
-    least recently served programs beyond `remember` are forgotten (counted as new)."""
+    """Each program's attained service (tokens computed for it) and arrival (its first
+    request's), and since when each waiting request has waited: what the ``program``
+    policy orders by. Bounded: the least recently served programs beyond `remember` are
+    forgotten (counted as new)."""
 
     def __init__(self, starve_s: float = STARVE_S, clock: Callable[[], float] = time.monotonic,
-                 remember: int = 65536) -> None:
+                 remember: int = 65536, quantum: int = QUANTUM, levels: int = LEVELS) -> None:
+        if quantum < 1 or levels < 1:
+            raise ValueError(f"quantum ({quantum}) and levels ({levels}) must be >= 1")
         self.starve_s = starve_s
         self.clock = clock
+        self.quantum = quantum
+        self.levels = levels
         self._service: OrderedDict[str, int] = OrderedDict()
+        self._born: dict[str, int] = {}  # a served program -> its first request's arrival
         self._since: dict[int, float] = {}  # a waiting request's arrival -> first seen waiting
         self._remember = remember
 
@@ -101,25 +116,39 @@ class Programs:
             p = self.of(s.req)
             service[p] = service.get(p, 0) + s.extend
             service.move_to_end(p)
+            self._born[p] = min(self._born.get(p, s.req.arrival), s.req.arrival)
         while len(service) > self._remember:
-            service.popitem(last=False)
+            self._born.pop(service.popitem(last=False)[0], None)
 
     def attained(self, program: str) -> int:
         return self._service.get(program, 0)
 
+    def level(self, program: str) -> int:
+        """0 below `quantum` tokens of service, then k for [quantum * 2**(k-1),
+        quantum * 2**k), capped at `levels` - 1."""
+        doublings = self.attained(program) // self.quantum
+        return min(self.levels - 1, doublings.bit_length())
+
     def order(self, waiting: Sequence[Request]) -> list[Request]:
         """`waiting` by priority, then the starved (waited `starve_s`) oldest first, then
-        least attained service first, then arrival. A request has waited since the engine
-        took it in (`GroupTimes.queued`, on this clock), else since this first saw it."""
+        by level, then by program arrival, then arrival. A request has waited since the
+        engine took it in (`GroupTimes.queued`, on this clock), else since this first saw
+        it."""
         now = self.clock()
         since = {r.arrival: self._since.get(r.arrival, _queued(r, now)) for r in waiting}
         self._since = since  # (admitted and aborted requests leave it here)
+        born: dict[str, int] = {}  # each waiting program's arrival
+        for r in waiting:  # (one not yet served arrived with its oldest waiting request)
+            p = self.of(r)
+            served = self._born.get(p)
+            born[p] = served if served is not None else min(born.get(p, r.arrival), r.arrival)
 
-        def key(r: Request) -> tuple[int, int, float, int]:
+        def key(r: Request) -> tuple[int, int, float, int, int]:
             waited = since[r.arrival]
             if now - waited >= self.starve_s:
-                return (-r.group.priority, 0, waited, r.arrival)
-            return (-r.group.priority, 1, self.attained(self.of(r)), r.arrival)
+                return (-r.group.priority, 0, waited, 0, r.arrival)
+            p = self.of(r)
+            return (-r.group.priority, 1, self.level(p), born[p], r.arrival)
 
         return sorted(waiting, key=key)
 

@@ -1,12 +1,21 @@
-"""The ``program`` schedule policy: programs by least attained service, and its bound.
+"""The ``program`` schedule policy: Autellix's discretised program-level attained service,
+and its starvation bound.
 
-The bound (policy.py): a request that has waited `starve_s` goes before every request
-that has not, oldest first -- so once it has waited `starve_s`, every admission until its
-own goes to a request that arrived before it. Checked on simulated queues (hypothesis),
-including an adversary that keeps sending requests of fresh programs (no service: under
-least attained service alone they would overtake a served program's request forever),
-and in the scheduler: a session, its forks and branches are one program, and a fresh
-program's request is admitted before a served one's.
+The rule (policy.py): priority first; then every request that has waited `starve_s`,
+oldest first; then by the program's level (how many doublings of `quantum` tokens of
+service it has had, capped), then by the program's arrival (its first request's), then by
+the request's arrival. Checked against a brute-force reference of that rule, step by step
+on simulated queues (hypothesis), and on the cases it exists for: a short program passes
+a long one across levels; within a level the program that came first goes first, however
+much less service a later one has had.
+
+The bound: a request that has waited `starve_s` goes before every request that has not,
+oldest first -- so once it has waited `starve_s`, every admission until its own goes to a
+request that arrived before it. Checked on simulated queues (hypothesis), including an
+adversary that keeps sending requests of fresh programs (level 0: under levels alone they
+would overtake a served program's request forever), and in the scheduler: a session, its
+forks and branches are one program, and a fresh program's request is admitted before a
+served one's.
 """
 
 from __future__ import annotations
@@ -14,11 +23,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import scheduler_harness as harness
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from radixlm.runtime.engine.batch import Scheduled
-from radixlm.runtime.engine.policy import FairShare, Programs, order_waiting
+from radixlm.runtime.engine.policy import LEVELS, QUANTUM, FairShare, Programs, order_waiting
 from radixlm.runtime.engine.wire import EngineCommand
 from radixlm.runtime.protocol import ForkSession, SessionsForked
 from scheduler_harness import hf_greedy, random_prompt
@@ -36,14 +46,18 @@ def request(arrival: int, program: str, client: bytes = b"c", priority: int = 0)
     return SimpleNamespace(group=group, arrival=arrival)
 
 
-def simulate(arrivals: list[list[tuple[str, int]]], dt: float, starve_s: float
+def simulate(arrivals: list[list[tuple[str, int]]], dt: float, starve_s: float,
+             quantum: int = QUANTUM, levels: int = LEVELS, check: bool = False
              ) -> list[tuple[object, float, float]]:
     """One admission per step (the first of the policy's order), `dt` seconds a step; each
-    admission charges its program its cost. Returns (request, first seen, admitted at)."""
+    admission charges its program its cost. With `check`, every step's whole order must be
+    the reference's. Returns (request, first seen, admitted at)."""
     now = 0.0
-    programs = Programs(starve_s, clock=lambda: now)
+    programs = Programs(starve_s, clock=lambda: now, quantum=quantum, levels=levels)
     waiting: list = []
     seen: dict[int, float] = {}
+    service: dict[str, int] = {}
+    first: dict[str, int] = {}  # program -> its first request's arrival
     admitted = []
     arrival = 0
     for step, step_arrivals in enumerate(arrivals + [[]] * 200):
@@ -52,16 +66,62 @@ def simulate(arrivals: list[list[tuple[str, int]]], dt: float, starve_s: float
         for program, cost in step_arrivals:
             r = request(arrival, program)
             r.cost = cost
+            first.setdefault(program, arrival)
             arrival += 1
             waiting.append(r)
             seen[r.arrival] = now
         if waiting:
-            first = order_waiting("program", waiting, None, fair=FairShare(), programs=programs)[0]
-            waiting.remove(first)
-            admitted.append((first, seen[first.arrival], now))
-            programs.charge([Scheduled(first, first.cost, 0)])
+            order = order_waiting("program", waiting, None, fair=FairShare(), programs=programs)
+            if check:
+                want = reference_order(waiting, now, seen, service, first, quantum, levels,
+                                       starve_s)
+                assert [r.arrival for r in order] == [r.arrival for r in want]
+            first_r = order[0]
+            waiting.remove(first_r)
+            admitted.append((first_r, seen[first_r.arrival], now))
+            programs.charge([Scheduled(first_r, first_r.cost, 0)])
+            p = first_r.group.program
+            service[p] = service.get(p, 0) + first_r.cost
         now += dt
     return admitted
+
+
+def reference_level(service: int, quantum: int, levels: int) -> int:
+    """Brute force: count the thresholds quantum, 2 quantum, 4 quantum, ... passed."""
+    level, threshold = 0, quantum
+    while service >= threshold and level < levels - 1:
+        level += 1
+        threshold *= 2
+    return level
+
+
+def reference_order(waiting, now: float, seen: dict[int, float], service: dict[str, int],
+                    first: dict[str, int], quantum: int, levels: int, starve_s: float) -> list:
+    """The rule by selection: repeatedly take the request that no other one beats."""
+
+    def beats(a, b) -> bool:  # a goes before b
+        if a.group.priority != b.group.priority:
+            return a.group.priority > b.group.priority
+        sa, sb = now - seen[a.arrival] >= starve_s, now - seen[b.arrival] >= starve_s
+        if sa != sb:
+            return sa
+        if sa:
+            return (seen[a.arrival], a.arrival) < (seen[b.arrival], b.arrival)
+        pa, pb = a.group.program, b.group.program
+        la = reference_level(service.get(pa, 0), quantum, levels)
+        lb = reference_level(service.get(pb, 0), quantum, levels)
+        if la != lb:
+            return la < lb
+        if first[pa] != first[pb]:
+            return first[pa] < first[pb]
+        return a.arrival < b.arrival
+
+    left, out = list(waiting), []
+    while left:
+        best = next(a for a in left if not any(beats(b, a) for b in left if b is not a))
+        left.remove(best)
+        out.append(best)
+    return out
 
 
 def check_bound(admitted, starve_s: float) -> int:
@@ -110,24 +170,78 @@ def test_an_adversary_of_fresh_programs_cannot_starve_a_served_one() -> None:
     assert late[2] - late[1] > 50  # only once the stream ran dry
 
 
-def test_least_attained_service_first_then_arrival() -> None:
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.sampled_from(["p0", "p1", "p2", "p3", "p4", "p5"]),
+                                   st.integers(1, 300)), max_size=3), min_size=1, max_size=40),
+       st.floats(0.1, 1.0), st.sampled_from([16, 64, 100]), st.integers(1, 5))
+def test_the_order_is_the_rule(arrivals, dt: float, quantum: int, levels: int) -> None:
+    """Every step's whole order, against the brute-force reference (small quanta: the
+    programs cross several levels and reach the cap)."""
+    admitted = simulate(arrivals, dt, STARVE, quantum, levels, check=True)
+    assert len(admitted) == sum(len(s) for s in arrivals)
+
+
+def test_levels_double_from_the_quantum_and_are_capped() -> None:
+    programs = Programs(STARVE, clock=lambda: 0.0, quantum=100, levels=4)
+    seen = []
+    for service in (0, 99, 100, 199, 200, 399, 400, 10**9):
+        r = request(service, f"p{service}")
+        programs.charge([Scheduled(r, service, 0)] if service else [])
+        seen.append(programs.level(f"p{service}"))
+    assert seen == [0, 0, 1, 1, 2, 2, 3, 3]
+    for bad in ({"quantum": 0}, {"levels": 0}):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            Programs(**bad)
+
+
+def test_a_short_program_passes_a_long_one_across_levels() -> None:
+    """The long program came first, but it has had a level's more service."""
+    programs = Programs(STARVE, clock=lambda: 0.0, quantum=100)
+    long_first = request(0, "long")
+    programs.charge([Scheduled(long_first, 250, 0)])  # level 2
+    short = request(1, "short")
+    programs.charge([Scheduled(short, 150, 0)])  # level 1
+    nxt_long, nxt_short, new = request(2, "long"), request(3, "short"), request(4, "new")
+    order = order_waiting("program", [nxt_long, nxt_short, new], None, programs=programs)
+    assert order == [new, nxt_short, nxt_long]
+
+
+def test_first_come_first_served_by_program_within_a_level() -> None:
+    """Two programs on one level: the one that came first goes first although it has had
+    more service (least attained service alone would put the other first), and so does
+    its every later request on that level, even one that arrives after the other's."""
     now = 0.0
-    programs = Programs(STARVE, clock=lambda: now)
-    a, b, c = request(0, "A"), request(1, "B"), request(2, "C", priority=1)
-    programs.charge([Scheduled(a, 100, 0), Scheduled(b, 10, 0)])
-    assert order_waiting("program", [a, b], None, programs=programs) == [b, a]
-    assert order_waiting("program", [a, b, c], None, programs=programs) == [c, b, a]
-    fresh = request(3, "D")
-    assert order_waiting("program", [a, b, fresh], None, programs=programs) == [fresh, b, a]
-    now = STARVE  # all of them have waited the bound: first come, first served
-    assert order_waiting("program", [b, fresh, a], None, programs=programs) == [a, b, fresh]
+    programs = Programs(STARVE, clock=lambda: now, quantum=100)
+    a0, b0 = request(0, "A"), request(1, "B")
+    programs.charge([Scheduled(a0, 190, 0), Scheduled(b0, 110, 0)])  # both level 1
+    b1 = request(2, "B")
+    a1 = request(3, "A")  # A's next request, after B's
+    assert order_waiting("program", [b1, a1], None, programs=programs) == [a1, b1]
+    c = request(4, "C", priority=1)
+    assert order_waiting("program", [b1, a1, c], None, programs=programs) == [c, a1, b1]
+    programs.charge([Scheduled(a1, 20, 0)])  # A crosses into level 2: B first now
+    a2 = request(5, "A")
+    assert order_waiting("program", [a2, b1], None, programs=programs) == [b1, a2]
+    now = STARVE  # both have waited the bound: before a new program's (level 0) request
+    fresh = request(6, "D")
+    assert order_waiting("program", [fresh, a2, b1], None, programs=programs) == [b1, a2, fresh]
+
+
+def test_a_waiting_program_arrived_with_its_oldest_request() -> None:
+    """Programs not served yet are ordered by their oldest waiting request."""
+    programs = Programs(STARVE, clock=lambda: 0.0)
+    x1, y, x0 = request(5, "X"), request(3, "Y"), request(1, "X")
+    assert order_waiting("program", [x1, y, x0], None, programs=programs) == [x0, x1, y]
 
 
 def test_a_session_and_its_forks_are_one_program(make_harness, hf) -> None:
-    """With one running slot: the forks of a session that has been served wait behind a
-    fresh session's turn, which arrived after them; outputs stay transformers'."""
+    """With one running slot: the forks of a session that has been served (a level up)
+    wait behind a fresh session's turn, which arrived after them; outputs stay
+    transformers'."""
     rng = np.random.default_rng(5)
     h = make_harness(sessions=True, policy="program", max_running=1)
+    # (a quantum below the served session's ~60 tokens: it is a level above the fresh one)
+    h.sched.prefill.programs.quantum = 16
     served = open_session(h, random_prompt(rng, 40)).session
     key = h.generate(random_prompt(rng, 8), max_tokens=12, client=C, session=served)
     h.run()

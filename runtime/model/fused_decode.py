@@ -7,8 +7,8 @@ whole stack in one kernel call (Qwen3's per-head q/k norms included): one OpenMP
 matrix products split across threads, K/V of the new tokens written straight into the
 pool (float32, float16 or bfloat16 elements), attention over each request's slots. One
 request takes `decode_layers`; 2 to MAX_ROWS decode rows `decode_rows` (the products take
-all rows per pass over the weights). Mixture-of-experts layers (Qwen3-MoE, Mixtral: no
-shared expert) run in both (kernels/moe_step.c: the router, each row's choice, the chosen
+all rows per pass over the weights). Mixture-of-experts layers (Qwen3-MoE, Mixtral,
+Qwen2-MoE with its shared expert) run in both (kernels/moe_step.c: the router, each row's choice, the chosen
 experts' products, an expert's rows together; `moe_desc`). Everything else (prefill, dense weights) takes the
 ordinary per-op path, as does any model the step does not implement
 (`DecoderModel.fused_step_blockers`: Gemma's norms, soft-caps, GeGLU, local RoPE; partial
@@ -68,19 +68,31 @@ def moe_desc(moe: ExpertMlp, keep: list[torch.Tensor]) -> torch.Tensor:
         head = [0, rows.data_ptr(), 0]
     experts = [v for gu, down in zip(moe.gu, moe.down, strict=True)
                for v in (gu.desc_ptr(), gu.nparts, down.desc_ptr(), down.nparts)]  # fmt: skip
+    shared = [0] * 6
+    if moe.shared_gu is not None:  # Qwen2-MoE: gate+up, down, the [hidden] gate row
+        gate = moe.shared_gate_t  # (a packed one is one row: its values as floats)
+        gate = (gate.dequantize() if isinstance(gate, QuantWeight) else gate).reshape(-1).float().contiguous()
+        keep.append(gate)
+        shared = [c.shared_intermediate_size, moe.shared_gu.desc_ptr(), moe.shared_gu.nparts,
+                  moe.shared_down.desc_ptr(), moe.shared_down.nparts, gate.data_ptr()]  # fmt: skip
     routing = ROUTINGS[c.routing]
     return torch.tensor([c.num_experts, c.top_k, routing, int(c.norm_topk_prob), c.intermediate_size,
-                         *head, *experts], dtype=torch.int64)  # fmt: skip
+                         *head, *shared, *experts], dtype=torch.int64)  # fmt: skip
 
 
 def _moe_supported(moe: ExpertMlp) -> bool:
     """Experts the kernel's step takes: all packed, one part per down projection, a packed or
-    float32 router, no shared expert, at most MAX_TOP_K chosen, a routing it knows."""
+    float32 router, at most MAX_TOP_K chosen, a routing it knows; a shared expert packed
+    too."""
     c = moe.config
     router = moe.router_t
-    return (moe.shared_gu is None and c.top_k <= MAX_TOP_K and c.routing in ROUTINGS
-            and all(isinstance(w, QuantWeight) for w in (*moe.gu, *moe.down))
-            and all(w.nparts == 1 for w in moe.down)
+    mats = [*moe.gu, *moe.down]
+    downs = list(moe.down)
+    if moe.shared_gu is not None:
+        mats += [moe.shared_gu, moe.shared_down]
+        downs.append(moe.shared_down)
+    return (c.top_k <= MAX_TOP_K and c.routing in ROUTINGS
+            and all(isinstance(w, QuantWeight) for w in mats) and all(w.nparts == 1 for w in downs)
             and (isinstance(router, QuantWeight) or router.dtype == torch.float32))  # fmt: skip
 
 
@@ -198,7 +210,7 @@ class FusedDecode:
         if not self.has_experts:
             return 0
         return kernel().moe_work_floats(rows, moe.num_experts, moe.top_k, moe.intermediate_size,
-                                        self.dims[0])  # fmt: skip
+                                        moe.shared_intermediate_size, self.dims[0])  # fmt: skip
 
     def _grow(self, floats: int) -> None:
         if self.work.numel() < floats:

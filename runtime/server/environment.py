@@ -54,8 +54,8 @@ def engine_environment(config: EngineConfig, base: dict[str, str] | None = None)
     Measured on 2 cores (SmolLM2 Q4_1, batch-1 decode, tok/s): quiet machine, libgomp's
     default 88-97 vs passive 78-90 (within run-to-run noise); with one other busy
     process, 21-27 vs 48-55.
-    Why OpenMP's default elsewhere: a model run op by op (Gemma's norms and soft-caps,
-    Qwen2-MoE's shared expert, float32 weights) opens a parallel region per op, hundreds a step,
+    Why OpenMP's default elsewhere: a model run op by op (Gemma's norms and soft-caps, Phi's
+    partial rotary, float32 weights) opens a parallel region per op, hundreds a step,
     and a sleeping team is woken for each: 2 cores, quiet, batch-1 step of the Qwen3-MoE
     shape 18.8 ms passive vs 10.7 ms default; of the Gemma 3 1B shape 33.7 vs 20.0 ms."""
     env = dict(os.environ if base is None else base)
@@ -69,15 +69,16 @@ def engine_environment(config: EngineConfig, base: dict[str, str] | None = None)
 
 # Architectures whose quantized batch-1 decode runs the fused step (fused_decode.py), by
 # GGUF `general.architecture` and by HF `model_type` (a Mixtral GGUF is "llama" with
-# experts); Qwen2-MoE's shared expert and Gemma's and Phi's layers run per op.
-FUSED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3moe", "qwen3_moe", "mixtral"})
+# experts); Gemma's and Phi's layers run per op.
+FUSED_ARCHITECTURES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen2_moe", "qwen3moe",
+                                 "qwen3_moe", "mixtral"})
 QUANTIZED = frozenset({"int8", "int4", "gguf"})
 
 
 def fused_decode_expected(config: EngineConfig) -> bool:
     """Whether the engine will decode with the fused C step, read from the model's header
     without torch (the launcher has not imported it): a quantized Llama, Mistral, Qwen2,
-    Qwen3, Qwen3-MoE or Mixtral on CPU. Anything this cannot read counts as not."""
+    Qwen3, Qwen2-MoE, Qwen3-MoE or Mixtral on CPU. Anything this cannot read counts as not."""
     if config.device.startswith(("cuda", "mps")):
         return False
     try:

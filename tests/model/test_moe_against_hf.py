@@ -156,8 +156,7 @@ def test_int8_experts_match_transformers_on_the_dequantized_weights(variant, tmp
     moe = next(layer.moe for layer in env.runner.model.layers if layer.moe is not None)
     assert all(isinstance(w, QuantWeight) and w.packed for w in (*moe.gu, *moe.down))
     assert isinstance(moe.router_t, torch.Tensor)
-    # batch-1 decode in the fused C step, but for Qwen2-MoE's shared expert (per op)
-    assert (env.runner.fused is None) == (moe.shared_gu is not None)
+    assert env.runner.fused is not None  # decode in the fused C step (Qwen2-MoE's shared expert too)
     ref_dir = tmp_path / "dequantized"
     shutil.copytree(model_dir, ref_dir)
     state = quantize_state(load_state_dict(model_dir), "int8")
@@ -172,7 +171,7 @@ def test_int8_experts_match_transformers_on_the_dequantized_weights(variant, tmp
     assert rows_per_expert > 64
     (rows,) = env.run([BatchRequest(ids, 0, env.pages.extend([], len(ids)), all_logits=True)])
     assert_close(rows, want, DECODE_ATOL)
-    for fused in {env.runner.fused, None}:  # the fused step (where it runs), then per op
+    for fused in (env.runner.fused, None):  # the fused step, then per op
         env.runner.fused = fused
         slots = env.pages.extend([], 1)
         (first,) = env.run([(ids[:1], 0, slots)])
@@ -270,7 +269,8 @@ def test_a_step_multiplies_only_the_selected_experts_once_each(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize(("family", "build"), [
-    ("qwen3_moe", "native"), ("mixtral", "native"), ("qwen3_moe", "portable")])  # fmt: skip
+    ("qwen3_moe", "native"), ("mixtral", "native"), ("qwen2_moe", "native"),
+    ("qwen3_moe", "portable")])  # fmt: skip
 def test_the_fused_step_reads_only_the_chosen_experts(tmp_path, monkeypatch, family, build):
     """The fused C step (kernels/moe_step.c) chooses the experts the per-op step chooses and
     reads no other: with every other expert's packed blocks overwritten by NaN scales, its
@@ -340,7 +340,7 @@ def _fused_moe_steps(model_dir, threads: int) -> list[torch.Tensor]:
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_fused_moe_rows_match_the_per_op_path_and_each_row_alone(tmp_path, family):
     """Three decode rows in one fused call (decode_rows: each expert's rows multiplied
     together) give each row what moe.py's grouped per-op step gives it, and what the fused

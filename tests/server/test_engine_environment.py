@@ -46,7 +46,7 @@ def _gguf_header(path: Path, arch: str, experts: int = 0, vocab: int = 3000) -> 
 
 @pytest.mark.parametrize("arch,experts,fused", [
     ("llama", 0, True), ("qwen2", 0, True), ("llama", 8, True),  # Mixtral: Llama with experts
-    ("qwen3", 0, True), ("qwen3moe", 128, True), ("qwen2moe", 60, False), ("gemma3", 0, False),
+    ("qwen3", 0, True), ("qwen3moe", 128, True), ("qwen2moe", 60, True), ("gemma3", 0, False),
     ("phi3", 0, False),
 ])
 def test_auto_reads_the_gguf_header(tmp_path: Path, arch: str, experts: int, fused: bool) -> None:

@@ -10,7 +10,8 @@
  * writes its rows to `ys`, added in order), so no two threads add to one value, no
  * partial sums need adding up afterwards, and the bits do not depend on the thread count.
  * As moe.py's per-op step, the routing weight scales an expert's activations before its
- * down projection (the same sum: the projection is linear).
+ * down projection (the same sum: the projection is linear). A shared expert (Qwen2-MoE)
+ * is one more product of every row in each phase, scaled by the sigmoid of its gate.
  */
 #define _GNU_SOURCE /* syscall (futex) and clock_gettime under -std=c11 */
 #include "moe_step.h"
@@ -39,6 +40,10 @@ typedef struct {
     float *gu;         /* [B k, 2 inter] gate+up outputs, grouped; then the activations */
     char *down_in;     /* [B k] quantized activations (qact_bytes(inter) + 64 bytes each) */
     float *ys;         /* [B k, hidden] outputs of experts with several rows */
+    float *sgate;      /* [B] the shared expert's gate logits */
+    float *sgu;        /* [B, 2 shared_inter] its gate+up outputs; then its activations */
+    char *sdown_in;    /* [B] its quantized activations */
+    float *sys;        /* [B, hidden] its down outputs (B > 1) */
     char *end;
 } moe_area;
 
@@ -48,7 +53,8 @@ static char *carve(char **p, int64_t bytes) {
     return at;
 }
 
-static moe_area layout(void *base, int64_t B, int64_t E, int64_t k, int64_t inter, int64_t hidden) {
+static moe_area layout(void *base, int64_t B, int64_t E, int64_t k, int64_t inter, int64_t sinter,
+                       int64_t hidden) {
     char *p = (char *)base;
     moe_area a;
     const int64_t P = B * k;
@@ -59,31 +65,43 @@ static moe_area layout(void *base, int64_t B, int64_t E, int64_t k, int64_t inte
     a.starts = (int32_t *)carve(&p, (E + 1) * 4);
     a.fill = (int32_t *)carve(&p, (E + 1) * 4);
     a.plan = (int64_t *)carve(&p, 2 * 8);
-    a.jobs = (product_job *)carve(&p, E * (int64_t)sizeof(product_job));
+    a.jobs = (product_job *)carve(&p, (E + 1) * (int64_t)sizeof(product_job));
     a.rows_in = (qact *)carve(&p, P * (int64_t)sizeof(qact));
     a.gu = (float *)carve(&p, P * 2 * inter * 4);
     a.down_in = carve(&p, P * (qact_bytes(inter) + 64));
     a.ys = (float *)carve(&p, P * hidden * 4);
+    a.sgate = (float *)carve(&p, B * 4);
+    a.sgu = (float *)carve(&p, B * 2 * sinter * 4);
+    a.sdown_in = carve(&p, sinter ? B * (qact_bytes(sinter) + 64) : 0);
+    a.sys = (float *)carve(&p, sinter ? B * hidden * 4 : 0);
     a.end = p;
     return a;
 }
 
-int64_t moe_work_floats(int64_t B, int64_t E, int64_t k, int64_t inter, int64_t hidden) {
-    const moe_area a = layout(NULL, B, E, k, inter, hidden);
+int64_t moe_work_floats(int64_t B, int64_t E, int64_t k, int64_t inter, int64_t shared_inter, int64_t hidden) {
+    const moe_area a = layout(NULL, B, E, k, inter, shared_inter, hidden);
     return (int64_t)(uintptr_t)a.end / 4 + 16; /* + 16: the area itself may start unaligned */
+}
+
+/* An MLP's {gate+up descriptor, parts, down descriptor, parts}: gate+up of 2 inter rows in
+ * at most MAX_PARTS parts, down of `hidden` rows in one. */
+static int mlp_ok(const int64_t *m, int64_t inter, int64_t hidden) {
+    const int64_t *gu = (const int64_t *)m[0], *down = (const int64_t *)m[2];
+    if (!gu || !down || m[1] < 1 || m[1] > MAX_PARTS || m[3] != 1 || down[0] != hidden) return 0;
+    int64_t rows = 0;
+    for (int64_t p = 0; p < m[1]; p++) rows += gu[3 * p];
+    return rows == 2 * inter;
 }
 
 int moe_check(const int64_t *moe, int64_t hidden) {
     const int64_t E = moe[MOE_E], k = moe[MOE_K], inter = moe[MOE_INTER];
     if (E < 1 || E > MOE_MAX_E || k < 1 || k > MOE_MAX_K || k > E || inter < QK || inter % QK) return -1;
     if (moe[MOE_ROUTING] != ROUTE_SOFTMAX_TOPK && moe[MOE_ROUTING] != ROUTE_TOPK_SOFTMAX) return -1;
+    const int64_t sinter = moe[MOE_SHARED_INTER];
+    if (sinter && (sinter % QK || !moe[MOE_SHARED_GATE] ||
+                   !mlp_ok(moe + MOE_SHARED_GU, sinter, hidden))) return -1;
     for (int64_t e = 0; e < E; e++) {
-        const int64_t *x = expert_at(moe, e);
-        const int64_t *gu = (const int64_t *)x[0], *down = (const int64_t *)x[2];
-        if (x[1] < 1 || x[1] > MAX_PARTS || x[3] != 1 || down[0] != hidden) return -1;
-        int64_t rows = 0;
-        for (int64_t p = 0; p < x[1]; p++) rows += gu[3 * p];
-        if (rows != 2 * inter) return -1;
+        if (!mlp_ok(expert_at(moe, e), inter, hidden)) return -1;
     }
     return 0;
 }
@@ -116,7 +134,8 @@ static void choose(const int64_t *moe, const float *logits, int32_t *chosen, flo
 }
 
 /* One thread: the pairs grouped by expert and the experts' gate+up products planned. */
-static void group(const int64_t *moe, int64_t B, const qact *acts, int64_t hidden, const moe_area *a) {
+static void group(const int64_t *moe, int64_t B, const float *h, int64_t ldh, const qact *acts, int64_t hidden,
+                  const moe_area *a) {
     const int64_t E = moe[MOE_E], k = moe[MOE_K], inter = moe[MOE_INTER], P = B * k;
     memset(a->starts, 0, (size_t)(E + 1) * sizeof(int32_t));
     for (int64_t p = 0; p < P; p++) a->starts[a->chosen[p] + 1]++;
@@ -133,6 +152,12 @@ static void group(const int64_t *moe, int64_t B, const qact *acts, int64_t hidde
         a->jobs[n++] = (product_job){.acts = a->rows_in + s, .B = c, .K = hidden, .w = w,
                                      .y = a->gu + s * 2 * inter, .ldy = 2 * inter};
     }
+    const int64_t sinter = moe[MOE_SHARED_INTER];
+    if (sinter) { /* the shared expert: every row, and each row's gate */
+        const qmat w = {(const int64_t *)moe[MOE_SHARED_GU], (int)moe[MOE_SHARED_GU_PARTS], NULL};
+        a->jobs[n++] = (product_job){.acts = acts, .B = B, .K = hidden, .w = w, .y = a->sgu, .ldy = 2 * sinter};
+        for (int64_t b = 0; b < B; b++) a->sgate[b] = dot_f32(h + b * ldh, (const float *)moe[MOE_SHARED_GATE], hidden);
+    }
     a->plan[0] = n;
     a->plan[1] = plan_products(a->jobs, n);
 }
@@ -146,6 +171,10 @@ typedef struct { /* the down projections' claims: columns of x, every chosen exp
 
 static qact down_act(const moe_area *a, int64_t inter, int64_t i) {
     return qact_at(a->down_in + i * (qact_bytes(inter) + 64), inter);
+}
+
+static qact shared_act(const moe_area *a, int64_t sinter, int64_t b) {
+    return qact_at(a->sdown_in + b * (qact_bytes(sinter) + 64), sinter);
 }
 
 static void run_down_claim(const void *ctx, int64_t i) {
@@ -172,13 +201,25 @@ static void run_down_claim(const void *ctx, int64_t i) {
             for (int64_t n = n0; n < n1; n++) xr[n] += yr[n];
         }
     }
+    const int64_t sinter = d->moe[MOE_SHARED_INTER];
+    if (!sinter) return;
+    const int64_t *down = (const int64_t *)d->moe[MOE_SHARED_DOWN];
+    for (int64_t r = 0; r < d->B; r++) in[r] = shared_act(a, sinter, r);
+    if (d->B == 1) {
+        rows_product(in, 1, sinter, (const uint8_t *)down[2], (int)down[1], n0, n1, d->x, 0, NULL, 1);
+        return;
+    }
+    rows_product(in, d->B, sinter, (const uint8_t *)down[2], (int)down[1], n0, n1, a->sys, hidden, NULL, 0);
+    for (int64_t r = 0; r < d->B; r++)
+        for (int64_t n = n0; n < n1; n++) d->x[r * hidden + n] += a->sys[r * hidden + n];
 }
 
 void moe_step(const int64_t *moe, int64_t B, const float *h, int64_t ldh, const qact *acts, int64_t hidden,
               float *x, float *area, team *tm, member *me) {
-    const int64_t E = moe[MOE_E], k = moe[MOE_K], inter = moe[MOE_INTER], P = B * k;
+    const int64_t E = moe[MOE_E], k = moe[MOE_K], inter = moe[MOE_INTER], sinter = moe[MOE_SHARED_INTER];
+    const int64_t P = B * k;
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const moe_area a = layout(area, B, E, k, inter, hidden);
+    const moe_area a = layout(area, B, E, k, inter, sinter, hidden);
 
     if (moe[MOE_ROUTER_Q]) {
         const qmat r = {(const int64_t *)moe[MOE_ROUTER], (int)moe[MOE_ROUTER_PARTS], NULL};
@@ -197,18 +238,20 @@ void moe_step(const int64_t *moe, int64_t B, const float *h, int64_t ldh, const 
     if (t == 0) {
         if (B * E <= CHOOSE_ALONE)
             for (int64_t b = 0; b < B; b++) choose(moe, a.logits + b * E, a.chosen + b * k, a.weights + b * k);
-        group(moe, B, acts, hidden, &a);
+        group(moe, B, h, ldh, acts, hidden, &a);
     }
     team_wait(&tm->bar, nt, &me->spin);
     run_products(a.jobs, (int)a.plan[0], a.plan[1], tm, me);
 
-    for (int64_t i = P * t / nt; i < P * (t + 1) / nt; i++) { /* activations, weighted, in place */
-        float *g = a.gu + i * 2 * inter;
-        const float w = a.weights[a.order[i]];
-        swiglu(g, g + inter, inter, g);
-        for (int64_t n = 0; n < inter; n++) g[n] *= w;
-        qact q = down_act(&a, inter, i);
-        quantize_act(g, inter, &q);
+    const int64_t items = P + (sinter ? B : 0); /* the pairs, then the shared expert's rows */
+    for (int64_t i = items * t / nt; i < items * (t + 1) / nt; i++) { /* activations, weighted, in place */
+        const int64_t width = i < P ? inter : sinter;
+        float *g = i < P ? a.gu + i * 2 * inter : a.sgu + (i - P) * 2 * sinter;
+        const float w = i < P ? a.weights[a.order[i]] : 1.0f / (1.0f + expf(-a.sgate[i - P]));
+        swiglu(g, g + width, width, g);
+        for (int64_t n = 0; n < width; n++) g[n] *= w;
+        qact q = i < P ? down_act(&a, inter, i) : shared_act(&a, sinter, i - P);
+        quantize_act(g, width, &q);
     }
     team_wait(&tm->bar, nt, &me->spin);
 

@@ -357,6 +357,22 @@ def runner_greedy(runner, prompt, n: int) -> list[int]:
 
 
 
+def with_kernel_flags(monkeypatch, flags: tuple[str, ...], run: Callable[[], Any],
+                      cache_dir: Path | None = None) -> Any:  # noqa: ANN001 - pytest's fixture
+    """`run()` with the C kernel built with `flags` added (e.g. -DCLAIM_BYTES=1), into
+    `cache_dir` when given; the process's own build is loaded again afterwards."""
+    from radixlm.runtime.model import qkernel
+
+    if cache_dir is not None:
+        monkeypatch.setenv("RADIXLM_CACHE_DIR", str(cache_dir))
+    monkeypatch.setattr(qkernel, "CFLAGS", (*qkernel.CFLAGS, *flags))
+    qkernel.kernel.cache_clear()
+    try:
+        return run()
+    finally:
+        qkernel.kernel.cache_clear()
+
+
 def random_ids(n: int, seed: int) -> list[int]:
     """`n` token ids in [3, 400), the same for the same `seed`."""
     import torch

@@ -31,7 +31,7 @@ from radixlm.runtime.model import (
 from radixlm.runtime.model.gguf_file import GGUFFile
 from radixlm.runtime.model.gguf_weights import UnpackedTypesError, check_unpacked_types
 from radixlm.runtime.model.quant import QuantWeight
-from tiny_models import load_gguf_reference, make_tiny_checkpoint, make_tiny_gguf
+from tiny_models import load_gguf_reference, make_tiny_checkpoint, make_tiny_gguf, with_kernel_flags
 
 # Rows of 256 weights (K-quants' super-block) throughout: hidden 256, ffn 512, 4 heads of 64.
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
@@ -216,17 +216,10 @@ def test_stacked_types_in_fused_steps_are_computed_once_by_any_thread_count(tmp_
     `map_claims`): bit-identical logits for 1, 2 and 3 threads, and with a kernel built
     to claim one chunk of rows at a time (-DCLAIM_BYTES=1: stealing on every product, a
     claim of each part), as with the default one on one thread."""
-    from radixlm.runtime.model import qkernel
-
     src = make_tiny_checkpoint(tmp_path, "llama", name="claims", seed=6, **SHAPE)
     model_dir = resolve_model(make_tiny_gguf(src, quant=_q4_k_m), progress=False)
     one = _steps(model_dir, 1)
     for threads in (2, 3):
         assert all(torch.equal(a, b) for a, b in zip(one, _steps(model_dir, threads), strict=True))
-    monkeypatch.setattr(qkernel, "CFLAGS", (*qkernel.CFLAGS, "-DCLAIM_BYTES=1"))
-    qkernel.kernel.cache_clear()
-    try:
-        stolen = _steps(model_dir, 3)
-    finally:
-        qkernel.kernel.cache_clear()
+    stolen = with_kernel_flags(monkeypatch, ("-DCLAIM_BYTES=1",), lambda: _steps(model_dir, 3))
     assert all(torch.equal(a, b) for a, b in zip(one, stolen, strict=True))

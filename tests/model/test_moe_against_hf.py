@@ -35,6 +35,7 @@ from tiny_models import (
     load_hf_model,
     make_tiny_checkpoint,
     random_ids,
+    with_kernel_flags,
 )
 
 DECODE_ATOL = 5e-3  # the kernel's int16 activations (as test_model_quant_tiny.py)
@@ -366,19 +367,12 @@ def test_fused_moe_steps_are_the_same_on_any_thread_count_and_with_stealing(tmp_
     logits of one row and of three are bit-identical on 1, 2 and 3 threads, and with a
     kernel that claims one chunk of rows at a time (-DCLAIM_BYTES=1: the threads steal each
     other's claims on every product) and shares the rows' choices out (-DCHOOSE_ALONE=0)."""
-    from radixlm.runtime.model import qkernel
-
     model_dir = make_tiny_checkpoint(tmp_path, name="qwen3_moe", **MOE_VARIANTS["qwen3_moe"])
     one = _fused_moe_steps(model_dir, 1)
     for threads in (2, 3):
         assert all(torch.equal(a, b) for a, b in zip(one, _fused_moe_steps(model_dir, threads), strict=True))
-    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(qkernel, "CFLAGS", (*qkernel.CFLAGS, "-DCLAIM_BYTES=1", "-DCHOOSE_ALONE=0"))
-    qkernel.kernel.cache_clear()
-    try:
-        stolen = _fused_moe_steps(model_dir, 3)
-    finally:
-        qkernel.kernel.cache_clear()
+    stolen = with_kernel_flags(monkeypatch, ("-DCLAIM_BYTES=1", "-DCHOOSE_ALONE=0"),
+                               lambda: _fused_moe_steps(model_dir, 3), tmp_path / "cache")  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(one, stolen, strict=True))
 
 

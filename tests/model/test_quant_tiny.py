@@ -24,11 +24,11 @@ import torch
 from radixlm.cache import KVPool
 from radixlm.runtime import cli
 from radixlm.runtime.engine.engine_main import build_engine
-from radixlm.runtime.model import BatchRequest, ForwardBatch, ModelConfig, ModelRunner, qkernel
+from radixlm.runtime.model import BatchRequest, ForwardBatch, ModelConfig, ModelRunner
 from radixlm.runtime.model.loader import quantize_state
 from radixlm.runtime.model.quant import QuantWeight
 from radixlm.runtime.model.weights import load_state_dict
-from tiny_models import TINY_VARIANTS, load_hf_model, make_tiny_checkpoint
+from tiny_models import TINY_VARIANTS, load_hf_model, make_tiny_checkpoint, with_kernel_flags
 
 DECODE_ATOL = 5e-3  # decode's int16 activations (measured up to 1.1e-3 here)
 PROMPT = 80  # >= GEMM8_MIN_ROWS: the prompt takes the int8 path
@@ -285,13 +285,9 @@ def test_stolen_product_rows_are_computed_once(tmp_path, monkeypatch):
     residual products (o, down) twice, one skipped would leave it out. Logits bit-identical
     to the default kernel's on one thread."""
     reference = _fused_steps_by_threads(tmp_path / "ref", (1,))[1]
-    monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(qkernel, "CFLAGS", (*qkernel.CFLAGS, "-DCLAIM_BYTES=1"))
-    qkernel.kernel.cache_clear()
-    try:
-        results = _fused_steps_by_threads(tmp_path / "claims", (2, 3, 5))
-    finally:
-        qkernel.kernel.cache_clear()
+    results = with_kernel_flags(monkeypatch, ("-DCLAIM_BYTES=1",),
+                                lambda: _fused_steps_by_threads(tmp_path / "claims", (2, 3, 5)),
+                                tmp_path / "cache")  # fmt: skip
     for threads, steps in results.items():
         for a, b in zip(reference, steps, strict=True):
             assert torch.equal(a, b), f"{threads} threads with one-chunk claims differ"

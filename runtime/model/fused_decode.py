@@ -57,7 +57,8 @@ def _layer_row(layer, moe: torch.Tensor | None) -> list[int]:
 
 def moe_desc(moe: ExpertMlp, keep: list[torch.Tensor]) -> torch.Tensor:
     """The experts' descriptor the kernel reads (kernels/moe_step.h); a float router is
-    copied as `[E, hidden]` rows into `keep` (which must outlive the descriptor)."""
+    copied as `[E, hidden]` rows into `keep` (which must outlive the descriptor). Checked
+    here once by the kernel's `moe_check` (the steps do not check it again)."""
     c = moe.config
     router = moe.router_t
     if isinstance(router, QuantWeight):
@@ -76,8 +77,11 @@ def moe_desc(moe: ExpertMlp, keep: list[torch.Tensor]) -> torch.Tensor:
         shared = [c.shared_intermediate_size, moe.shared_gu.desc_ptr(), moe.shared_gu.nparts,
                   moe.shared_down.desc_ptr(), moe.shared_down.nparts, gate.data_ptr()]  # fmt: skip
     routing = ROUTINGS[c.routing]
-    return torch.tensor([c.num_experts, c.top_k, routing, int(c.norm_topk_prob), c.intermediate_size,
+    desc = torch.tensor([c.num_experts, c.top_k, routing, int(c.norm_topk_prob), c.intermediate_size,
                          *head, *shared, *experts], dtype=torch.int64)  # fmt: skip
+    if kernel().moe_check(desc.data_ptr(), moe.gu[0].cols) != 0:  # once here, not every step
+        raise ValueError(f"the fused step cannot take these experts ({c})")
+    return desc
 
 
 def _moe_supported(moe: ExpertMlp) -> bool:

@@ -28,7 +28,7 @@
 
 #define LAYER_FIELDS 16
 #define QK_NORM_FIELD 14 /* [nh + nkv, hd] float32 per-head q/k RMS-norm weights, or 0 */
-#define MOE_FIELD 15     /* the layer's experts (moe_step.h), or 0: the dense MLP */
+#define MOE_FIELD 15     /* the layer's experts (moe_step.h; moe_check passed at load), or 0: the dense MLP */
 #define MAT_FIELDS 3
 #define ATT_CHUNK 64      /* positions per attention work item */
 #define MAX_GROUP 32      /* query heads per KV head */
@@ -360,10 +360,6 @@ int decode_layers(float *x, int64_t hidden, int64_t n_layers, const int64_t *tab
                   const int64_t *slots, int64_t L, float *work, const int64_t *head,
                   float *logits) {
     if (bad_shapes(hidden, nh, nkv, hd, inter, kvt)) return -1;
-    for (int64_t l = 0; l < n_layers; l++) {
-        const int64_t *moe = (const int64_t *)table[l * LAYER_FIELDS + MOE_FIELD];
-        if (moe && moe_check(moe, hidden)) return -2;
-    }
     const int64_t nqkv = (nh + 2 * nkv) * hd, es = kv_elem_bytes(kvt);
     const float scale = 1.0f / sqrtf((float)hd);
     float *moe_area = work + decode_work_floats(hidden, nh, nkv, hd, inter, L); /* moe_work_floats' */
@@ -460,10 +456,6 @@ int decode_rows(float *x, int64_t B, int64_t hidden, int64_t n_layers, const int
                 int64_t inter, float eps, const float *cos, const float *sin,
                 const int64_t *kv_indices, const int64_t *kv_indptr, float *work) {
     if (bad_shapes(hidden, nh, nkv, hd, inter, kvt) || B < 1 || B > MAX_ROWS) return -1;
-    for (int64_t l = 0; l < n_layers; l++) {
-        const int64_t *moe = (const int64_t *)table[l * LAYER_FIELDS + MOE_FIELD];
-        if (moe && moe_check(moe, hidden)) return -2;
-    }
     float *moe_area = work + decode_rows_work_floats(B, hidden, nh, nkv, hd, inter, kv_indptr); /* moe_work_floats' */
     const int64_t nqkv = (nh + 2 * nkv) * hd, nqk = (nh + nkv) * hd, es = kv_elem_bytes(kvt);
     const int64_t wide = wide_of(hidden, inter, nh, hd);

@@ -31,7 +31,8 @@ enum { ROUTE_SOFTMAX_TOPK = 0, ROUTE_TOPK_SOFTMAX = 1 };
 /* Floats of the shared scratch one layer's step over B rows needs. */
 int64_t moe_work_floats(int64_t B, int64_t E, int64_t k, int64_t inter, int64_t shared_inter, int64_t hidden);
 
-/* 0 if the descriptor is one moe_step takes for a residual of width `hidden`, else < 0. */
+/* 0 if the descriptor is one moe_step takes for a residual of width `hidden`, else < 0;
+ * checked once when the step's table is built (fused_decode.py), not every step. */
 int moe_check(const int64_t *moe, int64_t hidden);
 
 /* Inside the parallel region, every thread: x[b] += the layer's expert MLP of h[b] for the B

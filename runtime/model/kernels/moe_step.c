@@ -177,41 +177,41 @@ static qact shared_act(const moe_area *a, int64_t sinter, int64_t b) {
     return qact_at(a->sdown_in + b * (qact_bytes(sinter) + 64), sinter);
 }
 
+/* Columns [n0, n1) of one down projection of c rows (quantized `in`) added into x: row r is
+ * row pair[r] / k of x (the pairs' rows), or row r without `pair`. One row goes straight
+ * into x; several through `ys` ([c, hidden]), then added in order. */
+static void add_down(const qact *in, int64_t c, int64_t K, const int64_t *down, int64_t n0, int64_t n1,
+                     const int32_t *pair, int64_t k, float *ys, float *x, int64_t hidden) {
+    const uint8_t *tiles = (const uint8_t *)down[2];
+    if (c == 1) {
+        rows_product(in, 1, K, tiles, (int)down[1], n0, n1, x + (pair ? pair[0] / k : 0) * hidden, 0, NULL, 1);
+        return;
+    }
+    rows_product(in, c, K, tiles, (int)down[1], n0, n1, ys, hidden, NULL, 0);
+    for (int64_t r = 0; r < c; r++) {
+        float *xr = x + (pair ? pair[r] / k : r) * hidden;
+        const float *yr = ys + r * hidden;
+        for (int64_t n = n0; n < n1; n++) xr[n] += yr[n];
+    }
+}
+
 static void run_down_claim(const void *ctx, int64_t i) {
     const down_sum *d = (const down_sum *)ctx;
     const moe_area *a = d->a;
     const int64_t E = d->moe[MOE_E], k = d->moe[MOE_K], inter = d->moe[MOE_INTER], hidden = d->hidden;
+    const int64_t sinter = d->moe[MOE_SHARED_INTER];
     const int64_t n0 = i * d->cols, n1 = n0 + d->cols < hidden ? n0 + d->cols : hidden;
     qact in[MOE_MAX_ROWS];
     for (int64_t e = 0; e < E; e++) {
         const int64_t s = a->starts[e], c = a->starts[e + 1] - s;
         if (c == 0) continue;
-        const int64_t *down = (const int64_t *)expert_at(d->moe, e)[2];
-        const uint8_t *tiles = (const uint8_t *)down[2];
         for (int64_t r = 0; r < c; r++) in[r] = down_act(a, inter, s + r);
-        if (c == 1) { /* straight into its row */
-            rows_product(in, 1, inter, tiles, (int)down[1], n0, n1, d->x + a->order[s] / k * hidden, 0, NULL, 1);
-            continue;
-        }
-        float *ys = a->ys + s * hidden;
-        rows_product(in, c, inter, tiles, (int)down[1], n0, n1, ys, hidden, NULL, 0);
-        for (int64_t r = 0; r < c; r++) {
-            float *xr = d->x + a->order[s + r] / k * hidden;
-            const float *yr = ys + r * hidden;
-            for (int64_t n = n0; n < n1; n++) xr[n] += yr[n];
-        }
+        add_down(in, c, inter, (const int64_t *)expert_at(d->moe, e)[2], n0, n1, a->order + s, k,
+                 a->ys + s * hidden, d->x, hidden);
     }
-    const int64_t sinter = d->moe[MOE_SHARED_INTER];
     if (!sinter) return;
-    const int64_t *down = (const int64_t *)d->moe[MOE_SHARED_DOWN];
     for (int64_t r = 0; r < d->B; r++) in[r] = shared_act(a, sinter, r);
-    if (d->B == 1) {
-        rows_product(in, 1, sinter, (const uint8_t *)down[2], (int)down[1], n0, n1, d->x, 0, NULL, 1);
-        return;
-    }
-    rows_product(in, d->B, sinter, (const uint8_t *)down[2], (int)down[1], n0, n1, a->sys, hidden, NULL, 0);
-    for (int64_t r = 0; r < d->B; r++)
-        for (int64_t n = n0; n < n1; n++) d->x[r * hidden + n] += a->sys[r * hidden + n];
+    add_down(in, d->B, sinter, (const int64_t *)d->moe[MOE_SHARED_DOWN], n0, n1, NULL, 1, a->sys, d->x, hidden);
 }
 
 void moe_step(const int64_t *moe, int64_t B, const float *h, int64_t ldh, const qact *acts, int64_t hidden,

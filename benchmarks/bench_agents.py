@@ -31,7 +31,9 @@ room"). Rows:
   + tool-aware   tool-aware retention: overdue waits demoted first, then the ones expected
                  back last; demoted waits prefetched as their estimates say the result
                  is near, and at the append;
-  + program      the same with `--schedule-policy program` (discretised attained service);
+  + program      the same with `--schedule-policy program` (discretised attained service,
+                 first come first served by program within a level; on CPU one program's
+                 prompt a step, its slices waiting for the decodes of programs above it);
   llama-server   (`--peer`) one slot per agent (`id_slot`, `cache_prompt`), context enough
                  for every history: each agent's turns are sent as the whole token history
                  (its own replies, n_predict = radixlm's reply lengths), with the same tool

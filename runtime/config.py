@@ -98,6 +98,15 @@ class EngineConfig(Settings, frozen=True, kw_only=True):
         "weight, shortest prefill first, or program (programs by levels of attained service, "
         "first come first served within a level: a session and its forks are one program)", "--schedule-policy",
         group=SCHEDULING)] = "lpm"
+    program_quantum: Annotated[int, setting(
+        "the program policy's first level: programs served fewer than this many tokens "
+        "(prompt and output) go first, then each level doubles it; programs within a level "
+        "go first come, first served", "--program-quantum", ge=1, metavar="TOKENS",
+        group=SCHEDULING)] = 16384
+    program_starve_s: Annotated[float, setting(
+        "the program policy's anti-starvation bound: a request that has waited this long "
+        "goes before every request that has not, oldest first", "--program-starve",
+        gt=0, metavar="SECONDS", group=SCHEDULING)] = 60.0
     max_running: Annotated[int, setting(
         "most requests decoding at once", "--max-running", ge=1, group=SCHEDULING)] = 64
     chunked_prefill: Annotated[int, setting(

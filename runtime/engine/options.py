@@ -15,7 +15,8 @@ from radixlm.runtime.settings import settings_of
 # Scheduler option -> the EngineConfig setting it is.
 SETTINGS = {"policy": "schedule_policy", "max_running": "max_running",
             "chunked_prefill": "chunked_prefill", "fair_step_factor": "fair_step_factor",
-            "prefill_slice_ms": "prefill_slice_ms"}
+            "prefill_slice_ms": "prefill_slice_ms", "program_quantum": "program_quantum",
+            "program_starve_s": "program_starve_s"}
 _DECLARED = {s.name: s for s in settings_of(EngineConfig)}
 _DEFAULT = EngineConfig()
 
@@ -25,6 +26,8 @@ class SchedulerOptions:
     policy: str = _DEFAULT.schedule_policy
     max_running: int = _DEFAULT.max_running  # requests holding KV (prefilling + decoding)
     chunked_prefill: int = _DEFAULT.chunked_prefill  # prompt tokens per step, all requests
+    program_quantum: int = _DEFAULT.program_quantum  # the program policy's (policy.Programs)
+    program_starve_s: float = _DEFAULT.program_starve_s
     context_length: int = 4096  # prompt + output cap per sequence (context_length_for)
     # In-batch dedup: hold a request while one still prefilling shares at least this many
     # uncached tokens with it (SGLang's threshold), then let it hit the cache.

@@ -15,10 +15,15 @@ Policies (SGLang's names):
   while programs of one level finish in the order they came instead of all together.
   A session's turns, its forks' and its branches' are one program (the session it was
   opened as, `Session.program`); other requests name theirs (`Generate.program`) or are
-  programs of their own. Anti-starvation (Autellix's rule): a request that has waited
-  `starve_s` goes before every request that has not, oldest first -- so, within its
-  priority and client, a request is admitted at the first admission after it has waited
-  `starve_s` that does not go to a request that arrived before it.
+  programs of their own. Anti-starvation (Autellix's promotion of long waiters): a
+  request that has waited `starve_s` is ordered as if its program were on the first
+  level -- so, within its priority and client, once a request has waited `starve_s` only
+  requests of programs that came before its own (and its own program's earlier ones)
+  are admitted before it: no stream of newer programs, however short, starves an older
+  one. Promotion keeps first come, first served by program among the promoted, so a
+  long wait under load does not turn the order back into every program's turn in
+  rotation. Where prefill is preemptible, a step's prompt work is one program's and a
+  slice waits for the decodes of programs ranked above its own (prefill.py).
 
 All orders put higher `priority` first and break ties by arrival. Prefix-aware orders
 match every waiting request each step; above `max_matched` waiting requests they fall
@@ -48,7 +53,7 @@ from radixlm.runtime.config import SchedulePolicy
 from radixlm.runtime.engine.batch import Scheduled
 from radixlm.runtime.engine.request import Request
 from radixlm.runtime.engine.sessions.retention import common_prefix_len
-from radixlm.runtime.engine.state import TERMINAL
+from radixlm.runtime.engine.state import TERMINAL, ReqState
 
 POLICIES: tuple[str, ...] = get_args(SchedulePolicy)  # (declared with --schedule-policy)
 PREFIX_AWARE = frozenset({"lpm", "dfs-weight", "shortest-prefill-first"})
@@ -76,13 +81,14 @@ class FairShare:
         return self._served.get(client, 0)
 
 
-STARVE_S = 10.0  # the program policy's anti-starvation wait (seconds)
-# The program policy's first level: programs served less than one scheduler step's prompt
-# budget (the default --chunked-prefill, 2048 tokens). Finer differences cannot change
-# how admission fills a step, and a program's first turn (system prompt, tools, task)
-# mostly fits in it, so every program starts level with every other new one.
-QUANTUM = 2048
-LEVELS = 12  # levels beyond the first double up to 2048 * 2**10 (~2M tokens), then one
+# The program policy's defaults (--program-starve, --program-quantum: runtime/config.py).
+# A level boundary makes the programs below it catch up with the ones above before these
+# go on, so programs of about one size progress together and finish together, late; the
+# first level is therefore a whole typical agent program (tens of turns of tool output),
+# and the levels separate programs of really different sizes.
+STARVE_S = 60.0
+QUANTUM = 16384
+LEVELS = 12  # levels beyond the first double up to QUANTUM * 2**10, then one
 
 
 class Programs:
@@ -102,6 +108,7 @@ class Programs:
         self._service: OrderedDict[str, int] = OrderedDict()
         self._born: dict[str, int] = {}  # a served program -> its first request's arrival
         self._since: dict[int, float] = {}  # a waiting request's arrival -> first seen waiting
+        self._ranks: dict[int, tuple[int, int, int]] = {}  # the queue's, as last ordered
         self._remember = remember
 
     @staticmethod
@@ -130,8 +137,8 @@ class Programs:
         return min(self.levels - 1, doublings.bit_length())
 
     def order(self, waiting: Sequence[Request]) -> list[Request]:
-        """`waiting` by priority, then the starved (waited `starve_s`) oldest first, then
-        by level, then by program arrival, then arrival. A request has waited since the
+        """`waiting` by priority, then by level (0 for a request that has waited
+        `starve_s`), then by program arrival, then arrival. A request has waited since the
         engine took it in (`GroupTimes.queued`, on this clock), else since this first saw
         it."""
         now = self.clock()
@@ -142,15 +149,22 @@ class Programs:
             p = self.of(r)
             served = self._born.get(p)
             born[p] = served if served is not None else min(born.get(p, r.arrival), r.arrival)
-
-        def key(r: Request) -> tuple[int, int, float, int, int]:
-            waited = since[r.arrival]
-            if now - waited >= self.starve_s:
-                return (-r.group.priority, 0, waited, 0, r.arrival)
+        ranks = {}
+        for r in waiting:
             p = self.of(r)
-            return (-r.group.priority, 1, self.level(p), born[p], r.arrival)
+            level = 0 if now - since[r.arrival] >= self.starve_s else self.level(p)
+            ranks[r.arrival] = (-r.group.priority, level, born[p])
+        self._ranks = ranks
+        return sorted(waiting, key=lambda r: (ranks[r.arrival], r.arrival))
 
-        return sorted(waiting, key=key)
+    def rank(self, r: Request) -> tuple[int, int, int]:
+        """Where `r`'s program stands (lower goes first): priority, level, program arrival;
+        for a request in the queue as last ordered, its level 0 if it had waited
+        `starve_s`; for an admitted one, its program's level."""
+        if r.state is ReqState.WAITING and r.arrival in self._ranks:
+            return self._ranks[r.arrival]
+        p = self.of(r)
+        return (-r.group.priority, self.level(p), self._born.get(p, r.arrival))
 
 
 def _queued(r: Request, now: float) -> float:

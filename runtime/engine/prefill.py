@@ -9,6 +9,14 @@ its prompt within a few, rather than after the long prompt's last chunk: **match
 → **allocate only the uncached suffix** (evicting unlocked leaves, then demoting idle
 sessions, when short) — or leave it waiting.
 
+Under the ``program`` policy where prefill is preemptible (slicing.py), a step's prompt
+work is one program's: the best-ranked program's chunks in progress, or the waiting
+requests of a program that outranks them (the first of the policy's order and the ones of
+its program right after it), never several programs' prompts in one forward. On CPU a
+forward costs about its tokens, so a second program's prompt in the step would only hold
+the first's -- and every decoding program's next token with it. (The scheduler also runs a
+decode step before the slice of a program that a decoding program outranks.)
+
 Admission keeps room for the running requests' future tokens: their remaining
 max_tokens times `ratio`, which decays while nothing is retracted and jumps back after a
 retraction (SGLang's new_token_ratio).
@@ -56,11 +64,20 @@ class PrefillManager:
     _blocked: Request | None = field(init=False, default=None)  # where admission stopped
     # When admission last served each client: round-robin across clients (policy.py).
     fair: FairShare = field(init=False, default_factory=FairShare)
+    # Whether a long prefill chunk runs in slices (slicing.py): with the program policy,
+    # one program's prompt work a step.
+    preemptible: bool = False
     # Programs' attained service (the "program" policy: policy.py).
-    programs: Programs = field(init=False, default_factory=Programs)
+    programs: Programs = field(init=False)
 
     def __post_init__(self) -> None:
         self.ratio = self.opt.init_new_token_ratio
+        self.programs = Programs(self.opt.program_starve_s, quantum=self.opt.program_quantum)
+
+    @property
+    def one_program(self) -> bool:
+        """Whether a step's prompt work is one program's (the module's docstring)."""
+        return self.opt.policy == "program" and self.preemptible
 
     # ------------------------------------------------------------------- ratio
     def update_ratio(self, decay: bool = False) -> None:
@@ -91,19 +108,52 @@ class PrefillManager:
         # (a chunk computing in slices is not scheduled again: slicing.py)
         chunked = [r for r in self.table.running
                    if r.state is ReqState.PREFILLING and not r.slicing]
-        if self.table.waiting and len(self.table.running) < self.opt.max_running:
-            # Admission goes first, with half the budget while long prompts are prefilled
-            # in chunks: a new request never waits for their last chunk (what it leaves
-            # unused is theirs).
-            budget -= self._admit(plan, budget // 2 if chunked else budget, touched)
+        admit = self.table.waiting and len(self.table.running) < self.opt.max_running
+        if self.one_program:
+            self._one_program(plan, touched, chunked, budget, bool(admit))
+        else:
+            if admit:
+                # Admission goes first, with half the budget while long prompts are
+                # prefilled in chunks: a new request never waits for their last chunk
+                # (what it leaves unused is theirs).
+                budget -= self._admit(plan, budget // 2 if chunked else budget, touched)[0]
+            self._continue(plan, chunked, budget)
+        if self.opt.policy == "program":
+            self.programs.charge(plan)  # (this step's decodes and prefill chunks)
+
+    def _one_program(self, plan: list[Scheduled], touched: list[Request],
+                     chunked: list[Request], budget: int, admit: bool) -> None:
+        """This step's prompt work, one program's: the waiting requests of a program that
+        outranks every program with prompt work in progress, else the best of those."""
+        progs = self.programs
+        ongoing = sorted([*chunked, *(r for r in self.table.running if r.slicing)],
+                         key=progs.rank)
+        program = None
+        if admit:
+            used, program = self._admit(plan, budget, touched,
+                                        progs.rank(ongoing[0]) if ongoing else None)
+            budget -= used
+        if program is None and ongoing and not ongoing[0].slicing:
+            program = progs.of(ongoing[0])  # (a slice is its program's prompt work)
+        self._continue(plan, [r for r in chunked if progs.of(r) == program], budget)
+
+    def _continue(self, plan: list[Scheduled], chunked: list[Request], budget: int) -> None:
+        """The next chunks of prompts prefilled in chunks, sharing `budget`."""
         for r, grant in zip(chunked, self._shares(chunked, budget), strict=True):
             if grant <= 0:
                 continue
             ext = self.chunk(r, grant)
             if self.kv.grow(r, r.kv_len + ext):
                 plan.append(Scheduled(r, ext, self.logits_from(r, ext)))
-        if self.opt.policy == "program":
-            self.programs.charge(plan)  # (this step's decodes and prefill chunks)
+
+    def yields(self, sliced: Request) -> bool:
+        """Whether the slice of `sliced` waits for a decode step: with one program's
+        prompt work a step, while a program ranked above its own is decoding."""
+        if not self.one_program:
+            return False
+        mine = self.programs.rank(sliced)
+        return any(r.state is ReqState.DECODING and self.programs.rank(r) < mine
+                   for r in self.table.running)
 
     @staticmethod
     def _shares(chunked: list[Request], budget: int) -> list[int]:
@@ -133,11 +183,16 @@ class PrefillManager:
                                     logging.DEBUG):
                 self.counters.preemptions += 1
 
-    def _admit(self, plan: list[Scheduled], budget: int, touched: list[Request]) -> int:
+    def _admit(self, plan: list[Scheduled], budget: int, touched: list[Request],
+               outrank: tuple[int, int, int] | None = None) -> tuple[int, str | None]:
         """Admit waiting requests (policy order) into `budget` prompt tokens; returns how
-        many of them the admitted chunks use."""
+        many of them the admitted chunks use, and with one program's prompt work a step,
+        the program admitted (None: none): the first request's, if its program ranks above
+        `outrank` (the best program with prompt work in progress), and the requests of its
+        program right after it."""
         opt, kv, table = self.opt, self.kv, self.table
         given = budget
+        one, program = self.one_program, None
         self.update_ratio()
         matches: dict[int, tuple[MatchResult, int]] = {}
 
@@ -155,6 +210,13 @@ class PrefillManager:
         for r in order:
             if budget <= 0 or len(running) >= opt.max_running:
                 break
+            if one:
+                p = self.programs.of(r)
+                if program is None and outrank is not None and \
+                        not self.programs.rank(r) < outrank:
+                    break
+                if program not in (None, p):
+                    break
             cached = matches.get(id(r))
             m = cached[0] if cached is not None and cached[1] == kv.epoch else kv.match(r)
             if held_back(r, m.length, inflight, opt.dedup_min_tokens, kv.page_size):
@@ -189,7 +251,9 @@ class PrefillManager:
             budget -= ext
             inflight.append(r)
             reserve += self.future_need(r)
-        return given - budget
+            if one:
+                program = self.programs.of(r)
+        return given - budget, program
 
     def _restore(self, r: Request) -> int:
         """Copy back session history the host tier kept (demoted sessions): those tokens

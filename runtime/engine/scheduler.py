@@ -12,7 +12,8 @@ Each `step()`:
    allocate only the uncached suffix);
 3. one forward over decodes and prefill chunks together (continuous batching) -- except
    a long prefill chunk, which runs in time slices, a step for the other work between
-   them (slicing.py);
+   them (slicing.py; under the program policy, the steps of decoding programs ranked
+   above the slice's own all go before it: prefill.py);
 4. **outputs** (outputs.py): insert what was computed, sample, emit tokens; finished
    branches end through lifecycle.py (insert prompt, then prompt + output; unlock; free
    what never joined the tree).
@@ -127,15 +128,15 @@ class Scheduler:
             device=self.device,
             engine_command=self._engine_command, grammars=grammars, tokenizer=tokenizer,
         )  # fmt: skip
+        self.slicer = Slicer(model, options)
         self.prefill = PrefillManager(self.table, self.kv, self.sessions, self.endings, options,
-                                      self.counters)
+                                      self.counters, preemptible=self.slicer.enabled)
         self.prefill.programs.clock = clock  # (a request's wait is on the scheduler's clock)
         self.budget = StepBudget(options.fair_step_factor, options.max_running)
         self.decode = DecodeManager(self.table, self.kv, self.endings, self.budget)
         self.outputs = OutputProcessor(self.table, self.kv, sampler, self.sessions, self.endings,
                                        self.outbox, self.counters, grammars)
         self.grammars = grammars
-        self.slicer = Slicer(model, options)
         self._last_tick = -math.inf
         self.gate: ForwardGate = _NoGate()  # the serving loop installs its StateGate
         self.ready: EngineReady | None = None  # what a (re)started frontend is told
@@ -227,7 +228,8 @@ class Scheduler:
             release_compiled(self.table, self.endings, self.sessions.loading)
             self.prefill.share_slots()
             slicer.check()
-            if slicer.due():
+            current = slicer.current
+            if slicer.due() and current is not None and not self.prefill.yields(current.entry.req):
                 self._slice(touched)
             else:
                 self.decode.schedule(plan)

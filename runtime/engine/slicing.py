@@ -3,12 +3,13 @@ between them. (On CPU one 2,048-token chunk is one forward of seconds; a newcome
 token used to wait for it.)
 
 When a step's plan holds a prefill chunk of at least `prefill_slice_min_tokens` tokens
-and the model allows it (`ModelRunner.sliceable`: the CPU torch backend; never under
+(under the program policy, 32 at most: prefill.py) and the model allows it (`ModelRunner.sliceable`: the CPU torch backend; never under
 tensor parallelism, whose workers replay whole steps, nor FlashInfer/CUDA; decodes and
 the fused batch-1 decode path are never sliced), that chunk leaves the plan and becomes
 *the slice*: a `SlicedPrefill` (model/sliced.py) advanced about `prefill_slice_ms` at a
 time. The scheduler then alternates a step for everything else (the sliced request is
-scheduled by nobody meanwhile) and one slice; with nothing else to do, slice after
+scheduled by nobody meanwhile) and one slice (under the program policy, while a program
+ranked above the slice's own decodes, only its steps); with nothing else to do, slice after
 slice. Between steps the serving loop takes new messages, so a newcomer is admitted
 after at most one slice. When the chunk's last piece is done its logits go through the
 normal outputs path (the chunk is inserted; sampling only after the prompt's last chunk).
@@ -30,6 +31,8 @@ from radixlm.runtime.engine.batch import Scheduled
 from radixlm.runtime.engine.options import SchedulerOptions
 from radixlm.runtime.engine.state import ReqState
 
+PROGRAM_SLICE_MIN_TOKENS = 32
+
 
 @dataclass(eq=False)
 class Slice:
@@ -44,6 +47,10 @@ class Slicer:
         self.opt = opt
         self.model = model
         self.enabled = opt.prefill_slice_ms > 0 and bool(getattr(model, "sliceable", False))
+        # Under the program policy a prompt chunk of any length but the shortest runs in
+        # slices, so that it never holds a decode step of a program ranked above its own.
+        self.min_tokens = opt.prefill_slice_min_tokens if opt.policy != "program" else \
+            min(opt.prefill_slice_min_tokens, PROGRAM_SLICE_MIN_TOKENS)
         self.current: Slice | None = None
         self.slice_next = False  # the next step advances the slice (others ran last)
         self.slices = 0  # slices run (stats, tests)
@@ -71,7 +78,7 @@ class Slicer:
             return
         for i, s in enumerate(plan):
             r = s.req
-            if r.state is ReqState.PREFILLING and s.extend >= self.opt.prefill_slice_min_tokens:
+            if r.state is ReqState.PREFILLING and s.extend >= self.min_tokens:
                 task = self.model.start_sliced(  # type: ignore[attr-defined]
                     r.tokens, r.slots, r.kv_len, s.extend, s.logits_from,
                     self.opt.prefill_slice_rows,

@@ -1,21 +1,25 @@
 """The ``program`` schedule policy: Autellix's discretised program-level attained service,
-and its starvation bound.
+its starvation bound, and one program's prompt work a step.
 
-The rule (policy.py): priority first; then every request that has waited `starve_s`,
-oldest first; then by the program's level (how many doublings of `quantum` tokens of
-service it has had, capped), then by the program's arrival (its first request's), then by
-the request's arrival. Checked against a brute-force reference of that rule, step by step
-on simulated queues (hypothesis), and on the cases it exists for: a short program passes
-a long one across levels; within a level the program that came first goes first, however
+The rule (policy.py): priority first; then by the program's level (how many doublings of
+`quantum` tokens of service it has had, capped; level 0 for a request that has waited
+`starve_s`: promotion), then by the program's arrival (its first request's), then by the
+request's arrival. Checked against a brute-force reference of that rule, step by step on
+simulated queues (hypothesis), and on the cases it exists for: a short program passes a
+long one across levels; within a level the program that came first goes first, however
 much less service a later one has had.
 
-The bound: a request that has waited `starve_s` goes before every request that has not,
-oldest first -- so once it has waited `starve_s`, every admission until its own goes to a
-request that arrived before it. Checked on simulated queues (hypothesis), including an
+The bound: once a request has waited `starve_s`, every admission until its own goes to a
+request of a program that came no later than its own (an earlier request of the same
+program, or an older program's). Checked on simulated queues (hypothesis), including an
 adversary that keeps sending requests of fresh programs (level 0: under levels alone they
 would overtake a served program's request forever), and in the scheduler: a session, its
 forks and branches are one program, and a fresh program's request is admitted before a
 served one's.
+
+Where prefill is preemptible (slices: the CPU torch backend), a step's prompt work is one
+program's, and a slice waits while a program ranked above its own decodes: checked step by
+step in the scheduler, outputs against transformers' greedy tokens.
 """
 
 from __future__ import annotations
@@ -102,14 +106,11 @@ def reference_order(waiting, now: float, seen: dict[int, float], service: dict[s
     def beats(a, b) -> bool:  # a goes before b
         if a.group.priority != b.group.priority:
             return a.group.priority > b.group.priority
-        sa, sb = now - seen[a.arrival] >= starve_s, now - seen[b.arrival] >= starve_s
-        if sa != sb:
-            return sa
-        if sa:
-            return (seen[a.arrival], a.arrival) < (seen[b.arrival], b.arrival)
         pa, pb = a.group.program, b.group.program
         la = reference_level(service.get(pa, 0), quantum, levels)
         lb = reference_level(service.get(pb, 0), quantum, levels)
+        la = 0 if now - seen[a.arrival] >= starve_s else la  # promotion
+        lb = 0 if now - seen[b.arrival] >= starve_s else lb
         if la != lb:
             return la < lb
         if first[pa] != first[pb]:
@@ -125,16 +126,22 @@ def reference_order(waiting, now: float, seen: dict[int, float], service: dict[s
 
 
 def check_bound(admitted, starve_s: float) -> int:
-    """Every admission after a request had waited `starve_s`, before its own, went to an
-    earlier arrival. Returns how many requests did wait that long."""
+    """Every admission after a request had waited `starve_s`, before its own, went to a
+    request of a program that came no later than its own (by first arrival; the same
+    program: an earlier request). Returns how many requests did wait that long."""
     starved = 0
+    first: dict[str, int] = {}
+    for r, _, _ in sorted(admitted, key=lambda a: a[0].arrival):
+        first.setdefault(r.group.program, r.arrival)
     for i, (r, seen, at) in enumerate(admitted):
         if at - seen < starve_s:
             continue
         starved += 1
+        mine = (first[r.group.program], r.arrival)
         for other, _, other_at in admitted[:i]:
             if other_at - seen >= starve_s:  # (as the policy measures it)
-                assert other.arrival < r.arrival, (r.arrival, other.arrival, seen, other_at)
+                theirs = (first[other.group.program], other.arrival)
+                assert theirs < mine, (r.arrival, other.arrival, seen, other_at)
     return starved
 
 
@@ -158,7 +165,7 @@ def test_no_request_waits_past_the_bound(arrivals, dt: float) -> None:
 def test_an_adversary_of_fresh_programs_cannot_starve_a_served_one() -> None:
     """Two fresh programs' requests arrive every step (one is admitted a step): under
     least attained service alone the served program's request would never be admitted."""
-    served = [[("heavy", 10_000)]]
+    served = [[("heavy", 10 * QUANTUM)]]  # (levels above the fresh programs)
     stream = [[(f"fresh-{i}a", 1), (f"fresh-{i}b", 1)] for i in range(100)]
     stream[0].append(("heavy", 1))  # its next request, behind the stream's first
     admitted = simulate(served + stream, 0.5, STARVE)
@@ -222,9 +229,9 @@ def test_first_come_first_served_by_program_within_a_level() -> None:
     programs.charge([Scheduled(a1, 20, 0)])  # A crosses into level 2: B first now
     a2 = request(5, "A")
     assert order_waiting("program", [a2, b1], None, programs=programs) == [b1, a2]
-    now = STARVE  # both have waited the bound: before a new program's (level 0) request
+    now = STARVE  # both have waited the bound: promoted to level 0, still A's first
     fresh = request(6, "D")
-    assert order_waiting("program", [fresh, a2, b1], None, programs=programs) == [b1, a2, fresh]
+    assert order_waiting("program", [fresh, a2, b1], None, programs=programs) == [a2, b1, fresh]
 
 
 def test_a_waiting_program_arrived_with_its_oldest_request() -> None:

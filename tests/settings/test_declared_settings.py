@@ -318,6 +318,8 @@ def test_serve_s_help_shows_every_setting_its_help_and_default(
     (["--max-running", "0"], "argument --max-running: must be >= 1, got 0"),
     (["--kv-memory-fraction", "2"], "argument --kv-memory-fraction: must be in (0, 1], got 2"),
     (["--fair-step-factor", "0.5"], "must be 0 (off) or >= 1, got 0.5"),
+    (["--program-quantum", "0"], "argument --program-quantum: must be >= 1, got 0"),
+    (["--program-starve", "0"], "argument --program-starve: must be > 0, got 0"),
     (["--threads", "x"], "argument -t/--threads: invalid int value: 'x'"),
     (["--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
     (["--port", "70000"], "argument --port: must be in [0, 65535], got 70000"),

@@ -108,9 +108,9 @@ class PrefillManager:
         # (a chunk computing in slices is not scheduled again: slicing.py)
         chunked = [r for r in self.table.running
                    if r.state is ReqState.PREFILLING and not r.slicing]
-        admit = self.table.waiting and len(self.table.running) < self.opt.max_running
+        admit = bool(self.table.waiting) and len(self.table.running) < self.opt.max_running
         if self.one_program:
-            self._one_program(plan, touched, chunked, budget, bool(admit))
+            self._one_program(plan, touched, chunked, budget, admit)
         else:
             if admit:
                 # Admission goes first, with half the budget while long prompts are
@@ -252,7 +252,7 @@ class PrefillManager:
             inflight.append(r)
             reserve += self.future_need(r)
             if one:
-                program = self.programs.of(r)
+                program = p
         return given - budget, program
 
     def _restore(self, r: Request) -> int:

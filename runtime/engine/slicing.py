@@ -3,14 +3,15 @@ between them. (On CPU one 2,048-token chunk is one forward of seconds; a newcome
 token used to wait for it.)
 
 When a step's plan holds a prefill chunk of at least `prefill_slice_min_tokens` tokens
-(under the program policy, 32 at most: prefill.py) and the model allows it (`ModelRunner.sliceable`: the CPU torch backend; never under
-tensor parallelism, whose workers replay whole steps, nor FlashInfer/CUDA; decodes and
-the fused batch-1 decode path are never sliced), that chunk leaves the plan and becomes
+(under the program policy, 32 at most: prefill.py) and the model allows it
+(`ModelRunner.sliceable`: the CPU torch backend; never under tensor parallelism, whose
+workers replay whole steps, nor FlashInfer/CUDA; decodes and the fused batch-1 decode
+path are never sliced), that chunk leaves the plan and becomes
 *the slice*: a `SlicedPrefill` (model/sliced.py) advanced about `prefill_slice_ms` at a
 time. The scheduler then alternates a step for everything else (the sliced request is
 scheduled by nobody meanwhile) and one slice (under the program policy, while a program
-ranked above the slice's own decodes, only its steps); with nothing else to do, slice after
-slice. Between steps the serving loop takes new messages, so a newcomer is admitted
+ranked above the slice's own decodes, only its steps); with nothing else to do, slice
+after slice. Between steps the serving loop takes new messages, so a newcomer is admitted
 after at most one slice. When the chunk's last piece is done its logits go through the
 normal outputs path (the chunk is inserted; sampling only after the prompt's last chunk).
 

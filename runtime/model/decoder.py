@@ -318,6 +318,10 @@ class DecoderModel:
         if layer.moe is not None:
             return self.add_experts(x, h, layer.moe)
         gu = _mm(h, layer.w_gu_t, layer.b_gu)
+        if (self.config.variations.mlp_act == "silu" and layer.mlp_out_norm is None
+                and self.add_out_proj is _add_mm and isinstance(layer.w_down_t, QuantWeight)):
+            x = layer.w_down_t.matmul_glu(gu, out=x, accumulate=True)  # SiLU x up formed in the kernel
+            return x if layer.b_down is None else x + layer.b_down
         if self.config.variations.mlp_act == "silu":
             act = F.silu(gu[:, :inter]) * gu[:, inter:]
         else:

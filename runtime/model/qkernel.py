@@ -106,6 +106,8 @@ class Kernel:
         self.q_matmul_parts = fn("q_matmul_parts", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp])
         # ... with the rows from which activations are int8 (gemm8.c) as the last argument
         self.q_matmul_rows = fn("q_matmul_rows", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp, i64])
+        # (silu(gate) * up) @ W^T, the rows [gate | up] (int8 activations: a prefill's MLP)
+        self.q_gemm8_glu = fn("q_gemm8_glu", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp])
         self.q_matmul_scratch_bytes = fn("q_matmul_scratch_bytes", [i64, i64], i64)
         self.q_matmul_scratch_bytes8 = fn("q_matmul_scratch_bytes8", [i64, i64, c_int], i64)
         self.gemm8_min_rows = int(fn("q_gemm8_min_rows", [], i64)())  # from here: int8 activations

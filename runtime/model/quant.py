@@ -232,6 +232,30 @@ class QuantWeight:
         (a residual stream updated in place) and `out` returned."""
         return _rows_product(x, self.desc(), self.rows, self.cols, bias, out, accumulate)
 
+    def matmul_glu(self, gu: torch.Tensor, out: torch.Tensor | None = None,
+                   accumulate: bool = False) -> torch.Tensor:  # fmt: skip
+        """`(silu(gate) * up) @ W.T` for float32 `gu [M, 2 cols]` = `[gate | up]` (a SwiGLU
+        MLP's down projection; with `accumulate`, added into `out`). From `GEMM8_MIN_ROWS`
+        rows the kernel forms each row's input as it quantizes it (no `[M, cols]`
+        intermediate, no separate pass); fewer rows take it from torch."""
+        m, c = gu.shape[0], self.cols
+        if gu.dtype != torch.float32 or gu.dim() != 2 or gu.shape[1] != 2 * c:
+            raise ValueError(f"expected float32 [M, {2 * c}] input, got {gu.dtype} {tuple(gu.shape)}")
+        if m < GEMM8_MIN_ROWS:
+            act = torch.nn.functional.silu(gu[:, :c]) * gu[:, c:]
+            return _rows_product(act, self.desc(), self.rows, c, None, out, accumulate)
+        if accumulate and out is None:
+            raise ValueError("accumulate needs out")
+        if gu.stride(1) != 1:
+            gu = gu.contiguous()
+        if out is None:
+            out = gu.new_empty(m, self.rows)
+        k, desc = kernel(), self.desc()
+        scratch = torch.empty(k.q_matmul_scratch_bytes8(m, c, 1), dtype=torch.uint8)
+        k.q_gemm8_glu(gu.data_ptr(), m, gu.stride(0), c, desc.data_ptr(), desc.shape[0], out.data_ptr(),
+                      out.stride(0), None, int(accumulate), scratch.data_ptr())  # fmt: skip
+        return out
+
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 weights: all rows `[rows, cols]`, or the rows listed in `rows` (int64)."""
         if self.parts is not None:

@@ -257,6 +257,34 @@ def test_int8_rows_do_not_depend_on_the_rows_beside_them(name):
     assert torch.equal(w.matmul(x[30:130]), whole[30:130])
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0"])
+def test_glu_product_is_the_down_projection_of_silu_gate_times_up(name):
+    """`matmul_glu([gate | up])` is `(silu(gate) * up) @ W.T`: from GEMM8_MIN_ROWS rows the
+    kernel forms the input row by row as it quantizes it (its own exp, within a few ulp of
+    torch's: an int8 code may differ by one, so within one step per value of the int8
+    product of torch's input; row for row, whatever rows share the call); fewer rows are
+    torch's input through the same product, bit for bit; added into `out` with accumulate."""
+    qtype = QTYPES[name]
+    cols = 768 if BLOCK_ELEMS[qtype] == 256 else 576
+    w = random_blocks(72, cols, qtype, seed=17)
+    g = torch.Generator().manual_seed(17)
+    gu = torch.randn(90, 2 * cols, generator=g) * 2
+    act = torch.nn.functional.silu(gu[:, :cols]) * gu[:, cols:]
+    step = act.double().reshape(90, -1, 32).abs().amax(-1) / 127  # one int8 step a block
+    bound = step.repeat_interleave(32, 1) @ reference(w).abs().t()
+    got = w.matmul_glu(gu)
+    assert (got.double() - w.matmul(act).double()).abs().le(bound + 1e-5).all()
+    assert (got.double() - act.double() @ reference(w).t()).abs().le(2 * bound + 1e-5).all()
+    assert torch.equal(w.matmul_glu(gu[20:]), got[20:])
+    assert torch.equal(w.matmul_glu(gu[:5]), w.matmul(act[:5]))  # below GEMM8_MIN_ROWS
+    resid = torch.randn(90, 72, generator=g)
+    before = resid.clone()
+    assert w.matmul_glu(gu, out=resid, accumulate=True).data_ptr() == resid.data_ptr()
+    assert (resid - before - got).abs().le(1e-4 * (1 + got.abs())).all()
+    with pytest.raises(ValueError, match=f"expected float32 \\[M, {2 * cols}\\]"):
+        w.matmul_glu(gu[:, :cols])
+
+
 def test_the_int8_threshold_is_quants(monkeypatch):
     """`quant.GEMM8_MIN_ROWS` (RADIXLM_INT8_MIN_ROWS) picks the activations: raised, 70 rows
     multiply int16 activations; lowered to 2, 3 rows multiply int8 ones."""
@@ -402,6 +430,29 @@ def test_every_build_matches_the_references(build):
                 assert torch.equal(deq.double(), reference(w)), (build, name)
                 ok = (out.double() - expected(x, w)).abs().le(REL * scale_of(x, w) + 1e-6)
                 assert ok.all(), (build, name, cols, m)
+
+
+@pytest.mark.parametrize("build", sorted(_builds()))
+def test_int8_products_over_several_slices_of_k(build):
+    """Rows wider than one pass of the int8 path (it multiplies 64 blocks of 32 a pass, so
+    a down projection's 8,192 columns come in four): every build, every type, a last
+    partial pass, hot blocks in both passes in many rows (heavy-tailed rows, as an MLP's
+    SiLU(gate) x up: a third of their blocks hot) and 75 weight rows (a last odd group):
+    within the bound of the int8 reference, and each row's product the same whatever rows
+    share the call."""
+    kern = qkernel.load(qkernel.build(cflags=_builds()[build]))
+    g = torch.Generator().manual_seed(5)
+    for name, qtype in QTYPES.items():
+        cols = 2048 + widths(qtype)[1]  # 64 blocks, then 24 (K-quants) or 19
+        w = random_blocks(75, cols, qtype, seed=cols)
+        x = activations(140, cols, seed=7)
+        x[40:100] = torch.nn.functional.silu(torch.randn(60, cols, generator=g)) * torch.randn(60, cols, generator=g) * 3
+        out, _ = kernel_product(kern, x, w)
+        ok = (out.double() - int8_reference(x, w)).abs().le(REL * scale_of(x, w) + 1e-6)
+        assert ok.all(), (build, name)
+        for part in (slice(0, 70), slice(70, 140), slice(30, 100)):
+            alone, _ = kernel_product(kern, x[part].contiguous(), w)
+            assert torch.equal(alone, out[part]), (build, name, part)
 
 
 def test_env_switch_loads_the_portable_build():

@@ -411,8 +411,10 @@ static inline int64_t qmat_rows(qmat w) {
 
 int64_t gemm8_scratch_bytes(int64_t M, int64_t K);
 /* y[M, N] = x[M, K] @ W^T (+ bias; added to y with accumulate) with int8 activations;
- * must be called outside a parallel region. */
+ * with glu, x's rows are [gate K | up K] and the product's input silu(gate) * up (a SwiGLU
+ * MLP's down projection: its input formed and quantized row by row, never stored). Must be
+ * called outside a parallel region. */
 void gemm8(const float *x, int64_t M, int64_t ldx, int64_t K, qmat w, float *y, int64_t ldy,
-           int accumulate, void *scratch);
+           int accumulate, int glu, void *scratch);
 
 #endif

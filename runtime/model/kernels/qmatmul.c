@@ -689,7 +689,7 @@ void q_matmul_rows(const float *x, int64_t M, int64_t ldx, int64_t K, const int6
                    float *y, int64_t ldy, const float *bias, int accumulate, void *scratch, int64_t min_rows8) {
     const qmat w = {desc, nparts, bias};
     if (M >= min_rows8) {
-        gemm8(x, M, ldx, K, w, y, ldy, accumulate, scratch);
+        gemm8(x, M, ldx, K, w, y, ldy, accumulate, 0, scratch);
         return;
     }
     qact *acts = (qact *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
@@ -713,6 +713,15 @@ void q_matmul_rows(const float *x, int64_t M, int64_t ldx, int64_t K, const int6
             off += N;
         }
     }
+}
+
+/* y = (silu(gu[:, :K]) * gu[:, K:2K]) @ W^T (+ bias; accumulate: added to y), W as in
+ * q_matmul_rows, int8 activations whatever M (gemm8 with glu). `scratch`: at least
+ * gemm8_scratch_bytes(M, K) bytes. */
+void q_gemm8_glu(const float *gu, int64_t M, int64_t ldgu, int64_t K, const int64_t *desc, int nparts, float *y,
+                 int64_t ldy, const float *bias, int accumulate, void *scratch) {
+    const qmat w = {desc, nparts, bias};
+    gemm8(gu, M, ldgu, K, w, y, ldy, accumulate, 1, scratch);
 }
 
 /* q_matmul_rows at the default threshold. */

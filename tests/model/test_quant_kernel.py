@@ -402,8 +402,9 @@ def kernel_product(kern: qkernel.Kernel, x: torch.Tensor, w: QuantWeight) -> tup
 
 
 def _builds() -> dict[str, tuple[str, ...]]:
-    """The builds this CPU can run: portable C, AVX2 (x86-64-v3), AVX2 with AVX-VNNI, and
-    the native one (here: AVX-512 with VNNI; its 512-bit paths)."""
+    """The builds this CPU can run: portable C, AVX2 (x86-64-v3), AVX2 with AVX-VNNI, the
+    native one (here: AVX-512 with VNNI; its 512-bit paths) and, where the CPU has VBMI,
+    the native one without it (its batch-1 K-quant products on the int16 passes)."""
     flags = qkernel._cpu_flags().split()
     out = {"portable": qkernel.PORTABLE_CFLAGS}
     if "avx2" in flags and "fma" in flags and "f16c" in flags:
@@ -411,6 +412,8 @@ def _builds() -> dict[str, tuple[str, ...]]:
         if "avx_vnni" in flags:
             out["avx2-vnni"] = ("-march=x86-64-v3", "-mavxvnni", *qkernel._BASE)
     out["native"] = qkernel.CFLAGS
+    if "avx512vbmi" in flags and "avx512_vnni" in flags:  # native, batch-1 K-quants on int16 passes
+        out["native-no-vbmi"] = (*qkernel.CFLAGS, "-mno-avx512vbmi")
     return out
 
 
@@ -453,6 +456,29 @@ def test_int8_products_over_several_slices_of_k(build):
         for part in (slice(0, 70), slice(70, 140), slice(30, 100)):
             alone, _ = kernel_product(kern, x[part].contiguous(), w)
             assert torch.equal(alone, out[part]), (build, name, part)
+
+
+def test_batch1_kquant_products_on_bytes_are_the_int16_passes_bit_for_bit():
+    """With AVX-512 VNNI and VBMI a batch-1 K-quant product multiplies bytes (each int16
+    activation as two bytes, dpbusd; qmatmul.c tile_k1_d8 / tile_q6k1_d8): the same integer
+    sums, so the same floats as the build without VBMI (the int16 passes), bit for bit, at
+    every width, with a partial tile, and for several rows (those still take the passes)."""
+    builds = _builds()
+    if "native-no-vbmi" not in builds:
+        pytest.skip("the CPU lacks AVX-512 VBMI or VNNI")
+    on_bytes = qkernel.load(qkernel.build(cflags=builds["native"]))
+    int16 = qkernel.load(qkernel.build(cflags=builds["native-no-vbmi"]))
+    for qtype in (Q4_K, Q5_K, Q6_K):
+        for cols in (256, 768, 2048):
+            w = random_blocks(43, cols, qtype, seed=cols + qtype)
+            for m in (1, 3):
+                x = activations(m, cols, seed=m)
+                x[0, 7] = 1e-3  # blocks of very different scales in one row
+                a, _ = kernel_product(on_bytes, x, w)
+                b, _ = kernel_product(int16, x, w)
+                assert torch.equal(a, b), (qtype, cols, m)
+                ok = (a.double() - int16_reference(x, w)).abs().le(REL * scale_of(x, w) + 1e-6)
+                assert ok.all(), (qtype, cols, m)
 
 
 def test_env_switch_loads_the_portable_build():

@@ -361,13 +361,21 @@ typedef struct {
     int16_t *v;
     float *pair1, *pair0;
     int32_t *vsum16;
+    uint8_t *dlo; /* (DEC8 builds) v as two bytes, v = 256 dhi + dlo: dlo unsigned, dhi signed */
+    int8_t *dhi;
 } qact;
+
+/* Batch-1 K-quant products with VNNI's byte multiply-adds (qmatmul.c: tile_k1_d8): AVX-512
+ * with VNNI and VBMI (one byte permute arranges a tile's code units by row). */
+#if defined(QAVX2) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define DEC8 1
+#endif
 
 static inline int64_t qact_blocks(int64_t K) { return (K / QK + 7) / 8 * 8; }
 
 /* Bytes of scratch one activation row of width K needs (64-byte aligned pieces). */
 static inline int64_t qact_bytes(int64_t K) {
-    return (2 * K + 63) / 64 * 64 + 3 * (int64_t)sizeof(float) * 2 * qact_blocks(K) + 64;
+    return 2 * ((K + 63) / 64 * 64) + (2 * K + 63) / 64 * 64 + 3 * (int64_t)sizeof(float) * 2 * qact_blocks(K) + 64;
 }
 
 static inline qact qact_at(void *scratch, int64_t K) {
@@ -377,6 +385,8 @@ static inline qact qact_at(void *scratch, int64_t K) {
     a.pair1 = (float *)(p + vb);
     a.pair0 = a.pair1 + 2 * qact_blocks(K);
     a.vsum16 = (int32_t *)(a.pair0 + 2 * qact_blocks(K));
+    a.dlo = (uint8_t *)(((uintptr_t)(a.vsum16 + 2 * qact_blocks(K)) + 63) & ~(uintptr_t)63);
+    a.dhi = (int8_t *)(a.dlo + (K + 63) / 64 * 64);
     return a;
 }
 

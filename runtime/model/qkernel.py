@@ -111,6 +111,7 @@ class Kernel:
         self.q_matmul_scratch_bytes = fn("q_matmul_scratch_bytes", [i64, i64], i64)
         self.q_matmul_scratch_bytes8 = fn("q_matmul_scratch_bytes8", [i64, i64, c_int], i64)
         self.gemm8_min_rows = int(fn("q_gemm8_min_rows", [], i64)())  # from here: int8 activations
+        self.gemm8_hot_rms = float(fn("gemm8_hot_rms", [], ctypes.c_float)())  # second digits above
         self.block_elems = fn("block_elems", [c_int], c_int)
         self.q_tiled_bytes = fn("q_tiled_bytes", [c_int, i64, i64], i64)
         self.q_pack = fn("q_pack", [vp, c_int, i64, i64, vp])

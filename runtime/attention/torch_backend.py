@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from .base import AttentionBackend
 from .capture import DecodeBuffers
+from .cpu_prefill import CpuPrefill
 
 
 @dataclass
@@ -97,6 +98,9 @@ class TorchAttention(AttentionBackend):
         self.decode: _Decode | _SharedDecode | None = None
         self.prefills: list[_Prefill] = []
         self._windowed: dict[int, tuple] = {}  # by window size: (decode, prefills)
+        # prefill attention in the C kernel where it applies (CPU, float32, AVX-512), else SDPA
+        self.cpu_prefill = CpuPrefill.load(self.device, self.dtype, self.num_heads, self.num_kv_heads,
+                                           self.head_dim, self.scale, self.softcap)  # fmt: skip
 
     def plan(self, batch) -> None:
         self.out_slots = batch.out_slots
@@ -255,12 +259,12 @@ class TorchAttention(AttentionBackend):
         if not prefills:
             return self._decode(decode, q, kc, vc)
         if decode is None and len(prefills) == 1:
-            return self._prefill(prefills[0], q, k, v, kc, vc)
+            return self._prefill(prefills[0], q, k, v, kc, vc, w)
         out = q.new_empty(self.num_tokens, hd)
         if decode is not None:
             out.index_copy_(0, decode.rows, self._decode(decode, q.index_select(0, decode.rows), kc, vc))
         for p in prefills:
-            out[p.q_start : p.q_end] = self._prefill(p, q, k, v, kc, vc)
+            out[p.q_start : p.q_end] = self._prefill(p, q, k, v, kc, vc, w)
         return out
 
     def _decode(self, d: _Decode | _SharedDecode, q, kc, vc):
@@ -300,10 +304,19 @@ class TorchAttention(AttentionBackend):
         o = o.view(hkv * b, g, hd).baddbmm_(p[..., n:].reshape(hkv * b, g, tl), vt)
         return o.view(hkv, b, g * hd).transpose(0, 1).reshape(b, hkv * g * hd)
 
-    def _prefill(self, p: _Prefill, q, k, v, kc, vc):
+    def _prefill(self, p: _Prefill, q, k, v, kc, vc, window: int | None):
+        qs, qe = p.q_start, p.q_end
+        if self.cpu_prefill is not None:
+            qv = q[qs:qe].view(qe - qs, self.num_heads, self.head_dim) if q.dim() == 2 else q[qs:qe]
+            if p.kv is None:
+                o = self.cpu_prefill.attend(qv, k[qs:qe], v[qs:qe], None, qe - qs, window)
+            else:
+                keys = p.kv.stop - p.kv.start if isinstance(p.kv, slice) else p.kv.numel()
+                o = self.cpu_prefill.attend(qv, kc, vc, p.kv, keys, window)
+            if o is not None:
+                return o
         # 4-D [1, heads, len, D] with enable_gqa: on CPU that is what reaches the fused
         # (flash) SDPA kernel; 3-D inputs or repeated K/V fall back to the slow math path.
-        qs, qe = p.q_start, p.q_end
         qr = q[qs:qe].transpose(0, 1).unsqueeze(0)
         if p.kv is None:
             keys = k[qs:qe].transpose(0, 1).unsqueeze(0)

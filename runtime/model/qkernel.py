@@ -32,7 +32,7 @@ from .gguf_convert import cache_root
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
-SOURCES = tuple(KERNEL_DIR / n for n in ("qmatmul.c", "gemm8.c", "decode.c", "moe_step.c"))
+SOURCES = tuple(KERNEL_DIR / n for n in ("qmatmul.c", "gemm8.c", "decode.c", "moe_step.c", "attend.c"))
 HEADERS = tuple(KERNEL_DIR / n for n in ("common.h", "team.h", "vec.h", "moe_step.h"))
 _BASE = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 CFLAGS = ("-march=native", *_BASE)
@@ -111,7 +111,11 @@ class Kernel:
         self.q_matmul_scratch_bytes = fn("q_matmul_scratch_bytes", [i64, i64], i64)
         self.q_matmul_scratch_bytes8 = fn("q_matmul_scratch_bytes8", [i64, i64, c_int], i64)
         self.gemm8_min_rows = int(fn("q_gemm8_min_rows", [], i64)())  # from here: int8 activations
-        self.gemm8_hot_rms = float(fn("gemm8_hot_rms", [], ctypes.c_float)())  # second digits above
+        self.gemm8_hot_rms = float(fn("gemm8_hot_rms", [], f32)())  # second digits above
+        # prefill attention (attend.c; AVX-512 builds, else attend_supported 0)
+        self.attend_supported = bool(fn("attend_supported", [], c_int)())
+        self.attend_prefill = fn("attend_prefill", [vp, i64, i64, i64, i64, i64, vp, vp, i64, i64, c_int, vp,
+                                                    i64, i64, i64, f32, vp], c_int)  # fmt: skip
         self.block_elems = fn("block_elems", [c_int], c_int)
         self.q_tiled_bytes = fn("q_tiled_bytes", [c_int, i64, i64], i64)
         self.q_pack = fn("q_pack", [vp, c_int, i64, i64, vp])

@@ -92,8 +92,8 @@ static inline int code_bias(int qtype) {
  * 31 values. A row's hot blocks -- those whose max|x| exceeds HOT_RMS times the row's RMS
  * -- get a second int8 digit: the residual x - s v quantized again (its own scale). Each
  * row keeps its hot blocks' list and second digits after its nb blocks, and the product
- * adds, row by row, each second digit times the same weight block: a row's product does
- * not depend on the rows beside it, and costs only its own hot blocks. Measured on SmolLM2
+ * adds each second digit times the same weight block (gemm8's hot pass): a row's product
+ * does not depend on the rows beside it, and costs only its own hot blocks. Measured on SmolLM2
  * (benchmarks/bench_quant_accuracy.py: README text, 1024 tokens, every position's logits,
  * float32 reference): top-1 agreement 96.4% with one digit; at 6 x RMS (9.9% of the row
  * blocks hot) 97.3-98.4%; at 4 x (18.5%) 97.66-99.02% over the shipped Q4_1 file and its

@@ -227,7 +227,7 @@ static void attend_item(const float *q, int64_t ldq, int64_t nh, int64_t nkv, in
  * or NULL and the first slot), the last n of them the queries' own: query i sees keys [lo, S - n +
  * i], lo = S - n + i - window + 1 with a window (> 0), else 0; scale multiplies the
  * scores. Returns 0 (nothing done) where unsupported: not AVX-512, hd not a multiple of 16
- * or above MAX_ATT_HD, nh not a multiple of nkv. */
+ * or above MAX_ATT_HD, nh not a multiple of nkv; or when its buffers cannot be allocated. */
 int attend_prefill(const float *q, int64_t ldq, int64_t n, int64_t nh, int64_t nkv, int64_t hd, const void *kbase,
                    const void *vbase, int64_t k_stride, int64_t v_stride, int kv_type, const int64_t *slots,
                    int64_t start, int64_t S, int64_t window, float scale, float *out) {
@@ -235,10 +235,13 @@ int attend_prefill(const float *q, int64_t ldq, int64_t n, int64_t nh, int64_t n
     if (hd % 16 || hd > MAX_ATT_HD || nkv <= 0 || nh % nkv || n <= 0 || S < n) return 0;
     const kvsrc ks = {kbase, k_stride, kv_type, slots, start}, vs = {vbase, v_stride, kv_type, slots, start};
     const int64_t G = nh / nkv, tiles = (n + AQ - 1) / AQ, items = nkv * tiles, R = AQ * G;
+    /* each thread's buffers, allocated before the threads start (no memory: nothing done) */
+    const size_t per = ((size_t)(2 * hd * R + 2 * AK * hd + AK * R + 4 * R) * sizeof(float) + 63) / 64 * 64;
+    char *all = (char *)aligned_alloc(64, per * (size_t)omp_get_max_threads());
+    if (!all) return 0;
 #pragma omp parallel
     {
-        const size_t bytes = (size_t)(2 * hd * R + 2 * AK * hd + AK * R + 4 * R + 64) * sizeof(float);
-        float *mem = (float *)aligned_alloc(64, (bytes + 63) / 64 * 64);
+        float *mem = (float *)(all + per * (size_t)omp_get_thread_num());
         abuf b;
         b.qt = mem;
         b.ot = b.qt + hd * R;
@@ -255,8 +258,8 @@ int attend_prefill(const float *q, int64_t ldq, int64_t n, int64_t nh, int64_t n
             const int64_t i0 = t * AQ, i1 = i0 + AQ < n ? i0 + AQ : n;
             attend_item(q, ldq, nh, nkv, hd, ks, vs, S, n, window, scale, g, i0, i1, out, &b);
         }
-        free(mem);
     }
+    free(all);
     return 1;
 #else
     (void)q, (void)ldq, (void)n, (void)nh, (void)nkv, (void)hd, (void)kbase, (void)vbase, (void)k_stride, (void)v_stride;

@@ -10,8 +10,10 @@
   log-sum-exp merge). 64 requests on a 128-token prompt: 1.2 ms a layer instead of 7 ms
   (gathering 64 copies of the prompt and SDPA's per-(request, head) overheads).
 - Requests with several new tokens (prefill, with or without a cached prefix) get one SDPA
-  call each, causal with an offset (new token i sees the prefix and new tokens <= i). With
-  no prefix the new K/V are used directly, not re-read from the pool.
+  call each, causal with an offset (new token i sees the prefix and new tokens <= i); on
+  CPU with AVX-512 the C kernel's attention instead (`cpu_prefill.py`: the same keys and
+  masks, no mask tensor). With no prefix the new K/V are used directly, not re-read from
+  the pool.
 - A single request whose slots are consecutive reads the pool through a view (no gather).
 - The pool may hold K/V in another dtype than the model computes in (on CPU: float16 or
   bfloat16 rows for a float32 model, `--kv-dtype`): new K/V are rounded into the pool's

@@ -309,7 +309,7 @@ class TorchAttention(AttentionBackend):
     def _prefill(self, p: _Prefill, q, k, v, kc, vc, window: int | None):
         qs, qe = p.q_start, p.q_end
         if self.cpu_prefill is not None:
-            qv = q[qs:qe].view(qe - qs, self.num_heads, self.head_dim) if q.dim() == 2 else q[qs:qe]
+            qv = q[qs:qe]  # [n, H, D]
             if p.kv is None:
                 o = self.cpu_prefill.attend(qv, k[qs:qe], v[qs:qe], None, qe - qs, window)
             else:

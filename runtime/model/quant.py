@@ -238,23 +238,11 @@ class QuantWeight:
         MLP's down projection; with `accumulate`, added into `out`). From `GEMM8_MIN_ROWS`
         rows the kernel forms each row's input as it quantizes it (no `[M, cols]`
         intermediate, no separate pass); fewer rows take it from torch."""
-        m, c = gu.shape[0], self.cols
-        if gu.dtype != torch.float32 or gu.dim() != 2 or gu.shape[1] != 2 * c:
-            raise ValueError(f"expected float32 [M, {2 * c}] input, got {gu.dtype} {tuple(gu.shape)}")
-        if m < GEMM8_MIN_ROWS:
+        c = self.cols
+        if gu.dtype == torch.float32 and gu.dim() == 2 and gu.shape[1] == 2 * c and gu.shape[0] < GEMM8_MIN_ROWS:
             act = torch.nn.functional.silu(gu[:, :c]) * gu[:, c:]
             return _rows_product(act, self.desc(), self.rows, c, None, out, accumulate)
-        if accumulate and out is None:
-            raise ValueError("accumulate needs out")
-        if gu.stride(1) != 1:
-            gu = gu.contiguous()
-        if out is None:
-            out = gu.new_empty(m, self.rows)
-        k, desc = kernel(), self.desc()
-        scratch = torch.empty(k.q_matmul_scratch_bytes8(m, c, 1), dtype=torch.uint8)
-        k.q_gemm8_glu(gu.data_ptr(), m, gu.stride(0), c, desc.data_ptr(), desc.shape[0], out.data_ptr(),
-                      out.stride(0), None, int(accumulate), scratch.data_ptr())  # fmt: skip
-        return out
+        return _rows_product(gu, self.desc(), self.rows, c, None, out, accumulate, glu=True)  # (checks gu)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 weights: all rows `[rows, cols]`, or the rows listed in `rows` (int64)."""
@@ -317,11 +305,13 @@ def matmul_stacked(x: torch.Tensor, weights: list[QuantWeight]) -> torch.Tensor:
 
 def _rows_product(x: torch.Tensor, desc: torch.Tensor, rows: int, cols: int,
                   bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  accumulate: bool = False) -> torch.Tensor:  # fmt: skip
+                  accumulate: bool = False, glu: bool = False) -> torch.Tensor:  # fmt: skip
     """The kernel's product of float32 `x [M, cols]` with the matrix `desc` describes
-    (`QuantWeight.desc`: runs of packed rows, `rows` in all)."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != cols:
-        raise ValueError(f"expected float32 [M, {cols}] input, got {x.dtype} {tuple(x.shape)}")
+    (`QuantWeight.desc`: runs of packed rows, `rows` in all); with `glu`, of
+    `silu(x[:, :cols]) * x[:, cols:]` for `x [M, 2 cols]`, int8 activations (q_gemm8_glu)."""
+    width = 2 * cols if glu else cols
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != width:
+        raise ValueError(f"expected float32 [M, {width}] input, got {x.dtype} {tuple(x.shape)}")
     if accumulate and out is None:
         raise ValueError("accumulate needs out")
     if x.stride(1) != 1:
@@ -332,7 +322,12 @@ def _rows_product(x: torch.Tensor, desc: torch.Tensor, rows: int, cols: int,
     if m == 0:
         return out
     k, min8 = kernel(), GEMM8_MIN_ROWS
-    scratch = torch.empty(k.q_matmul_scratch_bytes8(m, cols, int(m >= min8)), dtype=torch.uint8)
+    scratch = torch.empty(k.q_matmul_scratch_bytes8(m, cols, int(glu or m >= min8)), dtype=torch.uint8)
+    if glu:
+        k.q_gemm8_glu(x.data_ptr(), m, x.stride(0), cols, desc.data_ptr(), desc.shape[0], out.data_ptr(),
+                      out.stride(0), None if bias is None else bias.data_ptr(), int(accumulate),
+                      scratch.data_ptr())  # fmt: skip
+        return out
     k.q_matmul_rows(
         x.data_ptr(), m, x.stride(0), cols, desc.data_ptr(), desc.shape[0],
         out.data_ptr(), out.stride(0), None if bias is None else bias.data_ptr(),

@@ -70,6 +70,16 @@
 #define CB_BYTES (CB_CODES + 4 * GR * 4)     /* + ws, ws2, wo, wo2 (float [GR] each) */
 #define CHUNK_BYTES (256 << 10)              /* canonical bytes a thread unpacks at a time */
 
+/* Whether a type's codes stay signed in the canonical form (Q8_0 without VNNI). */
+static inline int codes_signed(int qtype) {
+#if defined(G8_SIGNED_Q8)
+    return qtype == Q8_0;
+#else
+    (void)qtype;
+    return 0;
+#endif
+}
+
 /* The unsigned code of a type is its signed code plus this (the offset moves to wo). */
 static inline int code_bias(int qtype) {
     switch (qtype) {
@@ -127,12 +137,6 @@ static inline arow arow_at(uint8_t *row, int64_t nb) {
 }
 
 #if defined(QAVX2)
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
 /* max |x| over a block of 32 */
 static inline float block_amax(const float *xb) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -185,10 +189,7 @@ static float sum_squares(const float *x, int64_t K) {
         a = _mm256_fmadd_ps(u, u, a);
         b = _mm256_fmadd_ps(w, w, b);
     }
-    const __m256 t = _mm256_add_ps(a, b);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    return hsum8f(_mm256_add_ps(a, b));
 #else
     float ss = 0.0f;
     for (int64_t j = 0; j < K; j++) ss += x[j] * x[j];
@@ -536,12 +537,7 @@ static float block_dot(const uint8_t *cb, int r, const int8_t *xv, const float *
 static void micro_any(const uint8_t *g, int64_t gstride, int ng, kslice ks, const arow *rw, int MB, int qtype,
                       float *y, int64_t ldy, int64_t n0, int rows, int accumulate) {
 #if defined(G8_512) || defined(QAVX2)
-    const int halves = qtype == Q6_K;
-#if defined(G8_SIGNED_Q8)
-    const int sgn = qtype == Q8_0;
-#else
-    const int sgn = 0;
-#endif
+    const int halves = qtype == Q6_K, sgn = codes_signed(qtype);
 #define MICRO(ngc, mb, hv, sg) micro(g, gstride, ngc, ks, rw, mb, hv, sg, y, ldy, n0, rows, accumulate)
 #define MICRO_ALL(ngc, hv, sg)                                                               \
     if (MB == MB8) MICRO(ngc, MB8, hv, sg);                                                  \
@@ -577,12 +573,7 @@ static void micro_any(const uint8_t *g, int64_t gstride, int ng, kslice ks, cons
 static void hot_any(const uint8_t *cb, int64_t gstride, int64_t groups, int MB, int qtype, const int8_t *const *xv,
                     const float *const *xs, float *const *yrow, int64_t n0, int rows) {
 #if defined(G8_512) || defined(QAVX2)
-    const int halves = qtype == Q6_K;
-#if defined(G8_SIGNED_Q8)
-    const int sgn = qtype == Q8_0;
-#else
-    const int sgn = 0;
-#endif
+    const int halves = qtype == Q6_K, sgn = codes_signed(qtype);
 #define HOT(mb, hv, sg) hot_mb(cb, gstride, groups, mb, hv, sg, xv, xs, yrow, n0, rows)
 #define HOT_ALL(hv, sg)                                                                      \
     if (MB == MB8) HOT(MB8, hv, sg);                                                         \

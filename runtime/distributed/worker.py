@@ -65,6 +65,7 @@ def worker_main(spec: WorkerSpec, conn: Connection) -> None:
 
 def _serve(spec: WorkerSpec, conn: Connection) -> None:
     from radixlm.cache import KVPool
+    from radixlm.runtime.memory import keep_freed_blocks
     from radixlm.runtime.model.runner import ModelRunner
 
     from .linear import use_row_parallel
@@ -84,6 +85,7 @@ def _serve(spec: WorkerSpec, conn: Connection) -> None:
     group = TPGroup(spec.rendezvous, spec.rank)
     use_row_parallel(model, group)
     log.debug("rank %d of %d ready on %s", spec.rank, group.world, device)
+    keep_freed_blocks()  # as the engine (rank 0): runtime/memory.py
     try:
         while True:
             try:

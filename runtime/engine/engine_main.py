@@ -34,7 +34,7 @@ from radixlm.runtime.engine.serve_loop import EngineLoop, StopFlag
 from radixlm.runtime.engine.sessions import SessionManager
 from radixlm.runtime.engine.wire import EnginePin, EngineReady, encode
 from radixlm.runtime.grammar.runtime import Grammars
-from radixlm.runtime.memory import release_free_memory
+from radixlm.runtime.memory import keep_freed_blocks, release_free_memory
 from radixlm.runtime.model import (
     ModelConfig,
     ModelRunner,
@@ -208,6 +208,7 @@ def run_engine(config: EngineConfig, endpoints: Endpoints, boot: str = "") -> No
     try:
         outbox.send(encode(engine.ready))
         release_free_memory()  # what loading freed (runtime/memory.py)
+        keep_freed_blocks()  # a forward's temporaries reuse the heap from layer to layer
         log.info("engine ready")
         loop = EngineLoop(sched, inbox, outbox, stop)
         sched.sessions.post = loop.intake.put  # committed durable writes answer on the loop

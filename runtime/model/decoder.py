@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .moe import ExpertMlp, load_experts, weight_nbytes
 from .quant import QuantWeight
-from .rope import Rotary
+from .rope import Rotary, rotate_in_place
 from .weights import text_decoder_tensors
 
 Weight = torch.Tensor | QuantWeight  # a dense (transposed) matrix or packed blocks
@@ -298,15 +298,18 @@ class DecoderModel:
         hidden = (c.hidden_size,)
         inter = c.intermediate_size
         T = x.shape[0]
-        h = F.rms_norm(x, hidden, layer.in_norm, eps)
-        qkv = _mm(h, layer.w_qkv_t, layer.b_qkv).view(T, hq + Hkv, D)
+        qkv = _norm_mm(x, layer.in_norm, eps, layer.w_qkv_t, layer.b_qkv).view(T, hq + Hkv, D)
         qk = qkv[:, :hq]
-        if layer.qk_norm is not None:
-            qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
-        if self.rotary.partial:
-            qk = self.rotary.apply(qk, cos, sin)
+        if (isinstance(layer.w_qkv_t, QuantWeight) and not self.rotary.partial
+                and rotate_in_place(qkv, hq, cos, sin, layer.qk_norm, eps)):  # fmt: skip
+            pass  # (the C kernel's: q and k rotated in qkv's own rows)
         else:
-            qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)
+            if layer.qk_norm is not None:
+                qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
+            if self.rotary.partial:
+                qk = self.rotary.apply(qk, cos, sin)
+            else:
+                qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)
         o = attn.forward(i, qk[:, :H], qk[:, H:], qkv[:, hq:])
         if layer.attn_out_norm is not None:
             x = x + F.rms_norm(self._proj(o, layer.w_o_t, layer.b_o), hidden, layer.attn_out_norm, eps)
@@ -314,10 +317,9 @@ class DecoderModel:
             x = self.add_out_proj(x, o, layer.w_o_t)
             if layer.b_o is not None:
                 x = x + layer.b_o
-        h = F.rms_norm(x, hidden, layer.post_norm, eps)
         if layer.moe is not None:
-            return self.add_experts(x, h, layer.moe)
-        gu = _mm(h, layer.w_gu_t, layer.b_gu)
+            return self.add_experts(x, F.rms_norm(x, hidden, layer.post_norm, eps), layer.moe)
+        gu = _norm_mm(x, layer.post_norm, eps, layer.w_gu_t, layer.b_gu)
         if (self.config.variations.mlp_act == "silu" and layer.mlp_out_norm is None
                 and self.add_out_proj is _add_mm and isinstance(layer.w_down_t, QuantWeight)):
             x = layer.w_down_t.matmul_glu(gu, out=x, accumulate=True)  # SiLU x up formed in the kernel
@@ -365,6 +367,15 @@ def _mm(x: torch.Tensor, w_t: Weight, bias: torch.Tensor | None) -> torch.Tensor
     if isinstance(w_t, QuantWeight):
         return w_t.matmul(x, bias)
     return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+
+
+def _norm_mm(x: torch.Tensor, norm_w: torch.Tensor | None, eps: float, w_t: Weight,
+             bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """`rms_norm(x) @ w_t (+ bias)`; quantized weights norm the rows as they quantize them
+    (a prefill's: `QuantWeight.matmul_norm`)."""
+    if isinstance(w_t, QuantWeight) and norm_w is not None:
+        return w_t.matmul_norm(x, norm_w, eps, bias)
+    return _mm(F.rms_norm(x, (x.shape[-1],), norm_w, eps), w_t, bias)
 
 
 def _add_mm(x: torch.Tensor, a: torch.Tensor, w_t: Weight) -> torch.Tensor:

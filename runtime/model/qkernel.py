@@ -32,7 +32,8 @@ from .gguf_convert import cache_root
 log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
-SOURCES = tuple(KERNEL_DIR / n for n in ("qmatmul.c", "gemm8.c", "decode.c", "moe_step.c", "attend.c"))
+SOURCES = tuple(KERNEL_DIR / n for n in ("qmatmul.c", "gemm8.c", "decode.c", "moe_step.c", "attend.c",
+                                         "rotary.c"))
 HEADERS = tuple(KERNEL_DIR / n for n in ("common.h", "team.h", "vec.h", "moe_step.h"))
 _BASE = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 CFLAGS = ("-march=native", *_BASE)
@@ -108,6 +109,8 @@ class Kernel:
         self.q_matmul_rows = fn("q_matmul_rows", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp, i64])
         # (silu(gate) * up) @ W^T, the rows [gate | up] (int8 activations: a prefill's MLP)
         self.q_gemm8_glu = fn("q_gemm8_glu", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp])
+        # rms_norm(x) @ W^T, the rows' norm formed as they are quantized (a prefill's norms)
+        self.q_gemm8_norm = fn("q_gemm8_norm", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp, f32, vp])
         self.q_matmul_scratch_bytes = fn("q_matmul_scratch_bytes", [i64, i64], i64)
         self.q_matmul_scratch_bytes8 = fn("q_matmul_scratch_bytes8", [i64, i64, c_int], i64)
         self.gemm8_min_rows = int(fn("q_gemm8_min_rows", [], i64)())  # from here: int8 activations
@@ -116,6 +119,8 @@ class Kernel:
         self.attend_supported = bool(fn("attend_supported", [], c_int)())
         self.attend_prefill = fn("attend_prefill", [vp, i64, i64, i64, i64, i64, vp, vp, i64, i64, c_int, vp,
                                                     i64, i64, i64, f32, vp], c_int)  # fmt: skip
+        # a prefill's q / k heads rotated in place (rotary.c; 0: head dim not supported)
+        self.rope_rows = fn("rope_rows", [vp, i64, i64, i64, i64, vp, vp, i64, vp, f32], c_int)
         self.block_elems = fn("block_elems", [c_int], c_int)
         self.q_tiled_bytes = fn("q_tiled_bytes", [c_int, i64, i64], i64)
         self.q_pack = fn("q_pack", [vp, c_int, i64, i64, vp])

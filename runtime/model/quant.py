@@ -244,6 +244,18 @@ class QuantWeight:
             return _rows_product(act, self.desc(), self.rows, c, None, out, accumulate)
         return _rows_product(gu, self.desc(), self.rows, c, None, out, accumulate, glu=True)  # (checks gu)
 
+    def matmul_norm(self, x: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """`rms_norm(x, norm_w, eps) @ W.T (+ bias)` for float32 `x [M, cols]` (a layer's
+        input norm and the projection after it). From `GEMM8_MIN_ROWS` rows the kernel
+        norms each row as it quantizes it (no normed `[M, cols]` copy, no torch norm);
+        fewer rows take torch's norm."""
+        c = self.cols
+        if (x.shape[0] < GEMM8_MIN_ROWS or norm_w.dtype != torch.float32 or norm_w.shape != (c,)
+                or not norm_w.is_contiguous()):  # fmt: skip
+            return self.matmul(torch.nn.functional.rms_norm(x, (c,), norm_w, eps), bias)
+        return _rows_product(x, self.desc(), self.rows, c, bias, norm=(norm_w, eps))
+
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 weights: all rows `[rows, cols]`, or the rows listed in `rows` (int64)."""
         if self.parts is not None:
@@ -305,10 +317,13 @@ def matmul_stacked(x: torch.Tensor, weights: list[QuantWeight]) -> torch.Tensor:
 
 def _rows_product(x: torch.Tensor, desc: torch.Tensor, rows: int, cols: int,
                   bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  accumulate: bool = False, glu: bool = False) -> torch.Tensor:  # fmt: skip
+                  accumulate: bool = False, glu: bool = False,
+                  norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:  # fmt: skip
     """The kernel's product of float32 `x [M, cols]` with the matrix `desc` describes
     (`QuantWeight.desc`: runs of packed rows, `rows` in all); with `glu`, of
-    `silu(x[:, :cols]) * x[:, cols:]` for `x [M, 2 cols]`, int8 activations (q_gemm8_glu)."""
+    `silu(x[:, :cols]) * x[:, cols:]` for `x [M, 2 cols]`, int8 activations (q_gemm8_glu);
+    with `norm` (weight [cols] float32, eps), of `rms_norm(x)`, int8 activations
+    (q_gemm8_norm)."""
     width = 2 * cols if glu else cols
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"expected float32 [M, {width}] input, got {x.dtype} {tuple(x.shape)}")
@@ -322,7 +337,13 @@ def _rows_product(x: torch.Tensor, desc: torch.Tensor, rows: int, cols: int,
     if m == 0:
         return out
     k, min8 = kernel(), GEMM8_MIN_ROWS
-    scratch = torch.empty(k.q_matmul_scratch_bytes8(m, cols, int(glu or m >= min8)), dtype=torch.uint8)
+    int8 = glu or norm is not None or m >= min8
+    scratch = torch.empty(k.q_matmul_scratch_bytes8(m, cols, int(int8)), dtype=torch.uint8)
+    if norm is not None:
+        k.q_gemm8_norm(x.data_ptr(), m, x.stride(0), cols, desc.data_ptr(), desc.shape[0], out.data_ptr(),
+                       out.stride(0), None if bias is None else bias.data_ptr(), int(accumulate),
+                       norm[0].data_ptr(), float(norm[1]), scratch.data_ptr())  # fmt: skip
+        return out
     if glu:
         k.q_gemm8_glu(x.data_ptr(), m, x.stride(0), cols, desc.data_ptr(), desc.shape[0], out.data_ptr(),
                       out.stride(0), None if bias is None else bias.data_ptr(), int(accumulate),

@@ -148,3 +148,25 @@ class Rotary:
         rot = x[..., : self.dim]
         turned = torch.addcmul(rot * cos, rot.roll(self.half, -1), sin_signed)
         return torch.cat([turned, x[..., self.dim :]], -1)
+
+
+def rotate_in_place(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin_signed: torch.Tensor,
+                    qk_norm: torch.Tensor | None = None, eps: float = 0.0) -> bool:
+    """Rotate the first `heads` heads of a CPU float32 `qkv [T, all heads, D]` in place with
+    the C kernel (kernels/rotary.c), each head first RMS-normed times its row of `qk_norm`
+    (`[heads, D]`) when given: what `Rotary.apply` (after the q/k norm) computes, without
+    its three `[T, heads, D]` temporaries. False (nothing done) where the kernel does not
+    take these tensors (full rotation only: the caller checks `Rotary.partial`)."""
+    from .qkernel import kernel
+
+    T, _, D = qkv.shape
+    if (qkv.device.type != "cpu" or qkv.dtype != torch.float32 or qkv.stride(2) != 1 or qkv.stride(1) != D
+            or cos.dtype != torch.float32 or sin_signed.dtype != torch.float32 or cos.shape != (T, 1, D)
+            or sin_signed.shape != (T, 1, D) or not cos.is_contiguous() or not sin_signed.is_contiguous()):  # fmt: skip
+        return False
+    if qk_norm is not None and (qk_norm.dtype != torch.float32 or qk_norm.shape != (heads, D)
+                                or not qk_norm.is_contiguous()):  # fmt: skip
+        return False
+    norm_ptr = None if qk_norm is None else qk_norm.data_ptr()
+    return bool(kernel().rope_rows(qkv.data_ptr(), T, qkv.stride(0), heads, D, cos.data_ptr(),
+                                   sin_signed.data_ptr(), D, norm_ptr, float(eps)))  # fmt: skip

@@ -285,6 +285,35 @@ def test_glu_product_is_the_down_projection_of_silu_gate_times_up(name):
         w.matmul_glu(gu[:, :cols])
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0"])
+def test_norm_product_is_the_projection_of_the_rms_normed_rows(name):
+    """`matmul_norm(x, norm_w, eps)` is `rms_norm(x, norm_w, eps) @ W.T`: from
+    GEMM8_MIN_ROWS rows the kernel norms each row as it quantizes it (its own float32 sum
+    of squares, in another order than torch's: an int8 code may differ by one, so within
+    one step per value of the int8 product of torch's normed rows); row for row, whatever
+    rows share the call; fewer rows take torch's norm through the same product, bit for
+    bit; a bias is added last, bit for bit."""
+    qtype = QTYPES[name]
+    cols = 768 if BLOCK_ELEMS[qtype] == 256 else 576
+    w = random_blocks(72, cols, qtype, seed=19)
+    g = torch.Generator().manual_seed(19)
+    x = torch.randn(90, cols, generator=g) * 5
+    x[:, 7] = 80.0  # an outlier channel (a residual stream's): a hot block in every row
+    norm_w = torch.rand(cols, generator=g) + 0.5
+    h = torch.nn.functional.rms_norm(x, (cols,), norm_w, 1e-5)
+    step = h.double().reshape(90, -1, 32).abs().amax(-1) / 127  # one int8 step a block
+    bound = step.repeat_interleave(32, 1) @ reference(w).abs().t()
+    got = w.matmul_norm(x, norm_w, 1e-5)
+    assert (got.double() - w.matmul(h).double()).abs().le(bound + 1e-5).all()
+    assert (got.double() - h.double() @ reference(w).t()).abs().le(2 * bound + 1e-5).all()
+    assert torch.equal(w.matmul_norm(x[20:], norm_w, 1e-5), got[20:])
+    assert torch.equal(w.matmul_norm(x[:5], norm_w, 1e-5), w.matmul(h[:5]))  # below GEMM8_MIN_ROWS
+    bias = torch.randn(72, generator=g)
+    assert torch.equal(w.matmul_norm(x, norm_w, 1e-5, bias), got + bias)
+    far = w.matmul_norm(x * 1e3, norm_w, 1e-5)  # a norm's output does not depend on the scale
+    assert (far.double() - got.double()).abs().le(bound + 1e-5).all()
+
+
 def test_the_reference_takes_the_kernels_hot_threshold():
     """int8_activations (the reference) marks hot blocks at the kernel's own threshold."""
     assert qkernel.kernel().gemm8_hot_rms == HOT_RMS
@@ -561,3 +590,28 @@ def test_quantize_error_bound(qtype, levels):
         step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)) / levels
     err = (ref.reshape(64, 4, 32) - blocks).abs()
     assert err.le(step * 0.5 * (1 + 2e-3) + blocks.abs() * 1e-3 + 1e-7).all()
+
+
+@pytest.mark.parametrize("build", sorted(_builds()))
+def test_every_build_norms_rows_as_torch(build):
+    """Each build's normed product (q_gemm8_norm) matches its plain int8 product of torch's
+    normed rows within one int8 step per value."""
+    kern = qkernel.load(qkernel.build(cflags=_builds()[build]))
+    w = random_blocks(40, 768, Q4_K, seed=23)
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(70, 768, generator=g) * 3
+    norm_w = torch.rand(768, generator=g) + 0.5
+    h = torch.nn.functional.rms_norm(x, (768,), norm_w, 1e-6)
+    plain, _ = kernel_product(kern, h, w)
+    tiles = torch.empty(kern.q_tiled_bytes(w.qtype, 40, 768), dtype=torch.uint8)  # packed by this build
+    blocks = w.blocks  # (a copy out of the packed tiles: held while q_pack reads it)
+    rowptr = blocks.data_ptr() + torch.arange(40, dtype=torch.int64) * w.row_bytes
+    kern.q_pack(rowptr.data_ptr(), w.qtype, 768, 40, tiles.data_ptr())
+    desc = torch.tensor([[40, w.qtype, tiles.data_ptr()]], dtype=torch.int64)
+    normed = torch.empty(70, 40)
+    scratch = torch.empty(kern.q_matmul_scratch_bytes8(70, 768, 1), dtype=torch.uint8)
+    kern.q_gemm8_norm(x.data_ptr(), 70, 768, 768, desc.data_ptr(), desc.shape[0], normed.data_ptr(), 40, None, 0,
+                      norm_w.data_ptr(), 1e-6, scratch.data_ptr())  # fmt: skip
+    step = h.double().reshape(70, -1, 32).abs().amax(-1) / 127
+    bound = step.repeat_interleave(32, 1) @ reference(w).abs().t()
+    assert (normed.double() - plain.double()).abs().le(bound + 1e-5).all(), build

@@ -426,11 +426,20 @@ static inline int64_t qmat_rows(qmat w) {
 /* ---------------------------------------------------------- many rows (gemm8.c) */
 
 int64_t gemm8_scratch_bytes(int64_t M, int64_t K);
-/* y[M, N] = x[M, K] @ W^T (+ bias; added to y with accumulate) with int8 activations;
- * with glu, x's rows are [gate K | up K] and the product's input silu(gate) * up (a SwiGLU
- * MLP's down projection: its input formed and quantized row by row, never stored). Must be
- * called outside a parallel region. */
+/* What gemm8 makes of a row of x before it quantizes it (formed row by row, never stored):
+ * the row itself; silu(gate) * up of a row [gate K | up K] (a SwiGLU MLP's down
+ * projection); or the row RMS-normed, times norm_w (a layer's input norm before its
+ * projections). */
+enum { G8_PLAIN, G8_GLU, G8_NORM };
+typedef struct {
+    int kind;
+    const float *norm_w; /* G8_NORM: [K] */
+    float eps;           /* G8_NORM */
+} g8input;
+
+/* y[M, N] = in(x)[M, K] @ W^T (+ bias; added to y with accumulate) with int8 activations.
+ * Must be called outside a parallel region. */
 void gemm8(const float *x, int64_t M, int64_t ldx, int64_t K, qmat w, float *y, int64_t ldy,
-           int accumulate, int glu, void *scratch);
+           int accumulate, g8input in, void *scratch);
 
 #endif

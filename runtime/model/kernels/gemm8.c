@@ -661,7 +661,7 @@ int64_t gemm8_scratch_bytes(int64_t M, int64_t K) {
  * (KC_BLOCKS blocks), per chunk of rows unpacked: every activation row, MB8 at a time.
  * The slices are fixed by K alone, so a row's sums do not depend on M. */
 void gemm8(const float *x, int64_t M, int64_t ldx, int64_t K, qmat w, float *y, int64_t ldy,
-           int accumulate, int glu, void *scratch) {
+           int accumulate, g8input in, void *scratch) {
     uint8_t *base = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     const int64_t nb = K / QK, kc = slice_blocks(K), crows = chunk_rows(kc), ab = a8_bytes(nb);
     const int64_t canon = crows / GR * kc * CB_BYTES;
@@ -671,11 +671,13 @@ void gemm8(const float *x, int64_t M, int64_t ldx, int64_t K, qmat w, float *y, 
 #pragma omp parallel
     {
         uint8_t *buf = canon0 + (int64_t)omp_get_thread_num() * (canon + K * 4 + 64);
-        float *act = (float *)(buf + canon); /* (glu) one row's silu(gate) * up */
+        float *act = (float *)(buf + canon); /* one row's input, unless G8_PLAIN */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++) {
-            if (glu) swiglu(x + i * ldx, x + i * ldx + K, K, act);
-            quantize8(glu ? act : x + i * ldx, K, base + i * ab);
+            const float *xi = x + i * ldx;
+            if (in.kind == G8_GLU) swiglu(xi, xi + K, K, act);
+            else if (in.kind == G8_NORM) rms_norm(xi, in.norm_w, K, in.eps, act);
+            quantize8(in.kind == G8_PLAIN ? xi : act, K, base + i * ab);
         }
 #pragma omp single
         hot_lists(base, M, ab, nb, start, ent);

@@ -820,7 +820,7 @@ void q_matmul_rows(const float *x, int64_t M, int64_t ldx, int64_t K, const int6
                    float *y, int64_t ldy, const float *bias, int accumulate, void *scratch, int64_t min_rows8) {
     const qmat w = {desc, nparts, bias};
     if (M >= min_rows8) {
-        gemm8(x, M, ldx, K, w, y, ldy, accumulate, 0, scratch);
+        gemm8(x, M, ldx, K, w, y, ldy, accumulate, (g8input){G8_PLAIN, NULL, 0.0f}, scratch);
         return;
     }
     qact *acts = (qact *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
@@ -852,7 +852,16 @@ void q_matmul_rows(const float *x, int64_t M, int64_t ldx, int64_t K, const int6
 void q_gemm8_glu(const float *gu, int64_t M, int64_t ldgu, int64_t K, const int64_t *desc, int nparts, float *y,
                  int64_t ldy, const float *bias, int accumulate, void *scratch) {
     const qmat w = {desc, nparts, bias};
-    gemm8(gu, M, ldgu, K, w, y, ldy, accumulate, 1, scratch);
+    gemm8(gu, M, ldgu, K, w, y, ldy, accumulate, (g8input){G8_GLU, NULL, 0.0f}, scratch);
+}
+
+/* y = rms_norm(x) @ W^T (+ bias; accumulate: y +=), rms_norm(x) = x / sqrt(mean(x^2) + eps)
+ * times norm_w [K], int8 activations (a prefill's input norm and the projections after it:
+ * the normed rows formed as they are quantized, never stored). */
+void q_gemm8_norm(const float *x, int64_t M, int64_t ldx, int64_t K, const int64_t *desc, int nparts, float *y,
+                  int64_t ldy, const float *bias, int accumulate, const float *norm_w, float eps, void *scratch) {
+    const qmat w = {desc, nparts, bias};
+    gemm8(x, M, ldx, K, w, y, ldy, accumulate, (g8input){G8_NORM, norm_w, eps}, scratch);
 }
 
 /* q_matmul_rows at the default threshold. */

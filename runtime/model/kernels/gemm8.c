@@ -7,7 +7,8 @@
  * Q4_0's -8, moved into the block's float offset) and
  *   sum_j w_j x_j = ws s sum_j u_j v_j + wo sum_j x_j      (ws, wo: the block's scale and
  *                                                          offset, sum x exact),
- * per 16 codes for Q6_K (its scales are per 16). int8 activations hold x to within s / 2 =
+ * per 16 codes for Q6_K (its scales are per 16; its offset, -32 a code, subtracted from
+ * the integer sums: 32 sum_j v_j per half, no float offset). int8 activations hold x to within s / 2 =
  * max|x| / 254 of its block, so these products are not float32's: the accuracy is
  * measured (benchmarks/bench_quant_accuracy.py: perplexity and top-1 agreement against
  * the float32-dequantized model), not exact.
@@ -67,7 +68,7 @@
 
 #define QUAD_BYTES (4 * GR)                  /* one quad (4 codes) of a group's rows */
 #define CB_CODES (8 * QUAD_BYTES)            /* codes of one block of 32 of a group */
-#define CB_BYTES (CB_CODES + 4 * GR * 4)     /* + ws, ws2, wo, wo2 (float [GR] each) */
+#define CB_BYTES (CB_CODES + 4 * GR * 4)     /* + ws, ws2 (Q6_K), wo, one unused (float [GR] each) */
 #define CHUNK_BYTES (256 << 10)              /* canonical bytes a thread unpacks at a time */
 
 /* Whether a type's codes stay signed in the canonical form (Q8_0 without VNNI). */
@@ -119,8 +120,9 @@ static inline int code_bias(int qtype) {
 float gemm8_hot_rms(void) { return HOT_RMS; }
 
 /* One quantized activation row of nb blocks, in a8_bytes(nb) bytes: v [2 nb blocks of 32]
- * int8 (its blocks, then its hot blocks' second digits), per block of v {s, s sum v, s
- * times the sum of v over codes 0..15, over 16..31}, the hot blocks' count and list. */
+ * int8 (its blocks, then its hot blocks' second digits), per block of v {s, s sum v, and
+ * as int32 32 times the sum of v over codes 0..15, over 16..31}, the hot blocks' count and
+ * list. */
 static inline int64_t a8_v(int64_t nb) { return (2 * QK * nb + 63) / 64 * 64; }
 static inline int64_t a8_bytes(int64_t nb) { return a8_v(nb) + 2 * nb * 16 + 4 * nb + 64; }
 
@@ -176,8 +178,8 @@ static void quantize8_block(const float *xb, float amax, int8_t *v, float *sc) {
 #endif
     sc[0] = s;
     sc[1] = s * (float)(sa + sb);
-    sc[2] = s * (float)sa;
-    sc[3] = s * (float)sb;
+    const int32_t off[2] = {32 * sa, 32 * sb}; /* Q6_K's -32 per code, in integers (block_mb) */
+    memcpy(sc + 2, off, sizeof(off));
 }
 
 /* sum of x[j]^2 over K (a multiple of 32) */
@@ -226,7 +228,7 @@ typedef struct {
     int64_t b0, b1, nb;
 } kslice;
 
-/* Block b of a group at `g`: its codes, and its float vectors (ws, ws2, wo, wo2). */
+/* Block b of a group at `g`: its codes, and its float vectors (ws, ws2, wo). */
 static inline uint8_t *cblock(uint8_t *g, int64_t b) { return g + b * CB_BYTES; }
 static inline float *cfloats(uint8_t *g, int64_t b, int which) {
     return (float *)(cblock(g, b) + CB_CODES) + which * GR;
@@ -304,8 +306,7 @@ static void unpack_tile_block(const uint8_t *tb, int qtype, uint8_t *g, int64_t 
             for (int half = 0; half < 2; half++) {
                 const __m128i sc8 = _mm_loadl_epi64((const __m128i *)(tb + Q6_K_SCALES + TILE * (2 * b + half)));
                 const __m256 ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
-                put_floats(g, b0 + b, half, row0, ws);
-                put_floats(g, b0 + b, 2 + half, row0, _mm256_mul_ps(ws, _mm256_set1_ps(-bias)));
+                put_floats(g, b0 + b, half, row0, ws); /* (its offset: in integers, block_mb) */
             }
         return;
     }
@@ -337,8 +338,7 @@ static void unpack_tile_block(const uint8_t *tb, int qtype, uint8_t *g, int64_t 
             const float ws = tile_scale(tb, qtype, r, b, 0), ws2 = tile_scale(tb, qtype, r, b, 1);
             cfloats(g, b0 + b, 0)[row0 + r] = ws;
             cfloats(g, b0 + b, 1)[row0 + r] = ws2;
-            cfloats(g, b0 + b, 2)[row0 + r] = tile_offset(tb, qtype, r, b) - (float)bias * ws;
-            cfloats(g, b0 + b, 3)[row0 + r] = -(float)bias * ws2;
+            cfloats(g, b0 + b, 2)[row0 + r] = tile_offset(tb, qtype, r, b) - (float)bias * ws; /* (not Q6_K's) */
         }
 }
 #endif
@@ -377,6 +377,7 @@ typedef __m512 vflt;
 #define V_LOAD_I(p) _mm512_loadu_si512((const void *)(p))
 #define V_LOAD_F(p) _mm512_loadu_ps(p)
 #define V_SET1_I(x) _mm512_set1_epi32(x)
+#define V_SUB_I(a, b) _mm512_sub_epi32(a, b)
 #define V_SET1_F(x) _mm512_set1_ps(x)
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define V_MUL(a, b) _mm512_mul_ps(a, b)
@@ -392,6 +393,7 @@ typedef __m256 vflt;
 #define V_LOAD_I(p) _mm256_loadu_si256((const __m256i *)(p))
 #define V_LOAD_F(p) _mm256_loadu_ps(p)
 #define V_SET1_I(x) _mm256_set1_epi32(x)
+#define V_SUB_I(a, b) _mm256_sub_epi32(a, b)
 #define V_SET1_F(x) _mm256_set1_ps(x)
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define V_MUL(a, b) _mm256_mul_ps(a, b)
@@ -442,21 +444,23 @@ block_mb(const uint8_t *cb, int64_t gstride, const int NG, const int MB, const i
                 }
             }
         }
+        if (halves) /* Q6_K: its unsigned codes' 32 x the half's sum of v, subtracted in integers */
+            UNROLL for (int i = 0; i < MB; i++) {
+                int32_t off;
+                memcpy(&off, xs[i] + 2 + h, 4);
+                const vint o = V_SET1_I(off);
+                UNROLL for (int k = 0; k < NG; k++) acc[k][i] = V_SUB_I(acc[k][i], o);
+            }
         UNROLL for (int k = 0; k < NG; k++) {
             const vflt ws = V_LOAD_F((const float *)(cb + k * gstride + CB_CODES) + h * GR);
             UNROLL for (int i = 0; i < MB; i++) f[k][i] = V_FMA(V_CVT(acc[k][i]), V_MUL(ws, V_SET1_F(xs[i][0])), f[k][i]);
         }
     }
-    UNROLL for (int k = 0; k < NG; k++) {
-        const float *fl = (const float *)(cb + k * gstride + CB_CODES);
-        if (halves) {
-            const vflt wo = V_LOAD_F(fl + 2 * GR), wo2 = V_LOAD_F(fl + 3 * GR);
-            UNROLL for (int i = 0; i < MB; i++) f[k][i] = V_FMA(wo2, V_SET1_F(xs[i][3]), V_FMA(wo, V_SET1_F(xs[i][2]), f[k][i]));
-        } else {
-            const vflt wo = V_LOAD_F(fl + 2 * GR);
+    if (!halves)
+        UNROLL for (int k = 0; k < NG; k++) {
+            const vflt wo = V_LOAD_F((const float *)(cb + k * gstride + CB_CODES) + 2 * GR);
             UNROLL for (int i = 0; i < MB; i++) f[k][i] = V_FMA(wo, V_SET1_F(xs[i][1]), f[k][i]);
         }
-    }
 }
 
 /* y[i, n0 .. n0 + rows) for MB activation rows over NG groups' canonical blocks (group k's
@@ -496,6 +500,20 @@ micro(const uint8_t *g, int64_t gstride, const int NG, kslice ks, const arow *rw
 static inline __attribute__((always_inline)) void
 hot_mb(const uint8_t *cb, int64_t gstride, int64_t groups, const int MB, const int halves, const int sgn,
        const int8_t *const *xv, const float *const *xs, float *const *yrow, int64_t n0, int rows) {
+    if (rows == groups * GR && groups % NG8 == 0) { /* whole groups (every chunk but a part's last) */
+        float *yo[MB8];
+        UNROLL for (int i = 0; i < MB; i++) yo[i] = yrow[i] + n0;
+        for (int64_t gi = 0; gi < groups; gi += NG8) {
+            vflt f[NG8][MB8];
+            UNROLL for (int k = 0; k < NG8; k++) UNROLL for (int i = 0; i < MB; i++) f[k][i] = V_ZERO_F();
+            block_mb(cb + gi * gstride, gstride, NG8, MB, halves, sgn, xv, xs, f);
+            UNROLL for (int i = 0; i < MB; i++) UNROLL for (int k = 0; k < NG8; k++) {
+                float *o = yo[i] + (gi + k) * GR;
+                V_STORE_F(o, V_ADD(V_LOAD_F(o), f[k][i]));
+            }
+        }
+        return;
+    }
     for (int64_t gi = 0; gi < groups;) {
         const int one = groups - gi < NG8; /* NG8 groups, or the last odd one alone */
         vflt f[NG8][MB8];
@@ -525,9 +543,11 @@ static float block_dot(const uint8_t *cb, int r, const int8_t *xv, const float *
     const float *fl = (const float *)(cb + CB_CODES);
     int32_t dot[2] = {0, 0};
     for (int j = 0; j < QK; j++) dot[j / 16] += cb[(j / 4) * QUAD_BYTES + 4 * r + j % 4] * xv[j];
-    if (qtype == Q6_K)
-        return (float)dot[0] * (fl[r] * xs[0]) + (float)dot[1] * (fl[GR + r] * xs[0]) + fl[2 * GR + r] * xs[2] +
-               fl[3 * GR + r] * xs[3];
+    if (qtype == Q6_K) {
+        int32_t off[2];
+        memcpy(off, xs + 2, sizeof(off));
+        return (float)(dot[0] - off[0]) * (fl[r] * xs[0]) + (float)(dot[1] - off[1]) * (fl[GR + r] * xs[0]);
+    }
     return (float)(dot[0] + dot[1]) * (fl[r] * xs[0]) + fl[2 * GR + r] * xs[1];
 }
 #endif

@@ -3,8 +3,10 @@
 float32, for every weight format on one model, and for the GGUF block types people
 download (the same model requantized by llama.cpp's llama-quantize).
 
-- perplexity: the model's own next-token loss over a fixed text (this repository's
-  README.md by default, up to --max-tokens tokens), one prefill with all logits (a
+- perplexity: the model's own next-token loss over a fixed text (by default
+  benchmarks/data/accuracy_text.md: this repository's README.md as of 2026-12-05, the text
+  every earlier row was measured on, kept apart so that editing the README no longer moves
+  the figures: ~1% of its positions are near ties; up to --max-tokens tokens), one prefill with all logits (a
   prefill's products take int8 activations: kernels/gemm8.c), and its change against the
   float32 reference;
 - top-1 agreement on the text: the share of the text's positions whose argmax equals
@@ -53,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requantize", default="Q4_K_M,Q5_K_M,Q6_K,Q5_0,Q5_1",
                    help="also these types of the model's GGUF, by llama-quantize ('' for none)")
     p.add_argument("--jobs", type=int, default=1, help="parallel jobs if llama-quantize is built")
-    p.add_argument("--text", default=str(Path(__file__).resolve().parent.parent / "README.md"))
+    p.add_argument("--text", default=str(Path(__file__).resolve().parent / "data" / "accuracy_text.md"))
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", default=str(Path(__file__).with_name("results_quant.md")))

@@ -322,7 +322,7 @@ def _rows_product(x: torch.Tensor, desc: torch.Tensor, rows: int, cols: int,
     """The kernel's product of float32 `x [M, cols]` with the matrix `desc` describes
     (`QuantWeight.desc`: runs of packed rows, `rows` in all); with `glu`, of
     `silu(x[:, :cols]) * x[:, cols:]` for `x [M, 2 cols]`, int8 activations (q_gemm8_glu);
-    with `norm` (weight [cols] float32, eps), of `rms_norm(x)`, int8 activations
+    with `norm` (weight [cols] float32, eps), of x RMS-normed (`F.rms_norm`), int8 activations
     (q_gemm8_norm)."""
     width = 2 * cols if glu else cols
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != width:

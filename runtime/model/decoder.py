@@ -300,10 +300,10 @@ class DecoderModel:
         T = x.shape[0]
         qkv = _norm_mm(x, layer.in_norm, eps, layer.w_qkv_t, layer.b_qkv).view(T, hq + Hkv, D)
         qk = qkv[:, :hq]
-        if (isinstance(layer.w_qkv_t, QuantWeight) and not self.rotary.partial
-                and rotate_in_place(qkv, hq, cos, sin, layer.qk_norm, eps)):  # fmt: skip
-            pass  # (the C kernel's: q and k rotated in qkv's own rows)
-        else:
+        # quantized weights (CPU): q and k rotated in qkv's own rows by the C kernel
+        rotated = (isinstance(layer.w_qkv_t, QuantWeight) and not self.rotary.partial
+                   and rotate_in_place(qkv, hq, cos, sin, layer.qk_norm, eps))  # fmt: skip
+        if not rotated:
             if layer.qk_norm is not None:
                 qk = F.rms_norm(qk, (D,), None, eps) * layer.qk_norm
             if self.rotary.partial:

@@ -89,6 +89,9 @@ def build(verbose: bool = False, cflags: tuple[str, ...] = CFLAGS,
     return target
 
 
+G8_PLAIN, G8_GLU, G8_NORM = 0, 1, 2  # q_gemm8_input's kinds (kernels/common.h, g8input)
+
+
 class Kernel:
     """Typed entry points of the loaded library (pointers passed as ints)."""
 
@@ -107,10 +110,10 @@ class Kernel:
         self.q_matmul_parts = fn("q_matmul_parts", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp])
         # ... with the rows from which activations are int8 (gemm8.c) as the last argument
         self.q_matmul_rows = fn("q_matmul_rows", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp, i64])
-        # (silu(gate) * up) @ W^T, the rows [gate | up] (int8 activations: a prefill's MLP)
-        self.q_gemm8_glu = fn("q_gemm8_glu", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp])
-        # rms_norm(x) @ W^T, the rows' norm formed as they are quantized (a prefill's norms)
-        self.q_gemm8_norm = fn("q_gemm8_norm", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, vp, f32, vp])
+        # in(x) @ W^T with int8 activations, in() formed as each row is quantized: G8_GLU
+        # (rows [gate | up]: silu(gate) * up, a prefill's MLP), G8_NORM (RMS norm times a weight)
+        self.q_gemm8_input = fn("q_gemm8_input", [vp, i64, i64, i64, vp, c_int, vp, i64, vp, c_int, c_int, vp,
+                                                  f32, vp])  # fmt: skip
         self.q_matmul_scratch_bytes = fn("q_matmul_scratch_bytes", [i64, i64], i64)
         self.q_matmul_scratch_bytes8 = fn("q_matmul_scratch_bytes8", [i64, i64, c_int], i64)
         self.gemm8_min_rows = int(fn("q_gemm8_min_rows", [], i64)())  # from here: int8 activations

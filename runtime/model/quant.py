@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .qkernel import kernel
+from .qkernel import G8_GLU, G8_NORM, kernel
 
 # GGML type codes (as in GGUF) the kernel multiplies, with their blocks' weights and bytes.
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
@@ -321,9 +321,9 @@ def _rows_product(x: torch.Tensor, desc: torch.Tensor, rows: int, cols: int,
                   norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:  # fmt: skip
     """The kernel's product of float32 `x [M, cols]` with the matrix `desc` describes
     (`QuantWeight.desc`: runs of packed rows, `rows` in all); with `glu`, of
-    `silu(x[:, :cols]) * x[:, cols:]` for `x [M, 2 cols]`, int8 activations (q_gemm8_glu);
-    with `norm` (weight [cols] float32, eps), of x RMS-normed (`F.rms_norm`), int8 activations
-    (q_gemm8_norm)."""
+    `silu(x[:, :cols]) * x[:, cols:]` for `x [M, 2 cols]`; with `norm` (weight [cols]
+    float32, eps), of x RMS-normed (`F.rms_norm`); either with int8 activations whatever M
+    (q_gemm8_input)."""
     width = 2 * cols if glu else cols
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != width:
         raise ValueError(f"expected float32 [M, {width}] input, got {x.dtype} {tuple(x.shape)}")
@@ -339,15 +339,11 @@ def _rows_product(x: torch.Tensor, desc: torch.Tensor, rows: int, cols: int,
     k, min8 = kernel(), GEMM8_MIN_ROWS
     int8 = glu or norm is not None or m >= min8
     scratch = torch.empty(k.q_matmul_scratch_bytes8(m, cols, int(int8)), dtype=torch.uint8)
-    if norm is not None:
-        k.q_gemm8_norm(x.data_ptr(), m, x.stride(0), cols, desc.data_ptr(), desc.shape[0], out.data_ptr(),
-                       out.stride(0), None if bias is None else bias.data_ptr(), int(accumulate),
-                       norm[0].data_ptr(), float(norm[1]), scratch.data_ptr())  # fmt: skip
-        return out
-    if glu:
-        k.q_gemm8_glu(x.data_ptr(), m, x.stride(0), cols, desc.data_ptr(), desc.shape[0], out.data_ptr(),
-                      out.stride(0), None if bias is None else bias.data_ptr(), int(accumulate),
-                      scratch.data_ptr())  # fmt: skip
+    if glu or norm is not None:
+        kind, norm_w, eps = (G8_GLU, None, 0.0) if glu else (G8_NORM, norm[0].data_ptr(), float(norm[1]))
+        k.q_gemm8_input(x.data_ptr(), m, x.stride(0), cols, desc.data_ptr(), desc.shape[0], out.data_ptr(),
+                        out.stride(0), None if bias is None else bias.data_ptr(), int(accumulate), kind, norm_w,
+                        eps, scratch.data_ptr())  # fmt: skip
         return out
     k.q_matmul_rows(
         x.data_ptr(), m, x.stride(0), cols, desc.data_ptr(), desc.shape[0],

@@ -21,6 +21,7 @@ import math
 import torch
 
 from .config import RopeConfig
+from .qkernel import kernel
 
 
 def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
@@ -157,8 +158,6 @@ def rotate_in_place(qkv: torch.Tensor, heads: int, cos: torch.Tensor, sin_signed
     (`[heads, D]`) when given: what `Rotary.apply` (after the q/k norm) computes, without
     its three `[T, heads, D]` temporaries. False (nothing done) where the kernel does not
     take these tensors (full rotation only: the caller checks `Rotary.partial`)."""
-    from .qkernel import kernel
-
     T, _, D = qkv.shape
     if (qkv.device.type != "cpu" or qkv.dtype != torch.float32 or qkv.stride(2) != 1 or qkv.stride(1) != D
             or cos.dtype != torch.float32 or sin_signed.dtype != torch.float32 or cos.shape != (T, 1, D)

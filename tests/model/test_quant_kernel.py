@@ -594,7 +594,7 @@ def test_quantize_error_bound(qtype, levels):
 
 @pytest.mark.parametrize("build", sorted(_builds()))
 def test_every_build_norms_rows_as_torch(build):
-    """Each build's normed product (q_gemm8_norm) matches its plain int8 product of torch's
+    """Each build's normed product (q_gemm8_input, G8_NORM) matches its plain int8 product of torch's
     normed rows within one int8 step per value."""
     kern = qkernel.load(qkernel.build(cflags=_builds()[build]))
     w = random_blocks(40, 768, Q4_K, seed=23)
@@ -610,8 +610,8 @@ def test_every_build_norms_rows_as_torch(build):
     desc = torch.tensor([[40, w.qtype, tiles.data_ptr()]], dtype=torch.int64)
     normed = torch.empty(70, 40)
     scratch = torch.empty(kern.q_matmul_scratch_bytes8(70, 768, 1), dtype=torch.uint8)
-    kern.q_gemm8_norm(x.data_ptr(), 70, 768, 768, desc.data_ptr(), desc.shape[0], normed.data_ptr(), 40, None, 0,
-                      norm_w.data_ptr(), 1e-6, scratch.data_ptr())  # fmt: skip
+    kern.q_gemm8_input(x.data_ptr(), 70, 768, 768, desc.data_ptr(), desc.shape[0], normed.data_ptr(), 40, None, 0,
+                       qkernel.G8_NORM, norm_w.data_ptr(), 1e-6, scratch.data_ptr())  # fmt: skip
     step = h.double().reshape(70, -1, 32).abs().amax(-1) / 127
     bound = step.repeat_interleave(32, 1) @ reference(w).abs().t()
     assert (normed.double() - plain.double()).abs().le(bound + 1e-5).all(), build

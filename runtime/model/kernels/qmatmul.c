@@ -846,22 +846,17 @@ void q_matmul_rows(const float *x, int64_t M, int64_t ldx, int64_t K, const int6
     }
 }
 
-/* y = (silu(gu[:, :K]) * gu[:, K:2K]) @ W^T (+ bias; accumulate: added to y), W as in
- * q_matmul_rows, int8 activations whatever M (gemm8 with glu). `scratch`: at least
+/* y = in(x) @ W^T (+ bias; accumulate: added to y), W as in q_matmul_rows, int8
+ * activations whatever M, in(x) per `kind` (common.h, g8input): G8_GLU, rows [gate K | up
+ * K] as silu(gate) * up (a SwiGLU MLP's down projection); G8_NORM, x / sqrt(mean(x^2) +
+ * eps) times norm_w [K] (a layer's input norm and the projections after it); G8_PLAIN, x.
+ * The input is formed row by row as it is quantized, never stored. `scratch`: at least
  * gemm8_scratch_bytes(M, K) bytes. */
-void q_gemm8_glu(const float *gu, int64_t M, int64_t ldgu, int64_t K, const int64_t *desc, int nparts, float *y,
-                 int64_t ldy, const float *bias, int accumulate, void *scratch) {
+void q_gemm8_input(const float *x, int64_t M, int64_t ldx, int64_t K, const int64_t *desc, int nparts, float *y,
+                   int64_t ldy, const float *bias, int accumulate, int kind, const float *norm_w, float eps,
+                   void *scratch) {
     const qmat w = {desc, nparts, bias};
-    gemm8(gu, M, ldgu, K, w, y, ldy, accumulate, (g8input){G8_GLU, NULL, 0.0f}, scratch);
-}
-
-/* y = rms_norm(x) @ W^T (+ bias; accumulate: y +=), rms_norm(x) = x / sqrt(mean(x^2) + eps)
- * times norm_w [K], int8 activations (a prefill's input norm and the projections after it:
- * the normed rows formed as they are quantized, never stored). */
-void q_gemm8_norm(const float *x, int64_t M, int64_t ldx, int64_t K, const int64_t *desc, int nparts, float *y,
-                  int64_t ldy, const float *bias, int accumulate, const float *norm_w, float eps, void *scratch) {
-    const qmat w = {desc, nparts, bias};
-    gemm8(x, M, ldx, K, w, y, ldy, accumulate, (g8input){G8_NORM, norm_w, eps}, scratch);
+    gemm8(x, M, ldx, K, w, y, ldy, accumulate, (g8input){kind, norm_w, eps}, scratch);
 }
 
 /* q_matmul_rows at the default threshold. */

@@ -117,7 +117,9 @@ class Kernel:
         self.q_matmul_scratch_bytes = fn("q_matmul_scratch_bytes", [i64, i64], i64)
         self.q_matmul_scratch_bytes8 = fn("q_matmul_scratch_bytes8", [i64, i64, c_int], i64)
         self.gemm8_min_rows = int(fn("q_gemm8_min_rows", [], i64)())  # from here: int8 activations
-        self.gemm8_hot_rms = float(fn("gemm8_hot_rms", [], f32)())  # second digits above
+        outlier_rms = fn("gemm8_outlier_rms", [c_int], f32)  # int8 rows keep values above this x RMS exact
+        self.gemm8_outlier_rms = float(outlier_rms(G8_PLAIN))
+        self.gemm8_outlier_rms_glu = float(outlier_rms(G8_GLU))  # (SiLU(gate) x up formed in the product)
         # prefill attention (attend.c; AVX-512 builds, else attend_supported 0)
         self.attend_supported = bool(fn("attend_supported", [], c_int)())
         self.attend_prefill = fn("attend_prefill", [vp, i64, i64, i64, i64, i64, vp, vp, i64, i64, c_int, vp,

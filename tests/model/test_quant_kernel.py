@@ -10,8 +10,9 @@ and row-strided inputs. Below GEMM8_MIN_ROWS rows the kernel multiplies activati
 as one int16 per value per block of 32 (v = round(x / s), s = max|x| / 32767): the
 reference quantizes them the same way in torch and keeps the float offsets (Q4_1 / Q5_1's
 m, the K-quants' mins) on the exact x (`int16_reference`). From GEMM8_MIN_ROWS rows on
-they are int8 (s = max|x| / 127), blocks whose max|x| exceeds HOT_RMS times their row's
-RMS in any row with a second int8 digit of the residual (`int8_reference`). Either way
+they are int8 (s = max|x| / 127), except values whose |x| exceeds OUTLIER_RMS times their
+row's RMS: those are multiplied exactly and the rest of their block is quantized with its
+own max|x| (`int8_reference`). Either way
 the products are float32 sums of those exact terms in another order than float64's: a
 relative bound of 1e-5 of the sum of |x|*|w| (the products' magnitude) covers that and
 nothing more. Every build of the sources (the portable plain-C one, AVX2 without and with
@@ -49,7 +50,8 @@ from radixlm.runtime.model.quant import (
 QTYPES = {name: t for t, name in TYPE_NAMES.items()}
 REL = 1e-5
 TILE_MB = 4  # kernels/qmatmul.c: activation rows per pass over a tile
-HOT_RMS = 3.0  # kernels/gemm8.c: blocks with max|x| above this times the row's RMS
+OUTLIER_RMS = 3.0  # kernels/gemm8.c: values above this times the row's RMS stay exact
+OUTLIER_RMS_GLU = 2.5  # ... in an MLP's SiLU(gate) x up, formed in the product
 SCALES_AT = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2),
              Q5_K: (0, 2), Q6_K: (208,)}  # fmt: skip  # fp16 fields of each block
 
@@ -113,18 +115,22 @@ def _int8(b: torch.Tensor) -> torch.Tensor:
     return torch.round(b * inv) * s  # float32, as the kernel forms the residual
 
 
-def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """`x` as the many-rows path multiplies it: per block of 32, int8 v = round(x / s), s =
-    max|x| / 127; in a row's hot blocks (max|x| > HOT_RMS x the row's RMS) plus a second
-    digit, the residual x - v s quantized the same way."""
+def outliers(x: torch.Tensor, t: float = OUTLIER_RMS) -> torch.Tensor:
+    """Where x's values exceed t x their row's RMS (the values the kernel keeps exact), as a
+    mask of x's shape."""
     x = x.float()
-    b = x.reshape(x.shape[0], -1, 32)
     rms = torch.sqrt((x * x).sum(-1) / x.shape[1])
-    hot = b.abs().amax(-1) > HOT_RMS * rms[:, None]  # [rows, blocks]
-    first = _int8(b)
-    second = _int8(b - first)
-    out = first.double() + torch.where(hot[..., None], second.double(), 0.0)
-    return out.reshape(x.shape)
+    return x.abs() > t * rms[:, None]
+
+
+def int8_activations(x: torch.Tensor, t: float = OUTLIER_RMS) -> torch.Tensor:
+    """`x` as the many-rows path multiplies it: its outliers (above t x the row's RMS) exact;
+    the other values per block of 32 as int8 v = round(x / s), s = their max|x| / 127."""
+    x = x.float()
+    big = outliers(x, t)
+    small = torch.where(big, 0.0, x).reshape(x.shape[0], -1, 32)
+    out = _int8(small).double().reshape(x.shape) + torch.where(big, x, 0.0).double()
+    return out
 
 
 def int8_reference(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -140,8 +146,8 @@ def scale_of(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
 
 
 def activations(m: int, cols: int, seed: int) -> torch.Tensor:
-    """Rows of blocks of different magnitudes, with two outlier channels (whose blocks the
-    int8 path takes as hot)."""
+    """Rows of blocks of different magnitudes, with two outlier channels (values the int8
+    path keeps exact)."""
     g = torch.Generator().manual_seed(seed)
     mags = torch.rand(m, cols // 32, 1, generator=g).expand(m, cols // 32, 32).reshape(m, cols)
     x = torch.randn(m, cols, generator=g) * mags
@@ -225,17 +231,18 @@ def test_quantized_activations_cost_almost_nothing(name):
 @pytest.mark.parametrize("name", sorted(QTYPES))
 def test_int8_products_within_the_rounding_bound(name):
     """Many rows (int8): each activation is off by at most half its block's step, max|x| /
-    254 with one digit, max|x| / 254^2 in a hot block (an outlier channel of 40 among
-    values ~1: with one digit its block's other values would lose up to 40 / 254 each), so
-    each product is within that sum weighted by |w| of the exact float64 product."""
+    254 over the block's values that are not outliers, and outliers not at all (an outlier
+    channel of 40 among values ~1: in int8 its block's other values would lose up to 40 /
+    254 each), so each product is within that sum weighted by |w| of the exact float64
+    product."""
     qtype = QTYPES[name]
     cols = 768 if BLOCK_ELEMS[qtype] == 256 else 576
     w = random_blocks(64, cols, qtype, seed=13)
     x = torch.randn(80, cols, generator=torch.Generator().manual_seed(13))
     x[:, 5] = 40.0
-    amax = x.double().reshape(80, -1, 32).abs().amax(-1)  # [rows, blocks]
-    half_step = amax / 254
-    half_step[:, 0] /= 254  # block 0 holds the outlier: hot (40 > 3 x the row's RMS ~2)
+    assert outliers(x)[:, 5].all()  # 40 > 3 x the row's RMS ~2
+    small = torch.where(outliers(x), 0.0, x).double()
+    half_step = small.reshape(80, -1, 32).abs().amax(-1) / 254  # [rows, blocks]
     bound = half_step.repeat_interleave(32, 1) @ reference(w).abs().t()
     exact = x.double() @ reference(w).t()
     assert (w.matmul(x).double() - exact).abs().le(bound + REL * scale_of(x, w)).all()
@@ -244,12 +251,12 @@ def test_int8_products_within_the_rounding_bound(name):
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_int8_rows_do_not_depend_on_the_rows_beside_them(name):
     """A row's many-rows product is the same bit for bit whatever other rows share the
-    call (hot blocks are each row's own: another row's outliers add only exact zeros), so
+    call (outliers are each row's own: another row's add nothing to it), so
     a prefill computed in pieces equals one forward."""
     qtype = QTYPES[name]
     w = random_blocks(48, 768, qtype, seed=21)
     x = torch.randn(150, 768, generator=torch.Generator().manual_seed(21))
-    x[100:, 40] = 60.0  # outliers in the last rows only: hot blocks of theirs
+    x[100:, 40] = 60.0  # outliers in the last rows only
     x[:70, 700] = -50.0
     whole = w.matmul(x)
     assert torch.equal(w.matmul(x[:70]), whole[:70])
@@ -298,7 +305,7 @@ def test_norm_product_is_the_projection_of_the_rms_normed_rows(name):
     w = random_blocks(72, cols, qtype, seed=19)
     g = torch.Generator().manual_seed(19)
     x = torch.randn(90, cols, generator=g) * 5
-    x[:, 7] = 80.0  # an outlier channel (a residual stream's): a hot block in every row
+    x[:, 7] = 80.0  # an outlier channel (a residual stream's): an outlier in every row
     norm_w = torch.rand(cols, generator=g) + 0.5
     h = torch.nn.functional.rms_norm(x, (cols,), norm_w, 1e-5)
     step = h.double().reshape(90, -1, 32).abs().amax(-1) / 127  # one int8 step a block
@@ -314,9 +321,10 @@ def test_norm_product_is_the_projection_of_the_rms_normed_rows(name):
     assert (far.double() - got.double()).abs().le(bound + 1e-5).all()
 
 
-def test_the_reference_takes_the_kernels_hot_threshold():
-    """int8_activations (the reference) marks hot blocks at the kernel's own threshold."""
-    assert qkernel.kernel().gemm8_hot_rms == HOT_RMS
+def test_the_reference_takes_the_kernels_outlier_thresholds():
+    """int8_activations (the reference) keeps outliers at the kernel's own thresholds."""
+    assert qkernel.kernel().gemm8_outlier_rms == OUTLIER_RMS
+    assert qkernel.kernel().gemm8_outlier_rms_glu == OUTLIER_RMS_GLU
 
 
 def test_the_int8_threshold_is_quants(monkeypatch):
@@ -473,8 +481,8 @@ def test_every_build_matches_the_references(build):
 def test_int8_products_over_several_slices_of_k(build):
     """Rows wider than one pass of the int8 path (it multiplies 64 blocks of 32 a pass, so
     a down projection's 8,192 columns come in four): every build, every type, a last
-    partial pass, hot blocks in both passes in many rows (heavy-tailed rows, as an MLP's
-    SiLU(gate) x up: a third of their blocks hot) and 75 weight rows (a last odd group):
+    partial pass, outliers in both passes in many rows (heavy-tailed rows, as an MLP's
+    SiLU(gate) x up: outliers in half of their blocks) and 75 weight rows (a last odd group):
     within the bound of the int8 reference, and each row's product the same whatever rows
     share the call."""
     kern = qkernel.load(qkernel.build(cflags=_builds()[build]))

@@ -8,8 +8,9 @@
  *   sum_j w_j x_j = ws s sum_j u_j v_j + wo sum_j x_j      (ws, wo: the block's scale and
  *                                                          offset, sum x exact),
  * per 16 codes for Q6_K (its scales are per 16; its offset, -32 a code, subtracted from
- * the integer sums: 32 sum_j v_j per half, no float offset). int8 activations hold x to within s / 2 =
- * max|x| / 254 of its block, so these products are not float32's: the accuracy is
+ * the integer sums: 32 sum_j v_j per half, no float offset). int8 activations hold x to
+ * within s / 2 = max|x| / 254 of its block (its outliers aside, which are exact), so these
+ * products are not float32's: the accuracy is
  * measured (benchmarks/bench_quant_accuracy.py: perplexity and top-1 agreement against
  * the float32-dequantized model), not exact.
  *
@@ -23,19 +24,19 @@
  * 12 integer and 12 float accumulators): each quad of codes loaded once for the MB8 rows,
  * each activation quad broadcast once for the NG8 groups. The rows' slice stays in L1/L2
  * while the chunk's groups pass, the chunk in L2 while the rows pass; the unpacking is paid
- * once per weight row per MC8 rows. Hot blocks' second digits (see below) are multiplied
- * after each chunk's main pass, block by block: the rows whose block b is hot (a list per
- * block, built once a call) MB8 at a time against the block's weights, as the main pass
- * multiplies. Threads split the output rows as q_matmul's (thread_rows); every sum's order
- * depends on K alone, so a row's product does not depend on M or the rows beside it.
+ * once per weight row per MC8 rows. Outliers (see below) are multiplied after each chunk's
+ * main pass: per OG groups of the chunk, the slice's weight columns dequantized once, then
+ * each row's outliers in the slice. Threads split the output rows as q_matmul's
+ * (thread_rows); every sum's order depends on K alone, so a row's product does not depend
+ * on M or the rows beside it.
  *
  * Measured on the 1B Q4_K_M shape (2 cores, AMD EPYC Zen 5, AVX-512 VNNI; one forward of
  * 365 / 2,000 tokens): products 1.04 s -> 0.70 s / 6.3 s -> 4.3 s. The gains, in order:
  * quantizing rows with vector code (the scalar sums and maxima cost 7 ms of a down
- * projection's 28 at 365 rows); the hot blocks by block (a row's hot block alone was 8
- * dependent multiply-adds; an MLP's SiLU(gate) x up input has a third of its blocks hot, and
- * its down projection took twice a gate's time per product); MC8 rows at a time (at 2,000
- * rows the hot updates and every activation row came back from L3 for each chunk).
+ * projection's 28 at 365 rows); the accuracy's extra pass by block of 32 (then a second
+ * digit per hot block; a row's hot block alone was 8 dependent multiply-adds); MC8 rows at a
+ * time (at 2,000 rows every activation row came back from L3 for each chunk); outliers in
+ * place of second digits (forward 850 -> 790 ms / 5.35 -> 4.8 s).
  */
 #include "common.h"
 #include "vec.h"
@@ -98,45 +99,118 @@ static inline int code_bias(int qtype) {
 
 /* ------------------------------------------------------------------ activations */
 
-/* Hot blocks. SmolLM2's norm outputs, like many models', carry a few channels far larger
- * than the rest; in their blocks of 32 an int8 step (max|x| / 127) is coarse for the other
- * 31 values. A row's hot blocks -- those whose max|x| exceeds HOT_RMS times the row's RMS
- * -- get a second int8 digit: the residual x - s v quantized again (its own scale). Each
- * row keeps its hot blocks' list and second digits after its nb blocks, and the product
- * adds each second digit times the same weight block (gemm8's hot pass): a row's product
- * does not depend on the rows beside it, and costs only its own hot blocks. Measured on SmolLM2
- * (benchmarks/bench_quant_accuracy.py: README text, 1024 tokens, every position's logits,
- * float32 reference): top-1 agreement 96.4% with one digit; at 6 x RMS (9.9% of the row
- * blocks hot) 97.3-98.4%; at 4 x (18.5%) 97.66-99.02% over the shipped Q4_1 file and its
- * Q4_K_M, Q5_K_M, Q6_K, Q5_0 and Q5_1 requantizations, which moved by up to a point with
- * the rounding order of the sums (the text has ~1% of near ties); at 3.5 x 98.34-98.93%;
- * at 3 x 98.63-99.22%, perplexity within 0.2%. 3 x costs most in an MLP's down projection,
- * whose SiLU(gate) x up input is heavy-tailed (on the 1B shape's random weights about half
- * its blocks are hot, a third at 4 x). */
-#ifndef HOT_RMS
-#define HOT_RMS 3.0f
+/* Outliers. SmolLM2's norm outputs, like many models', carry a few channels far larger
+ * than the rest, and an MLP's SiLU(gate) x up input is heavy-tailed; in their blocks of 32 an
+ * int8 step (max|x| / 127) is coarse for the other 31 values. A row's outliers -- values whose
+ * |x| exceeds OUTLIER_RMS times the row's RMS (OUTLIER_RMS_GLU for SiLU(gate) x up formed in
+ * the product) -- are kept out of the int8 codes and multiplied exactly, in float32, by the
+ * weights' dequantized columns (outlier_pass); the rest of their block is quantized with its
+ * own max|x| (at most the threshold, as in every other block). Each row keeps its outliers'
+ * positions and values by slice of K, so a row's product does not depend on the rows beside
+ * it and costs only its own outliers. Measured on SmolLM2 (bench_quant_accuracy.py's text,
+ * 1024 tokens, every position's logits against float32, simulated in float64 over the Q4_1,
+ * Q4_K_M, Q6_K and Q5_1 files; mean KL divergence): int8 alone 2.0-2.3e-3 (top-1 96.3-97.5%);
+ * outliers above 3 x RMS, 2.5 x in SiLU(gate) x up (2.2% of the values): 4.0-5.3e-4; above 2.5
+ * x everywhere: 3.7-4.7e-4; the scheme this replaced (a second int8 digit of the residual in
+ * every block whose max|x| passed 3 x RMS): 3.5-4.4e-4. That scheme's second pass cost 1.4
+ * main-pass blocks a hot block, and on the 1B shape's down projection 57% of the blocks were
+ * hot (one down projection of 365 rows: 19 ms, 16 ms with outliers, 10 ms with neither);
+ * an outlier costs one broadcast and an FMA per 16 weight rows. */
+#ifndef OUTLIER_RMS
+#define OUTLIER_RMS 3.0f
 #endif
+#ifndef OUTLIER_RMS_GLU
+#define OUTLIER_RMS_GLU 2.5f /* SiLU(gate) x up, formed in the product: heavier tails */
+#endif
+#define OUTLIER_RMS_MIN (OUTLIER_RMS < OUTLIER_RMS_GLU ? OUTLIER_RMS : OUTLIER_RMS_GLU)
 
-float gemm8_hot_rms(void) { return HOT_RMS; }
+/* The threshold of inputs of a kind (G8_PLAIN, G8_GLU, G8_NORM). */
+float gemm8_outlier_rms(int kind) { return kind == G8_GLU ? OUTLIER_RMS_GLU : OUTLIER_RMS; }
 
-/* One quantized activation row of nb blocks, in a8_bytes(nb) bytes: v [2 nb blocks of 32]
- * int8 (its blocks, then its hot blocks' second digits), per block of v {s, s sum v, and
- * as int32 32 times the sum of v over codes 0..15, over 16..31}, the hot blocks' count and
- * list. */
-static inline int64_t a8_v(int64_t nb) { return (2 * QK * nb + 63) / 64 * 64; }
-static inline int64_t a8_bytes(int64_t nb) { return a8_v(nb) + 2 * nb * 16 + 4 * nb + 64; }
+/* Blocks of 32 a pass multiplies: MB8 activation rows' share of them stays in L1 and a
+ * chunk of weight rows' (CHUNK_BYTES) holds enough rows to use each activation row many
+ * times, whatever K (a down projection's 8,192 columns whole left 16 rows a chunk, and every
+ * activation row came back from memory for each 16 weight rows). A multiple of 8 (whole
+ * K-quant super-blocks). */
+#define KC_BLOCKS 64
+
+static int64_t slice_blocks(int64_t K) { return K / QK < KC_BLOCKS ? K / QK : KC_BLOCKS; }
+static int64_t slices(int64_t K) { return (K / QK + KC_BLOCKS - 1) / KC_BLOCKS; }
+
+/* A row has fewer than K / t^2 outliers at t x its RMS (each holds more than t^2 / K of the
+ * row's sum of squares): room for that at the lower t, with a margin for float rounding
+ * (and split_outliers stops at it whatever the rounding). */
+static inline int64_t max_outliers(int64_t K) {
+    return (int64_t)((float)K / (0.9f * OUTLIER_RMS_MIN * OUTLIER_RMS_MIN)) + 1;
+}
+
+/* One quantized activation row (K = 32 nb values), in a8_bytes(K) bytes: v [nb blocks of
+ * 32] int8; per block of v {s, s sum v, and as int32 32 times the sum of v over codes
+ * 0..15, over 16..31}; per slice of K (KC_BLOCKS blocks) the index of its first outlier
+ * (and one past the last); the outliers' positions in their slice (uint16) and values, in
+ * order. */
+static inline int64_t a8_v(int64_t K) { return (K + 63) / 64 * 64; }
+static inline int64_t a8_cut(int64_t K) { return (4 * (slices(K) + 1) + 63) / 64 * 64; }
+static inline int64_t a8_pos(int64_t K) { return (2 * max_outliers(K) + 63) / 64 * 64; }
+static inline int64_t a8_bytes(int64_t K) { return a8_v(K) + K / QK * 16 + a8_cut(K) + a8_pos(K) + 4 * max_outliers(K); }
 
 typedef struct {
-    const int8_t *v;
-    const float *sc;
-    const int32_t *hot; /* hot[0]: their count, hot[1 ..]: the blocks */
+    int8_t *v;
+    float *sc;
+    int32_t *cut; /* cut[s] .. cut[s + 1]: slice s's outliers */
+    uint16_t *pos;
+    float *val;
 } arow;
 
-static inline arow arow_at(uint8_t *row, int64_t nb) {
-    const arow a = {(const int8_t *)row, (const float *)(row + a8_v(nb)),
-                    (const int32_t *)(row + a8_v(nb) + 2 * nb * 16)};
+static inline arow arow_at(uint8_t *row, int64_t K) {
+    uint8_t *sc = row + a8_v(K), *cut = sc + K / QK * 16, *pos = cut + a8_cut(K), *val = pos + a8_pos(K);
+    const arow a = {(int8_t *)row, (float *)sc, (int32_t *)cut, (uint16_t *)pos, (float *)val};
     return a;
 }
+
+/* Block xb's values above lim (at offsets at0 + j of their slice) appended to the row's
+ * outliers (n of them so far, at most cap), the others into small (zeros at the outliers);
+ * returns max |x| of small. */
+static float split_outliers_scalar(const float *xb, float lim, int at0, float *small, arow a, int32_t *n,
+                                   int32_t cap) {
+    float m = 0.0f;
+    for (int j = 0; j < QK; j++) {
+        const float ax = fabsf(xb[j]);
+        if (ax > lim && *n < cap) {
+            a.pos[*n] = (uint16_t)(at0 + j);
+            a.val[(*n)++] = xb[j];
+            small[j] = 0.0f;
+        } else {
+            small[j] = xb[j];
+            m = ax > m ? ax : m;
+        }
+    }
+    return m;
+}
+
+#if defined(QAVX2)
+static float split_outliers(const float *xb, float lim, int at0, float *small, arow a, int32_t *n, int32_t cap) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), vlim = _mm256_set1_ps(lim);
+    __m256 m = _mm256_setzero_ps();
+    uint32_t mask = 0;
+    for (int h = 0; h < 4; h++) {
+        const __m256 x = _mm256_loadu_ps(xb + 8 * h), ax = _mm256_andnot_ps(sign, x);
+        const __m256 out = _mm256_cmp_ps(ax, vlim, _CMP_GT_OQ);
+        mask |= (uint32_t)_mm256_movemask_ps(out) << (8 * h);
+        _mm256_storeu_ps(small + 8 * h, _mm256_andnot_ps(out, x));
+        m = _mm256_max_ps(m, _mm256_andnot_ps(out, ax));
+    }
+    if (*n + __builtin_popcount(mask) > cap) return split_outliers_scalar(xb, lim, at0, small, a, n, cap);
+    for (; mask; mask &= mask - 1) {
+        const int j = __builtin_ctz(mask);
+        a.pos[*n] = (uint16_t)(at0 + j);
+        a.val[(*n)++] = xb[j];
+    }
+    return hmax8(m);
+}
+#else
+#define split_outliers split_outliers_scalar
+#endif
 
 #if defined(QAVX2)
 /* max |x| over a block of 32 */
@@ -199,26 +273,25 @@ static float sum_squares(const float *x, int64_t K) {
 #endif
 }
 
-/* Row x [K] into `row` (a8_bytes(K / 32) bytes): its blocks, its hot blocks (max|x| above
- * HOT_RMS times the row's RMS) and their second digits. */
-static void quantize8(const float *x, int64_t K, uint8_t *row) {
-    const int64_t nb = K / QK;
-    int8_t *v = (int8_t *)row;
-    float *sc = (float *)(row + a8_v(nb));
-    int32_t *hot = (int32_t *)(row + a8_v(nb) + 2 * nb * 16);
-    const float lim = HOT_RMS * sqrtf(sum_squares(x, K) / (float)K);
+/* Row x [K] into `row` (a8_bytes(K) bytes): its blocks, less its outliers (|x| above t
+ * times the row's RMS), and the outliers by slice. */
+static void quantize8(const float *x, int64_t K, float t, uint8_t *row) {
+    const int64_t nb = K / QK, kc = slice_blocks(K);
+    const arow a = arow_at(row, K);
+    const float lim = t * sqrtf(sum_squares(x, K) / (float)K);
     int32_t n = 0;
     for (int64_t b = 0; b < nb; b++) {
+        if (b % kc == 0) a.cut[b / kc] = n;
         const float *xb = x + b * QK, amax = block_amax(xb);
-        quantize8_block(xb, amax, v + b * QK, sc + 4 * b);
-        if (amax > lim) {
-            float res[QK];
-            for (int j = 0; j < QK; j++) res[j] = xb[j] - sc[4 * b] * (float)v[b * QK + j];
-            quantize8_block(res, block_amax(res), v + (nb + n) * QK, sc + 4 * (nb + n));
-            hot[1 + n++] = (int32_t)b;
+        if (amax <= lim) {
+            quantize8_block(xb, amax, a.v + b * QK, a.sc + 4 * b);
+            continue;
         }
+        float small[QK];
+        const float amax_small = split_outliers(xb, lim, (int)(b % kc) * QK, small, a, &n, (int32_t)max_outliers(K));
+        quantize8_block(small, amax_small, a.v + b * QK, a.sc + 4 * b);
     }
-    hot[0] = n;
+    a.cut[slices(K)] = n;
 }
 
 /* ------------------------------------------------------------- canonical unpacking */
@@ -384,6 +457,11 @@ typedef __m512 vflt;
 #define V_ADD(a, b) _mm512_add_ps(a, b)
 #define V_CVT(a) _mm512_cvtepi32_ps(a)
 #define V_STORE_F(p, v) _mm512_storeu_ps(p, v)
+#define V_SUB(a, b) _mm512_sub_ps(a, b)
+#define V_AND(a, b) _mm512_and_si512(a, b)
+#define V_SRLI(a, n) _mm512_srli_epi32(a, n)
+#define V_SLLI(a, n) _mm512_slli_epi32(a, n)
+#define V_SRAI(a, n) _mm512_srai_epi32(a, n)
 static inline vint dp_acc(vint acc, vint w, vint x) { return _mm512_dpbusd_epi32(acc, w, x); }
 #elif defined(QAVX2)
 typedef __m256i vint;
@@ -400,6 +478,11 @@ typedef __m256 vflt;
 #define V_ADD(a, b) _mm256_add_ps(a, b)
 #define V_CVT(a) _mm256_cvtepi32_ps(a)
 #define V_STORE_F(p, v) _mm256_storeu_ps(p, v)
+#define V_SUB(a, b) _mm256_sub_ps(a, b)
+#define V_AND(a, b) _mm256_and_si256(a, b)
+#define V_SRLI(a, n) _mm256_srli_epi32(a, n)
+#define V_SLLI(a, n) _mm256_slli_epi32(a, n)
+#define V_SRAI(a, n) _mm256_srai_epi32(a, n)
 static inline vint dp_acc(vint acc, vint w, vint x) {
 #if defined(G8_VNNI256) && defined(__AVX512VNNI__)
     return _mm256_dpbusd_epi32(acc, w, x);
@@ -465,7 +548,7 @@ block_mb(const uint8_t *cb, int64_t gstride, const int NG, const int MB, const i
 
 /* y[i, n0 .. n0 + rows) for MB activation rows over NG groups' canonical blocks (group k's
  * at g + k gstride; the slice ks of the rows' blocks), every block by all MB rows in
- * registers. (The rows' hot blocks are added after, by hot_pass.) */
+ * registers. (The rows' outliers are added after, by outlier_pass.) */
 static inline __attribute__((always_inline)) void
 micro(const uint8_t *g, int64_t gstride, const int NG, kslice ks, const arow *rw, const int MB, const int halves,
       const int sgn, float *y, int64_t ldy, int64_t n0, int rows, int accumulate) {
@@ -494,49 +577,6 @@ micro(const uint8_t *g, int64_t gstride, const int NG, kslice ks, const arow *rw
     }
 }
 
-/* One block (at cb in the first group; group k's at cb + k gstride) of a chunk's groups
- * (rows [n0, n0 + rows)) times MB rows' second digits (xv, xs), added to those rows'
- * outputs yrow[i][n0 ..]: NG groups a pass, a last odd group alone. */
-static inline __attribute__((always_inline)) void
-hot_mb(const uint8_t *cb, int64_t gstride, int64_t groups, const int MB, const int halves, const int sgn,
-       const int8_t *const *xv, const float *const *xs, float *const *yrow, int64_t n0, int rows) {
-    if (rows == groups * GR && groups % NG8 == 0) { /* whole groups (every chunk but a part's last) */
-        float *yo[MB8];
-        UNROLL for (int i = 0; i < MB; i++) yo[i] = yrow[i] + n0;
-        for (int64_t gi = 0; gi < groups; gi += NG8) {
-            vflt f[NG8][MB8];
-            UNROLL for (int k = 0; k < NG8; k++) UNROLL for (int i = 0; i < MB; i++) f[k][i] = V_ZERO_F();
-            block_mb(cb + gi * gstride, gstride, NG8, MB, halves, sgn, xv, xs, f);
-            UNROLL for (int i = 0; i < MB; i++) UNROLL for (int k = 0; k < NG8; k++) {
-                float *o = yo[i] + (gi + k) * GR;
-                V_STORE_F(o, V_ADD(V_LOAD_F(o), f[k][i]));
-            }
-        }
-        return;
-    }
-    for (int64_t gi = 0; gi < groups;) {
-        const int one = groups - gi < NG8; /* NG8 groups, or the last odd one alone */
-        vflt f[NG8][MB8];
-#define HOT_PASS(NG)                                                                                   \
-        UNROLL for (int k = 0; k < NG; k++) UNROLL for (int i = 0; i < MB; i++) f[k][i] = V_ZERO_F(); \
-        block_mb(cb + gi * gstride, gstride, NG, MB, halves, sgn, xv, xs, f);                         \
-        UNROLL for (int i = 0; i < MB; i++) UNROLL for (int k = 0; k < NG; k++) {                      \
-            const int64_t r0 = (gi + k) * GR;                                                         \
-            const int rk = rows - r0 < GR ? (int)(rows - r0) : GR;                                    \
-            float *o = yrow[i] + n0 + r0;                                                             \
-            if (rk == GR) {                                                                           \
-                V_STORE_F(o, V_ADD(V_LOAD_F(o), f[k][i]));                                            \
-                continue;                                                                             \
-            }                                                                                         \
-            float out[GR];                                                                            \
-            V_STORE_F(out, f[k][i]);                                                                  \
-            for (int r = 0; r < rk; r++) o[r] += out[r];                                              \
-        }
-        if (one) { HOT_PASS(1) gi += 1; }
-        else { HOT_PASS(NG8) gi += NG8; }
-#undef HOT_PASS
-    }
-}
 #else
 /* Portable: row r's dot with one canonical block (4 floats of the activation block). */
 static float block_dot(const uint8_t *cb, int r, const int8_t *xv, const float *xs, int qtype) {
@@ -588,76 +628,116 @@ static void micro_any(const uint8_t *g, int64_t gstride, int ng, kslice ks, cons
 #endif
 }
 
-/* One block (at cb in a chunk's first group; group k's at cb + k gstride) of the chunk's
- * groups (rows [n0, n0 + rows)) times MB (<= MB8) rows' second digits, added to yrow[i][n0 ..]. */
-static void hot_any(const uint8_t *cb, int64_t gstride, int64_t groups, int MB, int qtype, const int8_t *const *xv,
-                    const float *const *xs, float *const *yrow, int64_t n0, int rows) {
+/* ------------------------------------------------------------------ outliers */
+
+#define OG 2 /* groups of weight rows an outlier pass takes at once (each value broadcast once) */
+
+/* A group's blocks [0, nblk) (at blk, CB_BYTES apart) dequantized by column as the
+ * canonical form holds them (ws u + wo; Q6_K: ws_h (u - 32), h the half of j):
+ * col[(32 b + j) ldc + r] = w[r][32 b + j], r < GR. */
+static void group_columns(const uint8_t *blk, int64_t nblk, int qtype, float *col, int64_t ldc) {
 #if defined(G8_512) || defined(QAVX2)
-    const int halves = qtype == Q6_K, sgn = codes_signed(qtype);
-#define HOT(mb, hv, sg) hot_mb(cb, gstride, groups, mb, hv, sg, xv, xs, yrow, n0, rows)
-#define HOT_ALL(hv, sg)                                                                      \
-    if (MB == MB8) HOT(MB8, hv, sg);                                                         \
-    else if (MB >= 4) {                                                                      \
-        HOT(4, hv, sg);                                                                      \
-        if (MB > 4) hot_any(cb, gstride, groups, MB - 4, qtype, xv + 4, xs + 4, yrow + 4, n0, rows); \
-    } else if (MB == 3) HOT(3, hv, sg);                                                      \
-    else if (MB == 2) HOT(2, hv, sg);                                                        \
-    else HOT(1, hv, sg);
-    if (halves) { HOT_ALL(1, 0) }
-    else if (sgn) { HOT_ALL(0, 1) }
-    else { HOT_ALL(0, 0) }
-#undef HOT_ALL
-#undef HOT
+    const int sgn = codes_signed(qtype), q6 = qtype == Q6_K;
+    const vflt k32 = V_SET1_F(32.0f);
+    for (int64_t b = 0; b < nblk; b++, blk += CB_BYTES) {
+        const float *fl = (const float *)(blk + CB_CODES);
+        const vflt wo = V_LOAD_F(fl + 2 * GR);
+        for (int q = 0; q < 8; q++) {
+            const vint c = V_LOAD_I(blk + q * QUAD_BYTES);
+            const vflt ws = V_LOAD_F(fl + (q6 && q >= 4) * GR);
+            UNROLL for (int t = 0; t < 4; t++) {
+                const vint u = sgn ? V_SRAI(V_SLLI(c, 24 - 8 * t), 24) : V_AND(V_SRLI(c, 8 * t), V_SET1_I(0xff));
+                const vflt uf = V_CVT(u);
+                V_STORE_F(col + (QK * b + 4 * q + t) * ldc, q6 ? V_MUL(ws, V_SUB(uf, k32)) : V_FMA(ws, uf, wo));
+            }
+        }
+    }
 #else
-    for (int64_t gi = 0; gi < groups; gi++)
-        for (int i = 0; i < MB; i++)
-            for (int r = 0; r < GR && gi * GR + r < rows; r++)
-                yrow[i][n0 + gi * GR + r] += block_dot(cb + gi * gstride, r, xv[i], xs[i], qtype);
+    for (int64_t b = 0; b < nblk; b++, blk += CB_BYTES) {
+        const float *fl = (const float *)(blk + CB_CODES);
+        for (int j = 0; j < QK; j++)
+            for (int r = 0; r < GR; r++) {
+                const float u = (float)blk[(j / 4) * QUAD_BYTES + 4 * r + j % 4];
+                col[(QK * b + j) * ldc + r] = qtype == Q6_K ? fl[(j >= 16) * GR + r] * (u - 32.0f)
+                                                            : fl[r] * u + fl[2 * GR + r];
+            }
+    }
 #endif
 }
 
-/* Hot blocks by block: for block b, its entries [start[b], start[b + 1]) of `ent`, each a
- * row and the index of its second digit, rows ascending. */
-typedef struct {
-    int32_t row, h;
-} hotent;
-
-/* The first entry in [e0, e1) (rows ascending) whose row is m or more. */
-static inline int32_t hot_from(const hotent *ent, int32_t e0, int32_t e1, int64_t m) {
-    while (e0 < e1) {
-        const int32_t mid = e0 + (e1 - e0) / 2;
-        if (ent[mid].row < m) e0 = mid + 1;
-        else e1 = mid;
+#if defined(G8_512) || defined(QAVX2)
+/* yo [rows] += v, rows <= GR (none if rows <= 0) */
+static inline void add_rows(float *yo, vflt v, int rows) {
+    if (rows >= GR) {
+        V_STORE_F(yo, V_ADD(V_LOAD_F(yo), v));
+        return;
     }
-    return e0;
+    float out[GR];
+    V_STORE_F(out, v);
+    for (int r = 0; r < rows; r++) yo[r] += out[r];
+}
+#endif
+
+/* One row's n outliers of a slice (positions pos, values val) times OG groups' columns of
+ * the slice (col, OG GR floats a column), added to yo [rows] (the row's outputs of those
+ * groups, rows <= OG GR). */
+static void outliers_into(const float *col, int32_t n, const uint16_t *pos, const float *val, float *yo, int rows) {
+#if defined(G8_512) || defined(QAVX2)
+    vflt a[2][OG]; /* two chains a group: FMA latency */
+    UNROLL for (int c = 0; c < 2; c++) UNROLL for (int k = 0; k < OG; k++) a[c][k] = V_ZERO_F();
+    int32_t t = 0;
+    for (; t + 2 <= n; t += 2)
+        UNROLL for (int c = 0; c < 2; c++) {
+            const vflt x = V_SET1_F(val[t + c]);
+            const float *cl = col + pos[t + c] * (OG * GR);
+            UNROLL for (int k = 0; k < OG; k++) a[c][k] = V_FMA(x, V_LOAD_F(cl + k * GR), a[c][k]);
+        }
+    if (t < n) {
+        const vflt x = V_SET1_F(val[t]);
+        const float *cl = col + pos[t] * (OG * GR);
+        UNROLL for (int k = 0; k < OG; k++) a[0][k] = V_FMA(x, V_LOAD_F(cl + k * GR), a[0][k]);
+    }
+    UNROLL for (int k = 0; k < OG; k++) add_rows(yo + k * GR, V_ADD(a[0][k], a[1][k]), rows - k * GR);
+#else
+    for (int r = 0; r < rows; r++) {
+        float f = 0.0f;
+        for (int32_t t = 0; t < n; t++) f += val[t] * col[pos[t] * (OG * GR) + r];
+        yo[r] += f;
+    }
+#endif
 }
 
-static void hot_lists(uint8_t *base, int64_t M, int64_t ab, int64_t nb, int32_t *start, hotent *ent) {
-    memset(start, 0, (size_t)(nb + 1) * sizeof(int32_t));
-    for (int64_t i = 0; i < M; i++) {
-        const arow a = arow_at(base + i * ab, nb);
-        for (int32_t h = 0; h < a.hot[0]; h++) start[a.hot[1 + h] + 1]++;
+/* Rows [m0, m1)'s outliers in slice ks times a chunk's weight rows [c0, c1) (its groups
+ * unpacked at buf), added to their outputs y[i][c0 ..]: per OG groups, the slice's columns
+ * dequantized once (col), then each row's outliers. */
+static void outlier_pass(uint8_t *base, int64_t ab, int64_t K, int64_t m0, int64_t m1, kslice ks,
+                         const uint8_t *buf, int64_t gstride, int qtype, float *col, float *y, int64_t ldy,
+                         int64_t c0, int64_t c1) {
+    const int64_t s = ks.b0 / slice_blocks(K), groups = (c1 - c0 + GR - 1) / GR;
+    int any = 0;
+    for (int64_t i = m0; i < m1 && !any; i++) {
+        const arow a = arow_at(base + i * ab, K);
+        any = a.cut[s + 1] > a.cut[s];
     }
-    for (int64_t b = 0; b < nb; b++) start[b + 1] += start[b];
-    for (int64_t i = 0; i < M; i++) { /* start[b] as block b's cursor, then moved back */
-        const arow a = arow_at(base + i * ab, nb);
-        for (int32_t h = 0; h < a.hot[0]; h++) ent[start[a.hot[1 + h]]++] = (hotent){(int32_t)i, h};
+    if (!any) return;
+    for (int64_t g0 = 0; g0 < groups; g0 += OG) {
+        const int64_t r0 = g0 * GR;
+        const int rows = c1 - c0 - r0 < OG * GR ? (int)(c1 - c0 - r0) : OG * GR;
+        for (int64_t k = 0; k < OG && g0 + k < groups; k++)
+            group_columns(buf + (g0 + k) * gstride, ks.b1 - ks.b0, qtype, col + k * GR, OG * GR);
+        for (int64_t i = m0; i < m1; i++) {
+            const arow a = arow_at(base + i * ab, K);
+            const int32_t t0 = a.cut[s], t1 = a.cut[s + 1];
+            if (t1 > t0) outliers_into(col, t1 - t0, a.pos + t0, a.val + t0, y + i * ldy + c0 + r0, rows);
+        }
     }
-    for (int64_t b = nb; b > 0; b--) start[b] = start[b - 1];
-    start[0] = 0;
 }
 
 /* --------------------------------------------------------------------------- gemm8 */
 
-/* Blocks of 32 a pass multiplies: MB8 activation rows' share of them stays in L1 and a
- * chunk of weight rows' (CHUNK_BYTES) holds enough rows to use each activation row many
- * times, whatever K (a down projection's 8,192 columns whole left 16 rows a chunk, and every
- * activation row came back from memory for each 16 weight rows). A multiple of 8 (whole
- * K-quant super-blocks). */
-#define KC_BLOCKS 64
 /* Activation rows a thread takes through every slice and chunk before the next ones: their
  * slice (MC8 x 64 blocks, ~1.5 MB) stays in L2 while the chunks pass, and so do their
- * outputs, which the hot blocks update at random (with all of a long prefill's rows at once,
+ * outputs, which the outlier pass updates again (with all of a long prefill's rows at once,
  * both came back from L3 for each chunk). The weights are unpacked once per MC8 rows. */
 #ifndef MC8
 #define MC8 512
@@ -668,13 +748,16 @@ static int64_t chunk_rows(int64_t kc) {
     return rows < step ? step : rows > 256 ? 256 : rows;
 }
 
-static int64_t slice_blocks(int64_t K) { return K / QK < KC_BLOCKS ? K / QK : KC_BLOCKS; }
+/* Per thread: its unpacked chunk, one row's formed input (K floats) and OG groups' columns
+ * of a slice (outlier_pass: its kc blocks' 32 kc columns of OG GR floats). */
+static int64_t thread_bytes(int64_t K) {
+    const int64_t kc = slice_blocks(K);
+    return chunk_rows(kc) / GR * kc * CB_BYTES + K * 4 + QK * kc * OG * GR * 4 + 64;
+}
 
-/* Scratch: the quantized rows (room for every block hot) and each thread's unpacked chunk. */
+/* Scratch: the quantized rows and each thread's bytes. */
 int64_t gemm8_scratch_bytes(int64_t M, int64_t K) {
-    const int64_t nb = K / QK, kc = slice_blocks(K), canon = chunk_rows(kc) / GR * kc * CB_BYTES;
-    const int64_t lists = (nb + 1) * (int64_t)sizeof(int32_t) + M * nb * (int64_t)sizeof(hotent) + 64;
-    return M * a8_bytes(nb) + lists + (int64_t)omp_get_max_threads() * (canon + K * 4 + 64) + 128;
+    return M * a8_bytes(K) + (int64_t)omp_get_max_threads() * thread_bytes(K) + 128;
 }
 
 /* y = x w^T (+ bias; accumulate: y +=). Per thread (its output rows), per slice of K
@@ -683,24 +766,21 @@ int64_t gemm8_scratch_bytes(int64_t M, int64_t K) {
 void gemm8(const float *x, int64_t M, int64_t ldx, int64_t K, qmat w, float *y, int64_t ldy,
            int accumulate, g8input in, void *scratch) {
     uint8_t *base = (uint8_t *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
-    const int64_t nb = K / QK, kc = slice_blocks(K), crows = chunk_rows(kc), ab = a8_bytes(nb);
+    const int64_t nb = K / QK, kc = slice_blocks(K), crows = chunk_rows(kc), ab = a8_bytes(K);
     const int64_t canon = crows / GR * kc * CB_BYTES;
-    int32_t *start = (int32_t *)(base + M * ab);
-    hotent *ent = (hotent *)(((uintptr_t)(start + nb + 1) + 7) & ~(uintptr_t)7);
-    uint8_t *canon0 = (uint8_t *)(((uintptr_t)(ent + M * nb) + 63) & ~(uintptr_t)63);
+    uint8_t *canon0 = base + M * ab;
 #pragma omp parallel
     {
-        uint8_t *buf = canon0 + (int64_t)omp_get_thread_num() * (canon + K * 4 + 64);
+        uint8_t *buf = canon0 + (int64_t)omp_get_thread_num() * thread_bytes(K);
         float *act = (float *)(buf + canon); /* one row's input, unless G8_PLAIN */
+        float *col = act + K;                /* OG groups' weight columns (outlier_pass) */
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++) {
             const float *xi = x + i * ldx;
             if (in.kind == G8_GLU) swiglu(xi, xi + K, K, act);
             else if (in.kind == G8_NORM) rms_norm(xi, in.norm_w, K, in.eps, act);
-            quantize8(in.kind == G8_PLAIN ? xi : act, K, base + i * ab);
-        }
-#pragma omp single
-        hot_lists(base, M, ab, nb, start, ent);
+            quantize8(in.kind == G8_PLAIN ? xi : act, K, gemm8_outlier_rms(in.kind), base + i * ab);
+        } /* (its barrier: every row quantized before any product) */
         int64_t off = 0;
         for (int p = 0; p < w.nparts; p++) {
             const int64_t N = w.desc[3 * p];
@@ -720,7 +800,7 @@ void gemm8(const float *x, int64_t M, int64_t ldx, int64_t K, qmat w, float *y, 
                         for (int64_t i0 = m0; i0 < m1; i0 += MB8) {
                             const int mb = m1 - i0 < MB8 ? (int)(m1 - i0) : MB8;
                             arow rw[MB8];
-                            for (int i = 0; i < mb; i++) rw[i] = arow_at(base + (i0 + i) * ab, nb);
+                            for (int i = 0; i < mb; i++) rw[i] = arow_at(base + (i0 + i) * ab, K);
                             for (int64_t gi = 0; gi < groups;) {
                                 const int ng = groups - gi >= NG8 ? NG8 : 1; /* (a chunk's last, odd group alone) */
                                 const int64_t g0 = c0 + gi * GR;
@@ -730,25 +810,8 @@ void gemm8(const float *x, int64_t M, int64_t ldx, int64_t K, qmat w, float *y, 
                                 gi += ng;
                             }
                         }
-                        /* the panel's hot blocks' second digits, block by block: MB8 rows a pass */
-                        for (int64_t b = ks.b0; b < ks.b1; b++) {
-                            const int32_t e1 = hot_from(ent, start[b], start[b + 1], m1);
-                            for (int32_t e0 = hot_from(ent, start[b], start[b + 1], m0); e0 < e1; e0 += MB8) {
-                                const int mb = e1 - e0 < MB8 ? e1 - e0 : MB8;
-                                const int8_t *xv[MB8];
-                                const float *xs[MB8];
-                                float *yrow[MB8];
-                                for (int i = 0; i < mb; i++) {
-                                    const hotent e = ent[e0 + i];
-                                    const arow a = arow_at(base + e.row * ab, nb);
-                                    xv[i] = a.v + (nb + e.h) * QK;
-                                    xs[i] = a.sc + 4 * (nb + e.h);
-                                    yrow[i] = y + e.row * ldy + off;
-                                }
-                                hot_any(buf + (b - ks.b0) * CB_BYTES, gstride, groups, mb, qtype, xv, xs, yrow, c0,
-                                        (int)(c1 - c0));
-                            }
-                        }
+                        /* the panel's outliers in the slice */
+                        outlier_pass(base, ab, K, m0, m1, ks, buf, gstride, qtype, col, y + off, ldy, c0, c1);
                     }
                 }
             }

@@ -462,6 +462,9 @@ typedef __m512 vflt;
 #define V_SRLI(a, n) _mm512_srli_epi32(a, n)
 #define V_SLLI(a, n) _mm512_slli_epi32(a, n)
 #define V_SRAI(a, n) _mm512_srai_epi32(a, n)
+#define V_SRL_N(a, n) _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)) /* (n not a constant) */
+#define V_SLL_N(a, n) _mm512_sll_epi32(a, _mm_cvtsi32_si128(n))
+#define V_SRA_N(a, n) _mm512_sra_epi32(a, _mm_cvtsi32_si128(n))
 static inline vint dp_acc(vint acc, vint w, vint x) { return _mm512_dpbusd_epi32(acc, w, x); }
 #elif defined(QAVX2)
 typedef __m256i vint;
@@ -483,6 +486,9 @@ typedef __m256 vflt;
 #define V_SRLI(a, n) _mm256_srli_epi32(a, n)
 #define V_SLLI(a, n) _mm256_slli_epi32(a, n)
 #define V_SRAI(a, n) _mm256_srai_epi32(a, n)
+#define V_SRL_N(a, n) _mm256_srl_epi32(a, _mm_cvtsi32_si128(n))
+#define V_SLL_N(a, n) _mm256_sll_epi32(a, _mm_cvtsi32_si128(n))
+#define V_SRA_N(a, n) _mm256_sra_epi32(a, _mm_cvtsi32_si128(n))
 static inline vint dp_acc(vint acc, vint w, vint x) {
 #if defined(G8_VNNI256) && defined(__AVX512VNNI__)
     return _mm256_dpbusd_epi32(acc, w, x);
@@ -628,20 +634,41 @@ static void micro_any(const uint8_t *g, int64_t gstride, int ng, kslice ks, cons
 #endif
 }
 
+/* Activation rows a thread takes through every slice and chunk before the next ones: their
+ * slice (MC8 x 64 blocks, ~1.5 MB) stays in L2 while the chunks pass, and so do their
+ * outputs, which the outlier pass updates again (with all of a long prefill's rows at once,
+ * both came back from L3 for each chunk). The weights are unpacked once per MC8 rows. */
+#ifndef MC8
+#define MC8 512
+#endif
+
 /* ------------------------------------------------------------------ outliers */
 
 #define OG 2 /* groups of weight rows an outlier pass takes at once (each value broadcast once) */
+#define OCH 4 /* chains an outlier pass keeps a group (FMA latency) */
 
 /* A group's blocks [0, nblk) (at blk, CB_BYTES apart) dequantized by column as the
- * canonical form holds them (ws u + wo; Q6_K: ws_h (u - 32), h the half of j):
- * col[(32 b + j) ldc + r] = w[r][32 b + j], r < GR. */
-static void group_columns(const uint8_t *blk, int64_t nblk, int qtype, float *col, int64_t ldc) {
+ * canonical form holds them (ws u + wo; Q6_K: ws_h (u - 32), h the half of j), the columns
+ * that need[b] (bit j: column 32 b + j) asks for: col[(32 b + j) ldc + r] = w[r][32 b + j],
+ * r < GR. */
+static void group_columns(const uint8_t *blk, int64_t nblk, int qtype, const uint32_t *need, float *col,
+                          int64_t ldc) {
 #if defined(G8_512) || defined(QAVX2)
     const int sgn = codes_signed(qtype), q6 = qtype == Q6_K;
     const vflt k32 = V_SET1_F(32.0f);
     for (int64_t b = 0; b < nblk; b++, blk += CB_BYTES) {
         const float *fl = (const float *)(blk + CB_CODES);
         const vflt wo = V_LOAD_F(fl + 2 * GR);
+        if (__builtin_popcount(need[b]) < 24) { /* sparse: column by column */
+            for (uint32_t m = need[b]; m; m &= m - 1) {
+                const int j = __builtin_ctz(m), q = j / 4, t = j % 4;
+                const vint c = V_LOAD_I(blk + q * QUAD_BYTES);
+                const vint u = sgn ? V_SRA_N(V_SLL_N(c, 24 - 8 * t), 24) : V_AND(V_SRL_N(c, 8 * t), V_SET1_I(0xff));
+                const vflt uf = V_CVT(u), ws = V_LOAD_F(fl + (q6 && q >= 4) * GR);
+                V_STORE_F(col + (QK * b + j) * ldc, q6 ? V_MUL(ws, V_SUB(uf, k32)) : V_FMA(ws, uf, wo));
+            }
+            continue;
+        }
         for (int q = 0; q < 8; q++) {
             const vint c = V_LOAD_I(blk + q * QUAD_BYTES);
             const vflt ws = V_LOAD_F(fl + (q6 && q >= 4) * GR);
@@ -656,7 +683,7 @@ static void group_columns(const uint8_t *blk, int64_t nblk, int qtype, float *co
     for (int64_t b = 0; b < nblk; b++, blk += CB_BYTES) {
         const float *fl = (const float *)(blk + CB_CODES);
         for (int j = 0; j < QK; j++)
-            for (int r = 0; r < GR; r++) {
+            for (int r = 0; r < GR && (need[b] >> j & 1); r++) {
                 const float u = (float)blk[(j / 4) * QUAD_BYTES + 4 * r + j % 4];
                 col[(QK * b + j) * ldc + r] = qtype == Q6_K ? fl[(j >= 16) * GR + r] * (u - 32.0f)
                                                             : fl[r] * u + fl[2 * GR + r];
@@ -683,21 +710,25 @@ static inline void add_rows(float *yo, vflt v, int rows) {
  * groups, rows <= OG GR). */
 static void outliers_into(const float *col, int32_t n, const uint16_t *pos, const float *val, float *yo, int rows) {
 #if defined(G8_512) || defined(QAVX2)
-    vflt a[2][OG]; /* two chains a group: FMA latency */
-    UNROLL for (int c = 0; c < 2; c++) UNROLL for (int k = 0; k < OG; k++) a[c][k] = V_ZERO_F();
+    vflt a[OCH][OG];
+    UNROLL for (int c = 0; c < OCH; c++) UNROLL for (int k = 0; k < OG; k++) a[c][k] = V_ZERO_F();
     int32_t t = 0;
-    for (; t + 2 <= n; t += 2)
-        UNROLL for (int c = 0; c < 2; c++) {
+    for (; t + OCH <= n; t += OCH)
+        UNROLL for (int c = 0; c < OCH; c++) {
             const vflt x = V_SET1_F(val[t + c]);
             const float *cl = col + pos[t + c] * (OG * GR);
             UNROLL for (int k = 0; k < OG; k++) a[c][k] = V_FMA(x, V_LOAD_F(cl + k * GR), a[c][k]);
         }
-    if (t < n) {
+    for (int c = 0; t < n; t++, c++) {
         const vflt x = V_SET1_F(val[t]);
         const float *cl = col + pos[t] * (OG * GR);
-        UNROLL for (int k = 0; k < OG; k++) a[0][k] = V_FMA(x, V_LOAD_F(cl + k * GR), a[0][k]);
+        UNROLL for (int k = 0; k < OG; k++) a[c][k] = V_FMA(x, V_LOAD_F(cl + k * GR), a[c][k]);
     }
-    UNROLL for (int k = 0; k < OG; k++) add_rows(yo + k * GR, V_ADD(a[0][k], a[1][k]), rows - k * GR);
+    UNROLL for (int k = 0; k < OG; k++) {
+        vflt sum = a[0][k];
+        UNROLL for (int c = 1; c < OCH; c++) sum = V_ADD(sum, a[c][k]);
+        add_rows(yo + k * GR, sum, rows - k * GR);
+    }
 #else
     for (int r = 0; r < rows; r++) {
         float f = 0.0f;
@@ -707,52 +738,78 @@ static void outliers_into(const float *col, int32_t n, const uint16_t *pos, cons
 #endif
 }
 
-/* Rows [m0, m1)'s outliers in slice ks times a chunk's weight rows [c0, c1) (its groups
- * unpacked at buf), added to their outputs y[i][c0 ..]: per OG groups, the slice's columns
- * dequantized once (col), then each row's outliers. */
-static void outlier_pass(uint8_t *base, int64_t ab, int64_t K, int64_t m0, int64_t m1, kslice ks,
-                         const uint8_t *buf, int64_t gstride, int qtype, float *col, float *y, int64_t ldy,
-                         int64_t c0, int64_t c1) {
-    const int64_t s = ks.b0 / slice_blocks(K), groups = (c1 - c0 + GR - 1) / GR;
-    int any = 0;
-    for (int64_t i = m0; i < m1 && !any; i++) {
+/* Per thread, for outlier_pass: OG groups' columns of a slice (32 KC_BLOCKS columns of OG
+ * GR floats), the columns any row needs (a bit each) and the rows with outliers. */
+typedef struct {
+    float *col;
+    uint32_t *need;
+    int32_t *rows;
+} olbuf;
+
+static int64_t olbuf_bytes(void) { return (int64_t)QK * KC_BLOCKS * OG * GR * 4 + KC_BLOCKS * 4 + MC8 * 4; }
+
+static olbuf olbuf_at(uint8_t *p) {
+    const olbuf o = {(float *)p, (uint32_t *)(p + (int64_t)QK * KC_BLOCKS * OG * GR * 4),
+                     (int32_t *)(p + (int64_t)QK * KC_BLOCKS * OG * GR * 4 + KC_BLOCKS * 4)};
+    return o;
+}
+
+/* The rows of [m0, m1) with outliers in slice s (ob.rows, their count returned) and the
+ * slice's columns any of them needs (ob.need). */
+static int32_t outlier_rows(uint8_t *base, int64_t ab, int64_t K, int64_t m0, int64_t m1, int64_t s, olbuf ob) {
+    int32_t nrows = 0;
+    memset(ob.need, 0, KC_BLOCKS * sizeof(uint32_t));
+    for (int64_t i = m0; i < m1; i++) {
         const arow a = arow_at(base + i * ab, K);
-        any = a.cut[s + 1] > a.cut[s];
+        if (a.cut[s + 1] == a.cut[s]) continue;
+        ob.rows[nrows++] = (int32_t)i;
+        uint32_t w = 0;
+        int blk = a.pos[a.cut[s]] / QK;
+        for (int32_t t = a.cut[s]; t < a.cut[s + 1]; t++) { /* (positions ascend: one block's bits at once) */
+            if (a.pos[t] / QK != blk) {
+                ob.need[blk] |= w;
+                blk = a.pos[t] / QK;
+                w = 0;
+            }
+            w |= 1u << (a.pos[t] % QK);
+        }
+        ob.need[blk] |= w;
     }
-    if (!any) return;
-    for (int64_t g0 = 0; g0 < groups; g0 += OG) {
+    return nrows;
+}
+
+/* The outliers of rows ob.rows [nrows] in slice ks times a chunk's weight rows [c0, c1)
+ * (its groups unpacked at buf), added to their outputs y[i][c0 ..]: per OG groups, the
+ * slice's columns that any of the rows needs dequantized once, then each row's outliers. */
+static void outlier_pass(uint8_t *base, int64_t ab, int64_t K, int32_t nrows, kslice ks, const uint8_t *buf,
+                         int64_t gstride, int qtype, olbuf ob, float *y, int64_t ldy, int64_t c0, int64_t c1) {
+    const int64_t s = ks.b0 / slice_blocks(K), groups = (c1 - c0 + GR - 1) / GR, nblk = ks.b1 - ks.b0;
+    for (int64_t g0 = 0; g0 < groups && nrows; g0 += OG) {
         const int64_t r0 = g0 * GR;
         const int rows = c1 - c0 - r0 < OG * GR ? (int)(c1 - c0 - r0) : OG * GR;
         for (int64_t k = 0; k < OG && g0 + k < groups; k++)
-            group_columns(buf + (g0 + k) * gstride, ks.b1 - ks.b0, qtype, col + k * GR, OG * GR);
-        for (int64_t i = m0; i < m1; i++) {
+            group_columns(buf + (g0 + k) * gstride, nblk, qtype, ob.need, ob.col + k * GR, OG * GR);
+        for (int32_t e = 0; e < nrows; e++) {
+            const int64_t i = ob.rows[e];
             const arow a = arow_at(base + i * ab, K);
             const int32_t t0 = a.cut[s], t1 = a.cut[s + 1];
-            if (t1 > t0) outliers_into(col, t1 - t0, a.pos + t0, a.val + t0, y + i * ldy + c0 + r0, rows);
+            outliers_into(ob.col, t1 - t0, a.pos + t0, a.val + t0, y + i * ldy + c0 + r0, rows);
         }
     }
 }
 
 /* --------------------------------------------------------------------------- gemm8 */
 
-/* Activation rows a thread takes through every slice and chunk before the next ones: their
- * slice (MC8 x 64 blocks, ~1.5 MB) stays in L2 while the chunks pass, and so do their
- * outputs, which the outlier pass updates again (with all of a long prefill's rows at once,
- * both came back from L3 for each chunk). The weights are unpacked once per MC8 rows. */
-#ifndef MC8
-#define MC8 512
-#endif
 
 static int64_t chunk_rows(int64_t kc) {
     const int64_t step = GR * NG8, rows = CHUNK_BYTES / (kc * CB_BYTES / GR) / step * step;
     return rows < step ? step : rows > 256 ? 256 : rows;
 }
 
-/* Per thread: its unpacked chunk, one row's formed input (K floats) and OG groups' columns
- * of a slice (outlier_pass: its kc blocks' 32 kc columns of OG GR floats). */
+/* Per thread: its unpacked chunk, one row's formed input (K floats) and olbuf. */
 static int64_t thread_bytes(int64_t K) {
     const int64_t kc = slice_blocks(K);
-    return chunk_rows(kc) / GR * kc * CB_BYTES + K * 4 + QK * kc * OG * GR * 4 + 64;
+    return chunk_rows(kc) / GR * kc * CB_BYTES + K * 4 + olbuf_bytes() + 64;
 }
 
 /* Scratch: the quantized rows and each thread's bytes. */
@@ -773,7 +830,7 @@ void gemm8(const float *x, int64_t M, int64_t ldx, int64_t K, qmat w, float *y, 
     {
         uint8_t *buf = canon0 + (int64_t)omp_get_thread_num() * thread_bytes(K);
         float *act = (float *)(buf + canon); /* one row's input, unless G8_PLAIN */
-        float *col = act + K;                /* OG groups' weight columns (outlier_pass) */
+        const olbuf ob = olbuf_at((uint8_t *)(act + K));
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++) {
             const float *xi = x + i * ldx;
@@ -794,6 +851,7 @@ void gemm8(const float *x, int64_t M, int64_t ldx, int64_t K, qmat w, float *y, 
                     const kslice ks = {b0, b0 + kc < nb ? b0 + kc : nb, nb};
                     const int64_t gstride = (ks.b1 - ks.b0) * CB_BYTES; /* one group's blocks */
                     const int first = b0 == 0;
+                    const int32_t nrows = outlier_rows(base, ab, K, m0, m1, b0 / kc, ob);
                     for (int64_t c0 = n0; c0 < n1; c0 += crows) {
                         const int64_t c1 = c0 + crows < n1 ? c0 + crows : n1, groups = (c1 - c0 + GR - 1) / GR;
                         unpack_rows(tiles, qtype, K, N, c0, groups, ks.b0, ks.b1, buf);
@@ -811,7 +869,7 @@ void gemm8(const float *x, int64_t M, int64_t ldx, int64_t K, qmat w, float *y, 
                             }
                         }
                         /* the panel's outliers in the slice */
-                        outlier_pass(base, ab, K, m0, m1, ks, buf, gstride, qtype, col, y + off, ldy, c0, c1);
+                        outlier_pass(base, ab, K, nrows, ks, buf, gstride, qtype, ob, y + off, ldy, c0, c1);
                     }
                 }
             }

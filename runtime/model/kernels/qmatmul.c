@@ -540,6 +540,39 @@ static inline void d8_madd(__m512i *lo, __m512i *hi, __m512i codes, const qact *
     *hi = _mm512_dpbusd_epi32(*hi, codes, _mm512_set1_epi64((long long)load_u64((const uint8_t *)a->dhi + pos)));
 }
 
+/* Half k (0: lanes 0-7) of v. */
+static inline __m256 half8(__m512 v, int k) {
+    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), k));
+}
+
+/* A Q4_K / Q5_K tile block's scale factors for one activation row, two sub-blocks a vector
+ * (lanes 0-7: sub-block 2p's 8 rows, 8-15: 2p + 1's): dsx[p] = (d sc) s, dmn[p] = dmin m,
+ * the 6-bit scales and mins unpacked for all 8 sub-blocks at once (kq_vec's bits, and the
+ * same products, so the same floats); pair: the row's {s, sum x} per block. */
+static inline void kq_scales16(const uint8_t *tb, const float *pair, __m512 dsx[4], __m512 dmn[4]) {
+    const __m256i X = _mm256_loadu_si256((const __m256i *)(tb + QK_SCALES)), /* [byte][row] words 0-3 */
+        Y = _mm256_loadu_si256((const __m256i *)(tb + QK_SCALES + 32)),
+        Z = _mm256_loadu_si256((const __m256i *)(tb + QK_SCALES + 64));
+    const __m256i lo6 = _mm256_set1_epi8(0x3f), lo4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+    const __m256i sc[2] = {_mm256_and_si256(X, lo6),
+                           _mm256_or_si256(_mm256_and_si256(Z, lo4), _mm256_and_si256(_mm256_srli_epi16(X, 2), top2))};
+    const __m256i mn[2] = {_mm256_and_si256(Y, lo6),
+                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(Z, 4), lo4),
+                                           _mm256_and_si256(_mm256_srli_epi16(Y, 2), top2))};
+    const __m256 d8 = fp16x8(tb), dmin8 = fp16x8(tb + 16);
+    const __m512 d = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(d8)));
+    const __m512 dmin = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(dmin8)));
+    for (int p = 0; p < 4; p++) {
+        const __m128i scb = p & 1 ? _mm256_extracti128_si256(sc[p >> 1], 1) : _mm256_castsi256_si128(sc[p >> 1]);
+        const __m128i mnb = p & 1 ? _mm256_extracti128_si256(mn[p >> 1], 1) : _mm256_castsi256_si128(mn[p >> 1]);
+        const __m512 s2 = _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(pair[4 * p]))),
+            _mm256_castps_pd(_mm256_set1_ps(pair[4 * p + 2])), 1));
+        dsx[p] = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scb))), s2);
+        dmn[p] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mnb)));
+    }
+}
+
 /* tile_mb_k for one activation row on bytes (Q4_K, Q5_K). */
 static inline __attribute__((always_inline)) void
 tile_k1_d8(const qact *a, int64_t nsb, const uint8_t *tp, const int qtype, int64_t n0, int rows, float *y,
@@ -550,9 +583,8 @@ tile_k1_d8(const qact *a, int64_t nsb, const uint8_t *tp, const int qtype, int64
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *tb = tp + sb * tbb;
         for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), _MM_HINT_T0);
-        const __m256 d = fp16x8(tb), dmin = fp16x8(tb + 16);
-        uint64_t B[12];
-        kq_table(tb, B);
+        __m512 dsx[4], dmn[4];
+        kq_scales16(tb, a->pair1 + 2 * sb * 8, dsx, dmn);
         for (int c = 0; c < 4; c++) {
             const uint8_t *run = tb + co + 256 * c;
             const int64_t x0 = sb * QKK + 64 * c; /* block 2c's positions; 2c + 1's from x0 + 32 */
@@ -571,15 +603,25 @@ tile_k1_d8(const qact *a, int64_t nsb, const uint8_t *tp, const int qtype, int64
             }
             const __m256i sums[2] = {d8_rows(al, ah), d8_rows(bl, bh)};
             for (int k = 0; k < 2; k++) { /* as tile_mb_k's, in its order */
-                const int s = 2 * c + k;
-                const __m256 dsc = kq_vec(B, s, 0, d), dmn = kq_vec(B, s, 1, dmin);
-                const float *pair = a->pair1 + 2 * (sb * 8 + s);
-                facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[k]), _mm256_mul_ps(dsc, _mm256_broadcast_ss(pair)), facc);
-                facc = _mm256_fnmadd_ps(dmn, _mm256_broadcast_ss(pair + 1), facc);
+                const float *pair = a->pair1 + 2 * (sb * 8 + 2 * c + k);
+                facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[k]), half8(dsx[c], k), facc);
+                facc = _mm256_fnmadd_ps(half8(dmn[c], k), _mm256_broadcast_ss(pair + 1), facc);
             }
         }
     }
     store_tile(&facc, 1, n0, rows, y, ldy, bias, accumulate);
+}
+
+/* A Q6_K tile block's scale factors for one activation row: dsx[b] = (d sc) s for block b
+ * of 32 (lanes 0-7: its first 16 codes' scale of the 8 rows, 8-15: its second 16's), all 16
+ * scales a row converted at once (the same products as one at a time, so the same floats). */
+static inline void q6k_scales16(const uint8_t *tb, const float *pair, __m512 dsx[8]) {
+    const __m256 d8 = fp16x8(tb);
+    const __m512 d = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(d8)));
+    for (int b = 0; b < 8; b++) {
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(tb + Q6_K_SCALES + 2 * TILE * b)); /* [half][row] */
+        dsx[b] = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))), _mm512_set1_ps(pair[2 * b]));
+    }
 }
 
 /* tile_mb_q6k for one activation row on bytes. */
@@ -592,7 +634,8 @@ tile_q6k1_d8(const qact *a, int64_t nsb, const uint8_t *tp, int64_t n0, int rows
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *tb = tp + sb * tbb;
         for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), _MM_HINT_T0);
-        const __m256 d = fp16x8(tb);
+        __m512 dsx[8];
+        q6k_scales16(tb, a->pair1 + 2 * sb * 8, dsx);
         for (int c = 0; c < 4; c++) {
             const int n = c >> 1, h = c & 1, bl = 4 * n + h, bh = bl + 2;
             const uint8_t *run = tb + Q6_K_CODES + 256 * c, *qhr = tb + Q6_K_QH + 256 * n;
@@ -612,13 +655,9 @@ tile_q6k1_d8(const qact *a, int64_t nsb, const uint8_t *tp, int64_t n0, int rows
                 }
                 const __m256i sums[2] = {d8_rows(ll, lh), d8_rows(hl, hh)};
                 for (int k = 0; k < 2; k++) { /* as tile_mb_q6k's, in its order */
-                    const int b = k ? bh : bl, j16 = 2 * b + half;
-                    const __m128i sc8 = _mm_loadl_epi64((const __m128i *)(tb + Q6_K_SCALES + TILE * j16));
-                    const __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8)));
-                    const int64_t gb = sb * 8 + b;
-                    const __m256i off = _mm256_set1_epi32(32 * a->vsum16[2 * gb + half]);
-                    facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums[k], off)),
-                                           _mm256_mul_ps(dsc, _mm256_broadcast_ss(a->pair1 + 2 * gb)), facc);
+                    const int b = k ? bh : bl;
+                    const __m256i off = _mm256_set1_epi32(32 * a->vsum16[2 * (sb * 8 + b) + half]);
+                    facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums[k], off)), half8(dsx[b], half), facc);
                 }
             }
         }

@@ -459,9 +459,6 @@ typedef __m512 vflt;
 #define V_STORE_F(p, v) _mm512_storeu_ps(p, v)
 #define V_SUB(a, b) _mm512_sub_ps(a, b)
 #define V_AND(a, b) _mm512_and_si512(a, b)
-#define V_SRLI(a, n) _mm512_srli_epi32(a, n)
-#define V_SLLI(a, n) _mm512_slli_epi32(a, n)
-#define V_SRAI(a, n) _mm512_srai_epi32(a, n)
 #define V_SRL_N(a, n) _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)) /* (n not a constant) */
 #define V_SLL_N(a, n) _mm512_sll_epi32(a, _mm_cvtsi32_si128(n))
 #define V_SRA_N(a, n) _mm512_sra_epi32(a, _mm_cvtsi32_si128(n))
@@ -483,9 +480,6 @@ typedef __m256 vflt;
 #define V_STORE_F(p, v) _mm256_storeu_ps(p, v)
 #define V_SUB(a, b) _mm256_sub_ps(a, b)
 #define V_AND(a, b) _mm256_and_si256(a, b)
-#define V_SRLI(a, n) _mm256_srli_epi32(a, n)
-#define V_SLLI(a, n) _mm256_slli_epi32(a, n)
-#define V_SRAI(a, n) _mm256_srai_epi32(a, n)
 #define V_SRL_N(a, n) _mm256_srl_epi32(a, _mm_cvtsi32_si128(n))
 #define V_SLL_N(a, n) _mm256_sll_epi32(a, _mm_cvtsi32_si128(n))
 #define V_SRA_N(a, n) _mm256_sra_epi32(a, _mm_cvtsi32_si128(n))
@@ -647,6 +641,16 @@ static void micro_any(const uint8_t *g, int64_t gstride, int ng, kslice ks, cons
 #define OG 2 /* groups of weight rows an outlier pass takes at once (each value broadcast once) */
 #define OCH 4 /* chains an outlier pass keeps a group (FMA latency) */
 
+#if defined(G8_512) || defined(QAVX2)
+/* Column 4q + t of a group's block as floats: code t of each row in quad c (the quad's
+ * codes), times ws plus wo (Q6_K: ws (u - 32)). */
+static inline vflt quad_column(vint c, int t, int qtype, vflt ws, vflt wo) {
+    const vint u = codes_signed(qtype) ? V_SRA_N(V_SLL_N(c, 24 - 8 * t), 24) : V_AND(V_SRL_N(c, 8 * t), V_SET1_I(0xff));
+    const vflt uf = V_CVT(u);
+    return qtype == Q6_K ? V_MUL(ws, V_SUB(uf, V_SET1_F(32.0f))) : V_FMA(ws, uf, wo);
+}
+#endif
+
 /* A group's blocks [0, nblk) (at blk, CB_BYTES apart) dequantized by column as the
  * canonical form holds them (ws u + wo; Q6_K: ws_h (u - 32), h the half of j), the columns
  * that need[b] (bit j: column 32 b + j) asks for: col[(32 b + j) ldc + r] = w[r][32 b + j],
@@ -654,29 +658,22 @@ static void micro_any(const uint8_t *g, int64_t gstride, int ng, kslice ks, cons
 static void group_columns(const uint8_t *blk, int64_t nblk, int qtype, const uint32_t *need, float *col,
                           int64_t ldc) {
 #if defined(G8_512) || defined(QAVX2)
-    const int sgn = codes_signed(qtype), q6 = qtype == Q6_K;
-    const vflt k32 = V_SET1_F(32.0f);
+    const int q6 = qtype == Q6_K;
     for (int64_t b = 0; b < nblk; b++, blk += CB_BYTES) {
         const float *fl = (const float *)(blk + CB_CODES);
         const vflt wo = V_LOAD_F(fl + 2 * GR);
         if (__builtin_popcount(need[b]) < 24) { /* sparse: column by column */
             for (uint32_t m = need[b]; m; m &= m - 1) {
-                const int j = __builtin_ctz(m), q = j / 4, t = j % 4;
-                const vint c = V_LOAD_I(blk + q * QUAD_BYTES);
-                const vint u = sgn ? V_SRA_N(V_SLL_N(c, 24 - 8 * t), 24) : V_AND(V_SRL_N(c, 8 * t), V_SET1_I(0xff));
-                const vflt uf = V_CVT(u), ws = V_LOAD_F(fl + (q6 && q >= 4) * GR);
-                V_STORE_F(col + (QK * b + j) * ldc, q6 ? V_MUL(ws, V_SUB(uf, k32)) : V_FMA(ws, uf, wo));
+                const int j = __builtin_ctz(m), q = j / 4;
+                const vflt ws = V_LOAD_F(fl + (q6 && q >= 4) * GR);
+                V_STORE_F(col + (QK * b + j) * ldc, quad_column(V_LOAD_I(blk + q * QUAD_BYTES), j % 4, qtype, ws, wo));
             }
             continue;
         }
         for (int q = 0; q < 8; q++) {
             const vint c = V_LOAD_I(blk + q * QUAD_BYTES);
             const vflt ws = V_LOAD_F(fl + (q6 && q >= 4) * GR);
-            UNROLL for (int t = 0; t < 4; t++) {
-                const vint u = sgn ? V_SRAI(V_SLLI(c, 24 - 8 * t), 24) : V_AND(V_SRLI(c, 8 * t), V_SET1_I(0xff));
-                const vflt uf = V_CVT(u);
-                V_STORE_F(col + (QK * b + 4 * q + t) * ldc, q6 ? V_MUL(ws, V_SUB(uf, k32)) : V_FMA(ws, uf, wo));
-            }
+            UNROLL for (int t = 0; t < 4; t++) V_STORE_F(col + (QK * b + 4 * q + t) * ldc, quad_column(c, t, qtype, ws, wo));
         }
     }
 #else
@@ -831,12 +828,13 @@ void gemm8(const float *x, int64_t M, int64_t ldx, int64_t K, qmat w, float *y, 
         uint8_t *buf = canon0 + (int64_t)omp_get_thread_num() * thread_bytes(K);
         float *act = (float *)(buf + canon); /* one row's input, unless G8_PLAIN */
         const olbuf ob = olbuf_at((uint8_t *)(act + K));
+        const float t = gemm8_outlier_rms(in.kind);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < M; i++) {
             const float *xi = x + i * ldx;
             if (in.kind == G8_GLU) swiglu(xi, xi + K, K, act);
             else if (in.kind == G8_NORM) rms_norm(xi, in.norm_w, K, in.eps, act);
-            quantize8(in.kind == G8_PLAIN ? xi : act, K, gemm8_outlier_rms(in.kind), base + i * ab);
+            quantize8(in.kind == G8_PLAIN ? xi : act, K, t, base + i * ab);
         } /* (its barrier: every row quantized before any product) */
         int64_t off = 0;
         for (int p = 0; p < w.nparts; p++) {

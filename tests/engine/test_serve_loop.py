@@ -265,6 +265,60 @@ def test_a_control_request_queued_while_the_loop_was_busy_is_answered_in_the_for
     assert held.entered.wait(30)
     stats = pipes.reply_to(b"b", 5)  # the forward is still held open
     assert isinstance(stats, StatsReply) and not held._go.is_set()  # noqa: SLF001
+    assert loop.wakes == 1  # the forward found it queued and woke the intake thread
+    held.release()
+    pipes.send(EngineAbort(key=1))
+    assert pipes.finish_of(1, 30) in ("abort", "length")
+
+
+def test_forwards_with_nothing_queued_do_not_wake_the_intake_thread(served) -> None:
+    """A decode step of a few ms woke the intake thread at every forward, for nothing; now
+    only a forward that starts with control requests queued does."""
+    pipes, held, sched, loop = served
+    pipes.send(gen(1, b"a", 20, max_tokens=24))
+    assert pipes.finish_of(1, 30) == "length"
+    assert loop.gate.forwards >= 24 and loop.wakes == 0
+
+
+def test_a_control_request_queued_as_the_forward_opens_is_answered_in_it(served) -> None:
+    """The race the conditional wake-up opens: the intake thread finds the gate closed
+    (the loop is between steps) and queues a `stats`, but the forward starts and checks
+    the queue before the message is in it, so the loop sends no wake-up. The intake
+    thread tries the gate again right after queueing, finds it open, and answers inside
+    the forward (without that retry the reply waited for the forward's end)."""
+    pipes, held, sched, loop = served
+    pipes.send(gen(1, b"a", 30, max_tokens=64))
+    deadline = time.monotonic() + 30
+    while not sched.table.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    busy, resume = threading.Event(), threading.Event()
+    tick = sched.maybe_tick
+
+    def slow_tick() -> None:  # the loop between steps, holding the state, once
+        sched.maybe_tick = tick  # type: ignore[method-assign]
+        held.hold()  # (from the loop's thread: the very next forward is the held one)
+        busy.set()
+        assert resume.wait(30)
+        tick()
+
+    queueing = threading.Event()
+    put = loop.intake.put
+
+    def late_put(msg: object) -> None:  # the intake thread, after it found the gate closed
+        if isinstance(msg, EngineCommand):
+            queueing.set()
+            assert held.entered.wait(30)  # the forward started (and checked the queue) first
+        put(msg)
+
+    sched.maybe_tick = slow_tick  # type: ignore[method-assign]
+    loop.intake.put = late_put  # type: ignore[method-assign]
+    assert busy.wait(30)
+    pipes.send(EngineCommand(client=b"b", msg=GetStats(rid="late")))
+    assert queueing.wait(30)
+    resume.set()
+    stats = pipes.reply_to(b"b", 5)
+    assert isinstance(stats, StatsReply) and not held._go.is_set()  # noqa: SLF001 - still inside
+    assert loop.wakes == 0  # answered by the retry, not by a wake-up
     held.release()
     pipes.send(EngineAbort(key=1))
     assert pipes.finish_of(1, 30) in ("abort", "length")

@@ -237,11 +237,10 @@ def test_a_waiting_request_is_aborted_during_a_forward(served) -> None:
     assert pipes.finish_of(1, 30) == "abort"
 
 
-def test_a_control_request_queued_while_the_loop_was_busy_is_answered_in_the_forward(served) -> None:
-    """The loop is between two forwards (holding the state) when `stats` arrives, so it is
-    queued; once the next forward starts, the intake thread answers it there instead of
-    leaving it for after the forward."""
-    pipes, held, sched, loop = served
+def hold_between_steps(pipes: Pipes, held: HeldForward, sched: Any) -> tuple[threading.Event, threading.Event]:
+    """Start a 64-token request, then stop the loop once between two steps (it holds the
+    state there) with the next forward held open: `busy` is set when the loop stopped,
+    `resume` lets it go on into that forward."""
     pipes.send(gen(1, b"a", 30, max_tokens=64))
     deadline = time.monotonic() + 30
     while not sched.table.running and time.monotonic() < deadline:
@@ -250,13 +249,22 @@ def test_a_control_request_queued_while_the_loop_was_busy_is_answered_in_the_for
     tick = sched.maybe_tick
 
     def slow_tick() -> None:  # the loop's own work between steps, held by the test, once
-        sched.maybe_tick = tick  # type: ignore[method-assign]
+        sched.maybe_tick = tick
         held.hold()  # (from the loop's thread: the very next forward is the held one)
         busy.set()
         assert resume.wait(30)
         tick()
 
-    sched.maybe_tick = slow_tick  # type: ignore[method-assign]
+    sched.maybe_tick = slow_tick
+    return busy, resume
+
+
+def test_a_control_request_queued_while_the_loop_was_busy_is_answered_in_the_forward(served) -> None:
+    """The loop is between two forwards (holding the state) when `stats` arrives, so it is
+    queued; once the next forward starts, the intake thread answers it there instead of
+    leaving it for after the forward."""
+    pipes, held, sched, loop = served
+    busy, resume = hold_between_steps(pipes, held, sched)
     assert busy.wait(30)
     pipes.send(EngineCommand(client=b"b", msg=GetStats(rid="queued")))
     time.sleep(0.2)  # it reaches the intake thread, which can only queue it
@@ -287,20 +295,7 @@ def test_a_control_request_queued_as_the_forward_opens_is_answered_in_it(served)
     thread tries the gate again right after queueing, finds it open, and answers inside
     the forward (without that retry the reply waited for the forward's end)."""
     pipes, held, sched, loop = served
-    pipes.send(gen(1, b"a", 30, max_tokens=64))
-    deadline = time.monotonic() + 30
-    while not sched.table.running and time.monotonic() < deadline:
-        time.sleep(0.01)
-    busy, resume = threading.Event(), threading.Event()
-    tick = sched.maybe_tick
-
-    def slow_tick() -> None:  # the loop between steps, holding the state, once
-        sched.maybe_tick = tick  # type: ignore[method-assign]
-        held.hold()  # (from the loop's thread: the very next forward is the held one)
-        busy.set()
-        assert resume.wait(30)
-        tick()
-
+    busy, resume = hold_between_steps(pipes, held, sched)
     queueing = threading.Event()
     put = loop.intake.put
 
@@ -310,7 +305,6 @@ def test_a_control_request_queued_as_the_forward_opens_is_answered_in_it(served)
             assert held.entered.wait(30)  # the forward started (and checked the queue) first
         put(msg)
 
-    sched.maybe_tick = slow_tick  # type: ignore[method-assign]
     loop.intake.put = late_put  # type: ignore[method-assign]
     assert busy.wait(30)
     pipes.send(EngineCommand(client=b"b", msg=GetStats(rid="late")))

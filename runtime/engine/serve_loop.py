@@ -215,9 +215,8 @@ class EngineLoop:
         self.busy_s = 0.0  # time spent in scheduler steps that ran (for throughput figures)
         self.intake = IntakeQueue()
         self.wakes = 0  # intake-thread wake-ups sent as forwards started (stats for tests)
-        # The loop rings this when a forward starts (the intake thread then answers control
-        # requests that were queued while the loop was busy): an inproc pair, one message
-        # per forward at most pending.
+        # The loop rings this when a forward starts with control requests queued (the
+        # intake thread then answers them): an inproc pair, one message at most pending.
         ctx = inbox.context
         address = f"inproc://radixlm-intake-wake-{id(self)}"
         self._wake_rx = ctx.socket(zmq.PAIR)
@@ -304,10 +303,12 @@ class EngineLoop:
                     except msgspec.MsgspecError as e:  # our own frontend's bug: drop it
                         log.error("undecodable message dropped: %s", e)
                         continue
-                    if not (is_control(msg) and self._answer_now(msg)):
-                        self.intake.put(msg)
-                        if is_control(msg):  # the forward may have started meanwhile
-                            self._answer_queued()
+                    control = is_control(msg)
+                    if control and self._answer_now(msg):
+                        continue
+                    self.intake.put(msg)
+                    if control:  # the forward may have started meanwhile
+                        self._answer_queued()
         except zmq.ZMQError as e:  # the socket closed under us at shutdown
             if not self.stop.set:
                 log.error("engine intake stopped: %s", e)

@@ -447,29 +447,28 @@ static void unpack_rows(const uint8_t *tiles, int qtype, int64_t K, int64_t N, i
  * no better. */
 typedef struct {
     const uint8_t *tiles; /* the part's tiles; NULL: nothing to fetch */
-    int64_t nsb, tbb, t0, t1; /* tiles [t0, t1): of each, super-blocks [sb0, sb1) */
-    int64_t sb0, sb1;
-    int64_t at, end; /* bytes fetched so far of the (t1 - t0) (sb1 - sb0) tbb */
+    int64_t nsb, tbb, t0, sb0; /* from tile t0 on, each tile's super-blocks from sb0 */
+    int64_t span;              /* one tile's bytes of the slice */
+    int64_t at, end;           /* bytes fetched so far, of end */
 } tile_fetch;
 
-/* The tiles of rows [r0, r1) (r0 a multiple of TILE) of N, super-blocks of blocks [b0, b1). */
-static tile_fetch tile_fetch_of(const uint8_t *tiles, int qtype, int64_t K, int64_t N, int64_t r0, int64_t r1,
+/* The tiles of rows [r0, r1) (r0 a multiple of TILE; none past row `last`), super-blocks of
+ * blocks [b0, b1). */
+static tile_fetch tile_fetch_of(const uint8_t *tiles, int qtype, int64_t K, int64_t last, int64_t r0, int64_t r1,
                                 int64_t b0, int64_t b1) {
     const int64_t sub = qblock_elems(qtype) / QK, tbb = tile_block_bytes(qtype), t0 = r0 / TILE;
-    const int64_t t1 = ((r1 < N ? r1 : N) + TILE - 1) / TILE;
-    const tile_fetch f = {tiles, K / qblock_elems(qtype), tbb, t0, t1, b0 / sub, b1 / sub, 0,
-                          t1 > t0 ? (t1 - t0) * (b1 / sub - b0 / sub) * tbb : 0};
+    const int64_t t1 = ((r1 < last ? r1 : last) + TILE - 1) / TILE, span = (b1 / sub - b0 / sub) * tbb;
+    const tile_fetch f = {tiles, K / qblock_elems(qtype), tbb, t0, b0 / sub, span, 0, t1 > t0 ? (t1 - t0) * span : 0};
     return f;
 }
 
 /* The next `bytes` of f's tiles prefetched (by lines). */
 static inline void tile_fetch_some(tile_fetch *f, int64_t bytes) {
     if (!f->tiles) return;
-    const int64_t span = (f->sb1 - f->sb0) * f->tbb; /* one tile's bytes of the slice */
     const int64_t stop = f->at + bytes < f->end ? f->at + bytes : f->end;
     for (; f->at < stop; f->at += 64) {
-        const int64_t t = f->t0 + f->at / span;
-        __builtin_prefetch(f->tiles + (t * f->nsb + f->sb0) * f->tbb + f->at % span, 0, 2); /* (prefetcht1: toward L2) */
+        const int64_t t = f->t0 + f->at / f->span;
+        __builtin_prefetch(f->tiles + (t * f->nsb + f->sb0) * f->tbb + f->at % f->span, 0, 2); /* (prefetcht1: toward L2) */
     }
 }
 

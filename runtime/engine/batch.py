@@ -33,7 +33,7 @@ def build_batch(plan: Sequence[Scheduled], device: torch.device) -> ForwardBatch
     """The plan's batch: request buffers hold whole sequences (`tokens`, `slots` from
     position 0), so the new tokens start at `kv_len`, as do their positions."""
     b = len(plan)
-    kv0 = np.fromiter([s.req.kv_len for s in plan], _I64, b)
+    kv0 = [s.req.kv_len for s in plan]
     tokens = [s.req.tokens for s in plan]
     slots = [s.req.slots for s in plan]
     if all(s.extend == 1 and s.logits_from == 0 for s in plan):

@@ -133,6 +133,13 @@ def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
 
 
+def _argmax_only(logits: torch.Tensor, params: Sequence[SamplingParamsLike]) -> bool:
+    """Whether sampling is each row's argmax and nothing else: float32 CPU logits, every
+    row greedy without logprobs or penalties."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad
+            and all(_is_greedy(p) and not _wants_logprobs(p) and not _has_penalty(p) for p in params))  # fmt: skip
+
+
 def _wants_logprobs(p: SamplingParamsLike) -> bool:
     return bool(p.logprobs) or p.top_logprobs > 0
 
@@ -192,6 +199,10 @@ class Sampler:
             raise ValueError(f"batch of {batch} rows but {len(generators)} generators")
         if batch == 0:
             return SampleOutput([], None, None)
+        if mask is None and banned is None and _argmax_only(logits, params):
+            # The common decode row, right after a forward has left the caches cold: each
+            # row's first maximum with no tensor made (as `_argmax_rows`, NaN the maximum).
+            return SampleOutput(logits.numpy()[:, : self.vocab_size].argmax(axis=-1).tolist(), None, None)
 
         logits = logits[:, : self.vocab_size].float()
         if mask is not None:  # in place: the caller hands its rows over to sampling

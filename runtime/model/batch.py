@@ -118,7 +118,7 @@ class ForwardBatch:
 def pack_forward_batch(
     tokens: Sequence[np.ndarray],
     slots: Sequence[np.ndarray],
-    kv_lens: np.ndarray,
+    kv_lens: np.ndarray | Sequence[int],
     extends: np.ndarray | None,
     logits_from: np.ndarray | None,
     device: torch.device,
@@ -141,66 +141,92 @@ def pack_forward_batch(
     Index arrays are written into one host buffer (ids, positions, out slots, KV indices,
     KV indptr, logit rows) and moved to the device in one copy.
     """
+    if extends is None:
+        return _pack_decode(tokens, slots, _ints(kv_lens), _ints(token_offsets), _ints(positions_from), device)
+    kv_lens = np.asarray(kv_lens, dtype=_I64)
     b = len(tokens)
-    decode = extends is None
-    if decode:  # one token and one logits row per request: no ragged bookkeeping
-        ext_a = np.ones(b, dtype=_I64)
-        n_tok = n_rows = b
-    else:
-        ext_a = extends
-        first = ext_a - 1 if logits_from is None else logits_from
-        n_tok = int(ext_a.sum())
-        n_rows = n_tok - int(first.sum())
+    ext_a = extends
+    first = ext_a - 1 if logits_from is None else logits_from
+    n_tok = int(ext_a.sum())
+    n_rows = n_tok - int(first.sum())
     seq_a = kv_lens + ext_a
     seq = seq_a.tolist()
     n_kv = sum(seq)
     o1, o2, o3 = n_tok, 2 * n_tok, 3 * n_tok
     o4 = o3 + n_kv
-    o5 = o4 + b + 1
-    host = np.empty(o5 + n_rows, dtype=_I64)
+    host = np.empty(o4 + b + 1 + n_rows, dtype=_I64)
     ids, pos, out = host[:o1], host[o1:o2], host[o2:o3]
-    kvi, indptr, rows = host[o3:o4], host[o4:o5], host[o5:]
+    kvi, indptr, rows = host[o3:o4], host[o4 : o4 + b + 1], host[o4 + b + 1 :]
     kv = kv_lens.tolist()
     tok0 = kv if token_offsets is None else token_offsets.tolist()
     pos0 = kv_lens if positions_from is None else positions_from
-    if decode:
-        ids[:] = np.fromiter((t[k] for t, k in zip(tokens, tok0, strict=True)), _I64, b)
-        out[:] = np.fromiter((s[k] for s, k in zip(slots, kv, strict=True)), _I64, b)
-        pos[:] = pos0
-        rows[:] = np.arange(b, dtype=_I64)
-        logits_indptr = list(range(b + 1))
-    else:
-        ext = ext_a.tolist()
-        np.concatenate([t[k : k + e] for t, k, e in zip(tokens, tok0, ext, strict=True)], out=ids)
-        np.concatenate([s[k:q] for s, k, q in zip(slots, kv, seq, strict=True)], out=out)
-        q_start = np.zeros(b + 1, dtype=_I64)
-        np.cumsum(ext_a, out=q_start[1:])
-        pos[:] = np.arange(n_tok, dtype=_I64) + np.repeat(pos0 - q_start[:-1], ext_a)
-        per_req = ext_a - first
-        row_start = np.zeros(b + 1, dtype=_I64)
-        np.cumsum(per_req, out=row_start[1:])
-        rows[:] = np.arange(n_rows, dtype=_I64) + np.repeat(
-            q_start[:-1] + first - row_start[:-1], per_req
-        )
-        logits_indptr = row_start.tolist()
+    ext = ext_a.tolist()
+    np.concatenate([t[k : k + e] for t, k, e in zip(tokens, tok0, ext, strict=True)], out=ids)
+    np.concatenate([s[k:q] for s, k, q in zip(slots, kv, seq, strict=True)], out=out)
+    q_start = np.zeros(b + 1, dtype=_I64)
+    np.cumsum(ext_a, out=q_start[1:])
+    pos[:] = np.arange(n_tok, dtype=_I64) + np.repeat(pos0 - q_start[:-1], ext_a)
+    per_req = ext_a - first
+    row_start = np.zeros(b + 1, dtype=_I64)
+    np.cumsum(per_req, out=row_start[1:])
+    rows[:] = np.arange(n_rows, dtype=_I64) + np.repeat(q_start[:-1] + first - row_start[:-1], per_req)
     np.concatenate([s[:q] for s, q in zip(slots, seq, strict=True)], out=kvi)
     indptr[0] = 0
     np.cumsum(seq_a, out=indptr[1:])
+    return _batch(host, n_tok, n_kv, ext, seq, row_start.tolist(), device)
 
+
+def _pack_decode(tokens: Sequence[np.ndarray], slots: Sequence[np.ndarray], kv: list[int],
+                 tok0: list[int] | None, pos0: list[int] | None, device: torch.device) -> ForwardBatch:
+    """`pack_forward_batch` of a decode batch (one token, one logits row a request) from
+    plain ints: the engine builds one every step, right after a forward whose weight
+    stream has left the caches cold, where each array operation costs ~5-10 us; this
+    makes no array but the buffer (measured cold: 76-85 us against 133-170 us)."""
+    b = len(tokens)
+    seq = [k + 1 for k in kv]
+    n_kv = sum(seq)
+    o3 = 3 * b
+    host = np.empty(o3 + n_kv + 2 * b + 1, dtype=_I64)
+    ids = [t[k] for t, k in zip(tokens, kv if tok0 is None else tok0, strict=True)]
+    out = [s[k] for s, k in zip(slots, kv, strict=True)]
+    host[:o3] = ids + (kv if pos0 is None else pos0) + out
+    indptr = [0]
+    for q in seq:
+        indptr.append(indptr[-1] + q)
+    host[o3 + n_kv :] = indptr + list(range(b))
+    if b == 1:
+        host[o3 : o3 + n_kv] = slots[0][:n_kv]
+    else:
+        np.concatenate([s[:q] for s, q in zip(slots, seq, strict=True)], out=host[o3 : o3 + n_kv])
+    return _batch(host, b, n_kv, [1] * b, seq, list(range(b + 1)), device)
+
+
+def _batch(host: np.ndarray, n_tok: int, n_kv: int, ext: list[int], seq: list[int], logits_indptr: list[int],
+           device: torch.device) -> ForwardBatch:
+    """The batch whose index arrays lie in `host` (ids, positions, out slots [n_tok] each, KV
+    indices [n_kv], KV indptr [B + 1], logit rows), on `device` in one copy."""
+    o1, o2, o3 = n_tok, 2 * n_tok, 3 * n_tok
+    o4 = o3 + n_kv
+    o5 = o4 + len(ext) + 1
     cpu = torch.from_numpy(host)
     dev = cpu.to(device) if device.type != "cpu" else cpu
+    kvi = dev[o3:o4]
     return ForwardBatch(
         input_ids=dev[:o1],
         positions=dev[o1:o2],
         out_slots=dev[o2:o3],
-        extend_lens=[1] * b if decode else ext_a.tolist(),
+        extend_lens=ext,
         seq_lens=seq,
-        kv_indices=dev[o3:o4],
+        kv_indices=kvi,
         kv_indptr=dev[o4:o5],
         logits_indices=dev[o5:],
         logits_indptr=logits_indptr,
-        kv_indices_cpu=cpu[o3:o4],
+        kv_indices_cpu=kvi if dev is cpu else cpu[o3:o4],
     )
+
+
+def _ints(a: np.ndarray | Sequence[int] | None) -> list[int] | None:
+    return None if a is None else a.tolist() if isinstance(a, np.ndarray) else list(a)
 
 
 def build_forward_batch(

@@ -12,7 +12,9 @@ Qwen2-MoE with its shared expert) run in both (kernels/moe_step.c: the router, e
 experts' products, an expert's rows together; `moe_desc`). Everything else (prefill, dense weights) takes the
 ordinary per-op path, as does any model the step does not implement
 (`DecoderModel.fused_step_blockers`: Gemma's norms, soft-caps, GeGLU, local RoPE; partial
-rotary) and any batch with a sequence past a sliding window. The embedding rows stay in Python; so do the final norm and LM head,
+rotary) and any batch with a sequence past a sliding window. The embedding rows and RoPE factors come from a
+second, small kernel call (`decode_inputs`: a dozen tensor operations a step, each slow right after the
+weight stream has left the caches cold); the final norm and LM head run in Python,
 except for one request with a quantized head, whose step ends with them in the same call
 (`logits`: no second parallel region, no per-op norm).
 """
@@ -42,6 +44,11 @@ def _ptr(t: torch.Tensor | None) -> int:
     if t.dtype != torch.float32 or not t.is_contiguous():
         raise ValueError("fused decode needs contiguous float32 norms and biases")
     return t.data_ptr()
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    """`t` as a contiguous int64 tensor (itself when it is one already: no tensor operation)."""
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 def _layer_row(layer, moe: torch.Tensor | None) -> list[int]:
@@ -123,6 +130,13 @@ class FusedDecode:
         # The step attends to whole sequences: a batch longer than a layer's window is not its.
         windows = [w for w in (c.layer_window(i) for i in range(c.num_layers)) if w is not None]
         self.longest = min(windows) if windows else None
+        # The embedding rows and RoPE factors of a step in one kernel call (decode_inputs)
+        # when the embedding is packed in one type; else tensor operations (`_inputs`).
+        emb, rot = model.embed, model.rotary
+        self.embed = emb if isinstance(emb, QuantWeight) and emb.parts is None else None
+        self.inv_freq = rot.inv_freq.float().contiguous()
+        self.long_inv_freq = None if rot.long_inv_freq is None else rot.long_inv_freq.float().contiguous()
+        self.rope = torch.empty(0)  # a step's RoPE factors: cos [rows, head_dim], then sin
         head = model.lm_head_t
         self.head = None  # {final norm, head descriptor, its part count} for decode_layers
         if isinstance(head, QuantWeight) and model.norm.dtype == torch.float32 and model.norm.is_contiguous():
@@ -173,16 +187,9 @@ class FusedDecode:
         """The last layer's hidden states of the `batch.logits_indices` rows (pre final
         norm); writes the new K/V of every row. With `logits` (one row, `self.head`), the
         step also writes them there."""
-        m = self.model
         hidden, n_layers, nh, nkv, hd, inter = self.dims
-        if isinstance(m.embed, QuantWeight):
-            x = m.embed.dequantize(batch.input_ids)
-        else:
-            x = m.embed[batch.input_ids].contiguous()
-        cos, sin = m.rotary.cos_sin(batch.positions)
-        cos, sin = cos.contiguous(), sin.contiguous()
-        slots = batch.kv_indices_cpu if batch.kv_indices_cpu is not None else batch.kv_indices
-        slots = slots.to(torch.int64).contiguous()
+        x, cos, sin = self._inputs(batch)
+        slots = _int64(batch.kv_indices_cpu if batch.kv_indices_cpu is not None else batch.kv_indices)
         k = kernel()
         rows = x.shape[0]
         if rows > 1:
@@ -191,14 +198,14 @@ class FusedDecode:
             self._grow(need + self._moe_floats(rows))
             rc = k.decode_rows(
                 x.data_ptr(), rows, hidden, n_layers, self.table.data_ptr(), self.kv.data_ptr(),
-                self.kv_type, nh, nkv, hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                self.kv_type, nh, nkv, hd, inter, self.eps, cos, sin, slots.data_ptr(),
                 indptr.data_ptr(), self.work.data_ptr(),
             )  # fmt: skip
         else:
             self._grow(k.decode_work_floats(hidden, nh, nkv, hd, inter, slots.numel()) + self._moe_floats(1))
             rc = k.decode_layers(
                 x.data_ptr(), hidden, n_layers, self.table.data_ptr(), self.kv.data_ptr(),
-                self.kv_type, nh, nkv, hd, inter, self.eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                self.kv_type, nh, nkv, hd, inter, self.eps, cos, sin, slots.data_ptr(),
                 slots.numel(), self.work.data_ptr(),
                 0 if logits is None else self.head.data_ptr(), 0 if logits is None else logits.data_ptr(),
             )  # fmt: skip
@@ -207,6 +214,30 @@ class FusedDecode:
         if batch.logits_indices.shape[0] != rows:  # e.g. a session turn's tail row
             x = x.index_select(0, batch.logits_indices)
         return x
+
+    def _inputs(self, batch) -> tuple[torch.Tensor, int, int]:
+        """The rows' embeddings `[rows, hidden]` and the addresses of their RoPE factors
+        (cos, sin: `[rows, head_dim]` each, in `self.rope`), from one kernel call."""
+        m, rows, hd = self.model, batch.input_ids.shape[0], self.dims[4]
+        if self.rope.numel() < 2 * rows * hd:
+            self.rope = torch.empty(2 * max(rows, MAX_ROWS) * hd)
+        e, cos = self.embed, self.rope.data_ptr()
+        sin = cos + 4 * rows * hd
+        ids = _int64(batch.input_ids)
+        if e is None:  # a float or multi-type embedding: rows taken with tensor operations
+            x = m.embed.dequantize(ids) if isinstance(m.embed, QuantWeight) else m.embed[ids].contiguous()
+        else:
+            x = torch.empty(rows, self.dims[0])
+        long = self.long_inv_freq
+        rc = kernel().decode_inputs(
+            0 if e is None else e.tiles_ptr(), 0 if e is None else e.qtype, 0 if e is None else e.rows,
+            self.dims[0], ids.data_ptr(), _int64(batch.positions).data_ptr(), rows, self.inv_freq.data_ptr(),
+            0 if long is None else long.data_ptr(), m.rotary.long_from or 0, hd, m.rotary.scale, x.data_ptr(),
+            cos, sin,
+        )  # fmt: skip
+        if rc != 0:
+            raise IndexError(f"a token id is outside the embedding's {m.embed.rows} rows")
+        return x, cos, sin
 
     def _moe_floats(self, rows: int) -> int:
         """The experts' scratch after the step's own (moe_step.h's moe_work_floats)."""

@@ -139,6 +139,9 @@ class Kernel:
         self.decode_work_floats = fn("decode_work_floats", [i64] * 6, i64)
         self.moe_work_floats = fn("moe_work_floats", [i64] * 6, i64)
         self.moe_check = fn("moe_check", [vp, i64], c_int)
+        # a step's embedding rows and RoPE factors (-1: an id outside the embedding)
+        self.decode_inputs = fn("decode_inputs", [vp, c_int, i64, i64, vp, vp, i64, vp, vp, i64, i64, f32, vp, vp,
+                                                  vp], c_int)  # fmt: skip
         self.decode_layers = fn("decode_layers", [vp, i64, i64, vp, vp, c_int, i64, i64, i64, i64,
                                                   f32, vp, vp, vp, i64, vp, vp, vp], c_int)  # fmt: skip
 

@@ -398,6 +398,9 @@ static inline qact qact_at(void *scratch, int64_t K) {
 
 void quantize_act(const float *x, int64_t K, qact *a);
 
+/* out[i] = row rows[i] of a tiled [*, K] matrix as float32, i < R (rows NULL: rows 0 .. R-1). */
+void q_dequant_rows(const uint8_t *tiles, int qtype, int64_t K, const int64_t *rows, int64_t R, float *out);
+
 /* y[m, n] for m < M (M activation rows, row stride ldy) and weight rows [n0, n1) (n0 a
  * multiple of TILE) of a tiled matrix (+ bias; added to y with `accumulate`). */
 void rows_product(const qact *acts, int64_t M, int64_t K, const uint8_t *tiles, int qtype,

@@ -35,6 +35,36 @@
 #define MAX_HD 512        /* head_dim the attention buffers allow */
 #define MAX_ROWS MOE_MAX_ROWS /* rows of one decode_rows call */
 
+/* ------------------------------------------------------------------------------- inputs */
+
+/* A step's inputs for T tokens, in one call instead of a dozen tensor operations a step:
+ * x[t] = row ids[t] of the packed embedding (`rows` rows of `hidden`, one type), and the
+ * RoPE factors of position pos[t] as rope.py's Rotary.cos_sin makes them (cos / sin [T, hd]:
+ * cos, cos | -sin, sin of pos * inv_freq[j] in float32, times scale; long_inv_freq instead
+ * from position long_from on, longrope's, or NULL). tiles NULL: the factors only. Returns -1,
+ * writing nothing, if an id is outside the embedding. */
+int decode_inputs(const uint8_t *tiles, int qtype, int64_t rows, int64_t hidden, const int64_t *ids,
+                  const int64_t *pos, int64_t T, const float *inv_freq, const float *long_inv_freq,
+                  int64_t long_from, int64_t hd, float scale, float *x, float *cos, float *sin) {
+    const int64_t half = hd / 2;
+    if (tiles) {
+        for (int64_t t = 0; t < T; t++)
+            if (ids[t] < 0 || ids[t] >= rows) return -1;
+        q_dequant_rows(tiles, qtype, hidden, ids, T, x);
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const float p = (float)pos[t], *f = long_inv_freq && pos[t] >= long_from ? long_inv_freq : inv_freq;
+        float *c = cos + t * hd, *s = sin + t * hd;
+        for (int64_t j = 0; j < half; j++) {
+            const float a = p * f[j], cj = cosf(a) * scale, sj = sinf(a) * scale;
+            c[j] = c[j + half] = cj;
+            s[j] = -sj;
+            s[j + half] = sj;
+        }
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------ weights */
 
 static qmat mat_at(const int64_t *t, int i) {

@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import queue
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -80,6 +81,10 @@ class LoopThread:
         for it to start. Cancelling the returned future cancels the task."""
         return self._spawn(fn, args, None)
 
+    def iterate(self, source: AsyncIterator[T]) -> Pump[T]:
+        """`source`'s items for a thread outside the loop (`Pump`)."""
+        return Pump(self, source)
+
     def _spawn(self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...],
                settled: threading.Event | None) -> Future[T]:
         future: Future[T] = Future()
@@ -140,6 +145,61 @@ class LoopThread:
             with contextlib.suppress(RuntimeError):  # already stopping
                 self.portal.call(self.portal.stop, True)
             self._thread.join(timeout=10)
+
+
+class Pump(Generic[T]):
+    """An async iterator's items for another thread: one task in the loop takes them as
+    they come and queues them, and `take` waits on the queue. Each item costs one
+    cross-thread wake-up, where a `call` per item costs three and a task (for a stream of
+    tokens that is most of the client's time). The task starts at the first `take`."""
+
+    def __init__(self, loop: LoopThread, source: AsyncIterator[T]) -> None:
+        self._loop = loop
+        self._source = source
+        self._items: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self._task: Future[None] | None = None
+        self._settled = threading.Event()
+
+    def take(self) -> tuple[bool, T | None]:
+        """``(True, item)``, or ``(False, None)`` once the source has ended; what the source
+        raised is raised here. Interrupted (Ctrl-C), the task is cancelled and its
+        unwinding waited for, as `LoopThread.call` does."""
+        if self._task is None:
+            self._task = self._loop._spawn(_queue_items, (self._source, self._items), self._settled)
+        try:
+            while True:
+                try:
+                    more, item = self._items.get(timeout=_ALIVE_CHECK_S)
+                    break
+                except queue.Empty:
+                    if not self._loop._thread.is_alive():
+                        raise RuntimeError("this client's event loop stopped") from None
+        except KeyboardInterrupt:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            raise item
+        return more, item
+
+    def close(self) -> None:
+        """Cancel the task (the source's own cleanup runs there) and wait for it to unwind."""
+        if self._task is not None:
+            self._task.cancel()
+            self._settled.wait(_INTERRUPT_GRACE_S)
+
+
+async def _queue_items(source: AsyncIterator[T], items: queue.SimpleQueue[tuple[bool, Any]]) -> None:
+    try:
+        async for item in source:
+            items.put((True, item))
+    except anyio.get_cancelled_exc_class():
+        raise
+    except BaseException as exc:  # noqa: BLE001 - handed to the taking thread
+        items.put((False, exc))
+        if not isinstance(exc, Exception):
+            raise
+        return
+    items.put((False, None))
 
 
 def _declare_asyncio_thread() -> None:

@@ -53,13 +53,6 @@ def _close_client(loop: LoopThread, stop: anyio.Event, held: Future[None]) -> No
     loop.close()
 
 
-async def _next_or_end(stream: TextStream) -> tuple[bool, StreamDelta | None]:
-    try:
-        return True, await stream.__anext__()
-    except StopAsyncIteration:
-        return False, None
-
-
 class SyncTextStream:
     """A streamed generation for synchronous code: iterate it; ``result`` at the end.
     Leaving early (``break`` inside ``with``, or ``close()``) aborts the generation."""
@@ -67,6 +60,7 @@ class SyncTextStream:
     def __init__(self, loop: LoopThread, stream: TextStream) -> None:
         self._loop = loop
         self._stream = stream
+        self._pump = loop.iterate(stream)
         self._done = False
 
     def __iter__(self) -> Iterator[StreamDelta]:
@@ -75,7 +69,11 @@ class SyncTextStream:
     def __next__(self) -> StreamDelta:
         if self._done:
             raise StopIteration
-        more, delta = self._loop.call(_next_or_end, self._stream)
+        try:
+            more, delta = self._pump.take()
+        except BaseException:
+            self._done = True
+            raise
         if not more:
             self._done = True
             raise StopIteration
@@ -96,6 +94,7 @@ class SyncTextStream:
         """Stop the stream: a generation still running is aborted in the engine."""
         if not self._done:
             self._done = True
+            self._pump.close()
             self._loop.call(self._stream.aclose)
 
     def __enter__(self) -> SyncTextStream:

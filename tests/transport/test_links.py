@@ -252,6 +252,49 @@ def test_loop_thread_calls_and_cancellation() -> None:
         loop.close()
 
 
+def test_an_async_iterators_items_reach_another_thread_in_order() -> None:
+    """`LoopThread.iterate`: the items in order, then the end; what the source raises is
+    raised in the taking thread; closing while the source waits cancels it there (its
+    cleanup runs before `close` returns)."""
+    loop = LoopThread("test-loop")
+    try:
+        async def count(n: int, fail: bool = False):
+            for i in range(n):
+                await anyio.sleep(0)
+                yield i
+            if fail:
+                raise KeyError("source")
+
+        pump = loop.iterate(count(50))
+        got = []
+        while True:
+            more, item = pump.take()
+            if not more:
+                break
+            got.append(item)
+        assert got == list(range(50))
+        pump = loop.iterate(count(2, fail=True))
+        assert pump.take() == (True, 0) and pump.take() == (True, 1)
+        with pytest.raises(KeyError, match="source"):
+            pump.take()
+        cleaned = threading.Event()
+
+        async def stalls():
+            try:
+                yield "first"
+                await anyio.sleep(30)
+                yield "never"
+            finally:
+                cleaned.set()
+
+        pump = loop.iterate(stalls())
+        assert pump.take() == (True, "first")
+        pump.close()
+        assert cleaned.is_set()
+    finally:
+        loop.close()
+
+
 def test_closes_leave_on_their_own_when_nothing_else_is_sent(stub: StubServer) -> None:
     @rl.function
     def short(s):

@@ -193,6 +193,7 @@ async def _queue_items(source: AsyncIterator[T], items: queue.SimpleQueue[tuple[
         async for item in source:
             items.put((True, item))
     except anyio.get_cancelled_exc_class():
+        items.put((False, None))  # (a thread still waiting in `take` sees the end)
         raise
     except BaseException as exc:  # noqa: BLE001 - handed to the taking thread
         items.put((False, exc))

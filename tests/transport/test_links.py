@@ -291,6 +291,17 @@ def test_an_async_iterators_items_reach_another_thread_in_order() -> None:
         assert pump.take() == (True, "first")
         pump.close()
         assert cleaned.is_set()
+        # Closed from another thread while one waits in `take`: that one sees the end.
+        cleaned.clear()
+        pump = loop.iterate(stalls())
+        assert pump.take() == (True, "first")
+        taken: list[tuple[bool, object]] = []
+        waiter = threading.Thread(target=lambda: taken.append(pump.take()), daemon=True)
+        waiter.start()
+        time.sleep(0.2)
+        pump.close()
+        waiter.join(5)
+        assert taken == [(False, None)] and cleaned.is_set()
     finally:
         loop.close()
 

@@ -104,16 +104,21 @@ class LoopThread:
         settled = threading.Event()
         future = self._spawn(fn, args, settled)
         try:
-            while True:
-                try:
-                    return future.result(timeout=_ALIVE_CHECK_S)
-                except TimeoutError:
-                    if not self._thread.is_alive():  # it stopped before taking the call
-                        raise RuntimeError("this client's event loop stopped") from None
+            return self._wait(lambda t: future.result(timeout=t), TimeoutError)
         except KeyboardInterrupt:
             future.cancel()
             settled.wait(_INTERRUPT_GRACE_S)
             raise
+
+    def _wait(self, get: Callable[[float], T], empty: type[Exception]) -> T:
+        """``get(timeout)`` until it returns, checking every `_ALIVE_CHECK_S` (each `empty`
+        it raises) that the loop still runs (it may stop before taking the work)."""
+        while True:
+            try:
+                return get(_ALIVE_CHECK_S)
+            except empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("this client's event loop stopped") from None
 
     def _start(self, future: Future[T], fn: Callable[..., Awaitable[T]],
                args: tuple[Any, ...], settled: threading.Event | None = None) -> None:
@@ -167,13 +172,7 @@ class Pump(Generic[T]):
         if self._task is None:
             self._task = self._loop._spawn(_queue_items, (self._source, self._items), self._settled)
         try:
-            while True:
-                try:
-                    more, item = self._items.get(timeout=_ALIVE_CHECK_S)
-                    break
-                except queue.Empty:
-                    if not self._loop._thread.is_alive():
-                        raise RuntimeError("this client's event loop stopped") from None
+            more, item = self._loop._wait(lambda t: self._items.get(timeout=t), queue.Empty)
         except KeyboardInterrupt:
             self.close()
             raise

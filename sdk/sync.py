@@ -94,8 +94,7 @@ class SyncTextStream:
         """Stop the stream: a generation still running is aborted in the engine."""
         if not self._done:
             self._done = True
-            self._pump.close()
-            self._loop.call(self._stream.aclose)
+            self._pump.close()  # (the stream aborts and closes as its task is cancelled)
 
     def __enter__(self) -> SyncTextStream:
         return self

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import NamedTuple
 
 import numpy as np
@@ -190,10 +191,7 @@ def _pack_decode(tokens: Sequence[np.ndarray], slots: Sequence[np.ndarray], kv: 
     ids = [t[k] for t, k in zip(tokens, kv if tok0 is None else tok0, strict=True)]
     out = [s[k] for s, k in zip(slots, kv, strict=True)]
     host[:o3] = ids + (kv if pos0 is None else pos0) + out
-    indptr = [0]
-    for q in seq:
-        indptr.append(indptr[-1] + q)
-    host[o3 + n_kv :] = indptr + list(range(b))
+    host[o3 + n_kv :] = [0, *accumulate(seq), *range(b)]  # KV indptr, logit rows
     if b == 1:
         host[o3 : o3 + n_kv] = slots[0][:n_kv]
     else:

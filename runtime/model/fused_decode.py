@@ -193,7 +193,7 @@ class FusedDecode:
         k = kernel()
         rows = x.shape[0]
         if rows > 1:
-            indptr = batch.kv_indptr.to(torch.int64).contiguous()
+            indptr = _int64(batch.kv_indptr)
             need = k.decode_rows_work_floats(rows, hidden, nh, nkv, hd, inter, indptr.data_ptr())
             self._grow(need + self._moe_floats(rows))
             rc = k.decode_rows(
@@ -228,15 +228,15 @@ class FusedDecode:
             x = m.embed.dequantize(ids) if isinstance(m.embed, QuantWeight) else m.embed[ids].contiguous()
         else:
             x = torch.empty(rows, self.dims[0])
+        tiles, qtype, n_embed = (0, 0, 0) if e is None else (e.tiles_ptr(), e.qtype, e.rows)  # (0: factors only)
         long = self.long_inv_freq
         rc = kernel().decode_inputs(
-            0 if e is None else e.tiles_ptr(), 0 if e is None else e.qtype, 0 if e is None else e.rows,
-            self.dims[0], ids.data_ptr(), _int64(batch.positions).data_ptr(), rows, self.inv_freq.data_ptr(),
-            0 if long is None else long.data_ptr(), m.rotary.long_from or 0, hd, m.rotary.scale, x.data_ptr(),
-            cos, sin,
+            tiles, qtype, n_embed, self.dims[0], ids.data_ptr(), _int64(batch.positions).data_ptr(), rows,
+            self.inv_freq.data_ptr(), 0 if long is None else long.data_ptr(), m.rotary.long_from or 0, hd,
+            m.rotary.scale, x.data_ptr(), cos, sin,
         )  # fmt: skip
         if rc != 0:
-            raise IndexError(f"a token id is outside the embedding's {m.embed.rows} rows")
+            raise IndexError(f"a token id is outside the embedding's {n_embed} rows")
         return x, cos, sin
 
     def _moe_floats(self, rows: int) -> int:

@@ -49,6 +49,15 @@
  * a core needs that many lines in flight to cover DRAM's latency. */
 #define TILE_PF_BYTES 2048
 #endif
+#ifndef PF_HINT
+/* The weights' prefetch: non-temporal, so that a decode step's stream of its whole model
+ * (667 MB on the 1B shape) does not evict the rest of the machine's cache (on Zen the L3
+ * takes what the L2 evicts): the engine's Python, the frontend and the client find their
+ * state still cached between kernel calls. Engine decode of the 1B Q4_K_M shape, T0 and
+ * NTA alternating five times at a ~48 GB/s bus: 65.9 -> 68.3 tok/s (means of run medians);
+ * in-process decode (no other work between steps) the same with either. */
+#define PF_HINT _MM_HINT_NTA
+#endif
 #ifndef KQ_PF_BYTES
 /* The same for the K-quants' super-block tiles (1152 to 1680 bytes), each prefetched whole
  * when the one this far behind it starts. */
@@ -463,7 +472,7 @@ tile_mb(const qact *acts, const int MB, int64_t nb, const uint8_t *tp, const int
     for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *tb = tp + b * tbb;
-        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + TILE_PF_BYTES + o), _MM_HINT_T0);
+        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + TILE_PF_BYTES + o), PF_HINT);
         vunit iacc[TILE_MB][4];
         for (int i = 0; i < MB; i++) iacc[i][0] = iacc[i][1] = iacc[i][2] = iacc[i][3] = v_zero();
         if (qtype == Q8_0) {
@@ -582,7 +591,7 @@ tile_k1_d8(const qact *a, int64_t nsb, const uint8_t *tp, const int qtype, int64
     __m256 facc = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *tb = tp + sb * tbb;
-        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), _MM_HINT_T0);
+        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), PF_HINT);
         __m512 dsx[4], dmn[4];
         kq_scales16(tb, a->pair1 + 2 * sb * 8, dsx, dmn);
         for (int c = 0; c < 4; c++) {
@@ -633,7 +642,7 @@ tile_q6k1_d8(const qact *a, int64_t nsb, const uint8_t *tp, int64_t n0, int rows
     __m256 facc = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *tb = tp + sb * tbb;
-        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), _MM_HINT_T0);
+        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), PF_HINT);
         __m512 dsx[8];
         q6k_scales16(tb, a->pair1 + 2 * sb * 8, dsx);
         for (int c = 0; c < 4; c++) {
@@ -684,7 +693,7 @@ tile_mb_k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, const 
     for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *tb = tp + sb * tbb;
-        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), _MM_HINT_T0);
+        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), PF_HINT);
         const __m256 d = fp16x8(tb), dmin = fp16x8(tb + 16);
         uint64_t B[12];
         kq_table(tb, B);
@@ -735,7 +744,7 @@ tile_mb_q6k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, int6
     for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *tb = tp + sb * tbb;
-        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), _MM_HINT_T0);
+        for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), PF_HINT);
         const __m256 d = fp16x8(tb);
         for (int c = 0; c < 4; c++) {
             const int n = c >> 1, h = c & 1, bl = 4 * n + h, bh = bl + 2;

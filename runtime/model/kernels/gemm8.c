@@ -447,9 +447,10 @@ static void unpack_rows(const uint8_t *tiles, int qtype, int64_t K, int64_t N, i
  * no better. */
 typedef struct {
     const uint8_t *tiles; /* the part's tiles; NULL: nothing to fetch */
-    int64_t nsb, tbb, t0, sb0; /* from tile t0 on, each tile's super-blocks from sb0 */
-    int64_t span;              /* one tile's bytes of the slice */
-    int64_t at, end;           /* bytes fetched so far, of end */
+    int64_t nsb, tbb, sb0; /* each tile's super-blocks from sb0 */
+    int64_t span;          /* one tile's bytes of the slice (more than a line) */
+    int64_t t, off;        /* the next line: tile t, byte off of its span */
+    int64_t at, end;       /* bytes fetched so far, of end */
 } tile_fetch;
 
 /* The tiles of rows [r0, r1) (r0 a multiple of TILE; none past row `last`), super-blocks of
@@ -458,17 +459,20 @@ static tile_fetch tile_fetch_of(const uint8_t *tiles, int qtype, int64_t K, int6
                                 int64_t b0, int64_t b1) {
     const int64_t sub = qblock_elems(qtype) / QK, tbb = tile_block_bytes(qtype), t0 = r0 / TILE;
     const int64_t t1 = ((r1 < last ? r1 : last) + TILE - 1) / TILE, span = (b1 / sub - b0 / sub) * tbb;
-    const tile_fetch f = {tiles, K / qblock_elems(qtype), tbb, t0, b0 / sub, span, 0, t1 > t0 ? (t1 - t0) * span : 0};
+    const tile_fetch f = {tiles, K / qblock_elems(qtype), tbb, b0 / sub, span, t0, 0, 0, t1 > t0 ? (t1 - t0) * span : 0};
     return f;
 }
 
-/* The next `bytes` of f's tiles prefetched (by lines). */
+/* The next `bytes` of f's tiles prefetched (by lines; a cursor, not a division a line). */
 static inline void tile_fetch_some(tile_fetch *f, int64_t bytes) {
     if (!f->tiles) return;
     const int64_t stop = f->at + bytes < f->end ? f->at + bytes : f->end;
     for (; f->at < stop; f->at += 64) {
-        const int64_t t = f->t0 + f->at / f->span;
-        __builtin_prefetch(f->tiles + (t * f->nsb + f->sb0) * f->tbb + f->at % f->span, 0, 2); /* (prefetcht1: toward L2) */
+        __builtin_prefetch(f->tiles + (f->t * f->nsb + f->sb0) * f->tbb + f->off, 0, 2); /* (prefetcht1: toward L2) */
+        if ((f->off += 64) >= f->span) {
+            f->off -= f->span;
+            f->t++;
+        }
     }
 }
 

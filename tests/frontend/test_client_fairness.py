@@ -66,24 +66,31 @@ def test_fair_admission_priority_cap_and_inflight_cap(tmp_path: Path, tiny_model
                             finished.append(msg.rid)
             return finished
 
-        def queue_behind_a_long_request(first: str, then: list[tuple[object, str, int]]) -> bool:
+        def queue_behind_a_long_request(first: str, then: list[tuple[object, str, int]],
+                                        tokens: int = 40) -> bool:
             """Start `first` on a, send `then` (client, rid, priority); True if they all
             reached the engine's waiting queue while `first` still ran (the machine may
             be too slow to send them in time: then the caller tries again)."""
             gen(a, first, 240)  # not streamed: its chunks would crowd a's socket
+            # (the tiny model decodes ~2,000 tok/s: on a loaded machine `first` can end
+            # before a stats reply shows it running, so its Done ends the wait too)
             while not a.call(wire.GetStats(rid=f"started-{first}")).running:  # type: ignore[attr-defined]
-                pass
+                if any(isinstance(m, wire.Done) and m.rid == first for m in a._buffer):  # noqa: SLF001
+                    return False
             for client, rid, priority in then:
-                gen(client, rid, 40, priority=priority)
+                gen(client, rid, tokens, priority=priority)
             for client in (a, b):  # each answered after that client's requests got there
                 stats = client.call(wire.GetStats(rid=f"stats-{first}"))
             assert isinstance(stats, wire.StatsReply)
             return stats.running == 1 and stats.waiting == len(then)
 
-        for attempt in range(3):
+        # b1's place among a's requests is read across two sockets, which keep no order
+        # between them: 160-token requests (~80 ms each here, longer on a loaded machine)
+        # keep their Done messages far enough apart for the arrival order to be theirs.
+        for attempt in range(6):
             queued = queue_behind_a_long_request(f"a1-{attempt}", [
                 (a, f"a2-{attempt}", 0), (a, f"a3-{attempt}", 0), (a, f"a4-{attempt}", 0),
-                (b, f"b1-{attempt}", 0)])
+                (b, f"b1-{attempt}", 0)], tokens=160)
             order = [rid.split("-")[0] for rid in finish_order(5)]
             if queued:
                 break
@@ -91,7 +98,7 @@ def test_fair_admission_priority_cap_and_inflight_cap(tmp_path: Path, tiny_model
         # Round-robin: b1 (its client not served yet) before the rest of a's queue.
         assert order == ["a1", "b1", "a2", "a3", "a4"]
 
-        for attempt in range(3):
+        for attempt in range(6):
             queued = queue_behind_a_long_request(f"c1-{attempt}", [
                 (a, f"c2-{attempt}", 0), (a, f"c3-{attempt}", 10)])  # 10: over the cap
             order = [rid.split("-")[0] for rid in finish_order(3)]

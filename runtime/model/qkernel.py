@@ -133,6 +133,7 @@ class Kernel:
         self.q_dequant_rows = fn("q_dequant_rows", [vp, c_int, i64, vp, i64, vp])
         self.q_gather_rows = fn("q_gather_rows", [vp, c_int, i64, i64, vp])
         self.simd = int(fn("kernel_simd", [], c_int)())  # 2: AVX2 + FMA + F16C, 0: plain C
+        self.kq_unit = int(fn("q_kq_unit", [], c_int)())  # bytes of a K-quant code unit (common.h)
         self.decode_rows_work_floats = fn("decode_rows_work_floats", [i64] * 6 + [vp], i64)
         self.decode_rows = fn("decode_rows", [vp, i64, i64, i64, vp, vp, c_int, i64, i64, i64, i64,
                                               f32, vp, vp, vp, vp, vp], c_int)  # fmt: skip

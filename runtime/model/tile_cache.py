@@ -11,8 +11,9 @@ memory pressure (and read them again), where anonymous memory would have to be s
 
 - Where: `cache_root()/tiles/<gguf stem>-<key>.tiles`; the key covers the GGUF's path,
   size, mtime and inode, the rows' order (llama.cpp's Q/K permutation undone or not) and
-  a hash of the kernel's packing code (kernels/common.h, kernels/qmatmul.c), so an edited
-  file or another tile layout is never read.
+  a hash of the kernel's packing code (kernels/common.h, kernels/qmatmul.c) and the
+  build's layout (AVX-512 VBMI builds store K-quant codes in 8-byte units, the others in
+  2-byte ones: `Kernel.kq_unit`), so an edited file or another tile layout is never read.
 - Bound: at most `MAX_FILES` models and `RADIXLM_TILE_CACHE_GB` GiB (default
   `DEFAULT_GB`; 0 turns the cache off), the least recently used evicted when a new file is
   added; a model bigger than the bound, or than the free disk space, is not cached.
@@ -58,12 +59,12 @@ def bound_bytes() -> int:
         return int(DEFAULT_GB * 2**30)
 
 
-def cache_key(gguf_path: str | Path, rows_order: str) -> str:
-    """The identity of a GGUF's tiles: the file (path, size, mtime, inode), the rows' order
-    and the packing code."""
+def cache_key(gguf_path: str | Path, rows_order: str, kq_unit: int) -> str:
+    """The identity of a GGUF's tiles: the file (path, size, mtime, inode), the rows' order,
+    the packing code and the loaded build's K-quant layout (`kq_unit`)."""
     p = Path(gguf_path).resolve()
     st = p.stat()
-    h = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{rows_order}".encode())
+    h = hashlib.sha256(f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{rows_order}|{kq_unit}".encode())
     for src in _PACKING_SOURCES:
         h.update(src.read_bytes())
     return h.hexdigest()[:20]
@@ -204,12 +205,12 @@ def pack_cached(gguf_path: str | Path, weights: dict, rows_order: str) -> dict:
 
     if not weights or bound_bytes() <= 0:
         return weights
-    key = cache_key(gguf_path, rows_order)
+    k = kernel()
+    key = cache_key(gguf_path, rows_order, k.kq_unit)
     shapes = {n: (w.qtype, w.rows, w.cols) for n, w in weights.items()}
     hit = TileFile.open(gguf_path, key)
     if hit is not None and all(n in hit.index and tuple(hit.index[n][2:]) == s for n, s in shapes.items()):
         return {n: QuantWeight.from_tiles(hit.views[n], *shapes[n]) for n in weights}
-    k = kernel()
     writer = TileFile.create(gguf_path, key, {n: (k.q_tiled_bytes(*s), *s) for n, s in shapes.items()})
     if writer is None:
         return weights

@@ -6,8 +6,9 @@ against transformers' own reading of the same file (gguf-py's dequantization to 
 K-quant blocks are written by tests/kquant_blocks.py from the format's definition (gguf-py
 does not quantize K-quants), the others by gguf-py. The packed model's greedy tokens --
 its prefill and its fused one-call decode steps, one request and two at once -- equal the
-float32 model's; a long prefill (int8 activations) stays within the stated bound of its
-logits; the file's blocks are held byte for byte. Matrices of types the kernel lacks are
+float32 model's (where that model's best two tokens are a near-tie, either within
+rounding); a long prefill (int8 activations) stays within the stated bound of its logits;
+the file's blocks are held byte for byte. Matrices of types the kernel lacks are
 dequantized only when they fit in memory (one log line), else refused in one line.
 """
 
@@ -39,6 +40,12 @@ PROMPT = 20  # < GEMM8_MIN_ROWS: int16 activations, as decode
 LONG = 100  # >= GEMM8_MIN_ROWS: int8 activations
 NEW = 24
 PREFILL8_TOL = 0.25  # max |logit error| / logits std of int8 rows (model/test_quant_tiny.py)
+# A near-tie: with int16 activations the packed model's logits stay within ~1.2e-3 x their
+# std of the float32 model's (the largest over these prompts' positions), so where the
+# float32 model's best two tokens are closer than twice that, rounding alone picks either
+# (the Q5 mix's first token: 4.4427 vs 4.4424, std 1.70).
+TIE = 3e-3
+MAX_TIES = 2  # of NEW tokens: a systematic error is not a tie
 
 
 def _q4_k_m(name: str) -> str:
@@ -90,6 +97,21 @@ def _greedy(runner: ModelRunner, prompt: list[int], rows: int) -> list[list[int]
     return outs
 
 
+def _assert_greedy(ref: torch.Tensor, tokens: list[int], what: str) -> None:
+    """Each of `tokens` is the float32 model's greedy pick after the same prefix (`ref`: its
+    logits over the prompt and `tokens`, teacher-forced), or ties with it within TIE x the
+    logits' std -- at most MAX_TIES times."""
+    rows = ref[PROMPT - 1 :][: len(tokens)]
+    best = rows.argmax(-1).tolist()
+    ties = 0
+    for i, (t, b) in enumerate(zip(tokens, best, strict=True)):
+        if t != b:
+            gap = float((rows[i, b] - rows[i, t]) / rows[i].std())
+            assert gap <= TIE, (what, i, t, b, gap)
+            ties += 1
+    assert ties <= MAX_TIES, (what, ties)
+
+
 @pytest.mark.parametrize("mix", sorted(MIXES))
 def test_mixes_decode_the_float32_models_tokens(tmp_path, mix):
     pick, types = MIXES[mix]
@@ -106,11 +128,11 @@ def test_mixes_decode_the_float32_models_tokens(tmp_path, mix):
     for tokens in _greedy(runner, prompt, rows=2):  # two rows: decode_rows, one: decode_layers
         with torch.no_grad():  # transformers' greedy pick after each prefix of ours
             ref = ref_model(torch.tensor([prompt + tokens])).logits[0]
-        assert ref[PROMPT - 1 :].argmax(-1)[:NEW].tolist() == tokens, mix
+        _assert_greedy(ref, tokens, mix)
     solo = _greedy(runner, prompt, rows=1)[0]
     with torch.no_grad():
         ref = ref_model(torch.tensor([prompt + solo])).logits[0]
-    assert ref[PROMPT - 1 :].argmax(-1)[:NEW].tolist() == solo
+    _assert_greedy(ref, solo, mix)
 
     long_ids = torch.randint(3, 400, (LONG,), generator=torch.Generator().manual_seed(8)).tolist()
     got = runner.forward(ForwardBatch.build([BatchRequest(long_ids, 0, list(range(LONG)), True)]))

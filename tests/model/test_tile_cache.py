@@ -90,8 +90,10 @@ def test_an_edited_gguf_or_a_broken_file_is_never_read(tmp_path, monkeypatch):
     packs = _CountPacks(monkeypatch)
     again = _weights(load_model(model_dir, "cpu", "gguf"))
     assert packs.calls > 0 and all(torch.equal(a, b) for a, b in zip(after, again, strict=True))
-    # another row order (no Q/K permutation undone) is another key
-    assert tile_cache.cache_key(gguf, "4,2,True") != tile_cache.cache_key(gguf, "4,2,False")
+    # another row order (no Q/K permutation undone) is another key, and so is another
+    # build's K-quant layout (AVX-512 VBMI builds: 8-byte code units; the others: 2)
+    assert tile_cache.cache_key(gguf, "4,2,True", 2) != tile_cache.cache_key(gguf, "4,2,False", 2)
+    assert tile_cache.cache_key(gguf, "4,2,True", 2) != tile_cache.cache_key(gguf, "4,2,True", 8)
 
 
 def test_the_cache_stays_within_its_bound(tmp_path, monkeypatch):

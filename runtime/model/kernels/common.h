@@ -132,6 +132,23 @@ static inline uint64_t load_u64(const uint8_t *p) {
 
 /* ------------------------------------------------------------------------ tile layout */
 
+/* Few-row K-quant products with VNNI's byte multiply-adds (qmatmul.c: tile_k_d8): AVX-512
+ * with VNNI and VBMI. */
+#if defined(QAVX2) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define DEC8 1
+#endif
+
+/* The unit of the K-quants' code and high-bit tables (below): 8 bytes of a row on DEC8
+ * builds, so that one 64-byte load holds 8 bytes of each of the 8 rows, row r's in 32-bit
+ * lanes 2r and 2r + 1, as the byte multiply-adds take them (2 bytes elsewhere: the int16
+ * passes widen 16 bytes of 8 rows at once). The layout is a build's, so the tile cache's
+ * key names it (q_kq_unit). */
+#if defined(DEC8)
+#define KQ_UNIT 8
+#else
+#define KQ_UNIT 2
+#endif
+
 /* One field of a GGML block as a tile stores it: `len` bytes at `src` in the block become
  * a table [len / unit][TILE][unit] at `dst` in the tile block. */
 typedef struct {
@@ -165,14 +182,14 @@ static inline int tile_fields(int qtype, tile_field f[5]) {
         f[2] = (tile_field){4, 4, 4, Q5_1_QH}; f[3] = (tile_field){8, 16, 2, Q5_1_CODES}; return 4;
     case Q4_K:
         f[0] = (tile_field){0, 2, 2, 0}; f[1] = (tile_field){2, 2, 2, 16};
-        f[2] = (tile_field){4, 12, 1, QK_SCALES}; f[3] = (tile_field){16, 128, 2, Q4_K_CODES}; return 4;
+        f[2] = (tile_field){4, 12, 1, QK_SCALES}; f[3] = (tile_field){16, 128, KQ_UNIT, Q4_K_CODES}; return 4;
     case Q5_K:
         f[0] = (tile_field){0, 2, 2, 0}; f[1] = (tile_field){2, 2, 2, 16};
-        f[2] = (tile_field){4, 12, 1, QK_SCALES}; f[3] = (tile_field){16, 32, 2, Q5_K_QH};
-        f[4] = (tile_field){48, 128, 2, Q5_K_CODES}; return 5;
+        f[2] = (tile_field){4, 12, 1, QK_SCALES}; f[3] = (tile_field){16, 32, KQ_UNIT, Q5_K_QH};
+        f[4] = (tile_field){48, 128, KQ_UNIT, Q5_K_CODES}; return 5;
     case Q6_K:
         f[0] = (tile_field){208, 2, 2, 0}; f[1] = (tile_field){192, 16, 1, Q6_K_SCALES};
-        f[2] = (tile_field){128, 64, 2, Q6_K_QH}; f[3] = (tile_field){0, 128, 2, Q6_K_CODES}; return 4;
+        f[2] = (tile_field){128, 64, KQ_UNIT, Q6_K_QH}; f[3] = (tile_field){0, 128, KQ_UNIT, Q6_K_CODES}; return 4;
     default: return 0;
     }
 }
@@ -193,6 +210,30 @@ static inline int tile_units(int qtype) {
     return qtype == Q8_0 ? 16 : is_kquant(qtype) ? 64 : 8;
 }
 static inline int64_t tile_block_bytes(int qtype) { return TILE * qblock_bytes(qtype); }
+
+#if defined(DEC8)
+/* Byte o of 64 in 2-byte units (unit o / 16, row (o / 2) mod 8) is byte KQ_UNITS2[o] of the
+ * same 64 in 8-byte units. */
+static const uint8_t KQ_UNITS2[64] __attribute__((aligned(64))) = {
+    0, 1, 8, 9, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57,
+    2, 3, 10, 11, 18, 19, 26, 27, 34, 35, 42, 43, 50, 51, 58, 59,
+    4, 5, 12, 13, 20, 21, 28, 29, 36, 37, 44, 45, 52, 53, 60, 61,
+    6, 7, 14, 15, 22, 23, 30, 31, 38, 39, 46, 47, 54, 55, 62, 63};
+
+/* Tile block `tb` of a K-quant with its code and high-bit tables in 2-byte units, in `buf`
+ * (tile_block_bytes(qtype) bytes): for the readers made for that layout (the
+ * int16 passes of several rows, gemm8's unpacking), whose work per byte is far larger than
+ * this one permute a 64 bytes. */
+static inline const uint8_t *kq_units2(const uint8_t *tb, int qtype, uint8_t *buf) {
+    const int64_t from = qtype == Q6_K ? Q6_K_QH : Q4_K_CODES, end = tile_block_bytes(qtype);
+    const __m512i idx = _mm512_load_si512((const void *)KQ_UNITS2);
+    memcpy(buf, tb, (size_t)from); /* d, dmin, scales */
+    for (int64_t o = from; o < end; o += 64)
+        _mm512_storeu_si512((void *)(buf + o), _mm512_permutexvar_epi8(idx, _mm512_loadu_si512((const void *)(tb + o))));
+    return buf;
+}
+#define KQ_TILE_MAX 1680 /* Q6_K's tile block */
+#endif
 /* Bytes of a matrix of N rows of width K as tiles. */
 static inline int64_t tiled_bytes_of(int qtype, int64_t N, int64_t K) {
     return (N + TILE - 1) / TILE * (K / qblock_elems(qtype)) * tile_block_bytes(qtype);
@@ -239,16 +280,16 @@ static inline int tile_code(const uint8_t *tb, int qtype, int r, int j) {
     }
     case Q4_K: case Q5_K: {
         const int c = j / 64, l = j % 64;
-        const uint8_t byte = *tile_byte(tb, (int)co, 2, r, 32 * c + (l & 31));
+        const uint8_t byte = *tile_byte(tb, (int)co, KQ_UNIT, r, 32 * c + (l & 31));
         int q = l < 32 ? (byte & 0xf) : (byte >> 4);
-        if (qtype == Q5_K) q |= ((*tile_byte(tb, Q5_K_QH, 2, r, l & 31) >> (2 * c + (l >= 32))) & 1) << 4;
+        if (qtype == Q5_K) q |= ((*tile_byte(tb, Q5_K_QH, KQ_UNIT, r, l & 31) >> (2 * c + (l >= 32))) & 1) << 4;
         return q;
     }
     case Q6_K: {
         const int n = j / 128, k = (j % 128) / 32, l = j % 32;
-        const uint8_t byte = *tile_byte(tb, Q6_K_CODES, 2, r, 64 * n + 32 * (k & 1) + l);
+        const uint8_t byte = *tile_byte(tb, Q6_K_CODES, KQ_UNIT, r, 64 * n + 32 * (k & 1) + l);
         const int lo = k < 2 ? (byte & 0xf) : (byte >> 4);
-        const int hi = (*tile_byte(tb, Q6_K_QH, 2, r, 32 * n + l) >> (2 * k)) & 3;
+        const int hi = (*tile_byte(tb, Q6_K_QH, KQ_UNIT, r, 32 * n + l) >> (2 * k)) & 3;
         return (lo | (hi << 4)) - 32;
     }
     default: return 0;
@@ -371,11 +412,6 @@ typedef struct {
     int8_t *dhi;
 } qact;
 
-/* Batch-1 K-quant products with VNNI's byte multiply-adds (qmatmul.c: tile_k1_d8): AVX-512
- * with VNNI and VBMI (one byte permute arranges a tile's code units by row). */
-#if defined(QAVX2) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-#define DEC8 1
-#endif
 
 static inline int64_t qact_blocks(int64_t K) { return (K / QK + 7) / 8 * 8; }
 

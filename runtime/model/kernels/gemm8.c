@@ -334,6 +334,10 @@ static inline void put_floats(uint8_t *g, int64_t b, int which, int row0, __m256
 static void unpack_tile_block(const uint8_t *tb, int qtype, uint8_t *g, int64_t b0, int row0) {
     __m256i units[2][16];
     const float bias = (float)code_bias(qtype);
+#if defined(DEC8)
+    uint8_t units2[KQ_TILE_MAX] __attribute__((aligned(64)));
+    if (is_kquant(qtype)) tb = kq_units2(tb, qtype, units2);
+#endif
     if (qtype == Q8_0) {
         const __m256i pat = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15,
                                              0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);

@@ -73,6 +73,7 @@ int kernel_simd(void) {
 }
 
 int64_t block_bytes(int qtype) { return qblock_bytes(qtype); }
+int q_kq_unit(void) { return KQ_UNIT; } /* the K-quant tables' layout (common.h) */
 int block_elems(int qtype) { return qtype_known(qtype) ? qblock_elems(qtype) : 0; }
 
 /* Bytes of the tiles of N rows of width K (q_pack's output). */
@@ -206,6 +207,9 @@ static void pack_tile_block(const uint8_t *const blk[TILE], int qtype, uint8_t *
                 for (int u = 0; u < 8; u++) _mm_storeu_si128((__m128i *)(tb + F.dst + 16 * (k + u)), x[u]);
             }
 #endif
+        if (F.unit == 8) /* (a constant size: no call per unit) */
+            for (; 8 * k < F.len; k++)
+                for (int r = 0; r < TILE; r++) memcpy(tb + F.dst + (k * TILE + r) * 8, src[r] + F.src + 8 * k, 8);
         for (; k * F.unit < F.len; k++)
             for (int r = 0; r < TILE; r++)
                 memcpy(tb + F.dst + (k * TILE + r) * F.unit, src[r] + F.src + k * F.unit, F.unit);
@@ -521,21 +525,13 @@ static inline __m256i run_sum(vunit c[4], const int MB, int k) {
  * and multiply 2 codes a lane (dpwssd); here the codes stay bytes and dpbusd multiplies 4 a
  * lane, each activation v taken as two bytes, v = 256 dhi + dlo (dlo unsigned, dhi signed):
  * sum q v = sum dlo q + 256 sum q dhi, two byte multiply-adds (q, 0..63, is both a signed
- * and an unsigned byte), the same integer sums exactly, so the products are the int16
- * passes' bit for bit. One byte permute (d8_perm) makes a 64-byte load of 4 code units of
- * 8 rows into 16 lanes (row r, unit pair p) at lane 2r + p, so one 8-byte broadcast of the
- * activation bytes matches both pairs. On a 2-core AMD EPYC (Zen 5), one thread, the 1B
- * Q4_K_M shape's matrices from DRAM: Q6_K 23.1 -> 34.5 GB/s, Q4_K unchanged (31-35). */
-/* Byte 4 L + j of the arranged vector, lane L = 2r + p: byte j & 1 of row r in code unit
- * 2p + (j >> 1) (units of 16 bytes, row r's 2 bytes at 2r), i.e. source byte
- * 32p + 16 (j >> 1) + 2r + (j & 1); a constant table, loaded once per tile. */
-static const uint8_t D8_PERM[64] __attribute__((aligned(64))) = {
-    0,  1,  16, 17, 32, 33, 48, 49, 2,  3,  18, 19, 34, 35, 50, 51, 4,  5,  20, 21, 36, 37,
-    52, 53, 6,  7,  22, 23, 38, 39, 54, 55, 8,  9,  24, 25, 40, 41, 56, 57, 10, 11, 26, 27,
-    42, 43, 58, 59, 12, 13, 28, 29, 44, 45, 60, 61, 14, 15, 30, 31, 46, 47, 62, 63};
-
-static inline __m512i d8_perm(void) { return _mm512_load_si512((const void *)D8_PERM); }
-
+ * and an unsigned byte), the same integer sums exactly. On these builds the code tables are
+ * packed in 8-byte units (common.h, KQ_UNIT): a 64-byte load holds 8 code bytes of each of
+ * the 8 rows, row r's first 4 in 32-bit lane 2r and its next 4 in lane 2r + 1 (lane (r, p)),
+ * so one 8-byte broadcast of the activation bytes matches both. On a 2-core AMD EPYC (Zen
+ * 5), one thread, the 1B Q4_K_M shape's matrices from DRAM: Q6_K 23.1 -> 34.5 GB/s, Q4_K
+ * unchanged (31-35) (with a byte permute a load, before the layout); on a Zen 4 from L3,
+ * one thread, the layout in place of the permute: Q4_K 30.3 -> 33.1 GB/s. */
 /* Lanes (r, p) of lo + 256 hi summed over p: the 8 rows' integer sums. */
 static inline __m256i d8_rows(__m512i lo, __m512i hi) {
     const __m512i s = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
@@ -551,14 +547,20 @@ static inline void d8_madd(__m512i *lo, __m512i *hi, __m512i codes, const qact *
 
 /* Half k (0: lanes 0-7) of v. */
 static inline __m256 half8(__m512 v, int k) {
-    return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), k));
+    return k ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)) : _mm512_castps512_ps256(v);
 }
 
-/* A Q4_K / Q5_K tile block's scale factors for one activation row, two sub-blocks a vector
- * (lanes 0-7: sub-block 2p's 8 rows, 8-15: 2p + 1's): dsx[p] = (d sc) s, dmn[p] = dmin m,
- * the 6-bit scales and mins unpacked for all 8 sub-blocks at once (kq_vec's bits, and the
- * same products, so the same floats); pair: the row's {s, sum x} per block. */
-static inline void kq_scales16(const uint8_t *tb, const float *pair, __m512 dsx[4], __m512 dmn[4]) {
+/* Lanes {x, x, ..} (0-7) and {y, y, ..} (8-15). */
+static inline __m512 two8(float x, float y) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(x))),
+                                               _mm256_castps_pd(_mm256_set1_ps(y)), 1));
+}
+
+/* A Q4_K / Q5_K tile block's scale factors, two sub-blocks a vector (lanes 0-7: sub-block
+ * 2p's 8 rows, 8-15: 2p + 1's): dsc[p] = d sc, dmn[p] = dmin m, the 6-bit scales and mins
+ * unpacked for all 8 sub-blocks at once (kq_vec's bits, and the same products, so the same
+ * floats; a row's scale is then (d sc) s, s its block's, as the int16 passes form it). */
+static inline void kq_scales16(const uint8_t *tb, __m512 dsc[4], __m512 dmn[4]) {
     const __m256i X = _mm256_loadu_si256((const __m256i *)(tb + QK_SCALES)), /* [byte][row] words 0-3 */
         Y = _mm256_loadu_si256((const __m256i *)(tb + QK_SCALES + 32)),
         Z = _mm256_loadu_si256((const __m256i *)(tb + QK_SCALES + 64));
@@ -574,104 +576,134 @@ static inline void kq_scales16(const uint8_t *tb, const float *pair, __m512 dsx[
     for (int p = 0; p < 4; p++) {
         const __m128i scb = p & 1 ? _mm256_extracti128_si256(sc[p >> 1], 1) : _mm256_castsi256_si128(sc[p >> 1]);
         const __m128i mnb = p & 1 ? _mm256_extracti128_si256(mn[p >> 1], 1) : _mm256_castsi256_si128(mn[p >> 1]);
-        const __m512 s2 = _mm512_castpd_ps(_mm512_insertf64x4(
-            _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(pair[4 * p]))),
-            _mm256_castps_pd(_mm256_set1_ps(pair[4 * p + 2])), 1));
-        dsx[p] = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scb))), s2);
+        dsc[p] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scb)));
         dmn[p] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mnb)));
     }
 }
 
-/* tile_mb_k for one activation row on bytes (Q4_K, Q5_K). */
+/* tile_mb_k on bytes (Q4_K, Q5_K), for MB activation rows: each 64 bytes of codes split
+ * into nibbles once, then 4 byte multiply-adds per row. A run's two blocks are not reduced
+ * to their 8 rows' sums one by one: each block's 16 lanes (r, p) are scaled as they stand
+ * (the row's scale duplicated into lanes 2r, 2r + 1) into a float accumulator of 16 lanes
+ * per row, the mins into another of (block, row) lanes, and both are folded to the 8 rows
+ * once per tile. The integer sums are the int16 passes'; only the float sums' order
+ * differs (within a few ulps; test_quant_kernel.py). On a 2-core AMD EPYC (Zen 4), one
+ * thread, a Q4_K matrix from L3, one row: 26.6 -> 30.3 GB/s with this order (Q5_K 23.5
+ * -> 26.3), 33.1 with the 8-byte units in place of a byte permute a load. */
 static inline __attribute__((always_inline)) void
-tile_k1_d8(const qact *a, int64_t nsb, const uint8_t *tp, const int qtype, int64_t n0, int rows, float *y,
-           int64_t ldy, const float *bias, int accumulate) {
+tile_k_d8(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, const int qtype, int64_t n0, int rows,
+          float *y, int64_t ldy, const float *bias, int accumulate) {
     const int64_t tbb = tile_block_bytes(qtype), co = tile_codes_at(qtype);
-    const __m512i perm = d8_perm(), m4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
-    __m256 facc = _mm256_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    const __m512i dup_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7),
+                  dup_hi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+    __m512 f16[TILE_MB], m16[TILE_MB];
+    for (int i = 0; i < MB; i++) f16[i] = m16[i] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *tb = tp + sb * tbb;
         for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), PF_HINT);
-        __m512 dsx[4], dmn[4];
-        kq_scales16(tb, a->pair1 + 2 * sb * 8, dsx, dmn);
+        __m512 dsc[4], dmn[4];
+        kq_scales16(tb, dsc, dmn);
         for (int c = 0; c < 4; c++) {
             const uint8_t *run = tb + co + 256 * c;
             const int64_t x0 = sb * QKK + 64 * c; /* block 2c's positions; 2c + 1's from x0 + 32 */
-            __m512i al = _mm512_setzero_si512(), ah = al, bl = al, bh = al;
+            __m512i al[TILE_MB], ah[TILE_MB], bl[TILE_MB], bh[TILE_MB];
+            for (int i = 0; i < MB; i++) al[i] = ah[i] = bl[i] = bh[i] = _mm512_setzero_si512();
             for (int it = 0; it < 4; it++) {
-                const __m512i z = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(run + 64 * it)));
+                const __m512i z = _mm512_loadu_si512((const void *)(run + 64 * it));
                 __m512i lo = _mm512_and_si512(z, m4), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
                 if (qtype == Q5_K) {
-                    const __m512i q = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(tb + Q5_K_QH + 64 * it)));
+                    const __m512i q = _mm512_loadu_si512((const void *)(tb + Q5_K_QH + 64 * it));
                     const int sl = 4 - 2 * c, sh = 3 - 2 * c;
                     lo = _mm512_or_si512(lo, _mm512_and_si512(sl >= 0 ? _mm512_slli_epi16(q, sl) : _mm512_srli_epi16(q, -sl), bit4));
                     hi = _mm512_or_si512(hi, _mm512_and_si512(sh >= 0 ? _mm512_slli_epi16(q, sh) : _mm512_srli_epi16(q, -sh), bit4));
                 }
-                d8_madd(&al, &ah, lo, a, x0 + 8 * it);
-                d8_madd(&bl, &bh, hi, a, x0 + 32 + 8 * it);
+                for (int i = 0; i < MB; i++) {
+                    d8_madd(&al[i], &ah[i], lo, acts + i, x0 + 8 * it);
+                    d8_madd(&bl[i], &bh[i], hi, acts + i, x0 + 32 + 8 * it);
+                }
             }
-            const __m256i sums[2] = {d8_rows(al, ah), d8_rows(bl, bh)};
-            for (int k = 0; k < 2; k++) { /* as tile_mb_k's, in its order */
-                const float *pair = a->pair1 + 2 * (sb * 8 + 2 * c + k);
-                facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[k]), half8(dsx[c], k), facc);
-                facc = _mm256_fnmadd_ps(half8(dmn[c], k), _mm256_broadcast_ss(pair + 1), facc);
+            const __m512 da = _mm512_permutexvar_ps(dup_lo, dsc[c]), db = _mm512_permutexvar_ps(dup_hi, dsc[c]);
+            for (int i = 0; i < MB; i++) {
+                const float *pair = acts[i].pair1 + 2 * (sb * 8 + 2 * c); /* blocks 2c, 2c + 1: {s, sum x} */
+                const __m512i sa = _mm512_add_epi32(al[i], _mm512_slli_epi32(ah[i], 8));
+                const __m512i sb2 = _mm512_add_epi32(bl[i], _mm512_slli_epi32(bh[i], 8));
+                f16[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sa), _mm512_mul_ps(da, _mm512_set1_ps(pair[0])), f16[i]);
+                f16[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sb2), _mm512_mul_ps(db, _mm512_set1_ps(pair[2])), f16[i]);
+                m16[i] = _mm512_fnmadd_ps(dmn[c], two8(pair[1], pair[3]), m16[i]);
             }
         }
     }
-    store_tile(&facc, 1, n0, rows, y, ldy, bias, accumulate);
+    __m256 facc[TILE_MB];
+    for (int i = 0; i < MB; i++) {
+        const __m512 t = _mm512_add_ps(f16[i], _mm512_permute_ps(f16[i], 0xb1)); /* lanes 2r: row r's */
+        const __m256 f = _mm256_castsi256_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi32(
+            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps_si512(t))));
+        facc[i] = _mm256_add_ps(f, _mm256_add_ps(half8(m16[i], 0), half8(m16[i], 1)));
+    }
+    store_tile(facc, MB, n0, rows, y, ldy, bias, accumulate);
 }
 
-/* A Q6_K tile block's scale factors for one activation row: dsx[b] = (d sc) s for block b
- * of 32 (lanes 0-7: its first 16 codes' scale of the 8 rows, 8-15: its second 16's), all 16
- * scales a row converted at once (the same products as one at a time, so the same floats). */
-static inline void q6k_scales16(const uint8_t *tb, const float *pair, __m512 dsx[8]) {
+/* A Q6_K tile block's scale factors: dsc[b] = d sc for block b of 32 (lanes 0-7: its first
+ * 16 codes' scale of the 8 rows, 8-15: its second 16's), all 16 scales a row converted at
+ * once (the same products as one at a time, so the same floats). */
+static inline void q6k_scales16(const uint8_t *tb, __m512 dsc[8]) {
     const __m256 d8 = fp16x8(tb);
     const __m512 d = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(d8)));
     for (int b = 0; b < 8; b++) {
         const __m128i sc = _mm_loadu_si128((const __m128i *)(tb + Q6_K_SCALES + 2 * TILE * b)); /* [half][row] */
-        dsx[b] = _mm512_mul_ps(_mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc))), _mm512_set1_ps(pair[2 * b]));
+        dsc[b] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
     }
 }
 
-/* tile_mb_q6k for one activation row on bytes. */
+/* tile_mb_q6k on bytes, for MB activation rows (its float sums in the passes' order: a 16
+ * lane accumulator, as tile_k_d8's, measured slower here, reduced per 16 codes). */
 static inline __attribute__((always_inline)) void
-tile_q6k1_d8(const qact *a, int64_t nsb, const uint8_t *tp, int64_t n0, int rows, float *y, int64_t ldy,
-             const float *bias, int accumulate) {
+tile_q6k_d8(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, int64_t n0, int rows, float *y,
+            int64_t ldy, const float *bias, int accumulate) {
     const int64_t tbb = tile_block_bytes(Q6_K);
-    const __m512i perm = d8_perm(), m4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
-    __m256 facc = _mm256_setzero_ps();
+    const __m512i m4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30);
+    __m256 facc[TILE_MB];
+    for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
     for (int64_t sb = 0; sb < nsb; sb++) {
         const uint8_t *tb = tp + sb * tbb;
         for (int64_t o = 0; o < tbb; o += 64) _mm_prefetch((const char *)(tb + KQ_PF_BYTES + o), PF_HINT);
-        __m512 dsx[8];
-        q6k_scales16(tb, a->pair1 + 2 * sb * 8, dsx);
+        __m512 dsc[8];
+        q6k_scales16(tb, dsc);
         for (int c = 0; c < 4; c++) {
             const int n = c >> 1, h = c & 1, bl = 4 * n + h, bh = bl + 2;
             const uint8_t *run = tb + Q6_K_CODES + 256 * c, *qhr = tb + Q6_K_QH + 256 * n;
             for (int half = 0; half < 2; half++) {
-                __m512i ll = _mm512_setzero_si512(), lh = ll, hl = ll, hh = ll;
+                __m512i ll[TILE_MB], lh[TILE_MB], hl[TILE_MB], hh[TILE_MB];
+                for (int i = 0; i < MB; i++) ll[i] = lh[i] = hl[i] = hh[i] = _mm512_setzero_si512();
                 for (int it = 0; it < 2; it++) {
                     const int64_t at = 128 * half + 64 * it;
-                    const __m512i z = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(run + at)));
-                    const __m512i q = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512((const void *)(qhr + at)));
+                    const __m512i z = _mm512_loadu_si512((const void *)(run + at));
+                    const __m512i q = _mm512_loadu_si512((const void *)(qhr + at));
                     const __m512i lo = _mm512_or_si512(_mm512_and_si512(z, m4),
                                                        _mm512_and_si512(_mm512_slli_epi16(q, 4 - 2 * h), top2));
                     const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(z, 4), m4),
                                                        _mm512_and_si512(_mm512_srli_epi16(q, 2 * h), top2));
                     const int64_t x = sb * QKK + 16 * half + 8 * it;
-                    d8_madd(&ll, &lh, lo, a, x + 32 * bl);
-                    d8_madd(&hl, &hh, hi, a, x + 32 * bh);
+                    for (int i = 0; i < MB; i++) {
+                        d8_madd(&ll[i], &lh[i], lo, acts + i, x + 32 * bl);
+                        d8_madd(&hl[i], &hh[i], hi, acts + i, x + 32 * bh);
+                    }
                 }
-                const __m256i sums[2] = {d8_rows(ll, lh), d8_rows(hl, hh)};
-                for (int k = 0; k < 2; k++) { /* as tile_mb_q6k's, in its order */
-                    const int b = k ? bh : bl;
-                    const __m256i off = _mm256_set1_epi32(32 * a->vsum16[2 * (sb * 8 + b) + half]);
-                    facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums[k], off)), half8(dsx[b], half), facc);
+                for (int i = 0; i < MB; i++) {
+                    const __m256i sums[2] = {d8_rows(ll[i], lh[i]), d8_rows(hl[i], hh[i])};
+                    for (int k = 0; k < 2; k++) { /* as tile_mb_q6k's, in its order */
+                        const int b = k ? bh : bl;
+                        const float *pair = acts[i].pair1 + 2 * (sb * 8 + b);
+                        const __m256i off = _mm256_set1_epi32(32 * acts[i].vsum16[2 * (sb * 8 + b) + half]);
+                        const __m256 ds = _mm256_mul_ps(half8(dsc[b], half), _mm256_set1_ps(pair[0]));
+                        facc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sums[k], off)), ds, facc[i]);
+                    }
                 }
             }
         }
     }
-    store_tile(&facc, 1, n0, rows, y, ldy, bias, accumulate);
+    store_tile(facc, MB, n0, rows, y, ldy, bias, accumulate);
 }
 #endif
 
@@ -683,10 +715,8 @@ static inline __attribute__((always_inline)) void
 tile_mb_k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, const int qtype,
           int64_t n0, int rows, float *y, int64_t ldy, const float *bias, int accumulate) {
 #if defined(DEC8)
-    if (MB == 1) {
-        tile_k1_d8(acts, nsb, tp, qtype, n0, rows, y, ldy, bias, accumulate);
-        return;
-    }
+    tile_k_d8(acts, MB, nsb, tp, qtype, n0, rows, y, ldy, bias, accumulate);
+    return;
 #endif
     const int64_t tbb = tile_block_bytes(qtype), co = tile_codes_at(qtype);
     __m256 facc[TILE_MB];
@@ -734,10 +764,8 @@ static inline __attribute__((always_inline)) void
 tile_mb_q6k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, int64_t n0, int rows,
             float *y, int64_t ldy, const float *bias, int accumulate) {
 #if defined(DEC8)
-    if (MB == 1) {
-        tile_q6k1_d8(acts, nsb, tp, n0, rows, y, ldy, bias, accumulate);
-        return;
-    }
+    tile_q6k_d8(acts, MB, nsb, tp, n0, rows, y, ldy, bias, accumulate);
+    return;
 #endif
     const int64_t tbb = tile_block_bytes(Q6_K);
     __m256 facc[TILE_MB];

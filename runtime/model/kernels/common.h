@@ -27,8 +27,11 @@
  * load holds one unit of all 8 rows: two codes of each (Q8_0), or for the nibble types
  * two codes in the low nibbles and two more in the high ones. Q5_0 / Q5_1 store qh with its
  * bits permuted (`qh_perm`): the bits of unit u's codes then sit at bits u, u + 16 (low
- * nibbles) and u + 8, u + 24 (high ones), one shift away from where they are added. Rows
- * past the matrix's end in its last tile are zeros.
+ * nibbles) and u + 8, u + 24 (high ones), one shift away from where they are added. On
+ * AVX-512 VBMI builds the K-quants' code and high-bit tables have 8-byte units instead
+ * (`KQ_UNIT`; one 64-byte load: 8 bytes of each row, as their byte multiply-adds take them),
+ * so a tile file is one build's (the tile cache's key names it). Rows past the matrix's
+ * end in its last tile are zeros.
  *
  * Few activation rows (decode, qmatmul.c) are quantized per block of 32 to one int16 each:
  * s = max|x| / 32767, v = round(x / s) (half to even), so x = v s to within s / 2 (1.5e-5

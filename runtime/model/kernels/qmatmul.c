@@ -521,17 +521,18 @@ static inline __m256i run_sum(vunit c[4], const int MB, int k) {
 }
 
 #if defined(DEC8)
-/* Batch-1 K-quant products on bytes (DEC8). The int16 passes widen every code to 16 bits
- * and multiply 2 codes a lane (dpwssd); here the codes stay bytes and dpbusd multiplies 4 a
- * lane, each activation v taken as two bytes, v = 256 dhi + dlo (dlo unsigned, dhi signed):
- * sum q v = sum dlo q + 256 sum q dhi, two byte multiply-adds (q, 0..63, is both a signed
- * and an unsigned byte), the same integer sums exactly. On these builds the code tables are
- * packed in 8-byte units (common.h, KQ_UNIT): a 64-byte load holds 8 code bytes of each of
- * the 8 rows, row r's first 4 in 32-bit lane 2r and its next 4 in lane 2r + 1 (lane (r, p)),
- * so one 8-byte broadcast of the activation bytes matches both. On a 2-core AMD EPYC (Zen
- * 5), one thread, the 1B Q4_K_M shape's matrices from DRAM: Q6_K 23.1 -> 34.5 GB/s, Q4_K
- * unchanged (31-35) (with a byte permute a load, before the layout); on a Zen 4 from L3,
- * one thread, the layout in place of the permute: Q4_K 30.3 -> 33.1 GB/s. */
+/* K-quant products of few rows (1-4 a pass) on bytes (DEC8). The int16 passes widen every
+ * code to 16 bits and multiply 2 codes a lane (dpwssd); here the codes stay bytes and
+ * dpbusd multiplies 4 a lane, each activation v taken as two bytes, v = 256 dhi + dlo (dlo
+ * unsigned, dhi signed): sum q v = sum dlo q + 256 sum q dhi, two byte multiply-adds (q,
+ * 0..63, is both a signed and an unsigned byte), the same integer sums exactly. On these
+ * builds the code tables are packed in 8-byte units (common.h, KQ_UNIT): a 64-byte load
+ * holds 8 code bytes of each of the 8 rows, row r's first 4 in 32-bit lane 2r and its next
+ * 4 in lane 2r + 1 (lane (r, p)), so one 8-byte broadcast of the activation bytes matches
+ * both. On a 2-core AMD EPYC (Zen 5), one thread, the 1B Q4_K_M shape's matrices from
+ * DRAM: Q6_K 23.1 -> 34.5 GB/s, Q4_K unchanged (31-35) (with a byte permute a load, before
+ * the layout); on a Zen 4 from L3, one thread, the layout in place of the permute: Q4_K
+ * 30.3 -> 33.1 GB/s. */
 /* acc += codes (bytes, 0..63) times the activation bytes of 8 positions from `pos`. */
 static inline void d8_madd(__m512i *lo, __m512i *hi, __m512i codes, const qact *a, int64_t pos) {
     *lo = _mm512_dpbusd_epi32(*lo, _mm512_set1_epi64((long long)load_u64(a->dlo + pos)), codes);

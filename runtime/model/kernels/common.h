@@ -214,29 +214,6 @@ static inline int tile_units(int qtype) {
 }
 static inline int64_t tile_block_bytes(int qtype) { return TILE * qblock_bytes(qtype); }
 
-#if defined(DEC8)
-/* Byte o of 64 in 2-byte units (unit o / 16, row (o / 2) mod 8) is byte KQ_UNITS2[o] of the
- * same 64 in 8-byte units. */
-static const uint8_t KQ_UNITS2[64] __attribute__((aligned(64))) = {
-    0, 1, 8, 9, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57,
-    2, 3, 10, 11, 18, 19, 26, 27, 34, 35, 42, 43, 50, 51, 58, 59,
-    4, 5, 12, 13, 20, 21, 28, 29, 36, 37, 44, 45, 52, 53, 60, 61,
-    6, 7, 14, 15, 22, 23, 30, 31, 38, 39, 46, 47, 54, 55, 62, 63};
-
-/* Tile block `tb` of a K-quant with its code and high-bit tables in 2-byte units, in `buf`
- * (tile_block_bytes(qtype) bytes): for the readers made for that layout (the
- * int16 passes of several rows, gemm8's unpacking), whose work per byte is far larger than
- * this one permute a 64 bytes. */
-static inline const uint8_t *kq_units2(const uint8_t *tb, int qtype, uint8_t *buf) {
-    const int64_t from = qtype == Q6_K ? Q6_K_QH : Q4_K_CODES, end = tile_block_bytes(qtype);
-    const __m512i idx = _mm512_load_si512((const void *)KQ_UNITS2);
-    memcpy(buf, tb, (size_t)from); /* d, dmin, scales */
-    for (int64_t o = from; o < end; o += 64)
-        _mm512_storeu_si512((void *)(buf + o), _mm512_permutexvar_epi8(idx, _mm512_loadu_si512((const void *)(tb + o))));
-    return buf;
-}
-#define KQ_TILE_MAX 1680 /* Q6_K's tile block */
-#endif
 /* Bytes of a matrix of N rows of width K as tiles. */
 static inline int64_t tiled_bytes_of(int qtype, int64_t N, int64_t K) {
     return (N + TILE - 1) / TILE * (K / qblock_elems(qtype)) * tile_block_bytes(qtype);
@@ -414,7 +391,6 @@ typedef struct {
     uint8_t *dlo; /* (DEC8 builds) v as two bytes, v = 256 dhi + dlo: dlo unsigned, dhi signed */
     int8_t *dhi;
 } qact;
-
 
 static inline int64_t qact_blocks(int64_t K) { return (K / QK + 7) / 8 * 8; }
 

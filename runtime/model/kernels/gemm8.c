@@ -330,6 +330,29 @@ static inline void put_floats(uint8_t *g, int64_t b, int which, int row0, __m256
     _mm256_storeu_ps(cfloats(g, b, which) + row0, v);
 }
 
+#if defined(DEC8)
+/* Byte o of 64 in 2-byte units (unit o / 16, row (o / 2) mod 8) is byte KQ_UNITS2[o] of the
+ * same 64 in 8-byte units. */
+static const uint8_t KQ_UNITS2[64] __attribute__((aligned(64))) = {
+    0, 1, 8, 9, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57,
+    2, 3, 10, 11, 18, 19, 26, 27, 34, 35, 42, 43, 50, 51, 58, 59,
+    4, 5, 12, 13, 20, 21, 28, 29, 36, 37, 44, 45, 52, 53, 60, 61,
+    6, 7, 14, 15, 22, 23, 30, 31, 38, 39, 46, 47, 54, 55, 62, 63};
+
+/* Tile block `tb` of a K-quant with its code and high-bit tables in 2-byte units (common.h,
+ * KQ_UNIT), in `buf` (tile_block_bytes(qtype) bytes), for the unpacking below, which was
+ * made for that layout (one permute a 64 bytes, once per chunk and MC8 rows). */
+static inline const uint8_t *kq_units2(const uint8_t *tb, int qtype, uint8_t *buf) {
+    const int64_t from = qtype == Q6_K ? Q6_K_QH : Q4_K_CODES, end = tile_block_bytes(qtype);
+    const __m512i idx = _mm512_load_si512((const void *)KQ_UNITS2);
+    memcpy(buf, tb, (size_t)from); /* d, dmin, scales */
+    for (int64_t o = from; o < end; o += 64)
+        _mm512_storeu_si512((void *)(buf + o), _mm512_permutexvar_epi8(idx, _mm512_loadu_si512((const void *)(tb + o))));
+    return buf;
+}
+#define KQ_TILE_MAX 1680 /* Q6_K's tile block */
+#endif
+
 /* Tile block `tb` (one GGML block of 8 rows) into the group at `g`, blocks from b0. */
 static void unpack_tile_block(const uint8_t *tb, int qtype, uint8_t *g, int64_t b0, int row0) {
     __m256i units[2][16];

@@ -620,10 +620,10 @@ tile_k_d8(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, const 
             const __m512 da = _mm512_permutexvar_ps(dup_lo, dsc[c]), db = _mm512_permutexvar_ps(dup_hi, dsc[c]);
             for (int i = 0; i < MB; i++) {
                 const float *pair = acts[i].pair1 + 2 * (sb * 8 + 2 * c); /* blocks 2c, 2c + 1: {s, sum x} */
-                const __m512i sa = _mm512_add_epi32(al[i], _mm512_slli_epi32(ah[i], 8));
-                const __m512i sb2 = _mm512_add_epi32(bl[i], _mm512_slli_epi32(bh[i], 8));
-                f16[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sa), _mm512_mul_ps(da, _mm512_set1_ps(pair[0])), f16[i]);
-                f16[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sb2), _mm512_mul_ps(db, _mm512_set1_ps(pair[2])), f16[i]);
+                const __m512i s0 = _mm512_add_epi32(al[i], _mm512_slli_epi32(ah[i], 8)); /* block 2c */
+                const __m512i s1 = _mm512_add_epi32(bl[i], _mm512_slli_epi32(bh[i], 8)); /* 2c + 1 */
+                f16[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(da, _mm512_set1_ps(pair[0])), f16[i]);
+                f16[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(db, _mm512_set1_ps(pair[2])), f16[i]);
                 m16[i] = _mm512_fnmadd_ps(dmn[c], two8(pair[1], pair[3]), m16[i]);
             }
         }
@@ -719,10 +719,9 @@ tile_q6k_d8(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, int6
 static inline __attribute__((always_inline)) void
 tile_mb_k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, const int qtype,
           int64_t n0, int rows, float *y, int64_t ldy, const float *bias, int accumulate) {
-#if defined(DEC8)
+#if defined(DEC8) /* (the int16 passes below read 2-byte units) */
     tile_k_d8(acts, MB, nsb, tp, qtype, n0, rows, y, ldy, bias, accumulate);
-    return;
-#endif
+#else
     const int64_t tbb = tile_block_bytes(qtype), co = tile_codes_at(qtype);
     __m256 facc[TILE_MB];
     for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
@@ -759,6 +758,7 @@ tile_mb_k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, const 
         }
     }
     store_tile(facc, MB, n0, rows, y, ldy, bias, accumulate);
+#endif
 }
 
 /* As tile_mb for Q6_K: per super-block, 4 runs of 32 ql bytes a row (c = 2n + h: block
@@ -768,10 +768,9 @@ tile_mb_k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, const 
 static inline __attribute__((always_inline)) void
 tile_mb_q6k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, int64_t n0, int rows,
             float *y, int64_t ldy, const float *bias, int accumulate) {
-#if defined(DEC8)
+#if defined(DEC8) /* (the int16 passes below read 2-byte units) */
     tile_q6k_d8(acts, MB, nsb, tp, n0, rows, y, ldy, bias, accumulate);
-    return;
-#endif
+#else
     const int64_t tbb = tile_block_bytes(Q6_K);
     __m256 facc[TILE_MB];
     for (int i = 0; i < MB; i++) facc[i] = _mm256_setzero_ps();
@@ -812,6 +811,7 @@ tile_mb_q6k(const qact *acts, const int MB, int64_t nsb, const uint8_t *tp, int6
         }
     }
     store_tile(facc, MB, n0, rows, y, ldy, bias, accumulate);
+#endif
 }
 
 /* One tile by MB activation rows (MB a constant in each call below). */

@@ -22,6 +22,7 @@ VNNI, the native one: AVX-512 here) is held to the same references.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -557,8 +558,11 @@ def test_env_switch_loads_the_portable_build():
 
 def test_loading_a_cached_kernel_builds_nothing(tmp_path, monkeypatch):
     """With the kernel in the cache (as `make install` leaves it) loading runs no compiler."""
+    built = qkernel.build()  # the process's own cache: built already by `make install`
     monkeypatch.setenv("RADIXLM_CACHE_DIR", str(tmp_path))
-    path = qkernel.build()  # what make install does
+    path = qkernel.library_path()  # where a build in this cache would put it
+    path.parent.mkdir(parents=True)
+    shutil.copyfile(built, path)
     calls = []
     monkeypatch.setattr(qkernel, "build", lambda *a, **k: calls.append(a) or path)
     monkeypatch.setattr(qkernel.subprocess, "run", lambda *a, **k: calls.append(a))
@@ -568,6 +572,36 @@ def test_loading_a_cached_kernel_builds_nothing(tmp_path, monkeypatch):
     finally:
         qkernel.kernel.cache_clear()
     assert calls == []
+
+
+def test_a_source_that_does_not_compile_fails_the_build_with_its_error(tmp_path, monkeypatch):
+    """The sources compile side by side; one that fails stops the build with the
+    compiler's message, and nothing of the build is left in the cache directory."""
+    bad = tmp_path / "src" / "broken.c"
+    bad.parent.mkdir()
+    bad.write_text("int broken(void) { return undeclared_name; }\n")
+    monkeypatch.setattr(qkernel, "SOURCES", (bad, *qkernel.SOURCES))  # (the others still compiling: stopped)
+    out = tmp_path / "kernels"
+    with pytest.raises(qkernel.KernelBuildError, match="undeclared_name"):
+        qkernel.build(cflags=qkernel.PORTABLE_CFLAGS, directory=out)
+    assert list(out.iterdir()) == []
+
+
+def test_a_build_is_the_same_library_whatever_the_parallelism(tmp_path, monkeypatch):
+    """One compiler at a time or one per CPU: the same library path, and a library that
+    loads and multiplies (the portable build: the quickest to compile)."""
+    one = tmp_path / "one"
+    monkeypatch.setattr(qkernel.os, "sched_getaffinity", lambda _pid: {0})
+    path = qkernel.build(cflags=qkernel.PORTABLE_CFLAGS, directory=one)
+    monkeypatch.undo()
+    assert path == qkernel.library_path(qkernel.PORTABLE_CFLAGS, one)
+    assert sorted(p.name for p in one.iterdir()) == [path.name]
+    kern = qkernel.load(path)
+    w = random_blocks(43, 256, QTYPES["Q4_K"], seed=1)
+    x = activations(3, 256, seed=1)
+    out, deq = kernel_product(kern, x, w)
+    assert torch.equal(deq.double(), reference(w))
+    assert (out.double() - expected(x, w)).abs().le(REL * scale_of(x, w) + 1e-6).all()
 
 
 @pytest.mark.parametrize("name", sorted(QTYPES))

@@ -587,6 +587,25 @@ def test_a_source_that_does_not_compile_fails_the_build_with_its_error(tmp_path,
     assert list(out.iterdir()) == []
 
 
+def test_a_build_past_its_time_limit_stops_its_compilers_and_leaves_nothing(tmp_path, monkeypatch):
+    """A build that outlives BUILD_TIMEOUT_S (here 0 s) is refused in one error, its
+    compilers stopped, nothing of it left in the cache directory."""
+    monkeypatch.setattr(qkernel, "BUILD_TIMEOUT_S", 0)
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def record(*args, **kwargs):  # noqa: ANN002, ANN003 - subprocess.Popen's
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(qkernel.subprocess, "Popen", record)
+    out = tmp_path / "kernels"
+    with pytest.raises(qkernel.KernelBuildError, match="took over 0 s"):
+        qkernel.build(cflags=qkernel.PORTABLE_CFLAGS, directory=out)
+    assert started and all(p.returncode is not None for p in started)  # stopped and waited for
+    assert list(out.iterdir()) == []
+
+
 def test_a_build_is_the_same_library_whatever_the_parallelism(tmp_path, monkeypatch):
     """One compiler at a time or one per CPU: the same library path, and a library that
     loads and multiplies (the portable build: the quickest to compile)."""

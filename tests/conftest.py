@@ -127,6 +127,18 @@ def children_of(pid: int) -> list[int]:
     return children
 
 
+def child_cmdlines(pid: int) -> dict[int, list[bytes]]:
+    """Direct children of `pid` with their command lines; a child that exits between the
+    listing and the read is left out (it is gone, not an error)."""
+    out: dict[int, list[bytes]] = {}
+    for child in children_of(pid):
+        try:
+            out[child] = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+    return out
+
+
 def process_alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie counts as gone)."""
     try:

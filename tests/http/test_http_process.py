@@ -10,15 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import children_of
+from conftest import child_cmdlines
 from http_helpers import API_KEY, HttpServer, free_port
 from radixlm.runtime.http.launch import wait_ready
 from radixlm.runtime.http.main import SPEC_FLAG
 
 
 def _http_child(server: HttpServer) -> int:
-    for pid in children_of(server.server.pid):
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    for pid, argv in child_cmdlines(server.server.pid).items():
         if b"radixlm.runtime.http" in argv:
             return pid
     raise AssertionError("no HTTP process under the server")

@@ -72,11 +72,12 @@ def test_a_dead_replica_process_is_reaped_and_started_again(tmp_path: Path,
     import signal
     import time
 
-    from tests.conftest import children_of, start_test_server
+    from tests.conftest import child_cmdlines, start_test_server
 
     def engines(pid: int) -> list[int]:
-        return [p for p in children_of(pid)
-                if b"server.child\x00engine" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        # the killed engine may vanish between the listing and its command line's read
+        return [p for p, argv in child_cmdlines(pid).items()
+                if b"radixlm.runtime.server.child" in argv and b"engine" in argv]
 
     with start_test_server(tmp_path, tiny_model_dir, "--replicas", "2") as server:
         before = engines(server.process.pid)

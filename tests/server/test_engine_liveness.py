@@ -25,14 +25,13 @@ from radixlm.runtime.protocol import (
 )
 from radixlm.runtime.transport.errors import EngineError
 
-from tests.conftest import ServerHandle, assert_pool_clean, children_of, start_test_server
+from tests.conftest import ServerHandle, assert_pool_clean, child_cmdlines, start_test_server
 
 TIMEOUT_S = 2.0
 
 
 def role_pid(server_pid: int, role: str) -> int:
-    for pid in children_of(server_pid):
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    for pid, cmdline in child_cmdlines(server_pid).items():
         if b"radixlm.runtime.server.child" in cmdline and role.encode() in cmdline:
             return pid
     raise AssertionError(f"no {role} process under {server_pid}")

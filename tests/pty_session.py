@@ -20,9 +20,8 @@ import select
 import signal
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
-from conftest import children_of
+from conftest import child_cmdlines
 
 CTRL_C = "\x03"
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]")
@@ -120,11 +119,7 @@ def descendants(pid: int) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     todo = [pid]
     while todo:
-        for child in children_of(todo.pop()):
-            try:
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
+        for child, cmdline in child_cmdlines(todo.pop()).items():
             out[child] = [os.fsdecode(a) for a in cmdline if a]
             todo.append(child)
     return out
